@@ -11,7 +11,7 @@ BIN     := $(CURDIR)/.bin
 # Interop tests find the venv's interpreter through this variable.
 export KVRELAY_PYTHON := $(VPY)
 
-.PHONY: all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
+.PHONY: golden all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
 all: build
 
@@ -39,6 +39,12 @@ proto:
 proto-check: proto
 	git diff --exit-code -- proto/
 	test -z "$$(git status --porcelain -- proto/)"
+
+# Rewrites the golden vectors with real msgspec and SMG's Python relay as
+# the oracle, then checks our decoder against them.
+golden: venv
+	$(VPY) testdata/golden/gen.py
+	$(GO) test -count=1 -run TestGoldenVectors ./engines/
 
 vet:
 	$(GO) vet ./...
