@@ -1,0 +1,48 @@
+package server
+
+import (
+	"fmt"
+
+	"google.golang.org/grpc/encoding"
+	_ "google.golang.org/grpc/encoding/proto" // registers the proto codec this one delegates to
+	"google.golang.org/grpc/mem"
+)
+
+// frame is an undecoded gRPC message: the proxy moves frames between the
+// gateway and the engine's servicer without knowing their types.
+type frame struct {
+	payload []byte
+}
+
+// passthroughCodec is the proto codec for typed messages and a byte pipe for
+// frames. A gRPC server has one codec for every service, and kvrelay serves
+// its own typed RPC beside the proxied ones, so one codec must do both.
+type passthroughCodec struct {
+	proto encoding.CodecV2
+}
+
+func newPassthroughCodec() *passthroughCodec {
+	return &passthroughCodec{proto: encoding.GetCodecV2("proto")}
+}
+
+func (c *passthroughCodec) Name() string { return "proto" }
+
+func (c *passthroughCodec) Marshal(v any) (mem.BufferSlice, error) {
+	if f, ok := v.(*frame); ok {
+		// A copy keeps buffer ownership simple: the transport frees what
+		// Marshal returns, and proxied calls are not on the event hot path.
+		return mem.BufferSlice{mem.SliceBuffer(f.payload)}, nil
+	}
+	return c.proto.Marshal(v)
+}
+
+func (c *passthroughCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	if f, ok := v.(*frame); ok {
+		f.payload = data.Materialize()
+		return nil
+	}
+	if v == nil {
+		return fmt.Errorf("passthrough codec: nil message")
+	}
+	return c.proto.Unmarshal(data, v)
+}
