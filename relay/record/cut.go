@@ -1,0 +1,569 @@
+package record
+
+import (
+	"math"
+	"slices"
+	"sync/atomic"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// ChunkBlocks is the number of units (physical copies) a snapshot chunk holds before a rank's
+// chunk size has to grow to fit its stamps.
+const ChunkBlocks = 2048
+
+// Cut is the record's state at one instant, readable off the lock until Release.
+type Cut struct {
+	rec      *Record
+	ranks    []cutRank
+	tails    []*tailKey
+	extras   [][]*kvpb.KvBlockExtraKey
+	blocks   uint64
+	first    int32 // the rank an empty snapshot is attributed to
+	hasFirst bool
+	released atomic.Bool
+}
+
+type cutRank struct {
+	rank    int32
+	segs    []*segment
+	used    uint32
+	entries uint64
+	blocks  uint64
+	tiers   int // tiers holding entries
+}
+
+func (cr *cutRank) entry(slot uint32) *entry {
+	return &cr.segs[slot>>segShift].entries[slot&segMask]
+}
+
+// Cut takes the state of the given ranks (all ranks when ranks is empty). It copies segment
+// pointers only; the segments become copy-on-write until the Cut is released.
+func (r *Record) Cut(ranks []int32) *Cut {
+	r.epoch++
+	r.liveCuts.Add(1)
+	c := &Cut{rec: r, tails: r.tails.keys, extras: r.extras.keys}
+	if len(ranks) > 0 {
+		c.first, c.hasFirst = ranks[0], true
+		ranks = slices.Clone(ranks)
+	} else {
+		for rank := range r.ranks {
+			ranks = append(ranks, rank)
+		}
+	}
+	slices.Sort(ranks)
+	ranks = slices.Compact(ranks)
+	for _, rank := range ranks {
+		rs := r.ranks[rank]
+		if rs == nil || rs.entries == 0 {
+			continue
+		}
+		nsegs := (rs.used + segMask) >> segShift
+		tiers := 0
+		for _, n := range rs.tiers {
+			if n > 0 {
+				tiers++
+			}
+		}
+		c.ranks = append(c.ranks, cutRank{
+			rank: rank, segs: slices.Clone(rs.segs[:nsegs]), used: rs.used,
+			entries: rs.entries, blocks: rs.blocks, tiers: tiers,
+		})
+		c.blocks += rs.blocks
+	}
+	return c
+}
+
+// Release lets the record write the Cut's segments in place again. Chunks must not be called
+// after Release (it then returns nil). Release is idempotent.
+func (c *Cut) Release() {
+	if c.released.CompareAndSwap(false, true) {
+		c.rec.liveCuts.Add(-1)
+	}
+}
+
+// Blocks is the number of physical copies in the Cut.
+func (c *Cut) Blocks() uint64 { return c.blocks }
+
+// Entries is the number of (rank, tier, hash) entries in the Cut.
+func (c *Cut) Entries() uint64 {
+	var n uint64
+	for _, cr := range c.ranks {
+		n += cr.entries
+	}
+	return n
+}
+
+// Ranks lists the ranks the Cut holds blocks of, ascending.
+func (c *Cut) Ranks() []int32 {
+	ranks := make([]int32, len(c.ranks))
+	for i, cr := range c.ranks {
+		ranks[i] = cr.rank
+	}
+	return ranks
+}
+
+// Chunks orders and encodes the Cut as snapshot batches, ranks in ascending order. Exactly one
+// chunk (the first) starts with AllBlocksCleared, since the gateway clears the whole worker on
+// chunk index 0; index and count span all ranks. A rank's chunks carry its dp_rank (none for
+// NoRank) and consecutive sequences ending at cursors[rank] (0 when absent); its chunk size
+// doubles from ChunkBlocks until the chunks fit in cursor+1 sequences. A rank without live blocks
+// gets no chunk: the gateway then holds no cursor for it and applies its next batch as the first.
+// An empty Cut yields one chunk holding only the clear, attributed to the first rank passed to Cut,
+// else to the lowest rank in cursors, else to no rank at sequence 0.
+func (c *Cut) Chunks(cursors map[int32]uint64, unknownBefore map[int32]uint64, timestamp float64) []*kvpb.KvEventBatch {
+	if c.released.Load() {
+		return nil
+	}
+	type plan struct {
+		cr     *cutRank
+		order  []uint32
+		size   uint64 // units per chunk
+		chunks uint64
+	}
+	plans := make([]plan, 0, len(c.ranks))
+	var total uint64
+	for i := range c.ranks {
+		cr := &c.ranks[i]
+		p := plan{cr: cr, order: c.orderRank(cr), size: ChunkBlocks}
+		cursor := cursors[cr.rank]
+		p.chunks = ceilDiv(cr.blocks, p.size)
+		for cursor != math.MaxUint64 && p.chunks > cursor+1 && p.size < cr.blocks {
+			p.size *= 2
+			p.chunks = ceilDiv(cr.blocks, p.size)
+		}
+		total += p.chunks
+		plans = append(plans, p)
+	}
+	if total == 0 {
+		return []*kvpb.KvEventBatch{c.emptyChunk(cursors, unknownBefore, timestamp)}
+	}
+	out := make([]*kvpb.KvEventBatch, 0, total)
+	for _, p := range plans {
+		cursor := cursors[p.cr.rank]
+		w := chunkWriter{cut: c, cr: p.cr}
+		var slotCopy, done uint64
+		pos := 0
+		for i := uint64(0); i < p.chunks; i++ {
+			w.reset(min(p.size, p.cr.blocks-done))
+			if len(out) == 0 {
+				w.events = append(w.events, clearEvent())
+			}
+			for n := uint64(0); n < p.size && pos < len(p.order); n++ {
+				slot := p.order[pos]
+				w.add(slot, slotCopy)
+				done++
+				slotCopy++
+				if slotCopy == uint64(p.cr.entry(slot).copies) {
+					pos++
+					slotCopy = 0
+				}
+			}
+			w.close()
+			b := &kvpb.KvEventBatch{
+				SequenceNumber: cursor - (p.chunks - 1) + i,
+				Timestamp:      timestamp,
+				Events:         w.events,
+				Snapshot: &kvpb.KvSnapshotChunk{
+					Index: uint32(len(out)), Count: uint32(total),
+					Blocks: c.blocks, UnknownBefore: unknownBefore[p.cr.rank],
+				},
+			}
+			if p.cr.rank != NoRank {
+				b.DpRank = proto.Int32(p.cr.rank)
+			}
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+func ceilDiv(a, b uint64) uint64 { return (a + b - 1) / b }
+
+func clearEvent() *kvpb.KvCacheEvent {
+	return &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Cleared{Cleared: &kvpb.KvCacheCleared{}}}
+}
+
+func (c *Cut) emptyChunk(cursors, unknownBefore map[int32]uint64, timestamp float64) *kvpb.KvEventBatch {
+	rank, ok := c.first, c.hasFirst
+	if !ok && len(cursors) > 0 {
+		for r := range cursors {
+			if !ok || r < rank {
+				rank, ok = r, true
+			}
+		}
+	}
+	b := &kvpb.KvEventBatch{
+		Timestamp: timestamp,
+		Events:    []*kvpb.KvCacheEvent{clearEvent()},
+		Snapshot:  &kvpb.KvSnapshotChunk{Index: 0, Count: 1},
+	}
+	if ok {
+		b.SequenceNumber = cursors[rank]
+		b.Snapshot.UnknownBefore = unknownBefore[rank]
+		if rank != NoRank {
+			b.DpRank = proto.Int32(rank)
+		}
+	}
+	return b
+}
+
+// chunkWriter turns units into Stored events: consecutive first copies that chain (each one's
+// parent is the previous block, same tier and tail) share one event; every extra copy is a
+// one-block event of its own.
+type chunkWriter struct {
+	cut    *Cut
+	cr     *cutRank
+	events []*kvpb.KvCacheEvent
+	cur    *kvpb.KvBlocksStored
+	last   *entry
+	// The chunk's blocks and the events' block lists are carved out of per-chunk arrays.
+	blocks []kvpb.KvBlock
+	ptrs   []*kvpb.KvBlock
+	start  int // where cur's blocks begin in ptrs
+	// Per-event copies of the tail's per-block optionals, shared by the event's blocks.
+	loraID     *int64
+	cacheLevel *int32
+	toks       []uint32
+}
+
+func (w *chunkWriter) reset(units uint64) {
+	w.events = nil
+	w.cur, w.last = nil, nil
+	w.blocks = make([]kvpb.KvBlock, 0, units)
+	w.ptrs = make([]*kvpb.KvBlock, 0, units)
+	w.start = 0
+}
+
+// close ends the current event.
+func (w *chunkWriter) close() {
+	if w.cur != nil {
+		w.cur.Blocks = w.ptrs[w.start:len(w.ptrs):len(w.ptrs)]
+	}
+	w.cur, w.last = nil, nil
+	w.start = len(w.ptrs)
+}
+
+func (w *chunkWriter) add(slot uint32, copyIdx uint64) {
+	e := w.cr.entry(slot)
+	tail := w.cut.tails[e.tail]
+	if copyIdx > 0 || w.last == nil || e.flags&flagParent == 0 || e.parent != w.last.hash ||
+		e.tier != w.last.tier || e.tail != w.last.tail {
+		w.close()
+		w.cur = tail.storedEvent()
+		if e.flags&flagParent != 0 {
+			w.cur.ParentBlockHash = proto.Int64(e.parent)
+		}
+		w.loraID, w.cacheLevel = nil, nil
+		if tail.has&hasLoraID != 0 {
+			w.loraID = proto.Int64(tail.loraID)
+		}
+		if tail.has&hasCacheLevel != 0 {
+			w.cacheLevel = proto.Int32(tail.cacheLevel)
+		}
+		w.events = append(w.events, &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Stored{Stored: w.cur}})
+	}
+	w.last = e
+	if len(w.blocks) == cap(w.blocks) {
+		w.blocks = make([]kvpb.KvBlock, 0, 64)
+	}
+	w.blocks = w.blocks[:len(w.blocks)+1]
+	blk := &w.blocks[len(w.blocks)-1]
+	blk.BlockHash = e.hash
+	blk.BlockSize = tail.blockSize
+	blk.TokenIds = w.copyTokens(w.cr.segs[slot>>segShift].tokensOf(e))
+	blk.LoraId, blk.CacheLevel = w.loraID, w.cacheLevel
+	if e.extra != 0 {
+		blk.ExtraKeys = slices.Clone(w.cut.extras[e.extra-1])
+	}
+	w.ptrs = append(w.ptrs, blk)
+	if copyIdx > 0 {
+		w.close()
+	}
+}
+
+// copyTokens copies into a shared slab: the record may rewrite its arenas once the Cut is
+// released, while the chunks live on in the history and the streams.
+func (w *chunkWriter) copyTokens(t []uint32) []uint32 {
+	if len(t) == 0 {
+		return nil
+	}
+	if cap(w.toks)-len(w.toks) < len(t) {
+		w.toks = make([]uint32, 0, max(len(t), 16*1024))
+	}
+	n := len(w.toks)
+	w.toks = append(w.toks, t...)
+	return w.toks[n : n+len(t) : n+len(t)]
+}
+
+// Marks of orderRank, per slot.
+const (
+	markWalk  = 1 // on the parent walk
+	markDone  = 2 // emitted
+	markState = markWalk | markDone
+	markMulti = 4 // the hash has entries in several tiers
+)
+
+// orderRank lists the rank's live slots in emission order: store order, except that each entry's
+// live ancestors not yet emitted come first, root first, and all tiers of a hash come together.
+//
+// Finding a parent by hash is the costly part (a random access per block into a table of the
+// whole rank). When the rank holds a single tier, each hash has one entry, and most blocks sit in
+// the slot next to their parent's (slots are handed out in store order, and freed slots come back
+// in runs): then the index holds only the parents that no neighbour supplies.
+func (c *Cut) orderRank(cr *cutRank) []uint32 {
+	marks := make([]uint8, cr.used)
+	neighbour := func(slot uint32) (uint32, bool) { return 0, false }
+	var byHash *hashIndex
+	if cr.tiers <= 1 {
+		neighbour = func(slot uint32) (uint32, bool) {
+			e := cr.entry(slot)
+			if e.flags&flagParent == 0 {
+				return 0, false
+			}
+			if slot > 0 {
+				if p := cr.entry(slot - 1); p.flags&flagLive != 0 && p.hash == e.parent {
+					return slot - 1, true
+				}
+			}
+			if slot+1 < cr.used {
+				if p := cr.entry(slot + 1); p.flags&flagLive != 0 && p.hash == e.parent {
+					return slot + 1, true
+				}
+			}
+			return 0, false
+		}
+		wanted := newHashSet()
+		for slot := uint32(0); slot < cr.used; slot++ {
+			if e := cr.entry(slot); e.flags&(flagLive|flagParent) == flagLive|flagParent {
+				if _, ok := neighbour(slot); !ok {
+					wanted.add(e.parent)
+				}
+			}
+		}
+		byHash = newHashIndex(cr, marks, wanted)
+	} else {
+		byHash = newHashIndex(cr, marks, nil)
+	}
+	keys := make([]uint64, 0, cr.entries)
+	sorted := true // a record that never reused a slot is in store order already
+	for slot := uint32(0); slot < cr.used; slot++ {
+		if e := cr.entry(slot); e.flags&flagLive != 0 {
+			k := uint64(e.order)<<32 | uint64(slot)
+			sorted = sorted && (len(keys) == 0 || keys[len(keys)-1] < k)
+			keys = append(keys, k)
+		}
+	}
+	if !sorted {
+		sortByHigh32(keys)
+	}
+	out := make([]uint32, 0, len(keys))
+
+	type frame struct {
+		slots [8]uint32
+		n     uint8
+		next  uint8
+	}
+	// collect marks every unvisited tier of hash h as on the walk, in store order.
+	collect := func(h int64) frame {
+		var f frame
+		byHash.each(h, func(slot uint32) {
+			if marks[slot]&markState == 0 && int(f.n) < len(f.slots) {
+				marks[slot] |= markWalk
+				f.slots[f.n] = slot
+				f.n++
+			}
+		})
+		tiers := f.slots[:f.n]
+		slices.SortFunc(tiers, func(a, b uint32) int { return cmpOrder(cr.entry(a).order, cr.entry(b).order) })
+		return f
+	}
+	// open starts the frame of a slot's hash; an empty frame means it is already under way.
+	open := func(slot uint32) frame {
+		if marks[slot]&markMulti != 0 {
+			return collect(cr.entry(slot).hash)
+		}
+		var f frame
+		if marks[slot]&markState == 0 {
+			marks[slot] |= markWalk
+			f.slots[0], f.n = slot, 1
+		}
+		return f
+	}
+	var stack []frame
+	var lastHash int64
+	haveLast := false
+	for _, k := range keys {
+		slot := uint32(k)
+		if marks[slot]&markState != 0 {
+			continue
+		}
+		stack = append(stack[:0], open(slot))
+		for len(stack) > 0 {
+			f := &stack[len(stack)-1]
+			pushed := false
+			for f.next < f.n {
+				e := cr.entry(f.slots[f.next])
+				f.next++
+				if e.flags&flagParent == 0 || (haveLast && e.parent == lastHash) {
+					continue
+				}
+				var p frame
+				if ps, ok := neighbour(f.slots[f.next-1]); ok {
+					p = open(ps)
+				} else {
+					p = collect(e.parent)
+				}
+				if p.n > 0 {
+					stack = append(stack, p)
+					pushed = true
+					break
+				}
+			}
+			if pushed {
+				continue
+			}
+			for _, s := range f.slots[:f.n] {
+				marks[s] = marks[s]&^markState | markDone
+				out = append(out, s)
+			}
+			lastHash, haveLast = cr.entry(f.slots[0]).hash, true
+			stack = stack[:len(stack)-1]
+		}
+	}
+	return out
+}
+
+func cmpOrder(a, b uint32) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// sortByHigh32 sorts keys by their upper 32 bits (the store order), an LSD radix sort over bytes.
+func sortByHigh32(keys []uint64) {
+	if len(keys) < 256 {
+		slices.Sort(keys)
+		return
+	}
+	tmp := make([]uint64, len(keys))
+	src, dst := keys, tmp
+	for shift := uint(32); shift < 64; shift += 8 {
+		var count [256]int
+		for _, k := range src {
+			count[byte(k>>shift)]++
+		}
+		if count[byte(src[0]>>shift)] == len(src) {
+			continue
+		}
+		sum := 0
+		for i := range count {
+			count[i], sum = sum, sum+count[i]
+		}
+		for _, k := range src {
+			b := byte(k >> shift)
+			dst[count[b]] = k
+			count[b]++
+		}
+		src, dst = dst, src
+	}
+	if &src[0] != &keys[0] {
+		copy(keys, src)
+	}
+}
+
+// hashIndex finds a Cut's live slots by hash alone (several tiers may share one) for the parent
+// walk. The hashes sit in the cells, so probing reads no entries.
+type hashIndex struct {
+	hashes []int64
+	cells  []uint32 // slot+1, 0 empty
+	shift  uint8
+}
+
+// newHashIndex indexes the rank's live slots (only those whose hash is wanted, unless wanted is
+// nil) and marks those whose hash is in several tiers.
+func newHashIndex(cr *cutRank, marks []uint8, wanted *hashSet) *hashIndex {
+	n := int(cr.entries)
+	if wanted != nil {
+		n = wanted.n
+	}
+	size := max(64, 1<<log2(2*n))
+	ix := &hashIndex{hashes: make([]int64, size), cells: make([]uint32, size), shift: uint8(64 - log2(size))}
+	mask := uint64(size - 1)
+	for slot := uint32(0); slot < cr.used; slot++ {
+		e := cr.entry(slot)
+		if e.flags&flagLive == 0 || (wanted != nil && !wanted.has(e.hash)) {
+			continue
+		}
+		i := mix(e.hash, 0) >> ix.shift
+		for ; ix.cells[i] != 0; i = (i + 1) & mask {
+			if ix.hashes[i] == e.hash {
+				marks[slot] |= markMulti
+				marks[ix.cells[i]-1] |= markMulti
+			}
+		}
+		ix.cells[i] = slot + 1
+		ix.hashes[i] = e.hash
+	}
+	return ix
+}
+
+func (ix *hashIndex) each(h int64, fn func(slot uint32)) {
+	mask := uint64(len(ix.cells) - 1)
+	for i := mix(h, 0) >> ix.shift; ix.cells[i] != 0; i = (i + 1) & mask {
+		if ix.hashes[i] == h {
+			fn(ix.cells[i] - 1)
+		}
+	}
+}
+
+// hashSet is a set of hashes with open addressing, for the few parents the neighbours miss.
+type hashSet struct {
+	keys  []int64
+	used  []bool
+	n     int
+	shift uint8
+}
+
+func newHashSet() *hashSet {
+	return &hashSet{keys: make([]int64, 64), used: make([]bool, 64), shift: 64 - 6}
+}
+
+func (s *hashSet) add(h int64) {
+	if (s.n+1)*2 > len(s.keys) {
+		old, oldUsed := s.keys, s.used
+		s.keys, s.used = make([]int64, 2*len(old)), make([]bool, 2*len(old))
+		s.shift--
+		s.n = 0
+		for i, k := range old {
+			if oldUsed[i] {
+				s.add(k)
+			}
+		}
+	}
+	mask := uint64(len(s.keys) - 1)
+	i := mix(h, 0) >> s.shift
+	for ; s.used[i]; i = (i + 1) & mask {
+		if s.keys[i] == h {
+			return
+		}
+	}
+	s.keys[i], s.used[i] = h, true
+	s.n++
+}
+
+func (s *hashSet) has(h int64) bool {
+	mask := uint64(len(s.keys) - 1)
+	for i := mix(h, 0) >> s.shift; s.used[i]; i = (i + 1) & mask {
+		if s.keys[i] == h {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,313 @@
+// Package record keeps the relay's live-block record: for every data-parallel rank, every live
+// (tier, block hash) with the fields of the store that created it and its physical copy count, so
+// that a subscriber without a usable cursor can be served a state snapshot instead of the history.
+//
+// The record is built for size and for a cheap cut. Entries are 40-byte structs in fixed-size
+// segments, each segment carrying its own token arena; a per-rank open-addressing table of 32-bit
+// slot numbers indexes them; the store tails (tier, medium, group, namespace, …) are interned to
+// small ids and extra keys live out of line. A Cut copies only the segment pointers and marks the
+// segments shared; the next mutation of a shared segment copies that segment first (copy on
+// write), so taking the state under the relay's lock costs O(segments), not O(blocks), and the
+// ordering and encoding run off the lock.
+//
+// Concurrency: Apply, ClearRank, Reset, Stats and Cut must be serialized by the caller (the relay
+// calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
+// concurrently with those calls.
+package record
+
+import (
+	"slices"
+	"sync/atomic"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// CopiesCap bounds the physical copies recorded per (rank, tier, hash); the gateway counts them the
+// same way, so more copies would only make the snapshot longer.
+const CopiesCap = 8
+
+// NoRank is the rank of batches whose dp_rank is absent. Snapshot chunks of this rank carry no
+// dp_rank.
+const NoRank int32 = -1
+
+// Stats describes the record and counts what Apply did.
+type Stats struct {
+	Entries uint64 // live (rank, tier, hash) entries
+	Blocks  uint64 // live physical copies
+	Ranks   []RankStats
+
+	Stored         uint64 // stored blocks applied, capped ones included
+	Removed        uint64 // removals that took a copy
+	RemovedUnknown uint64 // removals of a hash the record does not hold
+	Capped         uint64 // stores that found the entry already at CopiesCap
+	Cleared        uint64 // AllBlocksCleared events applied
+}
+
+// RankStats is one non-empty rank's share of Stats.
+type RankStats struct {
+	Rank    int32
+	Entries uint64
+	Blocks  uint64
+}
+
+type counters struct {
+	stored, removed, removedUnknown, capped, cleared uint64
+}
+
+// Record is the live-block record of all ranks. The zero value is not usable; call New.
+type Record struct {
+	ranks  map[int32]*rankState
+	tails  *tailTable
+	extras *extraTable
+	// epoch advances at every Cut: a segment whose epoch is older may be shared with a Cut.
+	epoch    uint64
+	liveCuts atomic.Int64
+	counters
+}
+
+// New returns an empty record.
+func New() *Record {
+	return &Record{ranks: map[int32]*rankState{}, tails: newTailTable(), extras: &extraTable{}, epoch: 1}
+}
+
+// shared reports whether a Cut may still read segments of older epochs.
+func (r *Record) shared() bool { return r.liveCuts.Load() > 0 }
+
+// Apply folds one normalized batch into the record.
+func (r *Record) Apply(b *kvpb.KvEventBatch) {
+	if b == nil {
+		return
+	}
+	if !r.shared() {
+		r.tails.settle()
+		r.extras.settle()
+	}
+	rank := NoRank
+	if b.DpRank != nil {
+		rank = *b.DpRank
+	}
+	for _, ev := range b.GetEvents() {
+		switch d := ev.GetData().(type) {
+		case *kvpb.KvCacheEvent_Stored:
+			r.store(rank, d.Stored)
+		case *kvpb.KvCacheEvent_Removed:
+			r.remove(rank, d.Removed)
+		case *kvpb.KvCacheEvent_Cleared:
+			r.dropRank(rank)
+			r.cleared++
+		}
+	}
+}
+
+// ClearRank forgets one rank (its publisher restarted). Counters are kept and nothing is counted.
+func (r *Record) ClearRank(rank int32) { r.dropRank(rank) }
+
+// Reset forgets every rank, keeping the counters.
+func (r *Record) Reset() {
+	r.ranks = map[int32]*rankState{}
+	r.tails = newTailTable()
+	r.extras = &extraTable{}
+}
+
+// Stats returns the sizes and counters; ranks are listed in ascending order, empty ones left out.
+func (r *Record) Stats() Stats {
+	s := Stats{
+		Stored: r.stored, Removed: r.removed, RemovedUnknown: r.removedUnknown,
+		Capped: r.capped, Cleared: r.cleared,
+	}
+	for rank, rs := range r.ranks {
+		if rs.entries == 0 {
+			continue
+		}
+		s.Ranks = append(s.Ranks, RankStats{Rank: rank, Entries: rs.entries, Blocks: rs.blocks})
+		s.Entries += rs.entries
+		s.Blocks += rs.blocks
+	}
+	slices.SortFunc(s.Ranks, func(a, b RankStats) int { return int(int64(a.Rank) - int64(b.Rank)) })
+	return s
+}
+
+// tierOf resolves the tier a store or removal applies to: its tier when set, else its cache level.
+// Tier values the proto does not define count as external, like unknown cache levels.
+func tierOf(t *kvpb.KvCacheTier, level *int32) uint8 {
+	if t != nil && *t != kvpb.KvCacheTier_KV_CACHE_TIER_UNSPECIFIED {
+		if *t >= kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE && *t <= kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL {
+			return uint8(*t)
+		}
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL)
+	}
+	if level == nil {
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
+	}
+	switch *level {
+	case 0:
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
+	case 1:
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_HOST)
+	case 2:
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DISK)
+	default:
+		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL)
+	}
+}
+
+func (r *Record) rankFor(rank int32) *rankState {
+	rs := r.ranks[rank]
+	if rs == nil {
+		rs = &rankState{}
+		r.ranks[rank] = rs
+	}
+	return rs
+}
+
+func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
+	blocks := s.GetBlocks()
+	if len(blocks) == 0 {
+		return
+	}
+	var first *kvpb.KvBlock
+	for _, blk := range blocks {
+		if blk != nil {
+			first = blk
+			break
+		}
+	}
+	if first == nil {
+		return
+	}
+	tier := tierOf(s.Tier, first.CacheLevel)
+	rs := r.rankFor(rank)
+	key := storeTail(s)
+	var lastKey tailKey
+	lastID := noTail
+	var parent int64
+	hasParent := false
+	if s.ParentBlockHash != nil {
+		parent, hasParent = *s.ParentBlockHash, true
+	}
+	for _, blk := range blocks {
+		if blk == nil {
+			continue
+		}
+		r.stored++
+		h := blk.BlockHash
+		if slot, ok := rs.index.find(rs, h, tier); ok {
+			e := rs.entry(slot)
+			if e.copies >= CopiesCap {
+				r.capped++
+			} else {
+				r.writable(rs, slot).copies++
+				rs.blocks++
+			}
+		} else {
+			key.setBlock(blk)
+			id := lastID
+			if id == noTail || key != lastKey {
+				id = r.tails.intern(&key)
+				lastKey, lastID = key, id
+			} else {
+				r.tails.ref(id)
+			}
+			r.insert(rs, blk, tier, id, parent, hasParent)
+		}
+		parent, hasParent = h, true
+	}
+}
+
+func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint32, parent int64, hasParent bool) {
+	slot := r.allocSlot(rs)
+	seg := r.writableSeg(rs, slot>>segShift)
+	e := &seg.entries[slot&segMask]
+	e.hash = blk.BlockHash
+	e.parent = parent
+	e.tier = tier
+	e.copies = 1
+	e.flags = flagLive
+	if hasParent {
+		e.flags |= flagParent
+	}
+	e.tail = tail
+	e.extra = 0
+	if len(blk.ExtraKeys) > 0 {
+		e.extra = r.extras.add(blk.ExtraKeys) + 1
+	}
+	seg.putTokens(e, blk.TokenIds, r.shared())
+	if rs.nextOrder == maxOrder {
+		r.renumber(rs)
+	}
+	e = &rs.segs[slot>>segShift].entries[slot&segMask]
+	e.order = rs.nextOrder
+	rs.nextOrder++
+	rs.index.insert(rs, slot)
+	rs.entries++
+	rs.tiers[tier]++
+	rs.blocks++
+}
+
+func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
+	hashes := rm.GetBlockHashes()
+	rs := r.ranks[rank]
+	if rs == nil {
+		r.removedUnknown += uint64(len(hashes))
+		return
+	}
+	tier := tierOf(rm.Tier, rm.CacheLevel)
+	for _, h := range hashes {
+		slot, ok := rs.index.find(rs, h, tier)
+		if !ok {
+			r.removedUnknown++
+			continue
+		}
+		r.removed++
+		rs.blocks--
+		e := r.writable(rs, slot)
+		e.copies--
+		if e.copies > 0 {
+			continue
+		}
+		rs.index.remove(rs, h, tier)
+		r.release(e)
+		e.flags = 0
+		rs.free = append(rs.free, slot)
+		rs.entries--
+		rs.tiers[tier]--
+	}
+	if rs.entries == 0 && r.shared() {
+		// Nothing live is left: start the rank afresh rather than copying its segments later.
+		delete(r.ranks, rank)
+	}
+}
+
+// release drops what an entry holds outside its segment.
+func (r *Record) release(e *entry) {
+	r.tails.unref(e.tail, r.shared())
+	if e.extra != 0 {
+		r.extras.drop(e.extra-1, r.shared())
+		e.extra = 0
+	}
+}
+
+func (r *Record) dropRank(rank int32) {
+	rs := r.ranks[rank]
+	if rs == nil {
+		return
+	}
+	shared := r.shared()
+	for si, seg := range rs.segs {
+		n := rs.used - uint32(si)<<segShift
+		if n > segSize {
+			n = segSize
+		}
+		for i := range seg.entries[:n] {
+			e := &seg.entries[i]
+			if e.flags&flagLive == 0 {
+				continue
+			}
+			r.tails.unref(e.tail, shared)
+			if e.extra != 0 {
+				r.extras.drop(e.extra-1, shared)
+			}
+		}
+	}
+	delete(r.ranks, rank)
+}

@@ -1,0 +1,449 @@
+package record
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+const (
+	device = kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE
+	host   = kvpb.KvCacheTier_KV_CACHE_TIER_HOST
+	noTier = kvpb.KvCacheTier_KV_CACHE_TIER_UNSPECIFIED
+)
+
+func TestStoresAddCopiesRemovalsTakeThemAndAClearEmptiesTheRank(t *testing.T) {
+	type want struct {
+		entries, blocks                                  uint64
+		ranks                                            []RankStats
+		stored, removed, removedUnknown, capped, cleared uint64
+	}
+	steps := []struct {
+		name  string
+		apply func(r *Record)
+		want  want
+	}{
+		{
+			name: "chains on two ranks",
+			apply: func(r *Record) {
+				r.Apply(batchOf(0, storedEv([]int64{1, 2, 3})))
+				r.Apply(batchOf(1, storedEv([]int64{1})))
+			},
+			want: want{entries: 4, blocks: 4, ranks: []RankStats{{0, 3, 3}, {1, 1, 1}}, stored: 4},
+		},
+		{
+			name:  "a resend adds a copy",
+			apply: func(r *Record) { r.Apply(batchOf(0, storedEv([]int64{1}))) },
+			want:  want{entries: 4, blocks: 5, ranks: []RankStats{{0, 3, 4}, {1, 1, 1}}, stored: 5},
+		},
+		{
+			name:  "a removal takes one copy",
+			apply: func(r *Record) { r.Apply(batchOf(0, removedEv(noTier, 1))) },
+			want:  want{entries: 4, blocks: 4, ranks: []RankStats{{0, 3, 3}, {1, 1, 1}}, stored: 5, removed: 1},
+		},
+		{
+			name:  "the last copy's removal drops the entry",
+			apply: func(r *Record) { r.Apply(batchOf(0, removedEv(device, 1))) },
+			want:  want{entries: 3, blocks: 3, ranks: []RankStats{{0, 2, 2}, {1, 1, 1}}, stored: 5, removed: 2},
+		},
+		{
+			name: "unknown hashes, tiers and ranks count as removed_unknown",
+			apply: func(r *Record) {
+				r.Apply(batchOf(0, removedEv(noTier, 99)))
+				r.Apply(batchOf(0, removedEv(host, 2)))
+				r.Apply(batchOf(7, removedEv(noTier, 2)))
+			},
+			want: want{entries: 3, blocks: 3, ranks: []RankStats{{0, 2, 2}, {1, 1, 1}}, stored: 5, removed: 2, removedUnknown: 3},
+		},
+		{
+			name: "the host tier is a separate entry, by tier or by cache level",
+			apply: func(r *Record) {
+				r.Apply(batchOf(0, storedEv([]int64{2}, withTier(host))))
+				r.Apply(batchOf(0, storedEv([]int64{2}, withCacheLevel(1))))
+				r.Apply(batchOf(0, removedEv(device, 2)))
+			},
+			want: want{entries: 3, blocks: 4, ranks: []RankStats{{0, 2, 3}, {1, 1, 1}}, stored: 7, removed: 3, removedUnknown: 3},
+		},
+		{
+			name:  "a clear of rank 0 leaves rank 1",
+			apply: func(r *Record) { r.Apply(batchOf(0, clearedEv())) },
+			want:  want{entries: 1, blocks: 1, ranks: []RankStats{{1, 1, 1}}, stored: 7, removed: 3, removedUnknown: 3, cleared: 1},
+		},
+		{
+			name: "ClearRank forgets a rank without counting",
+			apply: func(r *Record) {
+				r.Apply(batchOf(NoRank, storedEv([]int64{5, 6})))
+				r.ClearRank(1)
+			},
+			want: want{entries: 2, blocks: 2, ranks: []RankStats{{NoRank, 2, 2}}, stored: 9, removed: 3, removedUnknown: 3, cleared: 1},
+		},
+		{
+			name:  "Reset empties everything and keeps the counters",
+			apply: func(r *Record) { r.Reset() },
+			want:  want{stored: 9, removed: 3, removedUnknown: 3, cleared: 1},
+		},
+		{
+			name: "empty stores, nil batches and nil blocks are ignored",
+			apply: func(r *Record) {
+				r.Apply(nil)
+				r.Apply(batchOf(0, storedEv(nil)))
+				r.Apply(batchOf(0, &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Stored{
+					Stored: &kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{nil}}}}))
+				r.Apply(batchOf(0, &kvpb.KvCacheEvent{}))
+			},
+			want: want{stored: 9, removed: 3, removedUnknown: 3, cleared: 1},
+		},
+	}
+	r := New()
+	for _, step := range steps {
+		step.apply(r)
+		got := r.Stats()
+		w := step.want
+		mustEqualStats(t, got, w.entries, w.blocks, w.ranks)
+		if got.Stored != w.stored || got.Removed != w.removed || got.RemovedUnknown != w.removedUnknown ||
+			got.Capped != w.capped || got.Cleared != w.cleared {
+			t.Fatalf("%s: counters %+v, want %+v", step.name, got, w)
+		}
+	}
+}
+
+func TestCopiesAreCappedLikeTheGatewayCountsThem(t *testing.T) {
+	for _, tc := range []struct {
+		stores     int
+		wantCopies uint64
+		wantCapped uint64
+	}{
+		{stores: 1, wantCopies: 1},
+		{stores: 8, wantCopies: 8},
+		{stores: 20, wantCopies: 8, wantCapped: 12},
+	} {
+		r := New()
+		for range tc.stores {
+			r.Apply(batchOf(0, storedEv([]int64{42})))
+		}
+		s := r.Stats()
+		if s.Blocks != tc.wantCopies || s.Capped != tc.wantCapped || s.Stored != uint64(tc.stores) || s.Entries != 1 {
+			t.Fatalf("%d stores: %+v", tc.stores, s)
+		}
+		c := r.Cut(nil)
+		chunks := c.Chunks(map[int32]uint64{0: 5}, nil, 1)
+		c.Release()
+		units := checkChunks(t, chunks, chunkRule{cursors: map[int32]uint64{0: 5}})
+		if len(chunks) != 1 || units[0] != int(tc.wantCopies) {
+			t.Fatalf("%d stores: %d chunks with %v units", tc.stores, len(chunks), units)
+		}
+		// Each physical copy is a one-block store of its own, copies adjacent.
+		if got := len(chunks[0].Events) - 1; got != int(tc.wantCopies) {
+			t.Fatalf("%d stores: %d store events", tc.stores, got)
+		}
+	}
+}
+
+func TestASnapshotListsTheLiveSetParentsFirstWithTheStoreFields(t *testing.T) {
+	tail := []storeOpt{withMedium("GPU"), withKind("full_attention"), withGroup(0)}
+	r := New()
+	r.Apply(batchOf(0, storedEv([]int64{1, 2, 3, 4, 5}, tail...)))
+	// The root is evicted and stored again: its store order is now after its children's.
+	r.Apply(batchOf(0, removedEv(noTier, 1)))
+	r.Apply(batchOf(0, storedEv([]int64{1}, tail...)))
+	c := r.Cut([]int32{0})
+	chunks := c.Chunks(map[int32]uint64{0: 9}, map[int32]uint64{0: 3}, 1234.5)
+	c.Release()
+
+	want := storedEv([]int64{1, 2, 3, 4, 5}, tail...)
+	want.EventId = 0
+	wantBatch := &kvpb.KvEventBatch{
+		SequenceNumber: 9, Timestamp: 1234.5, DpRank: proto.Int32(0),
+		Events:   []*kvpb.KvCacheEvent{clearedEv(), want},
+		Snapshot: &kvpb.KvSnapshotChunk{Index: 0, Count: 1, Blocks: 5, UnknownBefore: 3},
+	}
+	if len(chunks) != 1 || !proto.Equal(chunks[0], wantBatch) {
+		t.Fatalf("snapshot:\n got %v\nwant %v", chunks, wantBatch)
+	}
+}
+
+func TestChunksAreCutPerRankAndStampedUpToTheCut(t *testing.T) {
+	r := New()
+	r.Apply(batchOf(0, storedEv(chain(1000, 2058))))
+	r.Apply(batchOf(1, storedEv(chain(1, 2))))
+	cursors := map[int32]uint64{0: 40, 1: 40}
+	c := r.Cut(nil)
+	chunks := c.Chunks(cursors, nil, 1)
+	c.Release()
+	units := checkChunks(t, chunks, chunkRule{cursors: cursors})
+
+	type stamp struct {
+		rank  int32
+		seq   uint64
+		units int
+	}
+	var got []stamp
+	for i, b := range chunks {
+		got = append(got, stamp{b.GetDpRank(), b.SequenceNumber, units[i]})
+		if b.Snapshot.Blocks != 2060 {
+			t.Fatalf("chunk %d: blocks %d", i, b.Snapshot.Blocks)
+		}
+	}
+	want := []stamp{{0, 39, 2048}, {0, 40, 10}, {1, 40, 2}}
+	if len(got) != len(want) {
+		t.Fatalf("stamps %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("stamps %v, want %v", got, want)
+		}
+	}
+	// The run split at the chunk boundary continues from the last block of chunk 0.
+	second := chunks[1].Events[0].GetStored()
+	if second.GetParentBlockHash() != 1000+2047 || second.Blocks[0].BlockHash != 1000+2048 {
+		t.Fatalf("chunk 1 starts with parent %d, block %d", second.GetParentBlockHash(), second.Blocks[0].BlockHash)
+	}
+	if len(chunks[0].Events) != 2 || len(chunks[1].Events) != 1 || len(chunks[2].Events) != 1 {
+		t.Fatalf("events per chunk: %d %d %d", len(chunks[0].Events), len(chunks[1].Events), len(chunks[2].Events))
+	}
+}
+
+func TestFewSequencesBehindALargeStateMeanLargerChunks(t *testing.T) {
+	type stamp struct {
+		rank  int32
+		seq   uint64
+		units int
+	}
+	for _, tc := range []struct {
+		name    string
+		blocks  map[int32]int
+		cursors map[int32]uint64
+		want    []stamp
+	}{
+		{
+			name: "one rank", blocks: map[int32]int{0: 8193}, cursors: map[int32]uint64{0: 1},
+			want: []stamp{{0, 0, 8192}, {0, 1, 1}},
+		},
+		{
+			name: "only the short rank grows", blocks: map[int32]int{0: 8193, 1: 4097},
+			cursors: map[int32]uint64{0: 1, 1: 100},
+			want:    []stamp{{0, 0, 8192}, {0, 1, 1}, {1, 98, 2048}, {1, 99, 2048}, {1, 100, 1}},
+		},
+		{
+			name: "a rank at sequence 0 gets one chunk", blocks: map[int32]int{3: 5000},
+			cursors: map[int32]uint64{3: 0}, want: []stamp{{3, 0, 5000}},
+		},
+		{
+			name: "a rank without a cursor counts as sequence 0", blocks: map[int32]int{2: 3000},
+			cursors: map[int32]uint64{}, want: []stamp{{2, 0, 3000}},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := New()
+			for rank, n := range tc.blocks {
+				r.Apply(batchOf(rank, storedEv(chain(1, n))))
+			}
+			c := r.Cut(nil)
+			chunks := c.Chunks(tc.cursors, nil, 1)
+			c.Release()
+			units := checkChunks(t, chunks, chunkRule{cursors: tc.cursors, maxUnits: -1})
+			var got []stamp
+			for i, b := range chunks {
+				got = append(got, stamp{b.GetDpRank(), b.SequenceNumber, units[i]})
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("stamps %v, want %v", got, tc.want)
+			}
+			for i := range got {
+				if got[i] != tc.want[i] {
+					t.Fatalf("stamps %v, want %v", got, tc.want)
+				}
+			}
+		})
+	}
+}
+
+func TestAnEmptyStateSnapshotsAsOneClear(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		ranks    []int32
+		cursors  map[int32]uint64
+		unknown  map[int32]uint64
+		wantRank *int32
+		wantSeq  uint64
+		wantUB   uint64
+	}{
+		{name: "no rank", cursors: map[int32]uint64{NoRank: 12}, unknown: map[int32]uint64{NoRank: 7}, wantSeq: 12, wantUB: 7},
+		{name: "a requested rank", ranks: []int32{3, 1}, cursors: map[int32]uint64{1: 4, 3: 12},
+			unknown: map[int32]uint64{3: 7}, wantRank: proto.Int32(3), wantSeq: 12, wantUB: 7},
+		{name: "the lowest rank with a cursor", cursors: map[int32]uint64{2: 5, 1: 9},
+			wantRank: proto.Int32(1), wantSeq: 9},
+		{name: "nothing known", wantSeq: 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := New()
+			r.Apply(batchOf(0, storedEv([]int64{1})))
+			r.Apply(batchOf(0, removedEv(noTier, 1)))
+			c := r.Cut(tc.ranks)
+			chunks := c.Chunks(tc.cursors, tc.unknown, 77)
+			c.Release()
+			want := &kvpb.KvEventBatch{
+				SequenceNumber: tc.wantSeq, Timestamp: 77, DpRank: tc.wantRank,
+				Events:   []*kvpb.KvCacheEvent{clearedEv()},
+				Snapshot: &kvpb.KvSnapshotChunk{Index: 0, Count: 1, Blocks: 0, UnknownBefore: tc.wantUB},
+			}
+			if len(chunks) != 1 || !proto.Equal(chunks[0], want) {
+				t.Fatalf("got %v, want %v", chunks, want)
+			}
+		})
+	}
+}
+
+func TestCutSelectsRanks(t *testing.T) {
+	r := New()
+	for rank := int32(-1); rank < 3; rank++ {
+		r.Apply(batchOf(rank, storedEv(chain(10, int(rank)+2))))
+	}
+	for _, tc := range []struct {
+		ranks []int32
+		want  []int32
+	}{
+		{ranks: nil, want: []int32{NoRank, 0, 1, 2}},
+		{ranks: []int32{2, 0, 2, 9}, want: []int32{0, 2}},
+	} {
+		c := r.Cut(tc.ranks)
+		if got := c.Ranks(); !slices.Equal(got, tc.want) {
+			t.Fatalf("ranks %v: the cut holds %v, want %v", tc.ranks, got, tc.want)
+		}
+		var entries uint64
+		for _, rank := range tc.want {
+			entries += uint64(rank) + 2
+		}
+		if c.Entries() != entries || c.Blocks() != entries {
+			t.Fatalf("ranks %v: entries %d blocks %d, want %d", tc.ranks, c.Entries(), c.Blocks(), entries)
+		}
+		cursors := map[int32]uint64{NoRank: 3, 0: 3, 1: 3, 2: 3}
+		chunks := c.Chunks(cursors, nil, 1)
+		c.Release()
+		checkChunks(t, chunks, chunkRule{cursors: cursors})
+		var got []int32
+		for _, b := range chunks {
+			rank := NoRank
+			if b.DpRank != nil {
+				rank = *b.DpRank
+			}
+			got = append(got, rank)
+		}
+		if len(got) != len(tc.want) {
+			t.Fatalf("ranks %v: chunk ranks %v, want %v", tc.ranks, got, tc.want)
+		}
+		for i := range got {
+			if got[i] != tc.want[i] {
+				t.Fatalf("ranks %v: chunk ranks %v, want %v", tc.ranks, got, tc.want)
+			}
+		}
+	}
+}
+
+func TestAParentCycleStillEmitsEveryBlock(t *testing.T) {
+	r := New()
+	r.Apply(batchOf(0, storedEv([]int64{1}, withParent(2)), storedEv([]int64{2}, withParent(1)),
+		storedEv([]int64{3}, withParent(3))))
+	c := r.Cut(nil)
+	chunks := c.Chunks(map[int32]uint64{0: 1}, nil, 1)
+	c.Release()
+	m := model{}
+	var counts modelCounts
+	m.apply(batchOf(0, storedEv([]int64{1}, withParent(2)), storedEv([]int64{2}, withParent(1)),
+		storedEv([]int64{3}, withParent(3))), &counts)
+	if d := diffModels(m, replayChunks(t, chunks)); d != "" {
+		t.Fatalf("replayed snapshot differs (-want +got):\n%s", d)
+	}
+}
+
+func TestReleaseIsIdempotentAndEndsTheCut(t *testing.T) {
+	r := New()
+	r.Apply(batchOf(0, storedEv([]int64{1})))
+	c := r.Cut(nil)
+	c.Release()
+	c.Release()
+	if n := r.liveCuts.Load(); n != 0 {
+		t.Fatalf("live cuts %d after a double release", n)
+	}
+	if got := c.Chunks(nil, nil, 0); got != nil {
+		t.Fatalf("chunks after release: %v", got)
+	}
+}
+
+func TestStoreOrderSurvivesTheCounterRunningOut(t *testing.T) {
+	r := New()
+	r.Apply(batchOf(0, storedEv(chain(100, 3))))
+	r.ranks[0].nextOrder = maxOrder - 1
+	r.Apply(batchOf(0, storedEv(chain(200, 3))))
+	r.Apply(batchOf(0, storedEv(chain(300, 2))))
+	c := r.Cut(nil)
+	var got []int64
+	for _, slot := range c.orderRank(&c.ranks[0]) {
+		got = append(got, c.ranks[0].entry(slot).hash)
+	}
+	c.Release()
+	want := []int64{100, 101, 102, 200, 201, 202, 300, 301}
+	if len(got) != len(want) {
+		t.Fatalf("order %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("order %v, want %v", got, want)
+		}
+	}
+}
+
+// TestTokenArenasAreCompacted re-stores a segment's blocks with ever longer token lists, so no
+// freed space fits, with and without a Cut outstanding: the arena must stay bounded and every
+// block must keep its own tokens.
+func TestTokenArenasAreCompacted(t *testing.T) {
+	for _, withCut := range []bool{false, true} {
+		t.Run(fmt.Sprintf("cut=%v", withCut), func(t *testing.T) {
+			r := New()
+			m := model{}
+			var counts modelCounts
+			hashes := chain(1, segSize)
+			for round := 1; round <= 12; round++ {
+				var c *Cut
+				if withCut {
+					c = r.Cut(nil)
+				}
+				ev := storedEv(hashes)
+				for i, blk := range ev.GetStored().Blocks {
+					blk.TokenIds = make([]uint32, round)
+					for j := range blk.TokenIds {
+						blk.TokenIds[j] = uint32(round*1000 + i + j)
+					}
+					blk.BlockSize = int32(round)
+				}
+				for _, b := range []*kvpb.KvEventBatch{batchOf(0, ev), batchOf(0, removedEv(noTier, hashes[:segSize/2]...))} {
+					r.Apply(b)
+					m.apply(b, &counts)
+				}
+				if c != nil {
+					c.Release()
+				}
+				if round < 12 {
+					// Drop the rest too, so the next round reuses every slot.
+					b := batchOf(0, removedEv(noTier, hashes[segSize/2:]...))
+					r.Apply(b)
+					m.apply(b, &counts)
+				}
+			}
+			seg := r.ranks[0].segs[0]
+			live := (segSize / 2) * 12
+			if len(seg.tokens) > 3*live+arenaSlack {
+				t.Fatalf("arena holds %d words for %d live", len(seg.tokens), live)
+			}
+			c := r.Cut(nil)
+			defer c.Release()
+			if d := diffModels(m, replayChunks(t, c.Chunks(map[int32]uint64{0: 1}, nil, 1))); d != "" {
+				t.Fatalf("snapshot differs (-want +got):\n%s", d)
+			}
+		})
+	}
+}

@@ -1,0 +1,236 @@
+package record
+
+import (
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// Presence bits of tailKey's optional fields.
+const (
+	hasTier = 1 << iota
+	hasMedium
+	hasGroup
+	hasKind
+	hasWindow
+	hasLocality
+	hasOwnership
+	hasSession
+	hasLoraName
+	hasSalt
+	hasLoraID
+	hasCacheLevel
+)
+
+const noTail = ^uint32(0)
+
+// tailKey is everything a stored block shares with the rest of its store: the store's tail and
+// namespace, plus the per-block fields that engines set alike on every block of a store (block
+// size, lora_id, cache_level). Stores of one engine repeat a handful of these, so entries keep a
+// 4-byte id instead.
+type tailKey struct {
+	has           uint16
+	tier          kvpb.KvCacheTier // the store's own tier field, as sent
+	locality      kvpb.KvCacheLocality
+	groupIdx      uint32
+	slidingWindow uint32
+	blockSize     int32
+	cacheLevel    int32
+	loraID        int64
+	medium        string
+	kind          string
+	ownership     string
+	sessionID     string
+	loraName      string
+	cacheSalt     string
+}
+
+func storeTail(s *kvpb.KvBlocksStored) tailKey {
+	var k tailKey
+	if s.Tier != nil {
+		k.has |= hasTier
+		k.tier = *s.Tier
+	}
+	if s.Medium != nil {
+		k.has |= hasMedium
+		k.medium = *s.Medium
+	}
+	if s.GroupIdx != nil {
+		k.has |= hasGroup
+		k.groupIdx = *s.GroupIdx
+	}
+	if s.KvCacheSpecKind != nil {
+		k.has |= hasKind
+		k.kind = *s.KvCacheSpecKind
+	}
+	if s.KvCacheSpecSlidingWindow != nil {
+		k.has |= hasWindow
+		k.slidingWindow = *s.KvCacheSpecSlidingWindow
+	}
+	if s.Locality != nil {
+		k.has |= hasLocality
+		k.locality = *s.Locality
+	}
+	if s.Ownership != nil {
+		k.has |= hasOwnership
+		k.ownership = *s.Ownership
+	}
+	if s.SessionId != nil {
+		k.has |= hasSession
+		k.sessionID = *s.SessionId
+	}
+	if s.LoraName != nil {
+		k.has |= hasLoraName
+		k.loraName = *s.LoraName
+	}
+	if s.CacheSalt != nil {
+		k.has |= hasSalt
+		k.cacheSalt = *s.CacheSalt
+	}
+	return k
+}
+
+func (k *tailKey) setBlock(b *kvpb.KvBlock) {
+	k.blockSize = b.BlockSize
+	k.has &^= hasLoraID | hasCacheLevel
+	k.loraID, k.cacheLevel = 0, 0
+	if b.LoraId != nil {
+		k.has |= hasLoraID
+		k.loraID = *b.LoraId
+	}
+	if b.CacheLevel != nil {
+		k.has |= hasCacheLevel
+		k.cacheLevel = *b.CacheLevel
+	}
+}
+
+// storedEvent returns a Stored event with the tail's store-level fields and no blocks.
+func (k *tailKey) storedEvent() *kvpb.KvBlocksStored {
+	s := &kvpb.KvBlocksStored{}
+	if k.has&hasTier != 0 {
+		s.Tier = k.tier.Enum()
+	}
+	if k.has&hasMedium != 0 {
+		s.Medium = proto.String(k.medium)
+	}
+	if k.has&hasGroup != 0 {
+		s.GroupIdx = proto.Uint32(k.groupIdx)
+	}
+	if k.has&hasKind != 0 {
+		s.KvCacheSpecKind = proto.String(k.kind)
+	}
+	if k.has&hasWindow != 0 {
+		s.KvCacheSpecSlidingWindow = proto.Uint32(k.slidingWindow)
+	}
+	if k.has&hasLocality != 0 {
+		s.Locality = k.locality.Enum()
+	}
+	if k.has&hasOwnership != 0 {
+		s.Ownership = proto.String(k.ownership)
+	}
+	if k.has&hasSession != 0 {
+		s.SessionId = proto.String(k.sessionID)
+	}
+	if k.has&hasLoraName != 0 {
+		s.LoraName = proto.String(k.loraName)
+	}
+	if k.has&hasSalt != 0 {
+		s.CacheSalt = proto.String(k.cacheSalt)
+	}
+	return s
+}
+
+// tailTable interns tailKeys with reference counts (session ids may be unique per request, so
+// unused tails must go). A Cut keeps the keys slice and reads the ids its entries hold; those are
+// never rewritten while it is live, because an id freed during a Cut waits in limbo until no Cut
+// is outstanding (ids freed before the Cut are referenced by none of its entries).
+type tailTable struct {
+	keys  []*tailKey // immutable once published; a Cut keeps the slice
+	refs  []uint32
+	ids   map[tailKey]uint32
+	free  []uint32
+	limbo []uint32 // freed while a Cut was live; reusable once none is
+}
+
+func newTailTable() *tailTable { return &tailTable{ids: map[tailKey]uint32{}} }
+
+func (t *tailTable) intern(k *tailKey) uint32 {
+	if id, ok := t.ids[*k]; ok {
+		t.refs[id]++
+		return id
+	}
+	c := *k
+	var id uint32
+	if n := len(t.free); n > 0 {
+		id = t.free[n-1]
+		t.free = t.free[:n-1]
+		t.keys[id] = &c
+		t.refs[id] = 1
+	} else {
+		id = uint32(len(t.keys))
+		t.keys = append(t.keys, &c)
+		t.refs = append(t.refs, 1)
+	}
+	t.ids[c] = id
+	return id
+}
+
+func (t *tailTable) ref(id uint32) { t.refs[id]++ }
+
+func (t *tailTable) unref(id uint32, shared bool) {
+	t.refs[id]--
+	if t.refs[id] > 0 {
+		return
+	}
+	delete(t.ids, *t.keys[id])
+	if shared {
+		t.limbo = append(t.limbo, id)
+	} else {
+		t.free = append(t.free, id)
+	}
+}
+
+// settle makes ids freed during Cuts reusable; call it only when no Cut is live.
+func (t *tailTable) settle() {
+	t.free = append(t.free, t.limbo...)
+	t.limbo = t.limbo[:0]
+}
+
+// extraTable keeps the rare extra keys out of the entries, cloned so the caller's batch may be
+// reused. Like tailTable, ids are rewritten only when no Cut is live.
+type extraTable struct {
+	keys  [][]*kvpb.KvBlockExtraKey
+	free  []uint32
+	limbo []uint32
+}
+
+func (x *extraTable) add(keys []*kvpb.KvBlockExtraKey) uint32 {
+	c := make([]*kvpb.KvBlockExtraKey, 0, len(keys))
+	for _, k := range keys {
+		if k != nil {
+			c = append(c, proto.Clone(k).(*kvpb.KvBlockExtraKey))
+		}
+	}
+	if n := len(x.free); n > 0 {
+		id := x.free[n-1]
+		x.free = x.free[:n-1]
+		x.keys[id] = c
+		return id
+	}
+	x.keys = append(x.keys, c)
+	return uint32(len(x.keys) - 1)
+}
+
+func (x *extraTable) drop(id uint32, shared bool) {
+	if shared {
+		x.limbo = append(x.limbo, id)
+		return
+	}
+	x.keys[id] = nil
+	x.free = append(x.free, id)
+}
+
+func (x *extraTable) settle() {
+	x.free = append(x.free, x.limbo...)
+	x.limbo = x.limbo[:0]
+}
