@@ -1,0 +1,85 @@
+package relay
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/record"
+	"github.com/kvrelay/kvrelay/relay/zmqsource"
+)
+
+// zmqTransport opens ZeroMQ sockets: a SUB per rank and, with a replay
+// endpoint, a DEALER per replay request.
+func zmqTransport(topic string, hwm int, log *slog.Logger) Transport {
+	return func(rank int32, endpoint, replayEndpoint string, replayTimeout time.Duration) (Feed, Replayer, error) {
+		feed := zmqFeed{zmqsource.NewSubscriber(zmqsource.SubscriberOptions{
+			Endpoint: endpoint, Topic: topic, RcvHWM: hwm, Logger: log.With("rank", rank),
+		})}
+		if replayEndpoint == "" {
+			return feed, nil, nil
+		}
+		return feed, zmqReplayer{&zmqsource.Replayer{
+			Endpoint: replayEndpoint, PerReply: replayTimeout, Logger: log.With("rank", rank),
+		}}, nil
+	}
+}
+
+type zmqFeed struct{ s *zmqsource.Subscriber }
+
+func (f zmqFeed) Recv(ctx context.Context) (Message, error) {
+	m, err := f.s.Recv(ctx)
+	return Message{Seq: m.Seq, Payload: m.Payload}, err
+}
+func (f zmqFeed) Connected() bool { return f.s.Connected() }
+func (f zmqFeed) Close() error    { return f.s.Close() }
+
+type zmqReplayer struct{ r *zmqsource.Replayer }
+
+func (z zmqReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {
+	msgs, complete, err := z.r.Replay(ctx, from)
+	out := make([]Message, len(msgs))
+	for i, m := range msgs {
+		out[i] = Message{Seq: m.Seq, Payload: m.Payload}
+	}
+	return out, complete, err
+}
+
+// wireNormalizer adapts engines/wire.
+type wireNormalizer struct{ n *wire.Normalizer }
+
+func newWireNormalizer(d wire.Dialect) normalizer { return wireNormalizer{wire.NewNormalizer(d)} }
+
+func (w wireNormalizer) normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, []dropCount, error) {
+	b, drops, err := w.n.Normalize(payload, seq, rank)
+	if err != nil || drops.Total() == 0 {
+		return b, nil, err
+	}
+	var out []dropCount
+	for _, reason := range wire.DropReasons() {
+		if n := drops[reason]; n != 0 {
+			out = append(out, dropCount{reason: reason.String(), n: n})
+		}
+	}
+	return b, out, nil
+}
+
+func (w wireNormalizer) reset() { w.n.Reset() }
+
+// recordAdapter adapts relay/record.
+type recordAdapter struct{ *record.Record }
+
+func newRecordAdapter() liveRecord { return recordAdapter{record.New()} }
+
+func (a recordAdapter) cut(ranks []int32) recordCut { return a.Cut(ranks) }
+
+func (a recordAdapter) stats() (map[int32]uint64, uint64, uint64) {
+	st := a.Stats()
+	per := make(map[int32]uint64, len(st.Ranks))
+	for _, rs := range st.Ranks {
+		per[rs.Rank] = rs.Blocks
+	}
+	return per, st.Blocks, st.Entries
+}

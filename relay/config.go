@@ -1,0 +1,135 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/engines"
+)
+
+// Defaults, as in the Rust relay (relay-semantics §3.11).
+const (
+	// DefaultHistoryBatches matches the engines' replay ring (buffer_steps).
+	DefaultHistoryBatches = 10_000
+	// DefaultHistoryBytes is 256 MiB.
+	DefaultHistoryBytes int64 = 256 << 20
+	// DefaultReplayTimeout bounds the wait for each replay reply.
+	DefaultReplayTimeout = 5 * time.Second
+	// DefaultPrimeRetry is how often the start replay is asked again until
+	// the engine's ROUTER answers.
+	DefaultPrimeRetry = time.Second
+	// DefaultSubscriberBuffer is how many live batches a subscriber may fall
+	// behind before it is refilled from the history.
+	DefaultSubscriberBuffer = 4096
+
+	// EnvHistoryBatches and EnvHistoryBytes override the history caps when
+	// the configuration leaves them zero (SMG's variables).
+	EnvHistoryBatches = "SMG_KV_EVENT_HISTORY_BATCHES"
+	EnvHistoryBytes   = "SMG_KV_EVENT_HISTORY_BYTES"
+
+	// maxReplayRounds bounds how often one gap's replay is resumed after a
+	// truncated or non-contiguous answer. Every round must bring something
+	// new, so this only matters against a pathological replay.
+	maxReplayRounds = 64
+	// recvErrorBackoff is the pause after a failed receive.
+	recvErrorBackoff = 100 * time.Millisecond
+	// summaryEvery is how many relayed batches pass between info summaries.
+	summaryEvery = 500
+)
+
+// Config configures one relay: one engine, all of its DP ranks.
+type Config struct {
+	Engine engines.Engine
+	// KV is the engine's resolved --kv-events-config. With KV.Enabled false
+	// the relay relays nothing and every Subscribe returns ErrDisabled.
+	KV engines.Config
+	// DPSize is the number of data-parallel ranks; rank r publishes at the
+	// endpoint engines.ConnectEndpoint(KV.Endpoint, r).
+	DPSize int
+	// HistoryBatches and HistoryBytes cap the history window; zero takes
+	// the environment (EnvHistoryBatches, EnvHistoryBytes) or the defaults.
+	HistoryBatches int
+	HistoryBytes   int64
+	// ReplayTimeout bounds the wait for each replay reply (priming gets
+	// twice this overall). Zero: DefaultReplayTimeout.
+	ReplayTimeout time.Duration
+	// PrimeRetry is the pause between start replays the engine did not
+	// answer. Zero: DefaultPrimeRetry.
+	PrimeRetry time.Duration
+	// SubscriberBuffer is each subscriber's live queue. Zero:
+	// DefaultSubscriberBuffer.
+	SubscriberBuffer int
+	Logger           *slog.Logger
+	// Instance names this relay in its metrics (label "relay"), so several
+	// relays, even of one engine, can share a registry. Default: the
+	// engine's name.
+	Instance string
+	// Registerer receives the relay's metrics; nil registers nowhere.
+	Registerer prometheus.Registerer
+	// Transport opens each rank's sockets. Nil: ZeroMQ (relay/zmqsource).
+	// Tests inject in-memory publishers here.
+	Transport Transport
+}
+
+func (c *Config) resolve() error {
+	if c.DPSize < 1 {
+		return fmt.Errorf("relay: DP size %d: need at least one rank", c.DPSize)
+	}
+	if c.HistoryBatches < 0 {
+		return fmt.Errorf("relay: history of %d batches: must not be negative", c.HistoryBatches)
+	}
+	if c.HistoryBytes < 0 {
+		return fmt.Errorf("relay: history of %d bytes: must not be negative", c.HistoryBytes)
+	}
+	if c.ReplayTimeout < 0 || c.PrimeRetry < 0 || c.SubscriberBuffer < 0 {
+		return errors.New("relay: timeouts and buffer sizes must not be negative")
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Instance == "" {
+		c.Instance = c.Engine.Name
+	}
+	if c.HistoryBatches == 0 {
+		c.HistoryBatches = int(envInt(c.Logger, EnvHistoryBatches, DefaultHistoryBatches))
+	}
+	if c.HistoryBytes == 0 {
+		c.HistoryBytes = envInt(c.Logger, EnvHistoryBytes, DefaultHistoryBytes)
+	}
+	if c.ReplayTimeout == 0 {
+		c.ReplayTimeout = DefaultReplayTimeout
+	}
+	if c.PrimeRetry == 0 {
+		c.PrimeRetry = DefaultPrimeRetry
+	}
+	if c.SubscriberBuffer == 0 {
+		c.SubscriberBuffer = DefaultSubscriberBuffer
+	}
+	if c.KV.Enabled && c.KV.Endpoint == "" {
+		return errors.New("relay: events are enabled but the endpoint is empty")
+	}
+	return nil
+}
+
+// envInt reads a positive integer from the environment the way the Rust
+// relay does: trimmed, empty means the default, and a value that does not
+// parse is warned about and replaced by the default.
+func envInt[T int64 | int](log *slog.Logger, name string, def T) T {
+	raw := strings.TrimSpace(os.Getenv(name))
+	if raw == "" {
+		return def
+	}
+	v, err := strconv.ParseUint(raw, 10, 62)
+	if err != nil || v == 0 {
+		log.Warn("ignoring a bad environment value; using the default", "name", name, "value", raw, "default", def)
+		return def
+	}
+	return T(v)
+}

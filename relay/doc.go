@@ -1,0 +1,58 @@
+// Package relay follows every data-parallel rank of one inference engine's
+// KV-cache event publisher and serves the events to any number of
+// subscribers (gateways), with recovery on both sides.
+//
+// # Per rank: admission
+//
+// Each rank has its own ZeroMQ PUB socket and its own sequence counter, so
+// each rank gets its own goroutine and its own state machine. It keeps a
+// cursor (the last sequence relayed or given up on), and for every live
+// batch it applies the admission table of SMG's Rust relay:
+//
+//	no cursor yet              accept (a first batch past 1 without the
+//	                           engine's startup clear "joined late": replay
+//	                           0..seq-1 first)
+//	seq == cursor+1            accept
+//	seq >  cursor+1            gap: replay cursor+1.. from the rank's ROUTER
+//	                           BEFORE relaying this batch or anything later
+//	seq <= 1 < 2 <= cursor     restart (counter back at its start)
+//	seq <  cursor              restart (regression)
+//	seq == cursor, clear first restart (the engine's startup clear)
+//	seq == cursor              duplicate, skipped
+//
+// A replay is checked for contiguity. An answer cut short (SGLang drops
+// replies beyond its send high-water mark, end marker included) is asked for
+// again from the next missing sequence, and a sequence is declared lost only
+// when two answers in a row lack it. What no replay gives is recorded as a
+// hole, and the cursor moves past it, so a loss never becomes a dead end.
+// Replies beyond the live batch are relayed at once; their live copies, still
+// queued on the socket, are recognised by payload hash and skipped.
+//
+// Before its first live batch a rank "primes": it asks the replay for
+// everything from 0, every PrimeRetry until the ROUTER answers. Sequences
+// that no replay can give before the first one relayed are unknown_before.
+// A first live batch at sequence 1 also asks for 0 (the engines count from
+// 0); a replay without 0 is taken for a counter that starts at 1, as SMG's
+// mock engine does, and costs nothing.
+//
+// A restart clears that rank's live-block record, normalizer and cursor, and
+// ends every subscriber with ErrDataLoss.
+//
+// # Shared: history, record, fan-out
+//
+// Every relayed batch, of any rank, goes under one lock (the admission lock)
+// into one interleaved history log, into the live-block record (which a
+// snapshot is cut from), and into every subscriber's bounded queue. Each
+// history entry has a log position; positions only grow. A subscriber is a
+// position in that log: it is served the entries after it, so a snapshot cut
+// under the lock is followed by exactly the batches admitted after it. A
+// subscriber whose queue overflows is refilled from the history by position,
+// or ended with ErrDataLoss when the history no longer reaches back;
+// admission never waits for a subscriber.
+//
+// A rank's restart clears the whole history window (not only that rank's
+// entries): every subscriber is ended anyway and SMG's gateways then come
+// back from zero, and a client still holding an old-incarnation cursor must
+// not be served entries of the new incarnation that happen to carry the same
+// numbers.
+package relay

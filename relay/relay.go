@@ -1,0 +1,663 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/zeebo/xxh3"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// Message is one publisher batch as a transport delivers it: the
+// publisher's own sequence number and the msgpack payload.
+type Message struct {
+	Seq     uint64
+	Payload []byte
+}
+
+// Feed is one rank's live stream.
+type Feed interface {
+	Recv(ctx context.Context) (Message, error)
+	// Connected reports whether the socket is connected to the publisher.
+	Connected() bool
+	Close() error
+}
+
+// Replayer asks a rank's replay ROUTER for everything from a sequence on.
+// complete is false when the replay stopped before the engine's end marker
+// (a reply timed out): what came is still valid, the rest may follow from a
+// new request. err means no answer at all.
+type Replayer interface {
+	Replay(ctx context.Context, from uint64) (msgs []Message, complete bool, err error)
+}
+
+// Transport opens rank's live feed at endpoint and, when replayEndpoint is
+// not empty, its replayer (nil otherwise). It must not block on the network:
+// feeds connect in the background.
+type Transport func(rank int32, endpoint, replayEndpoint string, replayTimeout time.Duration) (Feed, Replayer, error)
+
+// normalizer turns a payload into a batch. An error means the envelope does
+// not decode.
+type normalizer interface {
+	normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, []dropCount, error)
+	reset()
+}
+
+type dropCount struct {
+	reason string
+	n      uint64
+}
+
+// liveRecord is the live-block record (relay/record).
+type liveRecord interface {
+	Apply(b *kvpb.KvEventBatch)
+	ClearRank(rank int32)
+	// cut captures the record for ranks, cheaply, under the relay's lock.
+	cut(ranks []int32) recordCut
+	// blocks and entries per rank, and in total.
+	stats() (perRank map[int32]uint64, blocks, entries uint64)
+}
+
+// recordCut orders and encodes a captured record off the lock.
+type recordCut interface {
+	Chunks(cursors, unknownBefore map[int32]uint64, ts float64) []*kvpb.KvEventBatch
+	Release()
+}
+
+// Relay follows every DP rank of one engine and serves subscribers. Build it
+// with New, start it with Run, and Subscribe any number of times.
+type Relay struct {
+	cfg     Config
+	log     *slog.Logger
+	metrics *metrics
+	ranks   []*rankState
+	running atomic.Bool
+
+	// mu is the admission lock: every change to the history, the record,
+	// the ranks' cursors and the subscriber set happens under it, so a
+	// snapshot cut under it is exact. Lock order: mu, then a
+	// Subscription's mu.
+	mu         sync.Mutex
+	hist       *history
+	rec        liveRecord
+	generation uint64
+	subs       map[*Subscription]struct{}
+	relayed    uint64
+	tip        atomic.Uint64 // the newest log position fanned out
+}
+
+// rankState is one DP rank. The fields under "guarded by Relay.mu" are
+// written only by the rank's goroutine, with the lock held; that goroutine
+// reads them without the lock, everyone else with it.
+type rankState struct {
+	rank           int32
+	endpoint       string
+	replayEndpoint string
+	label          string // the rank as a metric label
+	norm           normalizer
+	replay         Replayer
+	feed           atomic.Pointer[feedBox]
+	reprime        chan struct{}
+
+	// guarded by Relay.mu
+	hasCursor     bool
+	cursor        uint64
+	hasStart      bool
+	startedAt     uint64
+	unknownBefore uint64
+	restarts      uint64
+
+	// Owned by the rank goroutine. A replay usually runs past the live
+	// stream: the live copies of what it gave are still queued on the
+	// socket, and by the admission table alone they would read as a
+	// sequence regression. replayed holds the payload hash of every batch
+	// a replay gave from replayedFrom on, so such a copy is recognised
+	// exactly (a restarted publisher does not resend identical bytes).
+	replayedFrom uint64
+	replayed     map[uint64]uint64
+	replayedMax  uint64
+}
+
+type feedBox struct{ Feed }
+
+// New validates cfg and builds a relay. It opens no socket; Run does.
+func New(cfg Config) (*Relay, error) {
+	if err := cfg.resolve(); err != nil {
+		return nil, err
+	}
+	var ranks []*rankState
+	for i := 0; cfg.KV.Enabled && i < cfg.DPSize; i++ {
+		ep, err := engines.ConnectEndpoint(cfg.KV.Endpoint, i)
+		if err != nil {
+			return nil, fmt.Errorf("relay: rank %d: %w", i, err)
+		}
+		rep := ""
+		if cfg.KV.ReplayEndpoint != "" {
+			if rep, err = engines.ConnectEndpoint(cfg.KV.ReplayEndpoint, i); err != nil {
+				return nil, fmt.Errorf("relay: rank %d replay: %w", i, err)
+			}
+		}
+		rk := &rankState{
+			rank:           int32(i),
+			endpoint:       ep,
+			replayEndpoint: rep,
+			label:          fmt.Sprint(i),
+			reprime:        make(chan struct{}, 1),
+		}
+		rk.norm = newWireNormalizer(cfg.Engine.Dialect)
+		ranks = append(ranks, rk)
+	}
+	labels := prometheus.Labels{"engine": cfg.Engine.Name, "relay": cfg.Instance}
+	m, err := newMetrics(cfg.Registerer, labels)
+	if err != nil {
+		return nil, err
+	}
+	r := &Relay{
+		cfg:     cfg,
+		log:     cfg.Logger.With("engine", cfg.Engine.Name, "relay", cfg.Instance),
+		metrics: m,
+		ranks:   ranks,
+		hist:    newHistory(cfg.HistoryBatches, cfg.HistoryBytes),
+		subs:    map[*Subscription]struct{}{},
+		rec:     newRecordAdapter(),
+	}
+	if err := m.registerState(r, labels); err != nil {
+		m.unregister()
+		return nil, err
+	}
+	return r, nil
+}
+
+// Enabled reports whether the engine publishes events at all.
+func (r *Relay) Enabled() bool { return r.cfg.KV.Enabled }
+
+// Run follows every rank until ctx is done, then closes the sockets and
+// returns once every goroutine it started has ended. A transport that cannot
+// be opened is an error; everything after that (a publisher that is down, a
+// replay that does not answer) is retried or recorded, never fatal.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return errors.New("relay: Run called twice")
+	}
+	if !r.cfg.KV.Enabled {
+		<-ctx.Done()
+		return nil
+	}
+	transport := r.cfg.Transport
+	if transport == nil {
+		transport = zmqTransport(r.cfg.KV.Topic, r.cfg.KV.HWM, r.log)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		errMu    sync.Mutex
+		firstErr error
+	)
+	for _, rk := range r.ranks {
+		feed, rep, err := transport(rk.rank, rk.endpoint, rk.replayEndpoint, r.cfg.ReplayTimeout)
+		if err != nil {
+			errMu.Lock()
+			firstErr = fmt.Errorf("relay: rank %d at %s: %w", rk.rank, rk.endpoint, err)
+			errMu.Unlock()
+			cancel()
+			break
+		}
+		rk.replay = rep
+		rk.feed.Store(&feedBox{feed})
+		wg.Go(func() {
+			defer func() {
+				if err := feed.Close(); err != nil {
+					r.log.Warn("closing a rank's feed", "rank", rk.rank, "err", err)
+				}
+			}()
+			r.runRank(ctx, rk, feed)
+		})
+	}
+	wg.Wait()
+	r.logSummary("relay stopped")
+	return firstErr
+}
+
+// Ready reports whether every rank's feed is connected.
+func (r *Relay) Ready() bool {
+	if !r.cfg.KV.Enabled {
+		return true
+	}
+	for _, rk := range r.ranks {
+		f := rk.feed.Load()
+		if f == nil || !f.Connected() {
+			return false
+		}
+	}
+	return true
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// runRank is one rank's state machine: prime, then admit live batches,
+// filling gaps from the replay before anything later is relayed.
+func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
+	msgs := make(chan Message)
+	var reader sync.WaitGroup
+	reader.Go(func() { r.read(ctx, rk, feed, msgs) })
+	defer reader.Wait()
+
+	var primeC <-chan struct{}
+	var retry *time.Timer
+	if rk.replay != nil {
+		primeC = closedChan
+	}
+	defer func() {
+		if retry != nil {
+			retry.Stop()
+		}
+	}()
+	retryC := make(chan struct{}, 1)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-primeC:
+			primeC = nil
+			if !r.prime(ctx, rk) && ctx.Err() == nil {
+				retry = time.AfterFunc(r.cfg.PrimeRetry, func() {
+					select {
+					case retryC <- struct{}{}:
+					default:
+					}
+				})
+			}
+		case <-retryC:
+			if !rk.hasCursor && rk.replay != nil {
+				primeC = closedChan
+			}
+		case <-rk.reprime:
+			if !rk.hasCursor && rk.replay != nil {
+				primeC = closedChan
+			}
+		case m := <-msgs:
+			// A live batch ends priming: admission replays what it
+			// missed (a late join) by itself.
+			primeC = nil
+			if retry != nil {
+				retry.Stop()
+			}
+			r.admitLive(ctx, rk, m)
+		}
+	}
+}
+
+// read pumps the feed into msgs, so the rank loop can wait for a live batch
+// and a prime retry at once.
+func (r *Relay) read(ctx context.Context, rk *rankState, feed Feed, msgs chan<- Message) {
+	for {
+		m, err := feed.Recv(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			r.log.Warn("receive failed; retrying", "rank", rk.rank, "endpoint", rk.endpoint, "err", err)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(recvErrorBackoff):
+			}
+			continue
+		}
+		select {
+		case msgs <- m:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// admitLive applies the admission table to one live batch.
+func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
+	if len(rk.replayed) > 0 {
+		if h, ok := rk.replayed[m.Seq]; ok && h == xxh3.Hash(m.Payload) {
+			r.metrics.duplicates.WithLabelValues(rk.label).Inc()
+			if m.Seq >= rk.replayedMax {
+				rk.replayed = nil // the live stream has caught up
+			}
+			return
+		}
+		if m.Seq >= rk.replayedMax {
+			rk.replayed = nil // the live stream has caught up
+		}
+	}
+	clear := startsWithClear(m.Payload)
+	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear)
+	if v == restart {
+		r.restartRank(rk, reason, m.Seq)
+		v = accept
+	}
+	switch v {
+	case duplicate:
+		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
+		return
+	case gap:
+		from, to := rk.cursor+1, m.Seq-1
+		r.metrics.gaps.WithLabelValues(rk.label).Inc()
+		r.log.Warn("publisher gap; filling it from the replay", "rank", rk.rank, "from", from, "to", to)
+		rk.replayedFrom = m.Seq
+		r.fill(ctx, rk, from, to)
+	case accept:
+		switch {
+		case rk.hasCursor:
+		case joinedLate(m.Seq, clear):
+			r.recoverStart(ctx, rk, m.Seq)
+		case m.Seq == 1 && !clear && rk.replay != nil:
+			r.recoverZero(ctx, rk)
+		}
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	// Re-admit: the replay may have run past this batch, which then has
+	// been relayed already.
+	if rk.hasCursor && m.Seq <= rk.cursor {
+		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
+		return
+	}
+	r.relay(rk, m.Seq, m.Payload)
+}
+
+// relay normalizes one batch and admits it: history, record, cursor, then
+// every subscriber's queue. Admission never waits for a subscriber.
+func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
+	b, drops, err := rk.norm.normalize(payload, seq, rk.rank)
+	if err != nil || b == nil {
+		// Relay an empty batch under the sequence so that nobody sees a
+		// gap for it.
+		r.metrics.undecodable.WithLabelValues(rk.label).Inc()
+		r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
+		b = &kvpb.KvEventBatch{SequenceNumber: seq}
+	}
+	b.SequenceNumber = seq
+	// The socket's rank is authoritative: sequences are per socket.
+	b.DpRank = proto.Int32(rk.rank)
+	size := int64(proto.Size(b))
+	var blocks int
+	for _, ev := range b.Events {
+		if s := ev.GetStored(); s != nil {
+			blocks += len(s.Blocks)
+		}
+	}
+
+	r.mu.Lock()
+	pos := r.hist.pushBatch(rk.rank, seq, b, size)
+	r.rec.Apply(b)
+	rk.cursor, rk.hasCursor = seq, true
+	if !rk.hasStart {
+		rk.startedAt, rk.hasStart = seq, true
+	}
+	r.relayed++
+	relayed := r.relayed
+	r.fanOut(posBatch{pos: pos, batch: b})
+	r.mu.Unlock()
+
+	r.metrics.batches.WithLabelValues(rk.label).Inc()
+	r.metrics.events.WithLabelValues(rk.label).Add(float64(len(b.Events)))
+	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(blocks))
+	for _, d := range drops {
+		r.metrics.drops.WithLabelValues(d.reason).Add(float64(d.n))
+	}
+	if relayed%summaryEvery == 0 {
+		r.logSummary("relay summary")
+	}
+}
+
+// lose records rank's sequences from..to as a hole: nothing will ever
+// deliver them, and the cursor moves past them.
+func (r *Relay) lose(rk *rankState, from, to uint64) {
+	if to < from {
+		return
+	}
+	r.mu.Lock()
+	r.hist.pushHole(rk.rank, from, to)
+	rk.cursor, rk.hasCursor = to, true
+	r.mu.Unlock()
+	r.metrics.lost.WithLabelValues(rk.label).Add(float64(to - from + 1))
+	r.log.Warn("publisher batches lost: no replay can give them", "rank", rk.rank, "from", from, "to", to)
+}
+
+// restartRank starts a new incarnation of rk's publisher. The history is one
+// log for every rank, so it is cleared whole: every live subscriber is ended
+// (gateways then reset every rank and come back from zero, when they get a
+// snapshot), and no entry of the old incarnation can be served to a client
+// whose cursor happens to fall inside the new one.
+func (r *Relay) restartRank(rk *rankState, reason restartReason, seq uint64) {
+	r.mu.Lock()
+	old := rk.cursor
+	r.generation++
+	gen := r.generation
+	r.hist.clear()
+	r.rec.ClearRank(rk.rank)
+	rk.hasCursor, rk.cursor = false, 0
+	rk.hasStart, rk.startedAt = false, 0
+	rk.unknownBefore = 0
+	rk.restarts++
+	err := fmt.Errorf("%w: publisher of rank %d at %s restarted (%s, incarnation %d); resubscribe from zero",
+		ErrDataLoss, rk.rank, rk.endpoint, reason, gen)
+	for s := range r.subs {
+		s.end(err, "publisher_restart")
+	}
+	r.mu.Unlock()
+	rk.norm.reset()
+	rk.replayed = nil
+	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(0)
+	r.metrics.restarts.WithLabelValues(rk.label, string(reason)).Inc()
+	r.log.Warn("publisher restarted", "rank", rk.rank, "reason", string(reason), "cursor", old, "seq", seq, "generation", gen)
+}
+
+// replayStats is what one fill obtained.
+type replayStats struct {
+	recovered uint64
+	first     uint64 // the first recovered sequence, if recovered > 0
+	answered  bool   // some replay answered (end marker or batches)
+}
+
+// fill recovers rk's sequences from..to from the replay before anything
+// later is relayed. Replies below what is expected are dropped; replies past
+// to are relayed too (the live copies then read as duplicates); a replay
+// that stops early is asked again from the next missing sequence; whatever
+// no replay gives becomes a hole.
+func (r *Relay) fill(ctx context.Context, rk *rankState, from, to uint64) replayStats {
+	if rk.replay == nil {
+		r.lose(rk, from, to)
+		return replayStats{}
+	}
+	msgs, complete, err := r.askReplay(ctx, rk, from)
+	st, next := r.takeReplies(ctx, rk, from, to, true, msgs, complete, err)
+	if next <= to && ctx.Err() == nil {
+		r.lose(rk, next, to)
+	}
+	r.log.Info("gap filled", "rank", rk.rank, "from", from, "to", to, "recovered", st.recovered)
+	return st
+}
+
+func (r *Relay) askReplay(ctx context.Context, rk *rankState, from uint64) ([]Message, bool, error) {
+	msgs, complete, err := rk.replay.Replay(ctx, from)
+	result := "complete"
+	switch {
+	case err != nil:
+		result = "error"
+		if ctx.Err() == nil {
+			r.log.Warn("replay failed", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "err", err)
+		}
+	case !complete:
+		result = "truncated"
+	}
+	r.metrics.replays.WithLabelValues(rk.label, result).Inc()
+	return msgs, complete, err
+}
+
+// takeReplies relays a replay's answer from expected on, and asks again
+// while the answer was cut short but brought something new. With bounded,
+// it stops once the range up to to is covered. It returns the next sequence
+// still missing.
+func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uint64, bounded bool,
+	msgs []Message, complete bool, err error) (replayStats, uint64) {
+	var st replayStats
+	// missingAt is where the previous answer lacked a sequence: a reply can
+	// be missing because a send-HWM dropped it (SGLang), so a sequence is
+	// declared lost only when two answers in a row lack it.
+	var missingAt uint64
+	haveMissing := false
+	for round := 0; ; round++ {
+		if err != nil {
+			return st, expected
+		}
+		st.answered = true
+		took, jumped := 0, false
+		for _, m := range msgs {
+			if m.Seq < expected {
+				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
+				continue
+			}
+			if m.Seq > expected {
+				if !haveMissing || missingAt != expected {
+					missingAt, haveMissing, jumped = expected, true, true
+					break
+				}
+				// Asked again and still not there: the engine's ring no
+				// longer holds it, or it was never buffered.
+				r.lose(rk, expected, m.Seq-1)
+				expected = m.Seq
+			}
+			r.relay(rk, m.Seq, m.Payload)
+			r.metrics.recovered.WithLabelValues(rk.label).Inc()
+			if st.recovered == 0 {
+				st.first = m.Seq
+			}
+			st.recovered++
+			took++
+			expected = m.Seq + 1
+			if m.Seq >= rk.replayedFrom {
+				if rk.replayed == nil {
+					rk.replayed, rk.replayedMax = map[uint64]uint64{}, 0
+				}
+				rk.replayed[m.Seq] = xxh3.Hash(m.Payload)
+				rk.replayedMax = max(rk.replayedMax, m.Seq)
+			}
+		}
+		switch {
+		case jumped && round+1 < maxReplayRounds && ctx.Err() == nil:
+		case took == 0, complete, bounded && expected > to,
+			round+1 >= maxReplayRounds, ctx.Err() != nil:
+			return st, expected
+		}
+		r.log.Info("replay cut short; resuming it", "rank", rk.rank, "from", expected)
+		msgs, complete, err = r.askReplay(ctx, rk, expected)
+	}
+}
+
+// recoverStart fills 0..seq-1 for a publisher that was already counting when
+// its first live batch arrived. What the replay cannot reach is unknown.
+func (r *Relay) recoverStart(ctx context.Context, rk *rankState, seq uint64) {
+	rk.replayedFrom = 0
+	st := r.fill(ctx, rk, 0, seq-1)
+	unknown := seq
+	if st.recovered > 0 {
+		unknown = st.first
+	}
+	r.setUnknownBefore(rk, unknown)
+	if unknown == 0 {
+		r.log.Info("late join recovered from the publisher's start", "rank", rk.rank, "first_live", seq, "recovered", st.recovered)
+	} else {
+		r.log.Warn("late join: sequences before the relay's start are unknown", "rank", rk.rank, "first_live", seq, "unknown_before", unknown)
+	}
+}
+
+// recoverZero asks for sequence 0 when a publisher's first live batch is 1.
+// The Rust relay takes 1 as a counter's start (smg's mock engine counts from
+// 1), but the engines count from 0, and 0 is the batch a subscriber that
+// joins late is likeliest to miss. A replay without 0 costs nothing: no hole
+// is recorded, as for the mock.
+func (r *Relay) recoverZero(ctx context.Context, rk *rankState) {
+	rk.replayedFrom = 0
+	for attempt := 0; attempt < 2; attempt++ {
+		msgs, complete, err := r.askReplay(ctx, rk, 0)
+		if err != nil || len(msgs) == 0 {
+			return
+		}
+		if msgs[0].Seq == 0 {
+			r.takeReplies(ctx, rk, 0, 0, true, msgs, complete, nil)
+			return
+		}
+		if complete {
+			return // the engine counts from 1
+		}
+		// An answer cut short may have lost 0 itself: ask once more.
+	}
+}
+
+func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {
+	r.mu.Lock()
+	rk.unknownBefore = unknown
+	r.mu.Unlock()
+	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(unknown))
+	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(unknown))
+}
+
+// prime asks the replay for everything from 0 before any live batch. It
+// reports whether the engine answered (an empty but complete answer counts:
+// the engine is up and has published nothing).
+func (r *Relay) prime(ctx context.Context, rk *rankState) bool {
+	if rk.hasCursor {
+		return true
+	}
+	pctx, cancel := context.WithTimeout(ctx, 2*r.cfg.ReplayTimeout)
+	defer cancel()
+	msgs, complete, err := r.askReplay(pctx, rk, 0)
+	if err != nil {
+		return false
+	}
+	if len(msgs) == 0 {
+		return complete
+	}
+	// An engine counting from 1 (smg's mock) lacks 0 without losing it.
+	var start uint64
+	if msgs[0].Seq == 1 && complete {
+		start = 1
+	}
+	rk.replayedFrom = 0
+	st, _ := r.takeReplies(ctx, rk, start, 0, false, msgs, complete, nil)
+	var unknown uint64
+	if st.recovered > 0 {
+		unknown = st.first - start
+	}
+	r.setUnknownBefore(rk, unknown)
+	r.metrics.primed.WithLabelValues(rk.label).Add(float64(st.recovered))
+	r.log.Info("primed from the publisher's replay", "rank", rk.rank, "batches", st.recovered, "unknown_before", unknown)
+	return true
+}
+
+// triggerReprime asks every rank with nothing relayed to replay from 0
+// again: a publisher that spoke only before the first start replay answered
+// is otherwise invisible until its next batch.
+func (r *Relay) triggerReprime() {
+	for _, rk := range r.ranks {
+		select {
+		case rk.reprime <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (r *Relay) logSummary(msg string) {
+	st := r.Status()
+	r.log.Info(msg, "relayed", st.Relayed, "history_entries", st.History.Entries, "history_bytes", st.History.Bytes,
+		"holes", st.History.Holes, "record_blocks", st.RecordBlocks, "subscribers", st.Subscribers, "generation", st.Generation)
+}

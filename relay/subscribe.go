@@ -1,0 +1,418 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// The errors Subscribe and Next end with. Each is wrapped in an error whose
+// message says why, in words a gateway operator can act on; test for them
+// with errors.Is.
+var (
+	// ErrOutOfRange: the cursor cannot be resumed from the history. The
+	// client should resubscribe from zero (and then gets a snapshot). A
+	// stale cursor is never answered with a snapshot.
+	ErrOutOfRange = errors.New("out of range")
+	// ErrDataLoss: a publisher restarted, or a subscriber fell behind
+	// further than the history reaches back. Resubscribe from zero.
+	ErrDataLoss = errors.New("data loss")
+	// ErrDisabled: the engine does not publish KV events.
+	ErrDisabled = errors.New("kv events disabled")
+	// ErrClosed: Next on a closed Subscription.
+	ErrClosed = errors.New("subscription closed")
+)
+
+// relayError carries a sentinel for errors.Is and a complete message, so
+// that the message a gateway sees is the explanation alone.
+type relayError struct {
+	kind error
+	msg  string
+}
+
+func (e *relayError) Error() string { return e.msg }
+func (e *relayError) Unwrap() error { return e.kind }
+
+func newError(kind error, format string, args ...any) error {
+	return &relayError{kind: kind, msg: fmt.Sprintf(format, args...)}
+}
+
+// Subscription is one subscriber's stream: first a snapshot or history
+// batches, then live batches, in the relay's log order, with no gap and no
+// duplicate. The batches are shared with other subscribers and the history:
+// treat them as read-only (clone before changing one).
+type Subscription struct {
+	r       *Relay
+	pending []*kvpb.KvEventBatch // snapshot chunks, then history: sent first
+
+	mu      sync.Mutex
+	queue   []posBatch
+	qhead   int
+	lagged  bool
+	err     error
+	closed  bool
+	lastPos uint64 // the newest log position delivered or already pending
+	notify  chan struct{}
+}
+
+// Subscribe opens a stream for req (relay-semantics §3.7 and issue #4):
+//
+//   - start_sequence_number is rank 0's last applied batch. 0 gets the whole
+//     history when it holds every rank's batches from sequence 0, else a
+//     snapshot of the live-block record cut at every rank's cursor, else
+//     (nothing relayed yet) live batches only. Non-zero gets the batches after
+//     that batch's position in the interleaved log, so no other rank loses a
+//     batch (at worst another rank repeats batches its cursor already covers).
+//   - rank_cursors, when set, resumes every rank exactly after its own
+//     cursor; an unlisted rank counts as cursor 0, which can be served only if
+//     the history holds that rank from its first batch (or the rank has
+//     relayed nothing yet). A snapshot would reset every rank at the client,
+//     so anything else is ErrOutOfRange, and the client comes back from zero.
+//
+// Then live batches follow.
+func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (*Subscription, error) {
+	if !r.cfg.KV.Enabled {
+		return nil, newError(ErrDisabled, "%s", r.cfg.Engine.DisabledMessage)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	s := &Subscription{r: r, notify: make(chan struct{}, 1)}
+	begin := time.Now()
+
+	r.mu.Lock()
+	var (
+		cut     recordCut
+		cursors map[int32]uint64
+		unknown map[int32]uint64
+		reprime bool
+		err     error
+		served  string
+	)
+	switch {
+	case len(req.GetRankCursors()) > 0:
+		s.pending, err = r.resumeRanks(req.GetRankCursors())
+		served = "history"
+	case req.GetStartSequenceNumber() != 0:
+		s.pending, err = r.resumeRank0(req.GetStartSequenceNumber())
+		served = "history"
+	default:
+		var ranks []int32
+		complete := true
+		for _, rk := range r.ranks {
+			if !rk.hasCursor {
+				reprime = reprime || rk.replayEndpoint != ""
+				continue
+			}
+			ranks = append(ranks, rk.rank)
+			complete = complete && r.hist.completeFrom0(rk.rank)
+		}
+		switch {
+		case len(ranks) == 0:
+			served = "live"
+		case complete:
+			s.pending = toBatches(r.hist.batchesAfter(nil, 0, 0, nil))
+			served = "history"
+		default:
+			cut, cursors, unknown = r.cutLocked(ranks)
+			served = "snapshot"
+		}
+	}
+	if err != nil {
+		r.mu.Unlock()
+		r.metrics.served.WithLabelValues("out_of_range").Inc()
+		r.log.Info("subscriber refused", "err", err)
+		return nil, err
+	}
+	s.lastPos = r.hist.tip()
+	r.subs[s] = struct{}{}
+	locked := time.Since(begin)
+	r.mu.Unlock()
+
+	r.metrics.served.WithLabelValues(served).Inc()
+	r.metrics.subscribers.Inc()
+	if reprime {
+		r.triggerReprime()
+	}
+	if cut != nil {
+		chunks := cut.Chunks(cursors, unknown, unixSeconds(time.Now()))
+		cut.Release()
+		s.pending = chunks
+		r.metrics.snapshotLock.Observe(locked.Seconds())
+		r.metrics.snapshotTotal.Observe(time.Since(begin).Seconds())
+		r.log.Info("serving a snapshot", "chunks", len(chunks), "ranks", len(cursors),
+			"lock", locked, "total", time.Since(begin))
+	}
+	return s, nil
+}
+
+// cutLocked captures the record of ranks at their cursors. Called with r.mu
+// held, which makes the cut exact: nothing is admitted between it and the
+// subscriber's log position.
+func (r *Relay) cutLocked(ranks []int32) (recordCut, map[int32]uint64, map[int32]uint64) {
+	cursors := make(map[int32]uint64, len(ranks))
+	unknown := make(map[int32]uint64, len(ranks))
+	for _, rank := range ranks {
+		rk := r.ranks[rank]
+		cursors[rank] = rk.cursor
+		unknown[rank] = rk.unknownBefore
+	}
+	return r.rec.cut(ranks), cursors, unknown
+}
+
+// Snapshot is the live-block record of every rank that relayed anything,
+// cut at the ranks' cursors and encoded as snapshot chunks (nil before
+// anything was relayed). It is what a cursor-0 subscriber gets when the
+// history is not complete; tests compare it with an engine's true live set.
+func (r *Relay) Snapshot() []*kvpb.KvEventBatch {
+	r.mu.Lock()
+	var ranks []int32
+	for _, rk := range r.ranks {
+		if rk.hasCursor {
+			ranks = append(ranks, rk.rank)
+		}
+	}
+	if len(ranks) == 0 {
+		r.mu.Unlock()
+		return nil
+	}
+	cut, cursors, unknown := r.cutLocked(ranks)
+	r.mu.Unlock()
+	defer cut.Release()
+	return cut.Chunks(cursors, unknown, unixSeconds(time.Now()))
+}
+
+func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+func toBatches(pbs []posBatch, _ uint64) []*kvpb.KvEventBatch {
+	out := make([]*kvpb.KvEventBatch, len(pbs))
+	for i, pb := range pbs {
+		out[i] = pb.batch
+	}
+	return out
+}
+
+// rankWindowCheck resolves cursor c (non-zero) of rank against the window:
+// the log position after which the rank's batches follow, or why not. A
+// rank with a cursor but nothing left in the window sits just past its
+// cursor.
+func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
+	rk := r.ranks[rank]
+	ep := r.ranks[0].endpoint
+	first, last, ok := r.hist.rankBounds(rank)
+	if !ok {
+		if !rk.hasCursor {
+			if r.hist.len() == 0 {
+				return 0, newError(ErrOutOfRange, "the relay for %s holds no history yet (it started after the publisher); resubscribe from zero", ep)
+			}
+			return 0, newError(ErrOutOfRange, "the relay for %s holds no history of rank %d yet; resubscribe from zero", ep, rank)
+		}
+		first, last = rk.cursor+1, rk.cursor
+	}
+	switch {
+	case c > last:
+		return 0, newError(ErrOutOfRange, "cursor %d of rank %d is beyond the publisher's last sequence %d at %s: the publisher restarted; resubscribe from zero", c, rank, last, rk.endpoint)
+	case c+1 < first && rk.hasStart && c+1 < rk.startedAt:
+		return 0, newError(ErrOutOfRange, "the relay for %s (rank %d) started at sequence %d and holds nothing before it; resubscribe from zero", rk.endpoint, rank, rk.startedAt)
+	case c+1 < first:
+		return 0, newError(ErrOutOfRange, "the relay for %s keeps history of rank %d from sequence %d, after cursor %d; resubscribe from zero for a state snapshot", rk.endpoint, rank, first, c)
+	case c < first:
+		// The cursor's own batch has left the window, so everything the
+		// window holds came after it.
+		return r.hist.firstPos() - 1, nil
+	}
+	return r.hist.rankPos(rank, c), nil
+}
+
+// resumeRank0 serves an SMG-style cursor: rank 0's last applied batch.
+func (r *Relay) resumeRank0(c uint64) ([]*kvpb.KvEventBatch, error) {
+	pos, err := r.rankWindowCheck(0, c)
+	if err != nil {
+		return nil, err
+	}
+	return toBatches(r.hist.batchesAfter(nil, pos, 0, nil)), nil
+}
+
+// resumeRanks serves a kvrelay client's per-rank cursors.
+func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]*kvpb.KvEventBatch, error) {
+	for rank := range cursors {
+		if rank < 0 || int(rank) >= len(r.ranks) {
+			return nil, newError(ErrOutOfRange, "the relay for %s has no DP rank %d (it follows %d ranks); resubscribe from zero", r.ranks[0].endpoint, rank, len(r.ranks))
+		}
+	}
+	after := make([]uint64, len(r.ranks)) // serve a rank's batches with seq > after
+	all := make([]bool, len(r.ranks))     // serve all of the rank's batches
+	for _, rk := range r.ranks {
+		c := cursors[rk.rank]
+		if c != 0 {
+			if _, err := r.rankWindowCheck(rk.rank, c); err != nil {
+				return nil, err
+			}
+			after[rk.rank] = c
+			continue
+		}
+		switch {
+		case !rk.hasCursor:
+			// Nothing relayed yet: its first batch comes live.
+		case r.hist.completeFrom0(rk.rank):
+			all[rk.rank] = true
+		default:
+			first, _, _ := r.hist.rankBounds(rk.rank)
+			return nil, newError(ErrOutOfRange, "the relay for %s does not hold rank %d from the publisher's first batch (it keeps history from sequence %d); resubscribe from zero for a state snapshot", rk.endpoint, rk.rank, first)
+		}
+	}
+	keep := func(e *entry) bool { return all[e.rank] || e.first > after[e.rank] }
+	return toBatches(r.hist.batchesAfter(nil, 0, 0, keep)), nil
+}
+
+// fanOut offers a newly relayed batch to every subscriber. Called with r.mu
+// held; it never blocks: a full queue marks the subscriber lagged, and it is
+// refilled from the history later.
+func (r *Relay) fanOut(pb posBatch) {
+	r.tip.Store(pb.pos)
+	for s := range r.subs {
+		s.mu.Lock()
+		if s.err == nil && !s.closed && !s.lagged {
+			if len(s.queue)-s.qhead < r.cfg.SubscriberBuffer {
+				s.queue = append(s.queue, pb)
+			} else {
+				s.lagged = true
+				r.metrics.lagged.Inc()
+			}
+		}
+		s.mu.Unlock()
+		s.wake()
+	}
+}
+
+func (s *Subscription) wake() {
+	select {
+	case s.notify <- struct{}{}:
+	default:
+	}
+}
+
+// end finishes the stream with err once what is queued has been delivered.
+// Called with r.mu held.
+func (s *Subscription) end(err error, reason string) {
+	s.mu.Lock()
+	if s.err == nil {
+		s.err = err
+	}
+	s.mu.Unlock()
+	if _, ok := s.r.subs[s]; ok {
+		delete(s.r.subs, s)
+		s.r.metrics.subscribers.Dec()
+		s.r.metrics.ended.WithLabelValues(reason).Inc()
+	}
+	s.wake()
+}
+
+// Next returns the stream's next batch, waiting for one. It ends with
+// ErrDataLoss (restart, or the subscriber fell behind beyond the history),
+// ErrClosed, or ctx's error.
+func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
+	for {
+		s.mu.Lock()
+		closed := s.closed
+		s.mu.Unlock()
+		if closed {
+			return nil, ErrClosed
+		}
+		if len(s.pending) > 0 {
+			b := s.pending[0]
+			s.pending[0] = nil
+			s.pending = s.pending[1:]
+			return b, nil
+		}
+		s.mu.Lock()
+		if s.qhead < len(s.queue) {
+			pb := s.queue[s.qhead]
+			s.queue[s.qhead] = posBatch{}
+			s.qhead++
+			if s.qhead == len(s.queue) {
+				s.queue, s.qhead = s.queue[:0], 0
+			}
+			dup := pb.pos <= s.lastPos
+			if !dup {
+				s.lastPos = pb.pos
+			}
+			s.mu.Unlock()
+			if dup {
+				continue
+			}
+			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
+			return pb.batch, nil
+		}
+		err, lagged, closed := s.err, s.lagged, s.closed
+		s.mu.Unlock()
+		switch {
+		case closed:
+			return nil, ErrClosed
+		case err != nil:
+			return nil, err
+		case lagged:
+			if err := s.refill(); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		select {
+		case <-s.notify:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// refill takes a lagged subscriber's next batches from the history, by log
+// position, or ends it if the history no longer reaches back.
+func (s *Subscription) refill() error {
+	r := s.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s.mu.Lock()
+	if s.err != nil || s.closed {
+		s.mu.Unlock()
+		return nil // Next reports it
+	}
+	last := s.lastPos
+	s.mu.Unlock()
+	if last+1 < r.hist.firstPos() {
+		behind := r.hist.tip() - last
+		s.end(newError(ErrDataLoss, "subscriber of %s fell %d batches behind and the history no longer reaches back; resubscribe from zero", r.ranks[0].endpoint, behind), "fell_behind")
+		return nil
+	}
+	batches, looked := r.hist.batchesAfter(nil, last, r.cfg.SubscriberBuffer, nil)
+	s.mu.Lock()
+	s.queue = append(s.queue[:0], batches...)
+	s.qhead = 0
+	if looked >= r.hist.tip() {
+		s.lagged = false
+	}
+	s.mu.Unlock()
+	r.metrics.refilled.Inc()
+	return nil
+}
+
+// Close ends the subscription; a Next in progress or later returns
+// ErrClosed.
+func (s *Subscription) Close() {
+	r := s.r
+	r.mu.Lock()
+	if _, ok := r.subs[s]; ok {
+		delete(r.subs, s)
+		r.metrics.subscribers.Dec()
+		r.metrics.ended.WithLabelValues("closed").Inc()
+	}
+	r.mu.Unlock()
+	s.mu.Lock()
+	s.closed = true
+	s.queue, s.qhead = nil, 0
+	s.mu.Unlock()
+	s.wake()
+}
