@@ -128,6 +128,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			fmt.Fprintln(stderr, "kvrelay serve: --engine is required (or --config)")
 			return 2
 		}
+		if *dpSize < 1 {
+			fmt.Fprintf(stderr, "kvrelay serve: --dp-size %d: want at least 1\n", *dpSize)
+			return 2
+		}
 		if *kvConfig == "" {
 			fmt.Fprintln(stderr, "kvrelay serve: --kv-events-config is required (the JSON the engine was started with)")
 			return 2
@@ -307,7 +311,8 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			HistoryBytes:   rc.HistoryBytes,
 			ReplayTimeout:  rc.replayTimeout,
 			Logger:         log.With("relay", rc.Name),
-			Registerer:     prometheus.WrapRegistererWith(prometheus.Labels{"relay": rc.Name}, reg),
+			Instance:       rc.Name, // the relay label on its metrics
+			Registerer:     reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)

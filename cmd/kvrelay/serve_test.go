@@ -1,0 +1,164 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrelay/kvrelay/internal/enginepeer"
+)
+
+func TestServeBadFlagsNameTheFlag(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	enabled := `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}`
+	cases := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"no engine", []string{"--kv-events-config", enabled}, "--engine"},
+		{"unknown engine", []string{"--engine", "trt", "--kv-events-config", enabled}, "engine"},
+		{"no config", []string{"--engine", "vllm"}, "--kv-events-config"},
+		{"bad json", []string{"--engine", "vllm", "--kv-events-config", "{nope"}, "kv-events-config"},
+		{"bad dp size", []string{"--engine", "vllm", "--kv-events-config", enabled, "--dp-size", "0"}, "dp-size"},
+		{"ipc at rank 1", []string{"--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/kv"}`, "--dp-size", "2"}, "rank 1"},
+		{"bad listen", []string{"--engine", "vllm", "--kv-events-config", enabled, "--listen", "nowhere"}, "listen"},
+		{"bad upstream", []string{"--engine", "vllm", "--kv-events-config", enabled, "--upstream", "nohost"}, "upstream"},
+		{"negative history", []string{"--engine", "vllm", "--kv-events-config", enabled, "--history-batches", "-1"}, "history-batches"},
+		{"bad log level", []string{"--engine", "vllm", "--kv-events-config", enabled, "--log-level", "loud"}, "--log-level"},
+		{"unknown flag", []string{"--engines", "vllm"}, "engines"},
+		{"config and flags", []string{"--config", write("a.json", `{"relays": []}`), "--engine", "vllm"}, "--engine cannot be combined"},
+		{"config unknown field", []string{"--config", write("b.json", `{"relays": [{"engine": "vllm", "kv_events_config": {}, "listen": ":1", "colour": "red"}]}`)}, "colour"},
+		{"config empty", []string{"--config", write("c.json", `{"relays": []}`)}, "relays"},
+		{"config missing file", []string{"--config", filepath.Join(dir, "none.json")}, "--config"},
+		{"config same service twice on one listener", []string{"--config", write("d.json", `{"metrics_listen": "", "relays": [
+			{"name": "a", "engine": "vllm", "kv_events_config": {"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:1"}, "listen": "127.0.0.1:0"},
+			{"name": "b", "engine": "vllm", "kv_events_config": {"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:3"}, "listen": "127.0.0.1:0"}]}`)}, "own listener"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var stderr syncBuffer
+			code := dispatch(context.Background(), append([]string{"serve"}, tc.args...), strings.NewReader(""), io.Discard, &stderr)
+			if code == 0 {
+				t.Fatalf("exit 0, want a failure; stderr: %s", stderr.String())
+			}
+			if !strings.Contains(stderr.String(), tc.want) {
+				t.Fatalf("stderr %q does not name %q", stderr.String(), tc.want)
+			}
+		})
+	}
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
+}
+
+// TestServeRelaysAPeerToTail runs the daemon against a pyzmq engine peer, reads
+// its stream with `kvrelay tail`, checks /debug/status and /metrics, and stops
+// it the way SIGTERM does (context cancel).
+func TestServeRelaysAPeerToTail(t *testing.T) {
+	verifyNoLeaks(t)
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 2})
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": %q, "replay_endpoint": %q}`,
+		strings.Replace(peer.PubEndpoint(0), "127.0.0.1", "*", 1), peer.ReplayEndpoint(0))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var serveErr syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--dp-size", "2",
+			"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s"}, strings.NewReader(""), io.Discard, &serveErr)
+	}()
+
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + httpAddr + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if code, _ := get("/healthz"); code == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kvrelay serve never became healthy; stderr:\n%s", serveErr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for rank := 0; rank < 2; rank++ {
+		for i := 0; i < 2; i++ {
+			if _, err := peer.Publish(rank, enginepeer.Stored(nil, []int64{1, 2, 3, 4}, enginepeer.U64(uint64(10*rank+i+1)))); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+
+	var out, errOut syncBuffer
+	tctx, tcancel := context.WithTimeout(ctx, 30*time.Second)
+	defer tcancel()
+	if code := dispatch(tctx, []string{"tail", "--addr", grpcAddr, "--service", "vllm", "--json", "-n", "4"}, strings.NewReader(""), &out, &errOut); code != 0 {
+		t.Fatalf("tail exit %d: %s", code, errOut.String())
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 4 {
+		t.Fatalf("tail printed %d lines, want 4:\n%s", len(lines), out.String())
+	}
+	ranks := map[float64]int{}
+	for _, line := range lines {
+		var b map[string]any
+		if err := json.Unmarshal([]byte(line), &b); err != nil {
+			t.Fatalf("tail line is not JSON: %q", line)
+		}
+		rank, _ := b["dpRank"].(float64)
+		ranks[rank]++
+	}
+	if ranks[0] != 2 || ranks[1] != 2 {
+		t.Fatalf("want 2 batches of each rank, got %v", ranks)
+	}
+
+	code, status := get("/debug/status")
+	if code != http.StatusOK || !strings.Contains(status, `"rank": 1`) || !strings.Contains(status, `"record_blocks": 4`) {
+		t.Fatalf("/debug/status %d:\n%s", code, status)
+	}
+	code, metrics := get("/metrics")
+	if code != http.StatusOK || !strings.Contains(metrics, "kvrelay_") || !strings.Contains(metrics, `relay="vllm"`) {
+		t.Fatalf("/metrics %d lacks kvrelay_ series:\n%.2000s", code, metrics)
+	}
+
+	cancel()
+	select {
+	case code := <-done:
+		if code != 0 {
+			t.Fatalf("serve exit %d after shutdown; stderr:\n%s", code, serveErr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("serve did not shut down")
+	}
+}
