@@ -1,0 +1,339 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+)
+
+func init() {
+	register("gateway", "route requests to the worker caching their prefix (HTTP), from the workers' KV events", runGateway)
+}
+
+// workerFlags collects repeated --worker values.
+type workerFlags []gateway.Worker
+
+func (w *workerFlags) String() string { return fmt.Sprint(len(*w), " workers") }
+
+func (w *workerFlags) Set(v string) error {
+	wk, err := parseWorker(v)
+	if err != nil {
+		return err
+	}
+	*w = append(*w, wk)
+	return nil
+}
+
+// parseWorker reads grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed].
+// The worker's name (what /v1/route answers) is grpc://HOST:PORT.
+func parseWorker(v string) (gateway.Worker, error) {
+	parts := strings.Split(v, ",")
+	target := strings.TrimSpace(parts[0])
+	if !strings.HasPrefix(target, "grpc://") {
+		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed]", v)
+	}
+	u, err := url.Parse(target)
+	if err != nil {
+		return gateway.Worker{}, fmt.Errorf("%q: %w", v, err)
+	}
+	if u.Path != "" || u.RawQuery != "" || u.User != nil {
+		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT with nothing after the port", v)
+	}
+	host, port, err := net.SplitHostPort(u.Host)
+	if err != nil || host == "" || port == "" {
+		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT", v)
+	}
+	w := gateway.Worker{ID: "grpc://" + u.Host, Addr: u.Host, Service: monitor.ServiceVLLM, Model: gateway.DefaultModel}
+	for _, opt := range parts[1:] {
+		key, val, ok := strings.Cut(strings.TrimSpace(opt), "=")
+		if !ok || val == "" {
+			return gateway.Worker{}, fmt.Errorf("%q: option %q is not key=value", v, opt)
+		}
+		switch key {
+		case "model":
+			w.Model = val
+		case "service":
+			svc, err := monitor.ParseService(val)
+			if err != nil {
+				return gateway.Worker{}, fmt.Errorf("%q: %w", v, err)
+			}
+			w.Service = svc
+		default:
+			return gateway.Worker{}, fmt.Errorf("%q: unknown option %q (want model or service)", v, key)
+		}
+	}
+	return w, nil
+}
+
+func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
+	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var workers workerFlags
+	fs.Var(&workers, "worker", "a worker: grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed] (repeat per worker; model defaults to \"default\", service to vllm)")
+	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address for /v1/route, /v1/load, /v1/workers and /metrics")
+	deadline := fs.Duration("subscribe-deadline", monitor.DefaultSubscribeDeadline, "abandon a subscribe call the worker does not answer within this")
+	maxBackoff := fs.Duration("max-backoff", monitor.DefaultMaxBackoff, "reconnect backoff cap (it starts at 100ms)")
+	blockSize := fs.Int("block-size", 0, "request block size; 0 learns it from the workers' events (16 until then)")
+	indexTTL := fs.Duration("index-ttl", 0, "evict index entries unused for this long (0: off)")
+	indexMax := fs.Int("index-max-entries", 0, "bound on index entries per model, pruned to 90% every 30s (0: off)")
+	spillAbs := fs.Float64("spill-abs-threshold", picker.DefaultAbsThreshold, "a holder spills above mean+this in-flight requests (and the relative threshold)")
+	spillRel := fs.Float64("spill-rel-threshold", picker.DefaultRelThreshold, "a holder spills above mean×this in-flight requests (and the absolute threshold)")
+	temperature := fs.Float64("selection-temperature", 0, "0 picks the deepest overlap; >0 draws among overlap depths")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	logFormat := fs.String("log-format", "text", "text or json")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "kvrelay gateway: "+format+"\n", a...)
+		return 2
+	}
+	switch {
+	case fs.NArg() > 0:
+		return fail("unexpected argument %q", fs.Arg(0))
+	case len(workers) == 0:
+		return fail("--worker is required (grpc://HOST:PORT[,model=M][,service=S], once per worker)")
+	case *deadline <= 0:
+		return fail("--subscribe-deadline must be positive, got %v", *deadline)
+	case *maxBackoff < monitor.DefaultInitialBackoff:
+		return fail("--max-backoff must be at least %v, got %v", monitor.DefaultInitialBackoff, *maxBackoff)
+	case *blockSize < 0:
+		return fail("--block-size must be ≥ 0, got %d", *blockSize)
+	case *indexTTL < 0:
+		return fail("--index-ttl must be ≥ 0, got %v", *indexTTL)
+	case *indexMax < 0:
+		return fail("--index-max-entries must be ≥ 0, got %d", *indexMax)
+	case !(*spillAbs >= 0):
+		return fail("--spill-abs-threshold must be ≥ 0, got %v", *spillAbs)
+	case !(*spillRel >= 0):
+		return fail("--spill-rel-threshold must be ≥ 0, got %v", *spillRel)
+	case !(*temperature >= 0) || math.IsInf(*temperature, 0):
+		return fail("--selection-temperature must be finite and ≥ 0, got %v", *temperature)
+	}
+	log, err := newLogger(stderr, *logLevel, *logFormat)
+	if err != nil {
+		return fail("%v", err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	g, err := gateway.New(gateway.Config{
+		Workers: workers,
+		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff},
+		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax},
+		Picker: picker.Config{
+			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
+		},
+		Registerer: reg,
+		Logger:     log,
+	})
+	if err != nil {
+		// The flags above are checked; what is left is the worker list
+		// (a worker given twice).
+		return fail("--worker: %v", err)
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return fail("--listen %s: %v", *listen, err)
+	}
+	if err := serveGateway(ctx, log, g, reg, ln); err != nil {
+		log.Error("gateway failed", "err", err)
+		return 1
+	}
+	return 0
+}
+
+// serveGateway runs g and its HTTP API on ln until ctx ends, then shuts the
+// HTTP server down gracefully and waits for the subscriptions to stop.
+func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener) error {
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	runDone := make(chan error, 1)
+	go func() { runDone <- g.Run(runCtx) }()
+
+	srv := &http.Server{
+		Handler:           newGatewayHandler(g, reg, log),
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	serveDone := make(chan error, 1)
+	go func() { serveDone <- srv.Serve(ln) }()
+	log.Info("gateway listening", "addr", ln.Addr().String(), "models", g.Models())
+
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-serveDone:
+	}
+	shutCtx, shutCancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer shutCancel()
+	if err := srv.Shutdown(shutCtx); err != nil {
+		log.Warn("HTTP shutdown", "err", err)
+	}
+	if serveErr == nil {
+		if err := <-serveDone; err != nil && !errors.Is(err, http.ErrServerClosed) {
+			serveErr = err
+		}
+	}
+	cancel()
+	<-runDone
+	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
+		return fmt.Errorf("http: %w", serveErr)
+	}
+	log.Info("gateway stopped")
+	return nil
+}
+
+// maxRouteBody bounds a /v1/route body: a million-token prompt as JSON is
+// under 8 MiB.
+const maxRouteBody = 32 << 20
+
+// routeRequest is the /v1/route body. Pointers tell a missing field from a
+// zero one.
+type routeRequest struct {
+	Model     string          `json:"model"`
+	TokenIDs  *[]uint32       `json:"token_ids"`
+	LoraName  string          `json:"lora_name"`
+	CacheSalt string          `json:"cache_salt"`
+	Loads     map[string]*int `json:"loads"`
+}
+
+type routeResponse struct {
+	Worker        string         `json:"worker"`
+	Model         string         `json:"model"`
+	Reason        string         `json:"reason"`
+	MatchedBlocks map[string]int `json:"matched_blocks"`
+	BlockSize     int            `json:"block_size"`
+	RequestBlocks int            `json:"request_blocks"`
+}
+
+// loadRequest is the /v1/load body: {"loads": {"worker": inflight, ...}}.
+type loadRequest struct {
+	Loads map[string]*int `json:"loads"`
+}
+
+func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/route", func(w http.ResponseWriter, r *http.Request) {
+		var req routeRequest
+		if err := decodeBody(w, r, &req); err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		if req.TokenIDs == nil {
+			writeError(w, http.StatusBadRequest, `"token_ids" is required (an array of token ids)`)
+			return
+		}
+		loads, err := checkLoads(req.Loads)
+		if err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		d, err := g.Route(gateway.RouteRequest{
+			Model: req.Model, TokenIDs: *req.TokenIDs, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
+		})
+		switch {
+		case errors.Is(err, gateway.ErrUnknownWorker):
+			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
+			return
+		case errors.Is(err, gateway.ErrUnknownModel):
+			writeError(w, http.StatusNotFound, err.Error())
+			return
+		case errors.Is(err, gateway.ErrNoWorkers):
+			writeError(w, http.StatusServiceUnavailable, err.Error())
+			return
+		case err != nil:
+			log.Error("route failed", "err", err)
+			writeError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		writeJSON(w, http.StatusOK, routeResponse{
+			Worker: d.Worker, Model: d.Model, Reason: string(d.Reason), MatchedBlocks: d.MatchedBlocks,
+			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks,
+		})
+	})
+	mux.HandleFunc("POST /v1/load", func(w http.ResponseWriter, r *http.Request) {
+		var req loadRequest
+		if err := decodeBody(w, r, &req); err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		if len(req.Loads) == 0 {
+			writeError(w, http.StatusBadRequest, `"loads" is required: {"loads": {"WORKER": INFLIGHT}}`)
+			return
+		}
+		loads, err := checkLoads(req.Loads)
+		if err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		if err := g.ReportLoads(loads); err != nil {
+			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]int{"accepted": len(loads)})
+	})
+	mux.HandleFunc("GET /v1/workers", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"workers": g.Workers()})
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	return mux
+}
+
+// checkLoads validates in-flight counts (the gateway checks the names).
+func checkLoads(in map[string]*int) (map[string]int, error) {
+	if len(in) == 0 {
+		return nil, nil
+	}
+	out := make(map[string]int, len(in))
+	for w, n := range in {
+		if n == nil || *n < 0 {
+			return nil, fmt.Errorf("loads: %q must be a count ≥ 0", w)
+		}
+		out[w] = *n
+	}
+	return out, nil
+}
+
+// decodeBody reads one JSON object from a bounded body.
+func decodeBody(w http.ResponseWriter, r *http.Request, v any) error {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxRouteBody))
+	if err := dec.Decode(v); err != nil {
+		if errors.Is(err, io.EOF) {
+			return errors.New("empty body: want a JSON object")
+		}
+		return fmt.Errorf("bad JSON body: %w", err)
+	}
+	if dec.More() {
+		return errors.New("bad JSON body: trailing data after the object")
+	}
+	return nil
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, msg string) {
+	writeJSON(w, code, map[string]string{"error": msg})
+}

@@ -1,0 +1,460 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+
+	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// fakeEngine is a real gRPC server on loopback streaming what the test pushes.
+type fakeEngine struct {
+	kvpb.UnimplementedVllmEngineServer
+	addr    string
+	batches chan *kvpb.KvEventBatch
+}
+
+func startFakeEngine(t *testing.T) *fakeEngine {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &fakeEngine{addr: lis.Addr().String(), batches: make(chan *kvpb.KvEventBatch, 16)}
+	srv := grpc.NewServer()
+	kvpb.RegisterVllmEngineServer(srv, e)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return e
+}
+
+func (e *fakeEngine) SubscribeKvEvents(_ *kvpb.SubscribeKvEventsRequest, stream grpc.ServerStreamingServer[kvpb.KvEventBatch]) error {
+	if err := stream.SendHeader(nil); err != nil {
+		return err
+	}
+	for {
+		select {
+		case b := <-e.batches:
+			if err := stream.Send(b); err != nil {
+				return err
+			}
+		case <-stream.Context().Done():
+			return nil
+		}
+	}
+}
+
+// storeTokens is a batch storing toks as full blocks of blockSize.
+func storeTokens(seq uint64, blockSize int, toks []uint32) *kvpb.KvEventBatch {
+	s := &kvpb.KvBlocksStored{}
+	for i := 0; i+blockSize <= len(toks); i += blockSize {
+		s.Blocks = append(s.Blocks, &kvpb.KvBlock{BlockHash: int64(1 + i), TokenIds: toks[i : i+blockSize], BlockSize: int32(blockSize)})
+	}
+	return &kvpb.KvEventBatch{SequenceNumber: seq, Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Stored{Stored: s}}}}
+}
+
+func seqTokens(base, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(base + i)
+	}
+	return out
+}
+
+func TestParseWorker(t *testing.T) {
+	tests := []struct {
+		in      string
+		want    gateway.Worker
+		wantErr string
+	}{
+		{in: "grpc://10.0.0.1:50051", want: gateway.Worker{ID: "grpc://10.0.0.1:50051", Addr: "10.0.0.1:50051", Service: monitor.ServiceVLLM, Model: "default"}},
+		{in: "grpc://w:1,model=llama,service=sglang", want: gateway.Worker{ID: "grpc://w:1", Addr: "w:1", Service: monitor.ServiceSGLang, Model: "llama"}},
+		{in: "grpc://[::1]:7,service=tokenspeed", want: gateway.Worker{ID: "grpc://[::1]:7", Addr: "[::1]:7", Service: monitor.ServiceTokenSpeed, Model: "default"}},
+		{in: "10.0.0.1:50051", wantErr: "grpc://"},
+		{in: "http://w:1", wantErr: "grpc://"},
+		{in: "grpc://w", wantErr: "HOST:PORT"},
+		{in: "grpc://w:1/x", wantErr: "nothing after"},
+		{in: "grpc://w:1,model", wantErr: "key=value"},
+		{in: "grpc://w:1,service=trtllm", wantErr: "unknown service"},
+		{in: "grpc://w:1,color=red", wantErr: "unknown option"},
+	}
+	for _, tt := range tests {
+		got, err := parseWorker(tt.in)
+		if tt.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("%s: err %v, want one mentioning %q", tt.in, err, tt.wantErr)
+			}
+			continue
+		}
+		if err != nil || got != tt.want {
+			t.Errorf("%s: got %+v, %v; want %+v", tt.in, got, err, tt.want)
+		}
+	}
+}
+
+func TestGatewayBadFlags(t *testing.T) {
+	tests := []struct {
+		args []string
+		want string
+	}{
+		{[]string{}, "--worker is required"},
+		{[]string{"--worker", "nope"}, "-worker"},
+		{[]string{"--worker", "grpc://a:1", "--worker", "grpc://a:1"}, "--worker"},
+		{[]string{"--worker", "grpc://a:1", "--subscribe-deadline", "0s"}, "--subscribe-deadline"},
+		{[]string{"--worker", "grpc://a:1", "--max-backoff", "1ms"}, "--max-backoff"},
+		{[]string{"--worker", "grpc://a:1", "--block-size", "-1"}, "--block-size"},
+		{[]string{"--worker", "grpc://a:1", "--spill-rel-threshold", "NaN"}, "--spill-rel-threshold"},
+		{[]string{"--worker", "grpc://a:1", "--selection-temperature", "-1"}, "--selection-temperature"},
+		{[]string{"--worker", "grpc://a:1", "--log-level", "loud"}, "--log-level"},
+		{[]string{"--worker", "grpc://a:1", "--listen", "nonsense"}, "--listen"},
+		{[]string{"--worker", "grpc://a:1", "extra"}, "unexpected argument"},
+		{[]string{"--bogus"}, "bogus"},
+	}
+	for _, tt := range tests {
+		var stderr bytes.Buffer
+		code := dispatch(context.Background(), append([]string{"gateway"}, tt.args...), nil, io.Discard, &stderr)
+		if code != 2 {
+			t.Errorf("%v: exit %d, want 2", tt.args, code)
+		}
+		if !strings.Contains(stderr.String(), tt.want) {
+			t.Errorf("%v: stderr %q does not mention %q", tt.args, stderr.String(), tt.want)
+		}
+	}
+}
+
+// httpRig is the HTTP API over a running gateway with two fake engines.
+type httpRig struct {
+	a, b *fakeEngine
+	g    *gateway.Gateway
+	srv  *httptest.Server
+	idA  string
+	idB  string
+}
+
+func newHTTPRig(t *testing.T) *httpRig {
+	t.Helper()
+	a, b := startFakeEngine(t), startFakeEngine(t)
+	reg := prometheus.NewRegistry()
+	idA, idB := "grpc://"+a.addr, "grpc://"+b.addr
+	g, err := gateway.New(gateway.Config{
+		Workers: []gateway.Worker{
+			{ID: idA, Addr: a.addr, Model: "llama"},
+			{ID: idB, Addr: b.addr, Model: "llama"},
+		},
+		Registerer: reg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = g.Run(ctx) }()
+	srv := httptest.NewServer(newGatewayHandler(g, reg, slog.New(slog.DiscardHandler)))
+	t.Cleanup(func() {
+		srv.Close()
+		cancel()
+		<-done
+	})
+	return &httpRig{a: a, b: b, g: g, srv: srv, idA: idA, idB: idB}
+}
+
+func post(t *testing.T, url, body string) (int, map[string]any) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out map[string]any
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		t.Fatalf("%s: response is not JSON: %v", url, err)
+	}
+	return resp.StatusCode, out
+}
+
+func tokensJSON(toks []uint32) string {
+	b, _ := json.Marshal(toks)
+	return string(b)
+}
+
+func TestGatewayHTTP(t *testing.T) {
+	verifyNoLeaks(t)
+	r := newHTTPRig(t)
+	prompt := seqTokens(100, 64)
+	r.b.batches <- storeTokens(1, 16, prompt)
+	deadline := time.Now().Add(10 * time.Second)
+	var out map[string]any
+	for {
+		var code int
+		code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`}`)
+		if code != http.StatusOK {
+			t.Fatalf("route: %d %v", code, out)
+		}
+		if out["reason"] == "event_hit" || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if out["worker"] != r.idB || out["reason"] != "event_hit" || out["block_size"] != float64(16) {
+		t.Fatalf("route answer %v", out)
+	}
+	if m, _ := out["matched_blocks"].(map[string]any); m[r.idB] != float64(4) {
+		t.Errorf("matched_blocks %v", out["matched_blocks"])
+	}
+
+	// Loads in the body are recorded and steer the choice: B is far over
+	// the fleet mean, so the request spills to A.
+	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`,"loads":{"`+r.idB+`":400,"`+r.idA+`":0}}`)
+	if code != 200 || out["worker"] != r.idA || out["reason"] != "event_spill" {
+		t.Errorf("spill: %d %v", code, out)
+	}
+	// A separate load report brings B back under the gate.
+	code, out = post(t, r.srv.URL+"/v1/load", `{"loads":{"`+r.idB+`":1}}`)
+	if code != 200 || out["accepted"] != float64(1) {
+		t.Errorf("load: %d %v", code, out)
+	}
+	code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`}`)
+	if code != 200 || out["worker"] != r.idB {
+		t.Errorf("after load report: %d %v", code, out)
+	}
+
+	bad := []struct {
+		path, body string
+		code       int
+		want       string
+	}{
+		{"/v1/route", `{"model":"llama"`, 400, "bad JSON"},
+		{"/v1/route", ``, 400, "empty body"},
+		{"/v1/route", `{"model":"llama"}`, 400, "token_ids"},
+		{"/v1/route", `{"model":"llama","token_ids":[1,-2]}`, 400, "bad JSON"},
+		{"/v1/route", `{"model":"llama","token_ids":[4294967296]}`, 400, "bad JSON"},
+		{"/v1/route", `{"model":"llama","token_ids":"abc"}`, 400, "bad JSON"},
+		{"/v1/route", `{"model":"llama","token_ids":[1]} {}`, 400, "trailing"},
+		{"/v1/route", `{"model":"llama","token_ids":[1],"loads":{"grpc://nope:1":1}}`, 400, "unknown worker"},
+		{"/v1/route", `{"model":"llama","token_ids":[1],"loads":{"` + r.idA + `":-1}}`, 400, "≥ 0"},
+		{"/v1/route", `{"model":"mistral","token_ids":[1]}`, 404, "unknown model"},
+		{"/v1/load", `{}`, 400, "loads"},
+		{"/v1/load", `{"loads":{"x":1}}`, 400, "unknown worker"},
+		{"/v1/load", `[1]`, 400, "bad JSON"},
+	}
+	for _, tt := range bad {
+		code, out := post(t, r.srv.URL+tt.path, tt.body)
+		msg, _ := out["error"].(string)
+		if code != tt.code || !strings.Contains(msg, tt.want) {
+			t.Errorf("%s %s: %d %q, want %d mentioning %q", tt.path, tt.body, code, msg, tt.code, tt.want)
+		}
+	}
+
+	// Workers: stream state and cursor.
+	resp, err := http.Get(r.srv.URL + "/v1/workers")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var workers struct {
+		Workers []gateway.WorkerStatus `json:"workers"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&workers); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if len(workers.Workers) != 2 {
+		t.Fatalf("workers %+v", workers)
+	}
+	for _, w := range workers.Workers {
+		if w.State != monitor.StateStreaming || w.Model != "llama" {
+			t.Errorf("worker %+v", w)
+		}
+		if w.ID == r.idB && (len(w.Ranks) != 1 || w.Ranks[0].Cursor != 1 || w.IndexBlocks != 4 || w.Inflight != 1) {
+			t.Errorf("worker B %+v", w)
+		}
+	}
+
+	// Metrics.
+	resp, err = http.Get(r.srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, name := range []string{"kvrelay_gateway_batches_total", "kvrelay_gateway_subscriptions_total", "kvrelay_gateway_route_decisions_total", "kvrelay_gateway_index_blocks"} {
+		if !bytes.Contains(body, []byte(name)) {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
+
+	// Wrong method.
+	resp, err = http.Get(r.srv.URL + "/v1/route")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("GET /v1/route: %d", resp.StatusCode)
+	}
+
+	// No workers left for the model: 503.
+	for _, id := range []string{r.idA, r.idB} {
+		if err := r.g.RemoveWorker(id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`)
+	if code != http.StatusServiceUnavailable {
+		t.Errorf("no workers: %d %v", code, out)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the logger and the test together.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestGatewayCommand runs `kvrelay gateway` itself: it routes a repeated
+// prompt to the worker that cached it, and stops cleanly when its context
+// ends.
+func TestGatewayCommand(t *testing.T) {
+	verifyNoLeaks(t)
+	e1, e2 := startFakeEngine(t), startFakeEngine(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var stderr syncBuffer
+	exit := make(chan int, 1)
+	go func() {
+		exit <- dispatch(ctx, []string{"gateway",
+			"--worker", "grpc://" + e1.addr + ",model=m",
+			"--worker", "grpc://" + e2.addr + ",model=m,service=vllm",
+			"--listen", "127.0.0.1:0", "--log-level", "debug",
+		}, nil, io.Discard, &stderr)
+	}()
+	addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
+	var addr string
+	deadline := time.Now().Add(10 * time.Second)
+	for addr == "" {
+		if m := addrRE.FindStringSubmatch(stderr.String()); m != nil {
+			addr = m[1]
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no listening line in %q", stderr.String())
+		} else {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	prompt := seqTokens(7, 48)
+	e2.batches <- storeTokens(1, 16, prompt)
+	var out map[string]any
+	for {
+		_, out = post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(prompt)+`}`)
+		if out["reason"] == "event_hit" || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if out["worker"] != "grpc://"+e2.addr || out["reason"] != "event_hit" {
+		t.Fatalf("route %v", out)
+	}
+	cancel()
+	select {
+	case code := <-exit:
+		if code != 0 {
+			t.Errorf("exit %d; stderr %s", code, stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("gateway did not stop")
+	}
+	if !strings.Contains(stderr.String(), "gateway stopped") {
+		t.Errorf("no clean stop in %q", stderr.String())
+	}
+}
+
+// verifyNoLeaks checks, after every cleanup of the test (cleanups run last
+// registered first), that the test left no goroutine behind. The package
+// has no TestMain of its own to run goleak from.
+func verifyNoLeaks(t *testing.T) {
+	opt := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, opt) })
+}
+
+// FuzzParseWorker: any --worker value gets a worker or an error, never a
+// panic, and an accepted one round-trips to its ID.
+func FuzzParseWorker(f *testing.F) {
+	for _, s := range []string{"grpc://h:1", "grpc://h:1,model=m,service=sglang", "grpc://[::1]:9", "grpc://h:1,", "grpc://:1", "grpc://h:1,model=a=b"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		w, err := parseWorker(s)
+		if err != nil {
+			return
+		}
+		if w.Addr == "" || w.ID != "grpc://"+w.Addr || w.Model == "" {
+			t.Fatalf("%q parsed to %+v", s, w)
+		}
+		if _, err := monitor.ParseService(string(w.Service)); err != nil {
+			t.Fatalf("%q: service %q", s, w.Service)
+		}
+	})
+}
+
+// FuzzRouteBody: any /v1/route body gets a JSON answer with a status the API
+// documents, never a panic.
+func FuzzRouteBody(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","token_ids":[1,2,3]}`,
+		`{"model":"m","token_ids":[],"loads":{"grpc://h:1":3}}`,
+		`{"model":"x","token_ids":[1]}`,
+		`{"token_ids":null}`,
+		`{"model":"m","token_ids":[1],"lora_name":"a","cache_salt":"b"}`,
+		`[`, ``,
+	} {
+		f.Add([]byte(s))
+	}
+	g, err := gateway.New(gateway.Config{Workers: []gateway.Worker{{ID: "grpc://h:1", Addr: "h:1", Model: "m"}}})
+	if err != nil {
+		f.Fatal(err)
+	}
+	h := newGatewayHandler(g, prometheus.NewRegistry(), slog.New(slog.DiscardHandler))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/route", bytes.NewReader(body)))
+		switch rec.Code {
+		case http.StatusOK, http.StatusBadRequest, http.StatusNotFound, http.StatusServiceUnavailable:
+		default:
+			t.Fatalf("status %d for %q", rec.Code, body)
+		}
+		var out map[string]any
+		if err := json.Unmarshal(rec.Body.Bytes(), &out); err != nil {
+			t.Fatalf("answer is not JSON: %q", rec.Body.String())
+		}
+		if rec.Code == http.StatusOK && out["worker"] != "grpc://h:1" {
+			t.Fatalf("routed to %v", out["worker"])
+		}
+	})
+}

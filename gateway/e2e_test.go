@@ -1,0 +1,394 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/server"
+	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/sim/prefixcache"
+)
+
+// relayedEngine is a simulated vLLM engine behind a real kvrelay relay and
+// gRPC server, all in this process (ZeroMQ and gRPC over loopback). The
+// relay and the server can be stopped and started again on the same address.
+type relayedEngine struct {
+	t      *testing.T
+	eng    *sim.Engine
+	dpSize int
+	addr   string
+
+	stopServer func() // set while the server runs
+	stopRelay  func() // set while the relay runs
+	rel        *relay.Relay
+}
+
+func startRelayedEngine(t *testing.T, dpSize int) *relayedEngine {
+	t.Helper()
+	live := freePorts(t, 2*dpSize)
+	ctx, cancel := context.WithCancel(context.Background())
+	eng, err := sim.Start(ctx, sim.Options{
+		Engine: "vllm", DPSize: dpSize, BlockSize: 16, CapacityBlocks: 256,
+		// TCP on loopback: zmq4's inproc transport panics under this load.
+		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+dpSize),
+	})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	r := &relayedEngine{t: t, eng: eng, dpSize: dpSize, addr: "127.0.0.1:0"}
+	t.Cleanup(func() {
+		r.down()
+		cancel()
+		_ = eng.Close()
+	})
+	r.startRelay()
+	r.startServer()
+	return r
+}
+
+// startRelay starts a fresh relay (no history, no record) and waits until
+// it is connected to every rank.
+func (r *relayedEngine) startRelay() {
+	r.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	rel, err := relay.New(relay.Config{Engine: vllm.Engine, KV: r.eng.Config(), DPSize: r.dpSize, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		cancel()
+		r.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = rel.Run(ctx) }()
+	r.rel = rel
+	r.stopRelay = func() { cancel(); <-done }
+	eventually(r.t, "relay connected", rel.Ready)
+}
+
+// startServer serves the current relay on r.addr (a fresh port the first
+// time, the same one afterwards).
+func (r *relayedEngine) startServer() {
+	r.t.Helper()
+	rel := r.rel
+	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{{
+		Engine: vllm.Engine,
+		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
+			return rel.Subscribe(ctx, req)
+		},
+		Ready: rel.Ready,
+	}}})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	var lis net.Listener
+	eventually(r.t, "listen on "+r.addr, func() bool {
+		lis, err = net.Listen("tcp", r.addr)
+		return err == nil
+	})
+	r.addr = lis.Addr().String()
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	r.stopServer = func() { srv.Stop(); <-done }
+}
+
+// down stops whatever runs of the server and the relay.
+func (r *relayedEngine) down() {
+	if r.stopServer != nil {
+		r.stopServer()
+		r.stopServer = nil
+	}
+	if r.stopRelay != nil {
+		r.stopRelay()
+		r.stopRelay = nil
+	}
+}
+
+// engineLive is the engine's true live set in the index's terms.
+func engineLive(e *sim.Engine) []index.LiveBlock {
+	var out []index.LiveBlock
+	for _, rl := range e.LiveSet() {
+		for _, b := range rl.Blocks {
+			tier := index.TierDevice
+			if b.Tier == prefixcache.Host {
+				tier = index.TierHost
+			}
+			out = append(out, index.LiveBlock{Rank: int32(rl.Rank), Tier: tier, EngineHash: b.Hash, Copies: b.Copies})
+		}
+	}
+	slices.SortFunc(out, func(a, b index.LiveBlock) int {
+		if a.Rank != b.Rank {
+			return int(a.Rank - b.Rank)
+		}
+		if a.Tier != b.Tier {
+			return int(a.Tier) - int(b.Tier)
+		}
+		switch {
+		case a.EngineHash < b.EngineHash:
+			return -1
+		case a.EngineHash > b.EngineHash:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// step serves one prompt on one rank.
+func step(t *testing.T, e *sim.Engine, rank int, toks []uint32) {
+	t.Helper()
+	if _, err := e.Step(sim.Request{Rank: rank, Tokens: toks}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func workload(t *testing.T, e *sim.Engine, n int) {
+	t.Helper()
+	if _, err := e.RunWorkload(n); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startGateway runs a gateway over the engines; stop ends it (and is also
+// registered as a cleanup).
+func startGateway(t *testing.T, a, b *relayedEngine) (g *Gateway, reg *prometheus.Registry, stop func()) {
+	t.Helper()
+	return startGatewayWith(t, Worker{ID: "A", Addr: a.addr, Model: "llama"}, Worker{ID: "B", Addr: b.addr, Model: "llama"})
+}
+
+// startGatewayAt runs a gateway with one worker "P" of model llama at addr.
+func startGatewayAt(t *testing.T, addr string) (g *Gateway, reg *prometheus.Registry, stop func()) {
+	t.Helper()
+	return startGatewayWith(t, Worker{ID: "P", Addr: addr, Model: "llama"})
+}
+
+func startGatewayWith(t *testing.T, workers ...Worker) (g *Gateway, reg *prometheus.Registry, stop func()) {
+	t.Helper()
+	reg = prometheus.NewRegistry()
+	g, err := New(Config{Workers: workers, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = g.Run(ctx) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return g, reg, stop
+}
+
+// counter reads a counter's value for the given labels, 0 if absent.
+func counter(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue metrics
+				}
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	return 0
+}
+
+// assertExact waits until the index holds exactly each engine's live set.
+func assertExact(t *testing.T, g *Gateway, engines map[string]*sim.Engine, when string) {
+	t.Helper()
+	ix := g.models["llama"].ix
+	for id, e := range engines {
+		want := engineLive(e)
+		deadline := time.Now().Add(waitFor)
+		for !slices.Equal(ix.LiveSet(id), want) {
+			if time.Now().After(deadline) {
+				got := ix.LiveSet(id)
+				t.Fatalf("%s: index of %s holds %d blocks, engine %d; status %+v\nmissing %v\nextra %v", when, id, len(got), len(want), workerStatus(t, g, id), diffLive(want, got), diffLive(got, want))
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+}
+
+// assertRoutes checks that each prompt goes to the worker that served it.
+func assertRoutes(t *testing.T, g *Gateway, when string, cases map[string][]uint32) {
+	t.Helper()
+	for worker, prompt := range cases {
+		d, err := g.Route(RouteRequest{Model: "llama", TokenIDs: prompt})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker != worker || d.Reason != picker.ReasonHit || d.MatchedBlocks[worker] != len(prompt)/16 {
+			t.Errorf("%s: route for %s's prompt: %+v", when, worker, d)
+		}
+	}
+}
+
+// TestEndToEndThroughTheRelay: simulated engines → kvrelay relay → gRPC →
+// monitor → index → picker. A repeated prompt goes to the engine that served
+// it, and the index holds exactly each engine's live set.
+func TestEndToEndThroughTheRelay(t *testing.T) {
+	a := startRelayedEngine(t, 2)
+	b := startRelayedEngine(t, 1)
+	g, reg, stopGateway := startGateway(t, a, b)
+	engines := map[string]*sim.Engine{"A": a.eng, "B": b.eng}
+
+	promptA := tokens(10_000, 16*12)
+	promptB := tokens(90_000, 16*7)
+	serve := func() {
+		// Background traffic (evictions included), then the two prompts so
+		// they are surely live.
+		workload(t, a.eng, 40)
+		workload(t, b.eng, 40)
+		step(t, a.eng, 1, promptA)
+		step(t, b.eng, 0, promptB)
+	}
+	routes := map[string][]uint32{"A": promptA, "B": promptB}
+
+	serve()
+	assertExact(t, g, engines, "first run")
+	assertRoutes(t, g, "first run", routes)
+
+	// A dropped connection: the server goes away while the relay keeps
+	// recording; the gateway resumes from its cursors out of the history.
+	a.stopServer()
+	a.stopServer = nil
+	workload(t, a.eng, 20)
+	a.startServer()
+	step(t, a.eng, 1, promptA)
+	assertExact(t, g, engines, "after a dropped connection")
+	if w := workerStatus(t, g, "A"); w.Degraded || w.Subscriptions < 2 {
+		t.Errorf("after a dropped connection: %+v", w)
+	}
+
+	// A relay restart: the new relay knows nothing of the old cursors.
+	a.down()
+	workload(t, a.eng, 20)
+	a.startRelay()
+	a.startServer()
+	step(t, a.eng, 1, promptA)
+	assertExact(t, g, engines, "after a relay restart")
+	assertRoutes(t, g, "after a relay restart", routes)
+	if w := workerStatus(t, g, "A"); w.Subscriptions < 3 {
+		t.Errorf("after a relay restart: %+v", w)
+	}
+
+	// A gateway restart: a new gateway starts from zero.
+	stopGateway()
+	g, reg, _ = startGateway(t, a, b)
+	assertExact(t, g, engines, "after a gateway restart")
+	assertRoutes(t, g, "after a gateway restart", routes)
+	for _, w := range g.Workers() {
+		if w.Degraded || w.BlockSize != 16 {
+			t.Errorf("worker %s: %+v", w.ID, w)
+		}
+	}
+
+	// A publisher restart: sequences start again at 0 and the cache is empty.
+	// A SUB needs a moment to reconnect to the new PUB and misses what is
+	// published before (ZeroMQ's slow joiner), so the engine serves small
+	// requests until the relay hears one; the relay then sees the restart
+	// and recovers the missed batches from the engine's replay ring.
+	relayed := b.rel.Status().Relayed
+	if err := b.eng.Fault(sim.Fault{Kind: sim.FaultRestart}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; b.rel.Status().Relayed == relayed; i++ {
+		if i == 200 {
+			t.Fatalf("the relay received nothing from the restarted publisher: %+v", b.rel.Status())
+		}
+		step(t, b.eng, 0, tokens(500_000+16*i, 16))
+		time.Sleep(25 * time.Millisecond)
+	}
+	serve()
+	assertExact(t, g, engines, "after a publisher restart")
+	assertRoutes(t, g, "after a publisher restart", routes)
+	restarts := counter(t, reg, "kvrelay_gateway_resyncs_total", map[string]string{"worker": "B", "reason": "publisher_restart"}) +
+		counter(t, reg, "kvrelay_gateway_resyncs_total", map[string]string{"worker": "B", "reason": "data_loss"}) +
+		counter(t, reg, "kvrelay_gateway_resyncs_total", map[string]string{"worker": "B", "reason": "out_of_range"})
+	if restarts < 1 {
+		t.Error("the publisher restart left no resync")
+	}
+}
+
+func workerStatus(t *testing.T, g *Gateway, id string) WorkerStatus {
+	t.Helper()
+	for _, w := range g.Workers() {
+		if w.ID == id {
+			return w
+		}
+	}
+	t.Fatalf("no worker %s", id)
+	return WorkerStatus{}
+}
+
+// freePorts finds n consecutive free loopback ports and returns the first.
+// Another process may still take one before the engine binds it; starting
+// from a kernel-chosen port makes that rare.
+func freePorts(t *testing.T, n int) int {
+	t.Helper()
+	for attempt := 0; attempt < 50; attempt++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		base := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if base+n > 65535 {
+			continue
+		}
+		ok := true
+		var held []net.Listener
+		for p := base; p < base+n && ok; p++ {
+			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
+			if err != nil {
+				ok = false
+				continue
+			}
+			held = append(held, l)
+		}
+		for _, l := range held {
+			l.Close()
+		}
+		if ok {
+			return base
+		}
+	}
+	t.Fatal("no free port range")
+	return 0
+}
+
+// diffLive lists the rows of a that b lacks.
+func diffLive(a, b []index.LiveBlock) []index.LiveBlock {
+	var out []index.LiveBlock
+	for _, x := range a {
+		if !slices.Contains(b, x) {
+			out = append(out, x)
+		}
+	}
+	return out
+}

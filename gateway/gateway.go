@@ -1,0 +1,430 @@
+// Package gateway is kvrelay's routing module: it subscribes to every
+// worker's KV-event stream (package monitor), keeps one prefix index per
+// model (package index), and picks the worker for a request by its cached
+// prefix and in-flight load (package picker). A Go router or an endpoint
+// picker embeds it; `kvrelay gateway` serves it over HTTP.
+//
+// Embedding, in about twenty lines (Example compiles it):
+//
+//	reg := prometheus.NewRegistry()
+//	gw, err := gateway.New(gateway.Config{
+//		Workers: []gateway.Worker{
+//			{Addr: "10.0.0.1:50051", Service: monitor.ServiceVLLM, Model: "llama"},
+//			{Addr: "10.0.0.2:50051", Service: monitor.ServiceVLLM, Model: "llama"},
+//		},
+//		Index:      index.Options{TTL: 30 * time.Minute},
+//		Registerer: reg,
+//	})
+//	if err != nil {
+//		return err
+//	}
+//	go gw.Run(ctx) // one subscription per worker, index pruning
+//
+//	// per request:
+//	d, err := gw.Route(gateway.RouteRequest{Model: "llama", TokenIDs: promptTokens})
+//	if err != nil {
+//		return err // ErrUnknownModel, ErrNoWorkers
+//	}
+//	inflight[d.Worker]++
+//	gw.ReportLoad(d.Worker, inflight[d.Worker]) // and again when it finishes
+//	forward(req, d.Worker)                      // d.Reason: event_hit, event_spill or no_overlap
+//
+// Route answers from the index alone: while a model's index is empty (at
+// start, after a resync) every request is no_overlap and goes to the least
+// loaded worker.
+//
+// Workers can also come and go at run time (AddWorker, RemoveWorker); a
+// removed worker's blocks leave its model's index before RemoveWorker
+// returns.
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// DefaultModel is the model of a worker or request that names none.
+const DefaultModel = "default"
+
+// Worker is one engine the gateway routes to and subscribes to. Its ID (the
+// address when empty) is the name Route answers with.
+type Worker = monitor.Worker
+
+// Config configures a Gateway.
+type Config struct {
+	Workers []Worker
+	// Monitor tunes the subscriptions; its Registerer, Logger, OnLoad and
+	// OnBlockSize are set by the gateway.
+	Monitor monitor.Options
+	// Index is the options every model's index is built with.
+	Index index.Options
+	// Picker tunes the choice (spill gate, temperature).
+	Picker picker.Config
+	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// RouteRequest is a request to place.
+type RouteRequest struct {
+	Model    string
+	TokenIDs []uint32
+	// LoraName and CacheSalt select the cache namespace the engine hashed
+	// the request's blocks under.
+	LoraName  string
+	CacheSalt string
+	// Loads, if set, are in-flight reports (worker → requests) recorded
+	// before the choice, as ReportLoads would; an unknown worker fails the
+	// request with ErrUnknownWorker.
+	Loads map[string]int
+}
+
+// Decision is where a request goes and why.
+type Decision struct {
+	Worker string
+	Model  string
+	// Reason is event_hit, event_spill or no_overlap.
+	Reason picker.Reason
+	// MatchedBlocks holds each worker's leading blocks of the request that
+	// its cache holds (workers with none are absent).
+	MatchedBlocks map[string]int
+	// BlockSize is the block size the request was cut with; RequestBlocks
+	// the number of full blocks.
+	BlockSize     int
+	RequestBlocks int
+}
+
+// EngineLoad is the last load record a worker pushed on its event stream.
+type EngineLoad struct {
+	Rank            int32     `json:"rank"`
+	RunningRequests uint32    `json:"running_requests"`
+	WaitingRequests uint32    `json:"waiting_requests"`
+	TokenUsage      float64   `json:"token_usage"`
+	At              time.Time `json:"at"`
+}
+
+// WorkerStatus is a worker's stream state plus what routing knows of it.
+type WorkerStatus struct {
+	monitor.WorkerStatus
+	// Inflight is the last in-flight count reported for the worker.
+	Inflight int `json:"inflight"`
+	// IndexBlocks is the number of engine blocks the index holds for it.
+	IndexBlocks int         `json:"index_blocks"`
+	EngineLoad  *EngineLoad `json:"engine_load,omitempty"`
+}
+
+// Errors Route and ReportLoad return.
+var (
+	ErrUnknownModel  = errors.New("unknown model")
+	ErrNoWorkers     = errors.New("no workers for the model")
+	ErrUnknownWorker = errors.New("unknown worker")
+)
+
+// model is one model's index and workers.
+type model struct {
+	name    string
+	ix      *index.Index
+	workers map[string]bool
+	list    []string // workers, sorted; rebuilt on change so Route copies a slice
+	started bool     // its index's Run is going
+}
+
+func (m *model) relist() {
+	m.list = m.list[:0:0]
+	for w := range m.workers {
+		m.list = append(m.list, w)
+	}
+	sort.Strings(m.list)
+}
+
+// Gateway routes requests by cached prefix. Its methods are safe for
+// concurrent use.
+type Gateway struct {
+	cfg     Config
+	log     *slog.Logger
+	mon     *monitor.Monitor
+	picker  *picker.Picker
+	metrics *gatewayMetrics
+
+	mu       sync.Mutex
+	models   map[string]*model
+	workerOf map[string]string // worker ID → model
+	inflight map[string]int
+	engine   map[string]EngineLoad
+	runCtx   context.Context
+	wg       sync.WaitGroup
+}
+
+// New builds a Gateway with cfg's workers; nothing connects until Run.
+func New(cfg Config) (*Gateway, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	p, err := picker.New(cfg.Picker)
+	if err != nil {
+		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	g := &Gateway{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		picker:   p,
+		models:   map[string]*model{},
+		workerOf: map[string]string{},
+		inflight: map[string]int{},
+		engine:   map[string]EngineLoad{},
+	}
+	mopts := cfg.Monitor
+	mopts.Registerer = cfg.Registerer
+	mopts.Logger = cfg.Logger.With("component", "monitor")
+	mopts.OnLoad = g.onEngineLoad
+	mopts.OnBlockSize = g.onBlockSize
+	if g.mon, err = monitor.New(mopts); err != nil {
+		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	if g.metrics, err = newGatewayMetrics(cfg.Registerer, g); err != nil {
+		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	for _, w := range cfg.Workers {
+		if err := g.AddWorker(w); err != nil {
+			return nil, err
+		}
+	}
+	return g, nil
+}
+
+// AddWorker starts routing to w and, during Run, subscribing to it.
+func (g *Gateway) AddWorker(w Worker) error {
+	if w.Model == "" {
+		w.Model = DefaultModel
+	}
+	if w.ID == "" {
+		w.ID = w.Addr
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, dup := g.workerOf[w.ID]; dup {
+		return fmt.Errorf("gateway: worker %s: %w", w.ID, monitor.ErrDuplicateWorker)
+	}
+	m := g.models[w.Model]
+	fresh := m == nil
+	if fresh {
+		opts := g.cfg.Index
+		if opts.Logger == nil {
+			opts.Logger = g.log.With("component", "index", "model", w.Model)
+		}
+		m = &model{name: w.Model, ix: index.New(opts), workers: map[string]bool{}}
+	}
+	if err := g.mon.Add(w, m.ix); err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
+	if fresh {
+		g.models[w.Model] = m
+		if g.runCtx != nil {
+			g.startIndex(m)
+		}
+	}
+	m.workers[w.ID] = true
+	m.relist()
+	g.workerOf[w.ID] = w.Model
+	return nil
+}
+
+// RemoveWorker stops subscribing to the worker and routing to it; its blocks
+// leave the index before it returns.
+func (g *Gateway) RemoveWorker(id string) error {
+	g.mu.Lock()
+	name, ok := g.workerOf[id]
+	if !ok {
+		g.mu.Unlock()
+		return fmt.Errorf("gateway: %s: %w", id, ErrUnknownWorker)
+	}
+	m := g.models[name]
+	delete(m.workers, id)
+	m.relist()
+	delete(g.workerOf, id)
+	delete(g.inflight, id)
+	delete(g.engine, id)
+	g.mu.Unlock()
+	if err := g.mon.Remove(id); err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
+	m.ix.RemoveWorker(id)
+	return nil
+}
+
+// startIndex runs a model's pruning; g.mu is held.
+func (g *Gateway) startIndex(m *model) {
+	if m.started {
+		return
+	}
+	m.started = true
+	g.wg.Add(1)
+	go func() {
+		defer g.wg.Done()
+		m.ix.Run(g.runCtx)
+	}()
+}
+
+// Run subscribes to every worker and prunes the indexes until ctx ends, then
+// waits for all of it to stop.
+func (g *Gateway) Run(ctx context.Context) error {
+	g.mu.Lock()
+	if g.runCtx != nil {
+		g.mu.Unlock()
+		return errors.New("gateway: Run called twice")
+	}
+	g.runCtx = ctx
+	for _, m := range g.models {
+		g.startIndex(m)
+	}
+	g.mu.Unlock()
+	err := g.mon.Run(ctx)
+	g.wg.Wait()
+	return err
+}
+
+// Route picks the worker for req.
+func (g *Gateway) Route(req RouteRequest) (Decision, error) {
+	start := time.Now()
+	name := req.Model
+	if name == "" {
+		name = DefaultModel
+	}
+	g.mu.Lock()
+	if err := g.reportLoadsLocked(req.Loads); err != nil {
+		g.mu.Unlock()
+		return Decision{}, err
+	}
+	m := g.models[name]
+	if m == nil {
+		g.mu.Unlock()
+		return Decision{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
+	}
+	// m.list is replaced, never modified in place, so it may be read
+	// after the lock is released. Workers with nothing in flight need no
+	// entry: the picker reads a missing one as 0.
+	eligible := m.list
+	loads := make(picker.Loads, len(g.inflight))
+	for _, w := range eligible {
+		if n := g.inflight[w]; n > 0 {
+			loads[w] = n
+		}
+	}
+	g.mu.Unlock()
+	if len(eligible) == 0 {
+		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
+	}
+
+	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
+	d, err := g.picker.Pick(picker.Request{Eligible: eligible}, matches, loads)
+	if errors.Is(err, picker.ErrNoWorkers) {
+		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
+	}
+	if err != nil {
+		return Decision{}, fmt.Errorf("gateway: %w", err)
+	}
+	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
+	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
+	return Decision{
+		Worker:        d.Worker,
+		Model:         name,
+		Reason:        d.Reason,
+		MatchedBlocks: d.Matched,
+		BlockSize:     m.ix.BlockSize(),
+		RequestBlocks: matches.RequestBlocks,
+	}, nil
+}
+
+// ReportLoad records the worker's in-flight requests (negative counts as 0).
+func (g *Gateway) ReportLoad(worker string, inflight int) error {
+	return g.ReportLoads(map[string]int{worker: inflight})
+}
+
+// ReportLoads records several workers' in-flight requests at once: all of
+// them, or none if one names an unknown worker.
+func (g *Gateway) ReportLoads(loads map[string]int) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.reportLoadsLocked(loads)
+}
+
+func (g *Gateway) reportLoadsLocked(loads map[string]int) error {
+	for w := range loads {
+		if _, ok := g.workerOf[w]; !ok {
+			return fmt.Errorf("%w: %q", ErrUnknownWorker, w)
+		}
+	}
+	for w, n := range loads {
+		g.inflight[w] = max(n, 0)
+	}
+	return nil
+}
+
+// Workers reports every worker, sorted by ID.
+func (g *Gateway) Workers() []WorkerStatus {
+	sts := g.mon.Workers()
+	g.mu.Lock()
+	stats := make(map[string]index.Stats, len(g.models))
+	for name, m := range g.models {
+		stats[name] = m.ix.Stats()
+	}
+	out := make([]WorkerStatus, 0, len(sts))
+	for _, st := range sts {
+		ws := WorkerStatus{WorkerStatus: st, Inflight: g.inflight[st.ID]}
+		ws.IndexBlocks = stats[st.Model].Workers[st.ID].Blocks
+		if l, ok := g.engine[st.ID]; ok {
+			ws.EngineLoad = &l
+		}
+		out = append(out, ws)
+	}
+	g.mu.Unlock()
+	return out
+}
+
+// Models lists the models the gateway routes, sorted.
+func (g *Gateway) Models() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]string, 0, len(g.models))
+	for name := range g.models {
+		out = append(out, name)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.workerOf[worker]; !ok {
+		return
+	}
+	g.engine[worker] = EngineLoad{
+		Rank:            rank,
+		RunningRequests: l.GetRunningRequests(),
+		WaitingRequests: l.GetWaitingRequests(),
+		TokenUsage:      l.GetTokenUsage(),
+		At:              time.Now(),
+	}
+}
+
+func (g *Gateway) onBlockSize(name string, n int) {
+	g.mu.Lock()
+	m := g.models[name]
+	g.mu.Unlock()
+	if m != nil {
+		m.ix.SetBlockSize(n)
+	}
+}

@@ -1,0 +1,360 @@
+// Package monitor keeps one SubscribeKvEvents stream open per worker and
+// feeds what it admits into an index.
+//
+// It implements SMG's gateway-side recovery protocol (the G3
+// kv_event_monitor): a cursor per (worker, DP rank); in-order batches are
+// applied, duplicates dropped, a gap is answered by one reconnect with the
+// unchanged cursor and, if the server skips it again, settled by its size (up
+// to 1,024 missed batches the blocks are kept and the rank marked degraded,
+// beyond that the worker is cleared); a sequence that goes backwards in a way
+// no duplicate can is read as a publisher restart; relay snapshot chunks
+// clear the worker and resync every cursor; OUT_OF_RANGE and DATA_LOSS clear
+// the worker and resubscribe from zero; UNIMPLEMENTED disables the worker.
+//
+// A subscribe call that is not answered (no headers) within the subscribe
+// deadline (2 s) is abandoned; reconnects back off from 100 ms to 5 s, and
+// the delay starts over once a worker answers. Two departures from SMG's
+// loop, both against hot loops: OUT_OF_RANGE or DATA_LOSS when the monitor
+// held no cursor to forget is backed off (asking again at once would get the
+// same answer), and so is a resync requested again before any live batch
+// arrived since the previous one.
+//
+// Each subscription sends rank 0's cursor in start_sequence_number, which
+// every server reads, and every rank's cursor in rank_cursors (field 16, a
+// kvrelay extension). Servers that predate the field skip it as an unknown
+// field (proto3 parsing keeps or drops unknown fields, it never rejects them;
+// TestOldServerIgnoresRankCursors checks this against a server compiled
+// without the field, and the gateway package's TestSMGPythonRelay against
+// SMG's own Python relay), so the map is always sent.
+package monitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// Service names the gRPC service a worker serves SubscribeKvEvents on.
+type Service string
+
+// The services that carry SubscribeKvEvents.
+const (
+	ServiceVLLM       Service = "vllm"
+	ServiceSGLang     Service = "sglang"
+	ServiceTokenSpeed Service = "tokenspeed"
+)
+
+// ParseService accepts the service names the command line uses.
+func ParseService(s string) (Service, error) {
+	switch Service(s) {
+	case ServiceVLLM, ServiceSGLang, ServiceTokenSpeed:
+		return Service(s), nil
+	}
+	return "", fmt.Errorf("unknown service %q (want vllm, sglang or tokenspeed)", s)
+}
+
+// Worker is one subscription target.
+type Worker struct {
+	// ID names the worker in the index, in metrics and in routing answers.
+	// Empty means Addr.
+	ID string
+	// Addr is the worker's gRPC address, host:port.
+	Addr string
+	// Service selects the gRPC service; empty means vllm.
+	Service Service
+	// Model is the model the worker serves; it selects the index.
+	Model string
+}
+
+// Sink receives what the monitor admits for a worker. Calls for one worker
+// come from one goroutine in stream order; calls for different workers may be
+// concurrent.
+type Sink interface {
+	// Apply applies an admitted batch (live, replayed or a snapshot chunk).
+	Apply(worker string, b *kvpb.KvEventBatch)
+	// ClearWorker drops every block the worker holds.
+	ClearWorker(worker string)
+}
+
+// State is where a worker's subscription stands.
+type State string
+
+// Subscription states.
+const (
+	StateConnecting State = "connecting" // a subscribe call is in flight
+	StateStreaming  State = "streaming"  // the stream is open
+	StateBackoff    State = "backoff"    // waiting before the next attempt
+	StateDisabled   State = "disabled"   // the worker answered UNIMPLEMENTED; no further calls
+	StateStopped    State = "stopped"    // the monitor stopped or the worker was removed
+)
+
+// Defaults, from SMG G3's subscription loop and its keepalive settings.
+const (
+	DefaultSubscribeDeadline = 2 * time.Second
+	DefaultInitialBackoff    = 100 * time.Millisecond
+	DefaultMaxBackoff        = 5 * time.Second
+)
+
+// DefaultKeepalive pings an open stream every 30 s and gives the answer 10 s.
+// SMG moved from 1 s pings to these values because grpc-core servers answered
+// faster pings with a too_many_pings GOAWAY; grpc-go raises any Time below
+// 10 s to 10 s anyway. Pings are sent only while a stream is open, so a
+// server enforcing PermitWithoutStream=false is never offended; a server's
+// EnforcementPolicy.MinTime must be at most 30 s (grpc-go's default is 5 min,
+// but it forgives pings on a connection that carries data, which heartbeats
+// provide). A silent, half-open connection is noticed within about 40 s.
+var DefaultKeepalive = keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
+
+// Options configure a Monitor. Zero values take the defaults.
+type Options struct {
+	SubscribeDeadline time.Duration
+	InitialBackoff    time.Duration
+	MaxBackoff        time.Duration
+	// Keepalive overrides DefaultKeepalive when Time is non-zero.
+	Keepalive keepalive.ClientParameters
+	// DialOptions are added to the monitor's own (insecure transport,
+	// keepalive, connect backoff).
+	DialOptions []grpc.DialOption
+	// Registerer receives the kvrelay_gateway_* metrics; nil leaves them
+	// unregistered.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+	// OnLoad, if set, receives every load record a worker pushes on its
+	// stream (rank is the batch's dp_rank, 0 when absent).
+	OnLoad func(worker string, rank int32, load *kvpb.EngineLoad)
+	// OnBlockSize, if set, is called when a worker's stream reveals the
+	// model's block size (the first stored block with block_size > 0, once
+	// per subscription goroutine).
+	OnBlockSize func(model string, blockSize int)
+}
+
+func (o Options) withDefaults() Options {
+	if o.SubscribeDeadline <= 0 {
+		o.SubscribeDeadline = DefaultSubscribeDeadline
+	}
+	if o.InitialBackoff <= 0 {
+		o.InitialBackoff = DefaultInitialBackoff
+	}
+	if o.MaxBackoff <= 0 {
+		o.MaxBackoff = DefaultMaxBackoff
+	}
+	if o.MaxBackoff < o.InitialBackoff {
+		o.MaxBackoff = o.InitialBackoff
+	}
+	if o.Keepalive.Time == 0 {
+		o.Keepalive = DefaultKeepalive
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return o
+}
+
+// RankStatus is one DP rank's cursor.
+type RankStatus struct {
+	Rank int32 `json:"rank"`
+	// Cursor is the last applied sequence; HasCursor is false after a reset.
+	Cursor        uint64 `json:"cursor"`
+	HasCursor     bool   `json:"has_cursor"`
+	Degraded      bool   `json:"degraded"`
+	ReplayPending bool   `json:"replay_pending"`
+}
+
+// WorkerStatus is a worker's subscription state, for /v1/workers.
+type WorkerStatus struct {
+	ID             string       `json:"id"`
+	Addr           string       `json:"addr"`
+	Service        Service      `json:"service"`
+	Model          string       `json:"model"`
+	State          State        `json:"state"`
+	Ranks          []RankStatus `json:"ranks"`
+	LastError      string       `json:"last_error,omitempty"`
+	Subscriptions  uint64       `json:"subscriptions"`
+	BatchesApplied uint64       `json:"batches_applied"`
+	Degraded       bool         `json:"degraded"`
+	// Snapshot is true while a relay snapshot is arriving.
+	Snapshot bool `json:"snapshot_in_progress"`
+	// BlockSize is the block size this worker's events revealed, 0 if none yet.
+	BlockSize int `json:"block_size"`
+}
+
+// Monitor runs one subscription goroutine per worker.
+type Monitor struct {
+	opts    Options
+	metrics *metrics
+	log     *slog.Logger
+
+	mu         sync.Mutex
+	workers    map[string]*subscription
+	blockSizes map[string]int // model → learned block size
+	runCtx     context.Context
+	wg         sync.WaitGroup
+	stopped    bool
+}
+
+// New builds a Monitor; it registers its metrics on opts.Registerer.
+func New(opts Options) (*Monitor, error) {
+	opts = opts.withDefaults()
+	m, err := newMetrics(opts.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	return &Monitor{
+		opts:       opts,
+		metrics:    m,
+		log:        opts.Logger,
+		workers:    map[string]*subscription{},
+		blockSizes: map[string]int{},
+	}, nil
+}
+
+// ErrDuplicateWorker is returned by Add for an ID already present.
+var ErrDuplicateWorker = errors.New("worker already added")
+
+// Add registers a worker whose admitted batches go to sink. Before Run it
+// only records the worker; during Run it starts subscribing at once.
+func (m *Monitor) Add(w Worker, sink Sink) error {
+	if w.Addr == "" {
+		return errors.New("monitor: worker has no address")
+	}
+	if sink == nil {
+		return errors.New("monitor: worker has no sink")
+	}
+	if w.Service == "" {
+		w.Service = ServiceVLLM
+	}
+	if _, err := ParseService(string(w.Service)); err != nil {
+		return fmt.Errorf("monitor: worker %s: %w", w.Addr, err)
+	}
+	if w.ID == "" {
+		w.ID = w.Addr
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.stopped {
+		return errors.New("monitor: stopped")
+	}
+	if _, dup := m.workers[w.ID]; dup {
+		return fmt.Errorf("monitor: %s: %w", w.ID, ErrDuplicateWorker)
+	}
+	s := newSubscription(m, w, sink)
+	m.workers[w.ID] = s
+	if m.runCtx != nil {
+		m.start(s)
+	}
+	return nil
+}
+
+// start launches s's goroutine; m.mu is held.
+func (m *Monitor) start(s *subscription) {
+	ctx, cancel := context.WithCancel(m.runCtx)
+	s.cancel = cancel
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		defer close(s.done)
+		s.run(ctx)
+	}()
+}
+
+// Remove stops the worker's subscription, waits for it to end, and clears the
+// worker's blocks from its sink.
+func (m *Monitor) Remove(id string) error {
+	m.mu.Lock()
+	s, ok := m.workers[id]
+	if ok {
+		delete(m.workers, id)
+	}
+	running := ok && s.cancel != nil
+	m.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("monitor: unknown worker %q", id)
+	}
+	if running {
+		s.cancel()
+		<-s.done
+	}
+	s.sink.ClearWorker(id)
+	m.metrics.forget(id)
+	return nil
+}
+
+// Run subscribes to every worker and blocks until ctx ends; then it stops
+// every subscription and returns once all have finished. It may be called
+// once.
+func (m *Monitor) Run(ctx context.Context) error {
+	m.mu.Lock()
+	if m.runCtx != nil || m.stopped {
+		m.mu.Unlock()
+		return errors.New("monitor: Run called twice")
+	}
+	m.runCtx = ctx
+	ids := make([]string, 0, len(m.workers))
+	for id := range m.workers {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		m.start(m.workers[id])
+	}
+	m.mu.Unlock()
+
+	<-ctx.Done()
+	m.mu.Lock()
+	m.stopped = true
+	m.mu.Unlock()
+	m.wg.Wait()
+	return nil
+}
+
+// Workers reports every worker's subscription, sorted by ID.
+func (m *Monitor) Workers() []WorkerStatus {
+	m.mu.Lock()
+	subs := make([]*subscription, 0, len(m.workers))
+	for _, s := range m.workers {
+		subs = append(subs, s)
+	}
+	m.mu.Unlock()
+	out := make([]WorkerStatus, 0, len(subs))
+	for _, s := range subs {
+		out = append(out, s.status())
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// BlockSize is the block size learned for model from its workers' events, or
+// 0 when none has been seen.
+func (m *Monitor) BlockSize(model string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.blockSizes[model]
+}
+
+// learnBlockSize records a model's block size; the last writer wins, as in
+// SMG, but a disagreement between workers is logged because it makes one of
+// them unmatchable.
+func (m *Monitor) learnBlockSize(w Worker, n int) {
+	m.mu.Lock()
+	prev := m.blockSizes[w.Model]
+	m.blockSizes[w.Model] = n
+	m.mu.Unlock()
+	if prev != 0 && prev != n {
+		m.log.Warn("workers of one model disagree on the block size", "model", w.Model, "worker", w.ID, "block_size", n, "previous", prev)
+	} else if prev == 0 {
+		m.log.Info("learned block size", "model", w.Model, "worker", w.ID, "block_size", n)
+	}
+	if m.opts.OnBlockSize != nil {
+		m.opts.OnBlockSize(w.Model, n)
+	}
+}

@@ -1,0 +1,543 @@
+package monitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// subscribeFunc opens the SubscribeKvEvents stream of one service flavour.
+type subscribeFunc func(ctx context.Context, in *kvpb.SubscribeKvEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[kvpb.KvEventBatch], error)
+
+func clientFor(svc Service, cc grpc.ClientConnInterface) subscribeFunc {
+	switch svc {
+	case ServiceSGLang:
+		return kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents
+	case ServiceTokenSpeed:
+		return kvpb.NewTokenSpeedSchedulerClient(cc).SubscribeKvEvents
+	default:
+		return kvpb.NewVllmEngineClient(cc).SubscribeKvEvents
+	}
+}
+
+// snapshotProgress tracks a relay snapshot that is arriving in chunks.
+type snapshotProgress struct {
+	count, applied uint32
+}
+
+// subscription is one worker's subscription loop and recovery state.
+type subscription struct {
+	m      *Monitor
+	w      Worker
+	sink   Sink
+	log    *slog.Logger
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	learnedBlockSize bool   // owned by the goroutine
+	liveApplied      uint64 // live batches applied; owned by the goroutine
+	hot              hotMetrics
+
+	mu            sync.Mutex // guards the fields below, read by status()
+	cur           cursors
+	snap          *snapshotProgress
+	state         State
+	lastErr       string
+	subscriptions uint64
+	applied       uint64
+	blockSize     int
+	degradedRanks int
+}
+
+// hotMetrics are the series every batch touches, resolved once: a label
+// lookup per batch costs more than the admission itself.
+type hotMetrics struct {
+	applied, stale, loadOnly, snapshot prometheus.Counter
+	apply, lag                         prometheus.Observer
+	degraded                           prometheus.Gauge
+}
+
+func newSubscription(m *Monitor, w Worker, sink Sink) *subscription {
+	mt := m.metrics
+	s := &subscription{
+		m:     m,
+		w:     w,
+		sink:  sink,
+		log:   m.log.With("worker", w.ID, "addr", w.Addr),
+		done:  make(chan struct{}),
+		cur:   newCursors(),
+		state: StateConnecting,
+		hot: hotMetrics{
+			applied:  mt.batches.WithLabelValues(w.ID, "applied"),
+			stale:    mt.batches.WithLabelValues(w.ID, "stale"),
+			loadOnly: mt.batches.WithLabelValues(w.ID, "load_only"),
+			snapshot: mt.batches.WithLabelValues(w.ID, "snapshot"),
+			apply:    mt.apply.WithLabelValues(w.ID),
+			lag:      mt.lag.WithLabelValues(w.ID),
+			degraded: mt.degraded.WithLabelValues(w.ID),
+		},
+	}
+	s.hot.degraded.Set(0)
+	return s
+}
+
+func (s *subscription) status() WorkerStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := WorkerStatus{
+		ID: s.w.ID, Addr: s.w.Addr, Service: s.w.Service, Model: s.w.Model,
+		State: s.state, LastError: s.lastErr, Subscriptions: s.subscriptions,
+		BatchesApplied: s.applied, Snapshot: s.snap != nil, BlockSize: s.blockSize,
+		Ranks: make([]RankStatus, 0, len(s.cur.ranks)),
+	}
+	for r, rc := range s.cur.ranks {
+		st.Ranks = append(st.Ranks, RankStatus{Rank: r, Cursor: rc.last, HasCursor: rc.live, Degraded: rc.degraded, ReplayPending: rc.replayPending})
+		st.Degraded = st.Degraded || rc.degraded
+	}
+	sort.Slice(st.Ranks, func(i, j int) bool { return st.Ranks[i].Rank < st.Ranks[j].Rank })
+	return st
+}
+
+func (s *subscription) setState(st State, err error) {
+	s.mu.Lock()
+	s.state = st
+	if err != nil {
+		s.lastErr = err.Error()
+	}
+	s.mu.Unlock()
+	v := 0.0
+	if st == StateStreaming {
+		v = 1
+	}
+	s.m.metrics.streaming.WithLabelValues(s.w.ID).Set(v)
+}
+
+// outcome is how one subscription attempt ended, and so what comes next.
+type outcome int
+
+const (
+	outcomeRetry     outcome = iota // back off, then resubscribe with the cursors
+	outcomeReconnect                // resubscribe at once (a gap asks for a replay)
+	outcomeResync                   // resubscribe at once from zero (cursors already reset)
+	outcomeDisabled                 // never again
+	outcomeStopped                  // ctx ended
+)
+
+func (s *subscription) run(ctx context.Context) {
+	defer func() {
+		// A disabled worker stays disabled in the status; anything else
+		// ended because the monitor stopped or the worker was removed.
+		s.mu.Lock()
+		disabled := s.state == StateDisabled
+		s.mu.Unlock()
+		if !disabled {
+			s.setState(StateStopped, nil)
+		}
+	}()
+	opts := s.m.opts
+	dial := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithKeepaliveParams(opts.Keepalive),
+		// grpc's own reconnect backoff (1 s doubling to 120 s by default)
+		// would keep a restarted worker unreachable long after it is back;
+		// bound it like the subscription loop's.
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: opts.InitialBackoff, Multiplier: 2, Jitter: 0.2, MaxDelay: opts.MaxBackoff},
+			MinConnectTimeout: opts.SubscribeDeadline,
+		}),
+	}, opts.DialOptions...)
+	cc, err := grpc.NewClient(s.w.Addr, dial...)
+	if err != nil {
+		// Only a malformed target gets here; retrying cannot fix it.
+		s.log.Error("cannot create gRPC client; worker disabled", "err", err)
+		s.m.metrics.failures.WithLabelValues(s.w.ID, "error").Inc()
+		s.setState(StateDisabled, fmt.Errorf("create client: %w", err))
+		return
+	}
+	defer cc.Close()
+	subscribe := clientFor(s.w.Service, cc)
+
+	delay := opts.InitialBackoff
+	resyncs := 0 // resyncs in a row with no live batch applied in between
+	for {
+		if ctx.Err() != nil {
+			return
+		}
+		s.setState(StateConnecting, nil)
+		live := s.liveApplied
+		out, answered, err := s.attempt(ctx, subscribe)
+		switch {
+		case out != outcomeResync:
+			resyncs = 0
+		case s.liveApplied > live:
+			resyncs = 1 // the stream made progress before it asked for this one
+		default:
+			resyncs++
+		}
+		if answered && resyncs < 2 {
+			// The worker served us: whatever ended the stream, the next wait
+			// starts from the initial delay again. Not so for a worker that
+			// asks for one resync after another (a snapshot, then DATA_LOSS,
+			// over and over): asking faster does not help it.
+			delay = opts.InitialBackoff
+		}
+		switch out {
+		case outcomeStopped:
+			return
+		case outcomeDisabled:
+			s.log.Warn("worker does not serve KV events; subscription disabled", "err", err)
+			s.sink.ClearWorker(s.w.ID)
+			s.setState(StateDisabled, err)
+			return
+		case outcomeResync:
+			if resyncs == 1 {
+				s.setState(StateConnecting, err)
+				continue
+			}
+		case outcomeReconnect:
+			continue
+		}
+		s.setState(StateBackoff, err)
+		if err != nil {
+			s.log.Info("subscription ended; backing off", "err", err, "delay", delay)
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		delay = min(delay*2, opts.MaxBackoff)
+	}
+}
+
+// noAnswerError is what a subscribe call gets when the worker accepted the
+// connection but sent no headers within the deadline (a port that accepts but
+// does not serve yet, a half-open connection). It reads as UNAVAILABLE.
+type noAnswerError struct{ deadline time.Duration }
+
+func (e noAnswerError) Error() string {
+	return fmt.Sprintf("subscribe did not answer within %s", e.deadline)
+}
+
+func (e noAnswerError) GRPCStatus() *status.Status {
+	return status.New(codes.Unavailable, e.Error())
+}
+
+// attempt runs one subscribe call and reads its stream to the end; answered
+// says the call got its headers.
+func (s *subscription) attempt(ctx context.Context, subscribe subscribeFunc) (out outcome, answered bool, err error) {
+	s.mu.Lock()
+	start, perRank := s.cur.resume()
+	s.mu.Unlock()
+	req := &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: start, RankCursors: perRank}
+
+	callCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := subscribe(callCtx, req)
+	if err == nil {
+		err = s.awaitHeaders(stream, cancel)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return outcomeStopped, false, nil
+		}
+		out, err = s.onStreamError(err, start)
+		return out, false, err
+	}
+
+	s.m.metrics.subscriptions.WithLabelValues(s.w.ID).Inc()
+	s.mu.Lock()
+	s.subscriptions++
+	s.cur.markFresh()
+	s.mu.Unlock()
+	s.setState(StateStreaming, nil)
+	s.log.Debug("subscribed", "start_sequence_number", start, "rank_cursors", perRank)
+
+	out, err = s.read(stream)
+	if ctx.Err() != nil {
+		return outcomeStopped, true, nil
+	}
+	s.abandonSnapshot()
+	if out == outcomeReconnect {
+		return out, true, nil
+	}
+	if err == nil {
+		return outcomeRetry, true, errors.New("stream ended")
+	}
+	out, err = s.onStreamError(err, start)
+	return out, true, err
+}
+
+// awaitHeaders waits for the call's response headers under the subscribe
+// deadline, leaving the stream's own context open for the stream's life.
+// Servers send headers before any batch (an idle engine may publish nothing
+// for minutes), so headers are the answer the deadline waits for.
+func (s *subscription) awaitHeaders(stream grpc.ServerStreamingClient[kvpb.KvEventBatch], cancel context.CancelFunc) error {
+	d := s.m.opts.SubscribeDeadline
+	var expired atomic.Bool
+	t := time.AfterFunc(d, func() {
+		expired.Store(true)
+		cancel()
+	})
+	md, _ := stream.Header() // grpc-go reports a failed call on Recv, not here
+	if !t.Stop() && expired.Load() {
+		return noAnswerError{deadline: d}
+	}
+	if md == nil {
+		// The call ended without headers: a status-only answer such as
+		// UNIMPLEMENTED or OUT_OF_RANGE. Recv returns it.
+		if _, err := stream.Recv(); err != nil {
+			return err
+		}
+		return errors.New("stream ended without headers")
+	}
+	return nil
+}
+
+// onStreamError classifies a call's or a stream's terminal error. The codes
+// are honoured wherever they arrive: SMG reads OUT_OF_RANGE only on the call
+// and DATA_LOSS only on the stream, but a grpc-go server's handler error
+// always arrives on the stream.
+func (s *subscription) onStreamError(err error, sentStart uint64) (outcome, error) {
+	code := status.Code(err)
+	switch code {
+	case codes.Unimplemented:
+		s.m.metrics.failures.WithLabelValues(s.w.ID, "unimplemented").Inc()
+		return outcomeDisabled, err
+	case codes.OutOfRange, codes.DataLoss:
+		reason := "out_of_range"
+		if code == codes.DataLoss {
+			reason = "data_loss"
+		}
+		s.m.metrics.failures.WithLabelValues(s.w.ID, reason).Inc()
+		s.mu.Lock()
+		hadState := s.cur.anyLive() || sentStart != 0
+		s.cur.resetAll()
+		s.snap = nil
+		s.mu.Unlock()
+		s.sink.ClearWorker(s.w.ID)
+		s.updateDegraded()
+		s.m.metrics.resyncs.WithLabelValues(s.w.ID, reason).Inc()
+		s.log.Warn("worker asked for a resync; cleared and resubscribing from zero", "reason", reason, "err", err)
+		if !hadState {
+			// Nothing was reset: the same request would get the same answer,
+			// so back off rather than spin.
+			return outcomeRetry, err
+		}
+		return outcomeResync, err
+	case codes.Unavailable:
+		if errors.As(err, new(noAnswerError)) {
+			s.m.metrics.failures.WithLabelValues(s.w.ID, "deadline").Inc()
+		} else {
+			s.m.metrics.failures.WithLabelValues(s.w.ID, "unavailable").Inc()
+		}
+		return outcomeRetry, err
+	default:
+		s.m.metrics.failures.WithLabelValues(s.w.ID, "error").Inc()
+		return outcomeRetry, err
+	}
+}
+
+// abandonSnapshot forgets every cursor when a stream ended while a snapshot
+// was arriving: the index holds part of the state, and only a subscription
+// from zero brings the whole snapshot again.
+func (s *subscription) abandonSnapshot() {
+	s.mu.Lock()
+	abandoned := s.snap != nil
+	if abandoned {
+		s.snap = nil
+		s.cur.resetAll()
+	}
+	s.mu.Unlock()
+	if abandoned {
+		s.m.metrics.resyncs.WithLabelValues(s.w.ID, "snapshot_abandoned").Inc()
+		s.updateDegraded()
+		s.log.Warn("stream ended during a snapshot; resubscribing from zero")
+	}
+}
+
+// read consumes the stream until it ends or a gap asks for a reconnect.
+func (s *subscription) read(stream grpc.ServerStreamingClient[kvpb.KvEventBatch]) (outcome, error) {
+	for {
+		b, err := stream.Recv()
+		if err == io.EOF {
+			return outcomeRetry, nil
+		}
+		if err != nil {
+			return outcomeRetry, err
+		}
+		if s.handle(b) == outcomeReconnect {
+			return outcomeReconnect, nil
+		}
+	}
+}
+
+// handle runs one batch through admission and applies it.
+func (s *subscription) handle(b *kvpb.KvEventBatch) outcome {
+	rank := b.GetDpRank()
+	if l := b.GetLoad(); l != nil {
+		if s.m.opts.OnLoad != nil {
+			s.m.opts.OnLoad(s.w.ID, rank, l)
+		}
+		if l.GetLoadOnly() {
+			s.hot.loadOnly.Inc()
+			return outcomeRetry
+		}
+	}
+	if snap := b.GetSnapshot(); snap != nil {
+		s.handleSnapshot(b, rank, snap)
+		return outcomeRetry
+	}
+
+	seq := b.GetSequenceNumber()
+	s.mu.Lock()
+	adm := s.cur.admit(rank, seq, clearsAll(b))
+	s.mu.Unlock()
+	id := s.w.ID
+	switch adm.verdict {
+	case verdictStale:
+		s.hot.stale.Inc()
+		return outcomeRetry
+	case verdictReplay:
+		s.m.metrics.batches.WithLabelValues(id, "gap").Inc()
+		s.m.metrics.gaps.WithLabelValues(id, "replay_requested").Inc()
+		s.log.Info("gap; reconnecting for a replay", "rank", rank, "sequence", seq, "missed", adm.missed)
+		return outcomeReconnect
+	case verdictRestart:
+		s.log.Warn("publisher restarted; worker cleared", "rank", rank, "sequence", seq)
+		s.m.metrics.resyncs.WithLabelValues(id, "publisher_restart").Inc()
+		s.sink.ClearWorker(id)
+	case verdictUnrecoveredCleared:
+		s.log.Warn("gap not replayed and too wide to keep; worker cleared", "rank", rank, "sequence", seq, "missed", adm.missed)
+		s.m.metrics.gaps.WithLabelValues(id, "unrecovered_cleared").Inc()
+		s.m.metrics.missed.WithLabelValues(id).Add(float64(adm.missed))
+		s.m.metrics.resyncs.WithLabelValues(id, "gap_cleared").Inc()
+		s.sink.ClearWorker(id)
+	case verdictUnrecoveredKept:
+		s.log.Warn("gap not replayed; blocks kept, rank degraded", "rank", rank, "sequence", seq, "missed", adm.missed)
+		s.m.metrics.gaps.WithLabelValues(id, "unrecovered_kept").Inc()
+		s.m.metrics.missed.WithLabelValues(id).Add(float64(adm.missed))
+	}
+	s.liveApplied++
+	s.observeLag(b, s.apply(b, s.hot.applied))
+	return outcomeRetry
+}
+
+// handleSnapshot applies one relay snapshot chunk. Chunks bypass admission:
+// they carry consecutive sequences ending at the relay's cut, and each sets
+// its rank's cursor.
+func (s *subscription) handleSnapshot(b *kvpb.KvEventBatch, rank int32, snap *kvpb.KvSnapshotChunk) {
+	s.mu.Lock()
+	begin := snap.GetIndex() == 0 || s.snap == nil
+	if begin {
+		if snap.GetIndex() != 0 {
+			s.log.Warn("snapshot chunk without its first chunk; treating it as a resync", "index", snap.GetIndex())
+		}
+		s.cur.resetAll()
+		s.snap = &snapshotProgress{count: max(snap.GetCount(), 1)}
+	}
+	s.cur.resyncTo(rank, b.GetSequenceNumber(), snap.GetUnknownBefore() > 0)
+	s.snap.applied++
+	if s.snap.applied >= s.snap.count {
+		s.snap = nil
+	}
+	s.mu.Unlock()
+	if begin {
+		s.m.metrics.resyncs.WithLabelValues(s.w.ID, "snapshot").Inc()
+		s.sink.ClearWorker(s.w.ID)
+	}
+	_ = s.apply(b, s.hot.snapshot)
+}
+
+// apply hands an admitted batch to the sink and keeps the counters.
+// It returns when the apply finished, for the lag.
+func (s *subscription) apply(b *kvpb.KvEventBatch, disposition prometheus.Counter) time.Time {
+	start := time.Now()
+	s.sink.Apply(s.w.ID, b)
+	end := time.Now()
+	s.hot.apply.Observe(end.Sub(start).Seconds())
+	disposition.Inc()
+	s.mu.Lock()
+	s.applied++
+	s.mu.Unlock()
+	s.learnBlockSize(b)
+	s.updateDegraded()
+	return end
+}
+
+// observeLag records publisher stamp → apply; a stamp in the future (clock
+// skew) is not a lag and is skipped.
+func (s *subscription) observeLag(b *kvpb.KvEventBatch, applied time.Time) {
+	ts := b.GetTimestamp()
+	if ts <= 0 {
+		return
+	}
+	lag := float64(applied.UnixNano())/1e9 - ts
+	if lag >= 0 {
+		s.hot.lag.Observe(lag)
+	}
+}
+
+// learnBlockSize takes the model's block size from the first stored block
+// that states one, once per subscription goroutine.
+func (s *subscription) learnBlockSize(b *kvpb.KvEventBatch) {
+	if s.learnedBlockSize {
+		return
+	}
+	for _, ev := range b.GetEvents() {
+		blocks := ev.GetStored().GetBlocks()
+		if len(blocks) == 0 {
+			continue
+		}
+		n := int(blocks[0].GetBlockSize())
+		if n <= 0 {
+			continue
+		}
+		s.learnedBlockSize = true
+		s.mu.Lock()
+		s.blockSize = n
+		s.mu.Unlock()
+		s.m.learnBlockSize(s.w, n)
+		return
+	}
+}
+
+func (s *subscription) updateDegraded() {
+	s.mu.Lock()
+	n := s.cur.degradedCount()
+	changed := n != s.degradedRanks
+	s.degradedRanks = n
+	s.mu.Unlock()
+	if changed {
+		s.hot.degraded.Set(float64(n))
+	}
+}
+
+// clearsAll reports whether the batch carries an engine-wide cache clear: a
+// Cleared event with no ownership (an owned clear is another agent's and
+// says nothing about the engine's own blocks).
+func clearsAll(b *kvpb.KvEventBatch) bool {
+	for _, ev := range b.GetEvents() {
+		if c := ev.GetCleared(); c != nil && c.GetOwnership() == "" {
+			return true
+		}
+	}
+	return false
+}
