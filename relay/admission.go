@@ -27,6 +27,9 @@ const (
 	sequenceRegression  restartReason = "sequence_regression"
 	startupClearRestart restartReason = "startup_clear"
 	counterRestarted    restartReason = "counter_restarted"
+	// replayMismatch is kvrelay's own: the engine's replay holds a different
+	// batch at the relay's cursor, or nothing at or after it.
+	replayMismatch restartReason = "replay_mismatch"
 )
 
 // admission is the Rust relay's table (relay-semantics §3.4), checked in

@@ -25,6 +25,13 @@ const (
 	// DefaultPrimeRetry is how often the start replay is asked again until
 	// the engine's ROUTER answers.
 	DefaultPrimeRetry = time.Second
+	// DefaultCatchUpDelay is how long after its feed connects a rank asks
+	// the replay for what the live stream may have missed while the
+	// subscription was reaching the publisher.
+	DefaultCatchUpDelay = 500 * time.Millisecond
+	// DefaultIdleProbe is how long a rank may be quiet before the relay asks
+	// the replay whether it missed a batch that no later batch revealed.
+	DefaultIdleProbe = 5 * time.Second
 	// DefaultSubscriberBuffer is how many live batches a subscriber may fall
 	// behind before it is refilled from the history.
 	DefaultSubscriberBuffer = 4096
@@ -40,6 +47,9 @@ const (
 	maxReplayRounds = 64
 	// recvErrorBackoff is the pause after a failed receive.
 	recvErrorBackoff = 100 * time.Millisecond
+	// catchUpTick is how often a rank checks its feed's connection and
+	// its quiet time.
+	catchUpTick = 100 * time.Millisecond
 	// summaryEvery is how many relayed batches pass between info summaries.
 	summaryEvery = 500
 )
@@ -63,6 +73,10 @@ type Config struct {
 	// PrimeRetry is the pause between start replays the engine did not
 	// answer. Zero: DefaultPrimeRetry.
 	PrimeRetry time.Duration
+	// CatchUpDelay and IdleProbe schedule the catch-up replay (see
+	// Relay.catchUp). Zero: the defaults; negative: off.
+	CatchUpDelay time.Duration
+	IdleProbe    time.Duration
 	// SubscriberBuffer is each subscriber's live queue. Zero:
 	// DefaultSubscriberBuffer.
 	SubscriberBuffer int
@@ -105,6 +119,12 @@ func (c *Config) resolve() error {
 	}
 	if c.ReplayTimeout == 0 {
 		c.ReplayTimeout = DefaultReplayTimeout
+	}
+	if c.CatchUpDelay == 0 {
+		c.CatchUpDelay = DefaultCatchUpDelay
+	}
+	if c.IdleProbe == 0 {
+		c.IdleProbe = DefaultIdleProbe
 	}
 	if c.PrimeRetry == 0 {
 		c.PrimeRetry = DefaultPrimeRetry

@@ -35,6 +35,13 @@
 // 0); a replay without 0 is taken for a counter that starts at 1, as SMG's
 // mock engine does, and costs nothing.
 //
+// A gap shows only when a later batch arrives. So CatchUpDelay after its feed
+// connects, and whenever it has been quiet for IdleProbe, a rank asks the
+// replay from its own cursor: batches past it were missed (a slow joiner, a
+// burst's tail dropped at the PUB's high-water mark) and are relayed; a
+// different batch at the cursor, or none at or after it, means the publisher
+// restarted unseen (reason replay_mismatch).
+//
 // A restart clears that rank's live-block record, normalizer and cursor, and
 // ends every subscriber with ErrDataLoss.
 //

@@ -125,6 +125,13 @@ type rankState struct {
 	replayedFrom uint64
 	replayed     map[uint64]uint64
 	replayedMax  uint64
+	// lastSeq and lastHash name the batch relayed last. The admission
+	// table reads a clear at the cursor's sequence as a restarted
+	// publisher's startup clear; the same bytes delivered again are the
+	// same batch (a new incarnation stamps a new time), not a restart.
+	lastSeq  uint64
+	lastHash uint64
+	hasLast  bool
 }
 
 type feedBox struct{ Feed }
@@ -263,10 +270,47 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		}
 	}()
 	retryC := make(chan struct{}, 1)
+
+	// The catch-up replay runs a while after the feed connects, and when
+	// the rank has been quiet for IdleProbe (see catchUp).
+	var (
+		tick       <-chan time.Time
+		connected  bool
+		catchUpAt  time.Time
+		lastActive = time.Now()
+	)
+	if rk.replay != nil && (r.cfg.CatchUpDelay > 0 || r.cfg.IdleProbe > 0) {
+		t := time.NewTicker(catchUpTick)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case now := <-tick:
+			up := feed.Connected()
+			if up && !connected && r.cfg.CatchUpDelay > 0 {
+				catchUpAt = now.Add(r.cfg.CatchUpDelay)
+			}
+			connected = up
+			due := !catchUpAt.IsZero() && !now.Before(catchUpAt)
+			idle := r.cfg.IdleProbe > 0 && now.Sub(lastActive) >= r.cfg.IdleProbe
+			if !up || primeC != nil || !(due || idle) {
+				continue
+			}
+			catchUpAt = time.Time{}
+			lastActive = now
+			if !rk.hasCursor {
+				// Nothing relayed yet: the start replay may have answered
+				// before the engine's first batch, which the live stream
+				// then missed. Ask from 0 again.
+				primeC = closedChan
+				continue
+			}
+			if r.catchUp(ctx, rk) && ctx.Err() == nil {
+				primeC = closedChan
+			}
 		case <-primeC:
 			primeC = nil
 			if !r.prime(ctx, rk) && ctx.Err() == nil {
@@ -288,6 +332,7 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		case m := <-msgs:
 			// A live batch ends priming: admission replays what it
 			// missed (a late join) by itself.
+			lastActive = time.Now()
 			primeC = nil
 			if retry != nil {
 				retry.Stop()
@@ -337,6 +382,10 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		}
 	}
 	clear := startsWithClear(m.Payload)
+	if clear && rk.hasLast && rk.hasCursor && m.Seq == rk.cursor && m.Seq == rk.lastSeq && xxh3.Hash(m.Payload) == rk.lastHash {
+		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
+		return
+	}
 	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear)
 	if v == restart {
 		r.restartRank(rk, reason, m.Seq)
@@ -407,6 +456,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	r.fanOut(posBatch{pos: pos, batch: b})
 	r.mu.Unlock()
 
+	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
 	r.metrics.events.WithLabelValues(rk.label).Add(float64(len(b.Events)))
 	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(blocks))
@@ -456,6 +506,7 @@ func (r *Relay) restartRank(rk *rankState, reason restartReason, seq uint64) {
 	r.mu.Unlock()
 	rk.norm.reset()
 	rk.replayed = nil
+	rk.hasLast = false
 	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(0)
 	r.metrics.restarts.WithLabelValues(rk.label, string(reason)).Inc()
 	r.log.Warn("publisher restarted", "rank", rk.rank, "reason", string(reason), "cursor", old, "seq", seq, "generation", gen)
@@ -561,6 +612,46 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 		r.log.Info("replay cut short; resuming it", "rank", rk.rank, "from", expected)
 		msgs, complete, err = r.askReplay(ctx, rk, expected)
 	}
+}
+
+// catchUp asks the replay for what the live stream missed with no later
+// batch to reveal it: batches sent before this subscription reached the
+// publisher (ZeroMQ's slow joiner), the tail of a burst the PUB dropped at
+// its high-water mark, or the first batches of a publisher that restarted
+// while the feed was reconnecting. It asks from the cursor itself, so the
+// answer also tells whether the engine still holds the batch the relay
+// relayed last: a different batch there, or nothing at or after the cursor
+// in a complete answer, means a new incarnation. It reports whether it
+// restarted the rank (the caller then primes it from 0).
+func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
+	from := rk.cursor
+	msgs, complete, err := r.askReplay(ctx, rk, from)
+	if err != nil || ctx.Err() != nil {
+		return false
+	}
+	switch {
+	case len(msgs) == 0:
+		if !complete || !rk.hasLast || rk.lastSeq != from {
+			return false
+		}
+		// The engine's ring always holds its newest batches; with none at
+		// or after a batch it sent, its counter went back.
+		r.restartRank(rk, replayMismatch, from)
+		return true
+	case msgs[0].Seq == from:
+		if rk.hasLast && rk.lastSeq == from && xxh3.Hash(msgs[0].Payload) != rk.lastHash {
+			r.restartRank(rk, replayMismatch, from)
+			return true
+		}
+		msgs = msgs[1:]
+	}
+	if len(msgs) == 0 {
+		return false
+	}
+	r.log.Info("catch-up replay found batches the live stream missed", "rank", rk.rank, "from", from+1, "first", msgs[0].Seq)
+	rk.replayedFrom = from + 1
+	r.takeReplies(ctx, rk, from+1, 0, false, msgs, complete, nil)
+	return false
 }
 
 // recoverStart fills 0..seq-1 for a publisher that was already counting when

@@ -1,0 +1,253 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// The relay over real libzmq sockets for every engine: a pyzmq + msgspec
+// publisher behaving like the engine's ZmqEventPublisher (its bind rules,
+// buffer_steps ring, replay framing: 4 frames with the topic for vLLM, 3
+// for SGLang and TokenSpeed), three DP ranks, a topic. It covers priming
+// from the replay (the publisher spoke before the relay started), live
+// drops filled from the replay, a replay cut short at the "HWM" (SGLang's
+// send-HWM truncation: no end marker) and resumed, a burned sequence that
+// no replay has (a named hole), and a publisher restart (DATA_LOSS to live
+// subscribers, then the new incarnation relayed from its start). After each
+// phase the relay's snapshot must equal what the publisher stored.
+func TestRelayFollowsEveryEnginesRealPublisher(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	tests := []struct {
+		engine string
+		wire   string
+		topic  string
+		hash   func(int64) enginepeer.Hash
+	}{
+		{enginepeer.VLLM, "map", "kv@vllm", func(v int64) enginepeer.Hash { return enginepeer.U64(uint64(v)) }},
+		{enginepeer.VLLM, "array", "", func(v int64) enginepeer.Hash { return enginepeer.U64(uint64(v)) }},
+		{enginepeer.TokenSpeed, "array", "kv@ts", func(v int64) enginepeer.Hash { return enginepeer.U64(uint64(v)) }},
+		{enginepeer.SGLang, "array", "kv@sglang", enginepeer.I64},
+	}
+	for _, tc := range tests {
+		t.Run(tc.engine+"/"+tc.wire, func(t *testing.T) {
+			interopEngineDrill(t, tc.engine, tc.wire, tc.topic, tc.hash)
+		})
+	}
+}
+
+// interopModel is what a rank's publisher has stored: hash → copies.
+type interopModel map[int32]map[exactKey]int
+
+func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int64) enginepeer.Hash) {
+	const dp = 3
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: engine, DPSize: dp, Wire: wire, Topic: topic})
+	model := interopModel{}
+	stores := make([]int64, dp)
+	var last [dp]uint64
+	device := uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
+	// publish stores a new block on rank, and every third batch also
+	// removes the rank's oldest live block: the record must follow both.
+	publish := func(rank int) uint64 {
+		t.Helper()
+		stores[rank]++
+		h := int64(rank)*1_000_000 + stores[rank]
+		evs := []enginepeer.Event{enginepeer.Stored(nil, []int64{h % 1000, h%1000 + 1}, hash(h))}
+		if model[int32(rank)] == nil {
+			model[int32(rank)] = map[exactKey]int{}
+		}
+		if stores[rank]%3 == 0 {
+			old := int64(rank)*1_000_000 + stores[rank] - 2
+			evs = append(evs, enginepeer.Removed(hash(old)))
+			delete(model[int32(rank)], exactKey{device, uint64(old)})
+		}
+		model[int32(rank)][exactKey{device, uint64(h)}]++
+		pub, err := peer.Publish(rank, evs...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		last[rank] = pub.Seq
+		return pub.Seq
+	}
+	// The publisher speaks before the relay exists: priming must recover
+	// it from the replay.
+	for rank := 0; rank < dp; rank++ {
+		publish(rank)
+		publish(rank)
+	}
+
+	dialect := exactnessEngines[engine]
+	inj := &dupInjector{} // no duplicates: only to watch the SUB reconnect
+	kv := engines.Config{Enabled: true, Endpoint: peer.PubEndpoint(0), ReplayEndpoint: peer.ReplayEndpoint(0), Topic: topic, HWM: engines.DefaultHWM}
+	r, err := New(Config{
+		Engine:        dialect,
+		KV:            kv,
+		DPSize:        dp,
+		ReplayTimeout: 300 * time.Millisecond,
+		PrimeRetry:    50 * time.Millisecond,
+		Logger:        quietLogger(),
+		Registerer:    prometheus.NewRegistry(),
+		Transport:     inj.wrap(zmqTransport(kv.Topic, kv.HWM, quietLogger())),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	l := &lab{t: t, r: r}
+	l.waitFor("every rank connected", r.Ready)
+	for rank := 0; rank < dp; rank++ {
+		l.cursor(int32(rank), last[rank])
+	}
+	expectExact := func(phase string, holes []uint64) {
+		t.Helper()
+		st := r.Status()
+		for _, rs := range st.Ranks {
+			if rs.Cursor == nil || *rs.Cursor != last[rs.Rank] {
+				t.Fatalf("%s: rank %d cursor %v, publisher at %d", phase, rs.Rank, rs.Cursor, last[rs.Rank])
+			}
+			if rs.HoleSequences != holes[rs.Rank] || rs.UnknownBefore != 0 {
+				t.Fatalf("%s: rank %d: %d hole sequences and unknown_before %d, want %d and 0", phase, rs.Rank,
+					rs.HoleSequences, rs.UnknownBefore, holes[rs.Rank])
+			}
+		}
+		got := snapshotLiveSet(r.Snapshot())
+		for rank := int32(0); rank < dp; rank++ {
+			if !maps.Equal(got[rank], model[rank]) {
+				t.Fatalf("%s: rank %d: the record differs from what the publisher stored: %s", phase, rank,
+					describeDiff(got[rank], model[rank]))
+			}
+		}
+	}
+	expectExact("primed", []uint64{0, 0, 0})
+
+	for i := 0; i < 4; i++ {
+		for rank := 0; rank < dp; rank++ {
+			publish(rank)
+		}
+	}
+	// Rank 1 loses three batches live; rank 2 loses five and its replay is
+	// cut after two replies, with no end marker, until the gap is covered.
+	if err := peer.DropNext(1, 3); err != nil {
+		t.Fatal(err)
+	}
+	if err := peer.DropNext(2, 5); err != nil {
+		t.Fatal(err)
+	}
+	if err := peer.TruncateReplay(2, 2); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 7; i++ {
+		for rank := 0; rank < dp; rank++ {
+			publish(rank)
+		}
+	}
+	for rank := 0; rank < dp; rank++ {
+		l.cursor(int32(rank), last[rank])
+	}
+	if err := peer.TruncateReplay(2, -1); err != nil {
+		t.Fatal(err)
+	}
+	expectExact("drops filled", []uint64{0, 0, 0})
+	if got := counter(r.metrics.replays.WithLabelValues("2", "truncated")); got < 1 {
+		t.Errorf("rank 2's truncated replays %v, want at least one", got)
+	}
+	if got := counter(r.metrics.recovered.WithLabelValues("1")); got < 3 {
+		t.Errorf("rank 1 recovered %v batches from the replay, want at least 3", got)
+	}
+
+	// Every rank is whole in the history from its first sequence: cursor 0
+	// gets the whole log, each rank contiguous from 0.
+	s := l.subscribe(0)
+	want := [dp]uint64{}
+	total := 0
+	for rank := 0; rank < dp; rank++ {
+		total += int(last[rank]) + 1
+	}
+	for n := 0; n < total; n++ {
+		b := next(t, s)
+		rank := b.GetDpRank()
+		if b.GetSequenceNumber() != want[rank] {
+			t.Fatalf("rank %d: sequence %d, want %d", rank, b.GetSequenceNumber(), want[rank])
+		}
+		want[rank]++
+	}
+
+	// A sequence the engine burned (a failed send: neither live nor in its
+	// ring) is a hole no replay can fill; it is named, and the record
+	// stays exact because the burned batch changed nothing.
+	if err := peer.BurnNext(0, 1); err != nil {
+		t.Fatal(err)
+	}
+	burned := last[0] + 1
+	pub, err := peer.Publish(0) // the burned one: no events reach anyone
+	if err != nil || pub.Seq != burned || pub.Buffered {
+		t.Fatalf("burn: %+v, %v", pub, err)
+	}
+	last[0] = burned
+	publish(0)
+	l.cursor(0, last[0])
+	expectExact("burned", []uint64{1, 0, 0})
+	if b := next(t, s); b.GetDpRank() != 0 || b.GetSequenceNumber() != burned+1 {
+		t.Fatalf("after the burn: %s, want 0:%d", describe(b), burned+1)
+	}
+
+	// Rank 1's publisher restarts: live subscribers end with DATA_LOSS,
+	// and the new incarnation is relayed from its own start.
+	old := last[1]
+	reconnects := inj.reconnects(1)
+	if err := peer.Restart(1); err != nil {
+		t.Fatal(err)
+	}
+	model[1] = map[exactKey]int{}
+	if engine == enginepeer.SGLang {
+		last[1] = 0 // the startup clear, already published
+	}
+	l.waitFor("rank 1's SUB to reconnect", func() bool { return inj.reconnects(1) > reconnects })
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if time.Now().After(deadline) || last[1]+2 >= old {
+			t.Fatalf("no data loss after rank 1's restart (new sequence %d, old %d): %+v", last[1], old, r.Status().Ranks[1])
+		}
+		publish(1)
+		nctx, ncancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		_, err := s.Next(nctx)
+		ncancel()
+		if errors.Is(err, ErrDataLoss) {
+			break
+		}
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("after rank 1's restart: %v", err)
+		}
+	}
+	publish(1)
+	l.cursor(1, last[1])
+	// The restart cleared the history window, and with it rank 0's hole.
+	expectExact("restarted", []uint64{0, 0, 0})
+	if rs := r.Status().Ranks[1]; rs.Restarts != 1 || rs.StartedAt == nil || *rs.StartedAt != 0 {
+		t.Fatalf("rank 1 after its restart: %+v", rs)
+	}
+	// A fresh subscriber gets a snapshot at every rank's cursor.
+	fresh := l.subscribe(0)
+	chunk := next(t, fresh)
+	if chunk.GetSnapshot() == nil {
+		t.Fatalf("after the restart, cursor 0 got %s, want a snapshot", describe(chunk))
+	}
+}
