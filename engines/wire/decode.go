@@ -625,22 +625,12 @@ func (x *decoder) mapEnvelope() error {
 	}
 	sawEvents := false
 	for i := 0; i < n; i++ {
-		c, err := x.peek()
+		key, ok, err := x.mapKey()
 		if err != nil {
 			return err
 		}
-		if !isStr(c) {
-			if err := x.skip(); err != nil {
-				return err
-			}
-			if err := x.skip(); err != nil {
-				return err
-			}
+		if !ok {
 			continue
-		}
-		key, err := x.rawBytes()
-		if err != nil {
-			return err
 		}
 		switch string(key) {
 		case "ts":
@@ -766,22 +756,12 @@ func (x *decoder) mapEvent(ev *wireEvent) error {
 	}
 	kind := kindMalformed
 	for i := 0; i < n; i++ {
-		c, err := x.peek()
+		key, ok, err := x.mapKey()
 		if err != nil {
 			return err
 		}
-		if !isStr(c) {
-			if err := x.skip(); err != nil {
-				return err
-			}
-			if err := x.skip(); err != nil {
-				return err
-			}
+		if !ok {
 			continue
-		}
-		key, err := x.rawBytes()
-		if err != nil {
-			return err
 		}
 		id := mapField(key)
 		if id == fType {
@@ -971,22 +951,12 @@ func (x *decoder) sglangSlot7(ev *wireEvent) error {
 		return err
 	}
 	for i := 0; i < n; i++ {
-		c, err := x.peek()
+		key, ok, err := x.mapKey()
 		if err != nil {
 			return err
 		}
-		if !isStr(c) {
-			if err := x.skip(); err != nil {
-				return err
-			}
-			if err := x.skip(); err != nil {
-				return err
-			}
+		if !ok {
 			continue
-		}
-		key, err := x.rawBytes()
-		if err != nil {
-			return err
 		}
 		switch string(key) {
 		case "cache_salt":
@@ -1280,4 +1250,21 @@ func (x *decoder) extraKey() (extraKey, bool, error) {
 		x.seek(start)
 	}
 	return extraKey{}, false, x.skip()
+}
+
+// mapKey reads one map key. A key that is not a string cannot name a field:
+// it is skipped with its value, and ok is false.
+func (x *decoder) mapKey() (key []byte, ok bool, err error) {
+	c, err := x.peek()
+	if err != nil {
+		return nil, false, err
+	}
+	if !isStr(c) {
+		if err := x.skip(); err != nil {
+			return nil, false, err
+		}
+		return nil, false, x.skip()
+	}
+	key, err = x.rawBytes()
+	return key, err == nil, err
 }
