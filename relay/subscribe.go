@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -47,7 +48,8 @@ func newError(kind error, format string, args ...any) error {
 // treat them as read-only (clone before changing one).
 type Subscription struct {
 	r       *Relay
-	pending []*kvpb.KvEventBatch // snapshot chunks, then history: sent first
+	pending []*kvpb.KvEventBatch            // snapshot chunks, then history: sent first
+	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks the first Next builds
 
 	mu      sync.Mutex
 	queue   []posBatch
@@ -139,15 +141,39 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 		r.triggerReprime()
 	}
 	if cut != nil {
-		chunks := cut.Chunks(cursors, unknown, unixSeconds(time.Now()))
-		cut.Release()
-		s.pending = chunks
+		// The chunks are ordered and encoded on the first Next, not here:
+		// the server sends the response headers once Subscribe returns, and
+		// a gateway gives the headers only a short deadline (SMG: 2 s),
+		// while ordering a million-block state takes a few hundred ms.
 		r.metrics.snapshotLock.Observe(locked.Seconds())
-		r.metrics.snapshotTotal.Observe(time.Since(begin).Seconds())
-		r.log.Info("serving a snapshot", "chunks", len(chunks), "ranks", len(cursors),
-			"lock", locked, "total", time.Since(begin))
+		s.snap.Store(&pendingSnapshot{cut: cut, cursors: cursors, unknown: unknown, begin: begin, locked: locked})
 	}
 	return s, nil
+}
+
+// pendingSnapshot is a cut taken under the admission lock whose chunks are
+// still to be built.
+type pendingSnapshot struct {
+	cut     recordCut
+	cursors map[int32]uint64
+	unknown map[int32]uint64
+	begin   time.Time
+	locked  time.Duration
+}
+
+// buildSnapshot turns the pending cut into the chunks sent first. Whoever
+// swaps the cut out (this, or Close) releases it, exactly once.
+func (s *Subscription) buildSnapshot() {
+	p := s.snap.Swap(nil)
+	if p == nil {
+		return
+	}
+	chunks := p.cut.Chunks(p.cursors, p.unknown, unixSeconds(time.Now()))
+	p.cut.Release()
+	s.pending = append(chunks, s.pending...)
+	s.r.metrics.snapshotTotal.Observe(time.Since(p.begin).Seconds())
+	s.r.log.Info("serving a snapshot", "chunks", len(chunks), "ranks", len(p.cursors),
+		"lock", p.locked, "total", time.Since(p.begin))
 }
 
 // cutLocked captures the record of ranks at their cursors. Called with r.mu
@@ -323,6 +349,7 @@ func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
 		if closed {
 			return nil, ErrClosed
 		}
+		s.buildSnapshot()
 		if len(s.pending) > 0 {
 			b := s.pending[0]
 			s.pending[0] = nil
@@ -414,5 +441,8 @@ func (s *Subscription) Close() {
 	s.closed = true
 	s.queue, s.qhead = nil, 0
 	s.mu.Unlock()
+	if p := s.snap.Swap(nil); p != nil {
+		p.cut.Release()
+	}
 	s.wake()
 }

@@ -377,6 +377,15 @@ func (p *Peer) PublishAt(rank int, ts float64, events ...Event) (Published, erro
 	return out, err
 }
 
+// PublishRaw publishes payload byte for byte as rank's next batch: it gets
+// a seq and enters the replay ring like Publish, so golden vectors can be
+// replayed through a real publisher.
+func (p *Peer) PublishRaw(rank int, payload []byte) (Published, error) {
+	var out Published
+	err := p.call(map[string]any{"op": "publish_raw", "rank": rank, "payload": hex.EncodeToString(payload)}, &out)
+	return out, err
+}
+
 // PublishMany publishes count batches on rank as fast as possible, or at most
 // rate batches per second when rate > 0. With no events, each batch holds one
 // BlockStored whose hash is seq+1. It returns the first and last seq used.

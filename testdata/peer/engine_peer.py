@@ -55,6 +55,9 @@ written only after the rank's thread has handed everything to zmq.
                  enter the ring but are not sent live (a PUB HWM drop)
   burn_next      {"rank", "count"?=1} the next count publishes consume a seq that
                  is neither sent nor buffered (a failed send)
+  publish_raw    {"rank", "payload": hex} publishes these payload bytes as the
+                 rank's next batch, exactly like publish (seq, ring, drop and
+                 burn rules) but without encoding: for byte-exact vectors
   send_raw       {"rank", "frames": [hex, ...]} sends these frames on the PUB as
                  one message; consumes no seq (for malformed-message tests)
   restart        {"rank"} new PUB and ROUTER on the same ports, seq back to 0,
@@ -556,6 +559,12 @@ class Rank:
         if op == "burn_next":
             self.burn += int(cmd.get("count", 1))
             return {"burn_pending": self.burn}
+        if op == "publish_raw":
+            try:
+                payload = bytes.fromhex(cmd.get("payload") or "")
+            except (TypeError, ValueError) as e:
+                raise CommandError(f"bad payload hex: {e}") from None
+            return self.emit(payload)
         if op == "send_raw":
             frames = cmd.get("frames")
             if not isinstance(frames, list) or not frames:

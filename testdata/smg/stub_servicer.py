@@ -13,6 +13,7 @@ Usage: stub_servicer.py --port N [--model NAME] [--events]
 import argparse
 import json
 import sys
+import threading
 import time
 from concurrent import futures
 
@@ -20,8 +21,15 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pbg
 
 
+_log_lock = threading.Lock()
+
+
 def log(**kw):
-    print(json.dumps(kw), flush=True)
+    # One write per line under a lock: the server's threads log concurrently.
+    line = json.dumps(kw) + "\n"
+    with _log_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class Stub(pbg.VllmEngineServicer):
