@@ -2,7 +2,7 @@
 // serves, as separate processes on loopback: SMG's Python relay
 // (smg_grpc_servicer.kv_relay, the differential oracle), SMG's Rust gateway
 // (`smg launch`, which must consume kvrelay unchanged), and the fake engines
-// of testdata/peer. It holds tests only; COMPATIBILITY.md records what they
+// of testdata/peer. It holds tests only; the README's "Compatibility with SMG" records what they
 // showed.
 //
 // The kvrelay binary is built once per run from ./cmd/kvrelay, unless
