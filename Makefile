@@ -8,8 +8,10 @@ VENV    := $(CURDIR)/.venv
 VPY     := $(VENV)/bin/python
 BIN     := $(CURDIR)/.bin
 
-# Interop tests find the venv's interpreter through this variable.
+# Interop tests find the venv's interpreter and the built binary through
+# these variables.
 export KVRELAY_PYTHON := $(VPY)
+export KVRELAY_BIN := $(BIN)/kvrelay
 
 .PHONY: golden all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
@@ -53,7 +55,7 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-test-go: venv
+test-go: venv build
 	$(GO) test -race -count=1 -timeout 20m ./...
 
 # Each fuzz target runs briefly; a crash fails the build.
