@@ -13,7 +13,7 @@ BIN     := $(CURDIR)/.bin
 export KVRELAY_PYTHON := $(VPY)
 export KVRELAY_BIN := $(BIN)/kvrelay
 
-.PHONY: golden all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
+.PHONY: golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
 all: build
 
@@ -63,13 +63,20 @@ FUZZTIME ?= 10s
 test-fuzz:
 	./testdata/run-fuzz.sh $(FUZZTIME)
 
-test: fmt-check vet proto-check test-go test-fuzz vulncheck
+test: fmt-check vet proto-check test-go bench-smoke test-fuzz vulncheck
 
 run: build
 	$(BIN)/kvrelay demo
 
+# The side-by-side against SMG's Python relay, the scale curves and the
+# plots; BENCHFLAGS=--quick for a short run. Writes bench-out/.
+BENCHFLAGS ?=
 bench: build venv
-	$(BIN)/kvrelay bench
+	$(BIN)/kvrelay bench $(BENCHFLAGS)
+
+# Every Go benchmark once, so none of them rots; asserts no timing.
+bench-smoke: venv
+	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
 
 # govulncheck against an offline copy of the Go vulnerability database,
 # built from the golang.org/x/vulndb module.

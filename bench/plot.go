@@ -1,0 +1,184 @@
+package bench
+
+import (
+	"fmt"
+	"math"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+)
+
+// series is one named line.
+type series struct {
+	name string
+	xy   plotter.XYs
+}
+
+type chart struct {
+	file, title, x, y string
+	logX, logY        bool
+	lines             []series
+}
+
+// drawPlots renders the curves present in res as PNGs under out.
+func drawPlots(out string, res *Results) ([]string, error) {
+	var charts []chart
+	if sb := res.SideBySide; sb != nil {
+		lat := chart{file: "latency.png", title: "Publisher-to-subscriber latency", x: "published batches/s (target)", y: "ms", logX: true, logY: true}
+		thr := chart{file: "throughput.png", title: "Delivered vs published rate", x: "published batches/s (target)", y: "delivered batches/s", logX: true, logY: true}
+		for _, r := range sb.Relays {
+			var p50, p99, del plotter.XYs
+			for _, s := range r.Steps {
+				p50 = append(p50, plotter.XY{X: s.Target, Y: s.P50ms})
+				p99 = append(p99, plotter.XY{X: s.Target, Y: s.P99ms})
+				del = append(del, plotter.XY{X: s.Target, Y: s.DeliveredRate})
+			}
+			short := shortName(r.Name)
+			lat.lines = append(lat.lines, series{short + " p50", p50}, series{short + " p99", p99})
+			thr.lines = append(thr.lines, series{short, del})
+		}
+		charts = append(charts, lat, thr)
+	}
+	if sc := res.Scale; sc != nil {
+		snap := chart{file: "snapshot.png", title: "Snapshot time vs live blocks", x: "live blocks", y: "ms", logX: true, logY: true}
+		mem := chart{file: "memory.png", title: "Relay heap vs live blocks", x: "live blocks", y: "MiB", logX: true, logY: true}
+		var lock, total, heap plotter.XYs
+		for _, p := range sc.Snapshot {
+			lock = append(lock, plotter.XY{X: float64(p.Blocks), Y: p.LockMs})
+			total = append(total, plotter.XY{X: float64(p.Blocks), Y: p.TotalMs})
+			heap = append(heap, plotter.XY{X: float64(p.Blocks), Y: float64(p.HeapBytes) / (1 << 20)})
+		}
+		snap.lines = []series{{"under the admission lock", lock}, {"whole snapshot (cut, order, encode)", total}}
+		mem.lines = []series{{"heap after GC", heap}}
+		res := chart{file: "resume.png", title: "Resume from a cursor a whole window back (gRPC)", x: "history window (batches)", y: "ms", logX: true, logY: true}
+		var rs plotter.XYs
+		for _, p := range sc.Resume {
+			rs = append(rs, plotter.XY{X: float64(p.Window), Y: p.Ms})
+		}
+		res.lines = []series{{"call to last batch", rs}}
+		fan := chart{file: "fanout.png", title: "Fan-out throughput vs gRPC subscribers", x: "subscribers", y: "batches/s", logX: true}
+		var agg, per plotter.XYs
+		for _, p := range sc.Fanout {
+			if p.Subscribers == 0 {
+				continue
+			}
+			agg = append(agg, plotter.XY{X: float64(p.Subscribers), Y: p.Aggregate})
+			per = append(per, plotter.XY{X: float64(p.Subscribers), Y: p.PerSubscriber})
+		}
+		fan.lines = []series{{"aggregate", agg}, {"per subscriber", per}}
+		charts = append(charts, snap, mem, res, fan)
+	}
+	if rt := res.Route; rt != nil {
+		route := chart{file: "route.png", title: "Gateway route latency (lookup + pick), median", x: "prompt tokens", y: "µs", logX: true, logY: true}
+		byWorkers := map[int]plotter.XYs{}
+		var order []int
+		for _, p := range rt.Points {
+			if _, ok := byWorkers[p.Workers]; !ok {
+				order = append(order, p.Workers)
+			}
+			byWorkers[p.Workers] = append(byWorkers[p.Workers], plotter.XY{X: float64(p.PromptTokens), Y: p.RouteP50us})
+		}
+		for _, w := range order {
+			route.lines = append(route.lines, series{fmt.Sprintf("%d workers", w), byWorkers[w]})
+		}
+		charts = append(charts, route)
+	}
+	var files []string
+	for _, c := range charts {
+		path := filepath.Join(out, c.file)
+		ok, err := c.draw(path)
+		if err != nil {
+			return nil, fmt.Errorf("bench: plot %s: %w", c.file, err)
+		}
+		if ok {
+			files = append(files, path)
+		}
+	}
+	return files, nil
+}
+
+// draw saves the chart; it draws nothing (false) when no line has a point
+// a log axis can show.
+func (c chart) draw(path string) (bool, error) {
+	p := plot.New()
+	p.Title.Text = c.title
+	p.X.Label.Text = c.x
+	p.Y.Label.Text = c.y
+	p.Legend.Top = true
+	p.Legend.Left = true
+	p.Legend.Padding = vg.Points(4)
+	if c.logX {
+		p.X.Scale = plot.LogScale{}
+		// Decade ticks leave a one-decade axis unlabelled: label the
+		// measured points instead.
+		p.X.Tick.Marker = pointTicks(c.lines)
+	}
+	if c.logY {
+		p.Y.Scale = plot.LogScale{}
+		p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+	}
+	var args []any
+	for _, s := range c.lines {
+		var xy plotter.XYs
+		for _, pt := range s.xy {
+			if (c.logX && pt.X <= 0) || (c.logY && pt.Y <= 0) {
+				continue
+			}
+			xy = append(xy, pt)
+		}
+		if len(xy) > 0 {
+			args = append(args, s.name, xy)
+		}
+	}
+	if len(args) == 0 {
+		return false, nil
+	}
+	if err := plotutil.AddLinePoints(p, args...); err != nil {
+		return false, err
+	}
+	p.Add(plotter.NewGrid())
+	return true, p.Save(7*vg.Inch, 4.5*vg.Inch, path)
+}
+
+func shortName(name string) string {
+	switch {
+	case strings.HasPrefix(name, "python"):
+		return "python"
+	case strings.HasPrefix(name, "no relay"):
+		return "no relay"
+	}
+	return name
+}
+
+// pointTicks labels every x value that some line has.
+func pointTicks(lines []series) plot.ConstantTicks {
+	seen := map[float64]bool{}
+	var ticks plot.ConstantTicks
+	for _, l := range lines {
+		for _, pt := range l.xy {
+			if pt.X > 0 && !seen[pt.X] {
+				seen[pt.X] = true
+				ticks = append(ticks, plot.Tick{Value: pt.X, Label: shortNumber(pt.X)})
+			}
+		}
+	}
+	sort.Slice(ticks, func(i, j int) bool { return ticks[i].Value < ticks[j].Value })
+	return ticks
+}
+
+// shortNumber writes 1000 as 1k and 1000000 as 1M.
+func shortNumber(v float64) string {
+	switch {
+	case v >= 1e6 && math.Mod(v, 1e5) == 0:
+		return strconv.FormatFloat(v/1e6, 'f', -1, 64) + "M"
+	case v >= 1e3 && math.Mod(v, 100) == 0:
+		return strconv.FormatFloat(v/1e3, 'f', -1, 64) + "k"
+	}
+	return strconv.FormatFloat(v, 'f', -1, 64)
+}

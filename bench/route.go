@@ -1,0 +1,171 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// RouteResults is the gateway's routing cost: prefix lookup plus pick.
+type RouteResults struct {
+	Workload string       `json:"workload"`
+	Points   []RoutePoint `json:"points"`
+}
+
+// RoutePoint is one (workers, prompt length) pair.
+type RoutePoint struct {
+	Workers      int     `json:"workers"`
+	PromptTokens int     `json:"prompt_tokens"`
+	IndexBlocks  int     `json:"index_blocks"` // (worker, block) pairs indexed
+	FindP50us    float64 `json:"find_p50_us"`
+	// RouteCPUP50us is the median thread CPU time of a route: unlike the
+	// wall clock, it leaves out the time the thread waited for a CPU on a
+	// shared host.
+	RouteCPUP50us float64 `json:"route_cpu_p50_us"`
+	RouteP50us    float64 `json:"route_p50_us"`
+	RouteP99us    float64 `json:"route_p99_us"`
+	Reps          int     `json:"reps"`
+}
+
+const (
+	routeDocs      = 16     // shared documents (system prompts, RAG contexts)
+	routeDocTokens = 32_768 // each as long as the longest prompt
+)
+
+func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
+	workers := []int{8, 32, 128, 512}
+	prompts := []int{1024, 2048, 4096, 8192, 16384, 32768}
+	reps := 2000
+	if env.quick {
+		workers, prompts, reps = []int{8}, []int{1024}, 50
+	}
+	rt := &RouteResults{Workload: fmt.Sprintf(
+		"%d shared %d-token documents; worker w holds document w mod %d to a random depth of 25-100%% and another document to 0-25%%; "+
+			"each request is a document's first N tokens, so the lookup walks up to every block; block size %d; picker with SMG's default spill gate and random in-flight loads 0-7",
+		routeDocs, routeDocTokens, routeDocs, blockSize)}
+	rng := rand.New(rand.NewPCG(7, 11))
+	docs := make([][]uint32, routeDocs)
+	for d := range docs {
+		docs[d] = make([]uint32, routeDocTokens)
+		for i := range docs[d] {
+			docs[d][i] = rng.Uint32N(151_936)
+		}
+	}
+	for _, w := range workers {
+		ix, names, blocks := buildIndex(w, docs, rng)
+		pk, err := picker.New(picker.Config{Rand: rand.New(rand.NewPCG(1, 2))})
+		if err != nil {
+			return nil, fmt.Errorf("bench: picker: %w", err)
+		}
+		loads := picker.Loads{}
+		for _, n := range names {
+			loads[n] = rng.IntN(8)
+		}
+		for _, l := range prompts {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			p := RoutePoint{Workers: w, PromptTokens: l, IndexBlocks: blocks, Reps: reps}
+			finds := make([]time.Duration, 0, reps)
+			routes := make([]time.Duration, 0, reps)
+			cpus := make([]time.Duration, 0, reps)
+			runtime.GC() // the index build's garbage is not the lookup's
+			runtime.LockOSThread()
+			for i := range reps {
+				tokens := docs[i%routeDocs][:l]
+				c0 := threadCPU()
+				t0 := time.Now()
+				m := ix.FindMatches(tokens, index.Namespace{})
+				t1 := time.Now()
+				if _, err := pk.Pick(picker.Request{Eligible: names}, m, loads); err != nil {
+					runtime.UnlockOSThread()
+					return nil, fmt.Errorf("bench: pick: %w", err)
+				}
+				t2 := time.Now()
+				c1 := threadCPU()
+				finds = append(finds, t1.Sub(t0))
+				routes = append(routes, t2.Sub(t0))
+				cpus = append(cpus, c1-c0)
+			}
+			runtime.UnlockOSThread()
+			slices.Sort(finds)
+			slices.Sort(routes)
+			slices.Sort(cpus)
+			p.RouteCPUP50us = us(quantile(cpus, 0.5))
+			p.FindP50us = us(quantile(finds, 0.5))
+			p.RouteP50us = us(quantile(routes, 0.5))
+			p.RouteP99us = us(quantile(routes, 0.99))
+			env.log.Info("route", "workers", w, "tokens", l, "p50_us", p.RouteP50us)
+			rt.Points = append(rt.Points, p)
+		}
+	}
+	return rt, nil
+}
+
+func us(d time.Duration) float64 { return float64(d) / 1e3 }
+
+// threadCPU is the calling thread's CPU time (lock the goroutine to its
+// thread around a measurement). It costs a system call, well under a
+// microsecond, which the figure includes.
+func threadCPU() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
+}
+
+// buildIndex gives each of n workers two documents' prefixes through the
+// index's own event path.
+func buildIndex(n int, docs [][]uint32, rng *rand.Rand) (*index.Index, []string, int) {
+	ix := index.New(index.Options{BlockSize: blockSize})
+	names := make([]string, n)
+	docBlocks := routeDocTokens / blockSize
+	total := 0
+	for w := range n {
+		names[w] = fmt.Sprintf("grpc://worker-%03d:50051", w)
+		main := w % len(docs)
+		other := (main + 1 + rng.IntN(len(docs)-1)) % len(docs)
+		for k, held := range []struct{ doc, depth int }{
+			{main, docBlocks/4 + rng.IntN(docBlocks-docBlocks/4+1)},
+			{other, rng.IntN(docBlocks/4 + 1)},
+		} {
+			base := int64(w)<<32 | int64(k)<<24
+			for _, b := range storeBatches(docs[held.doc][:held.depth*blockSize], base) {
+				ix.Apply(names[w], b)
+			}
+			total += held.depth
+		}
+	}
+	return ix, names, total
+}
+
+// storeBatches cuts tokens into chained 64-block stores with engine hashes
+// from base on.
+func storeBatches(tokens []uint32, base int64) []*kvpb.KvEventBatch {
+	var out []*kvpb.KvEventBatch
+	n := len(tokens) / blockSize
+	for s := 0; s < n; s += storeBlocks {
+		st := &kvpb.KvBlocksStored{}
+		if s > 0 {
+			parent := base + int64(s-1)
+			st.ParentBlockHash = &parent
+		}
+		for k := s; k < min(n, s+storeBlocks); k++ {
+			st.Blocks = append(st.Blocks, &kvpb.KvBlock{
+				BlockHash: base + int64(k), TokenIds: tokens[k*blockSize : (k+1)*blockSize], BlockSize: blockSize,
+			})
+		}
+		out = append(out, &kvpb.KvEventBatch{Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Stored{Stored: st}}}})
+	}
+	return out
+}
