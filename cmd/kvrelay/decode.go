@@ -23,9 +23,6 @@ func init() {
 	register("decode", "decode engine KV-event payloads (msgpack) into normalized batches (JSON)", runDecode)
 }
 
-// decodeDialects are the --engine values; a dialect's String is its name.
-var decodeDialects = []wire.Dialect{wire.VLLM, wire.SGLang, wire.TokenSpeed}
-
 func printDecodeUsage(fs *flag.FlagSet) {
 	w := fs.Output()
 	fmt.Fprintln(w, "usage: kvrelay decode --engine vllm|sglang|tokenspeed [--hex] [--seq N] [--rank R] [FILE]")
@@ -58,15 +55,16 @@ func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr
 		}
 		return 2 // the flag package already printed which flag and why
 	}
-	dialect, ok := dialectNamed(*engine)
-	if !ok {
-		if *engine == "" {
-			fmt.Fprintln(stderr, "kvrelay decode: --engine is required: vllm, sglang or tokenspeed")
-		} else {
-			fmt.Fprintf(stderr, "kvrelay decode: --engine %q: want vllm, sglang or tokenspeed\n", *engine)
-		}
+	if *engine == "" {
+		fmt.Fprintln(stderr, "kvrelay decode: --engine is required: vllm, sglang or tokenspeed")
 		return 2
 	}
+	eng, err := engineByName(*engine)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrelay decode: --engine %q: want vllm, sglang or tokenspeed\n", *engine)
+		return 2
+	}
+	dialect := eng.Dialect
 	if *rank < -1 || *rank > math.MaxInt32 {
 		fmt.Fprintf(stderr, "kvrelay decode: --rank %d: want -1 or a rank from 0 to %d\n", *rank, math.MaxInt32)
 		return 2
@@ -94,7 +92,6 @@ func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr
 		rank:       int32(*rank),
 		out:        bufio.NewWriter(stdout),
 	}
-	var err error
 	if *hexLines {
 		err = d.hexLines(input)
 	} else {
@@ -108,15 +105,6 @@ func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr
 		return 2
 	}
 	return 0
-}
-
-func dialectNamed(name string) (wire.Dialect, bool) {
-	for _, d := range decodeDialects {
-		if d.String() == name {
-			return d, true
-		}
-	}
-	return 0, false
 }
 
 type payloadDecoder struct {
