@@ -17,7 +17,9 @@
 //	                           BEFORE relaying this batch or anything later
 //	seq <= 1 < 2 <= cursor     restart (counter back at its start)
 //	seq <  cursor              restart (regression)
-//	seq == cursor, clear first restart (the engine's startup clear)
+//	seq == cursor, clear first restart (the engine's startup clear), unless
+//	                           the bytes are the batch relayed last: a
+//	                           redelivery, skipped
 //	seq == cursor              duplicate, skipped
 //
 // A replay is checked for contiguity. An answer cut short (SGLang drops

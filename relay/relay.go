@@ -649,8 +649,15 @@ func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 		return false
 	}
 	r.log.Info("catch-up replay found batches the live stream missed", "rank", rk.rank, "from", from+1, "first", msgs[0].Seq)
+	cursorHash, haveCursorHash := rk.lastHash, rk.hasLast && rk.lastSeq == from
 	rk.replayedFrom = from + 1
 	r.takeReplies(ctx, rk, from+1, 0, false, msgs, complete, nil)
+	// The catch-up ran between two live messages, so a redelivery of the
+	// batch at the old cursor may still be on its way: it is now below the
+	// cursor and must read as a duplicate, not as a sequence regression.
+	if haveCursorHash && rk.replayed != nil {
+		rk.replayed[from] = cursorHash
+	}
 	return false
 }
 
