@@ -115,9 +115,6 @@ type Counts struct {
 	ForwardedStored  uint64 `json:"forwarded_stored"`
 	ForwardedRemoved uint64 `json:"forwarded_removed"`
 	ForwardedCleared uint64 `json:"forwarded_cleared"`
-	// DuplicateStores are forwarded stores whose every hash was already
-	// recorded on that rank and tier (a second physical copy, or a replay).
-	DuplicateStores uint64 `json:"duplicate_stores"`
 	// BigramStores are forwarded stores whose tokens came as bigram pairs.
 	BigramStores uint64 `json:"bigram_stores"`
 	// WindowOnlyStores are sliding-window stores forwarded because their
@@ -180,8 +177,12 @@ func isResidencyAgent(ownership optString) bool {
 	return ownership.ok && strings.EqualFold(ownership.s, "kvcr")
 }
 
-// blockRecord is what the normalizer remembers per (rank, tier, hash): 8
-// bytes, since it lives for every cached block.
+// blockRecord is what the normalizer remembers per (rank, tier, hash) of a
+// block stored under a namespace (a LoRA name or a cache salt), for its
+// children to inherit. Blocks without one are not remembered: a parent the
+// normalizer does not know passes on nothing, which is what an empty
+// namespace passes on, and most engines publish no namespace at all. The
+// relay's live-block record keeps every block anyway; this table stays small.
 type blockRecord struct {
 	ns     uint32 // interned namespace id; 0 is the empty namespace
 	copies uint8
@@ -509,22 +510,21 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 		}
 	}
 	nsID := n.namespaceID(ns)
-	allSeen := true
-	for _, h := range hashes {
-		rec, ok := records[h]
-		if !ok {
-			allSeen = false
-			records[h] = blockRecord{ns: nsID, copies: 1}
-			continue
+	if nsID != 0 || len(records) > 0 {
+		for _, h := range hashes {
+			rec, ok := records[h]
+			if !ok {
+				if nsID != 0 {
+					records[h] = blockRecord{ns: nsID, copies: 1}
+				}
+				continue
+			}
+			if rec.copies < copiesCap {
+				rec.copies++
+			}
+			rec.ns = nsID
+			records[h] = rec
 		}
-		if rec.copies < copiesCap {
-			rec.copies++
-		}
-		rec.ns = nsID
-		records[h] = rec
-	}
-	if allSeen {
-		n.counts.DuplicateStores++
 	}
 	if ev.bigram {
 		n.counts.BigramStores++

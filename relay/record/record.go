@@ -41,6 +41,9 @@ type Stats struct {
 	RemovedUnknown uint64 // removals of a hash the record does not hold
 	Capped         uint64 // stores that found the entry already at CopiesCap
 	Cleared        uint64 // AllBlocksCleared events applied
+	// DuplicateStores are stored events whose every block the record
+	// already held: a second physical copy, or a batch delivered twice.
+	DuplicateStores uint64
 }
 
 // RankStats is one non-empty rank's share of Stats.
@@ -52,6 +55,7 @@ type RankStats struct {
 
 type counters struct {
 	stored, removed, removedUnknown, capped, cleared uint64
+	duplicateStores                                  uint64
 }
 
 // Record is the live-block record of all ranks. The zero value is not usable; call New.
@@ -113,7 +117,7 @@ func (r *Record) Reset() {
 func (r *Record) Stats() Stats {
 	s := Stats{
 		Stored: r.stored, Removed: r.removed, RemovedUnknown: r.removedUnknown,
-		Capped: r.capped, Cleared: r.cleared,
+		Capped: r.capped, Cleared: r.cleared, DuplicateStores: r.duplicateStores,
 	}
 	for rank, rs := range r.ranks {
 		if rs.entries == 0 {
@@ -185,13 +189,21 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 	if s.ParentBlockHash != nil {
 		parent, hasParent = *s.ParentBlockHash, true
 	}
+	allHeld := true
+	defer func() {
+		if allHeld {
+			r.duplicateStores++
+		}
+	}()
 	for _, blk := range blocks {
 		if blk == nil {
 			continue
 		}
 		r.stored++
 		h := blk.BlockHash
-		if slot, ok := rs.index.find(rs, h, tier); ok {
+		slot, ok := rs.index.find(rs, h, tier)
+		allHeld = allHeld && ok
+		if ok {
 			e := rs.entry(slot)
 			if e.copies >= CopiesCap {
 				r.capped++

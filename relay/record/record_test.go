@@ -447,3 +447,14 @@ func TestTokenArenasAreCompacted(t *testing.T) {
 		})
 	}
 }
+
+func TestDuplicateStoresCountStoresWhoseEveryBlockWasHeld(t *testing.T) {
+	r := New()
+	r.Apply(batchOf(0, storedEv([]int64{1, 2})))
+	r.Apply(batchOf(0, storedEv([]int64{1, 2}))) // a second physical copy of both
+	r.Apply(batchOf(0, storedEv([]int64{2, 3}))) // 3 is new
+	r.Apply(batchOf(1, storedEv([]int64{1})))    // another rank holds nothing yet
+	if got := r.Stats().DuplicateStores; got != 1 {
+		t.Fatalf("DuplicateStores = %d, want 1", got)
+	}
+}
