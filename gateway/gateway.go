@@ -316,9 +316,12 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	// after the lock is released. Workers with nothing in flight need no
 	// entry: the picker reads a missing one as 0.
 	eligible := m.list
-	loads := make(picker.Loads, len(g.inflight))
+	var loads picker.Loads // nil until a worker has something in flight
 	for _, w := range eligible {
 		if n := g.inflight[w]; n > 0 {
+			if loads == nil {
+				loads = make(picker.Loads)
+			}
 			loads[w] = n
 		}
 	}

@@ -190,6 +190,7 @@ func runReplay(b *testing.B, reqs []tracegen.Request, bs, capacityTokens int) {
 	var el time.Duration
 	var lat []time.Duration
 	var ix *Index
+	cpu0 := cpuTime()
 	for range b.N {
 		var e time.Duration
 		var l []time.Duration
@@ -198,10 +199,14 @@ func runReplay(b *testing.B, reqs []tracegen.Request, bs, capacityTokens int) {
 		lat = append(lat, l...)
 	}
 	b.StopTimer()
+	cpu := cpuTime() - cpu0
 	ops := float64(plan.blocks) * float64(b.N)
 	procs := runtime.GOMAXPROCS(0)
 	b.ReportMetric(ops/el.Seconds(), "block-ops/s")
 	b.ReportMetric(ops/el.Seconds()/float64(procs), "block-ops/s/core")
+	if cpu > 0 {
+		b.ReportMetric(ops/cpu.Seconds(), "block-ops/cpu-s")
+	}
 	if len(lat) > 0 {
 		reportLatency(b, lat)
 	}

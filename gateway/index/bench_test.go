@@ -75,12 +75,13 @@ func BenchmarkApply(b *testing.B) {
 		evs := append(storeEvents(doc, bs, per, base), removeEvents(blocks, per, base)...)
 		cycles = append(cycles, cycle{fmt.Sprintf("w%03d", w), evs})
 	}
-	for _, shardBits := range []int{4, 6, 8} {
+	for _, shardBits := range []int{3, 4, 6, 8} {
 		b.Run(fmt.Sprintf("shards%d", 1<<shardBits), func(b *testing.B) {
 			ix := New(Options{BlockSize: bs, ShardBits: shardBits})
 			perCycle := 2 * blocks
 			b.ResetTimer()
 			start := time.Now()
+			cpu0 := cpuTime()
 			ops := 0
 			for i := 0; ops < b.N; i++ {
 				c := cycles[i%workers]
@@ -90,6 +91,9 @@ func BenchmarkApply(b *testing.B) {
 				ops += perCycle
 			}
 			el := time.Since(start)
+			if cpu := cpuTime() - cpu0; cpu > 0 {
+				b.ReportMetric(float64(ops)/cpu.Seconds(), "block-events/cpu-s")
+			}
 			b.ReportMetric(float64(ops)/el.Seconds(), "block-events/s")
 			b.ReportMetric(float64(el.Nanoseconds())/float64(ops), "ns/block-event")
 			b.ReportMetric(0, "ns/op")
@@ -176,14 +180,20 @@ func BenchmarkHashRequest(b *testing.B) {
 
 // BenchmarkMemoryPerBlock prints the heap per indexed (worker, block): 128
 // workers × 1,024 blocks, with no sharing ("unique") and with the first half
-// shared by all ("shared-half").
+// shared by all ("shared-half"). Tables grow in steps, so the figure depends
+// on where the fill falls between two steps: "unique-N" repeats "unique"
+// with N blocks a worker to show the spread.
 func BenchmarkMemoryPerBlock(b *testing.B) {
 	for _, tc := range []struct {
-		name   string
-		shared int
-	}{{"unique", 0}, {"shared-half", 512 * 16}} {
+		name           string
+		blocks, shared int
+	}{
+		{"unique", 1024, 0}, {"shared-half", 1024, 512 * 16},
+		{"unique-600", 600, 0}, {"unique-800", 800, 0}, {"unique-1300", 1300, 0}, {"unique-1700", 1700, 0},
+	} {
 		b.Run(tc.name, func(b *testing.B) {
-			const workers, tokens = 128, 1024 * 16
+			const workers = 128
+			tokens := tc.blocks * 16
 			rng := rand.New(rand.NewPCG(4, 4))
 			var batches [][]*kvpb.KvEventBatch
 			for w := range workers {

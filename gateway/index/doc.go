@@ -23,7 +23,8 @@
 // # Structure
 //
 // The forward map, prefix hash → holders, is split into 2^ShardBits shards by
-// the hash's top bits, each an open-addressing table under its own RWMutex. A
+// the hash's top bits, each an open-addressing table (12-byte slots) whose
+// writers serialise on a mutex and whose readers take no lock (a seqlock). A
 // holder set is one worker id inline in the slot (the common case) or a
 // bitset over worker slots. A lookup walks the request's prefix hashes in
 // order, intersecting the candidate set with each block's holders, and gives
@@ -31,9 +32,14 @@
 // consecutive leading blocks it holds, so a hole stops a worker there.
 //
 // Each worker has, per DP rank, a reverse table engine hash → (prefix hash,
-// copies per tier), written only by that worker's Apply, which resolves
+// copies per tier), 18 bytes a slot, written only by that worker's Apply, which resolves
 // parents and removals and counts physical copies (a removal takes one copy;
 // the worker holds the prefix while any copy on any indexed tier is left).
+//
+// Tables are not powers of two: a hash picks its slot by a multiply-high,
+// and tables grow by a quarter, so memory per indexed block stays within a
+// narrow band (about 36–48 bytes with 128 workers) instead of doubling in
+// steps.
 //
 // Pruning by TTL and by a maximum entry count (to 90 %) follows SMG's G1
 // indexer; Run calls Prune every 30 s. Embedding:

@@ -3,33 +3,64 @@ package index
 import (
 	"math/bits"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
 
-// table is one shard's open-addressing map prefix hash → holders (16 bytes a
-// slot, 20 with pruning on). A slot's holder word is:
+// table is one shard's open-addressing map prefix hash → holders (12 bytes a
+// slot, 16 with pruning on). A slot's holder word (32 bits) is:
 //
 //	0                  empty slot
 //	id<<1 | 1          exactly one holder, the worker in slot id (the common case:
 //	                   a conversation's unique tail is held by one worker)
 //	(set+1)<<1         two or more holders: bitset number set in slab, words wide
 //
+// The slot count is not a power of two: a hash maps to its home slot by a
+// multiply-high of the bits below the shard bits (fastrange), and a table
+// grows by a quarter, so its load stays between 0.64 and 0.8 instead of
+// halving at each doubling (12-byte slots: 15–19 B per entry rather than 15–30 B).
+//
 // A table is replaced, never resized in place, so a reader holding an old
 // one reads memory that stays valid; the shard's version tells it the
 // snapshot went stale.
 type table struct {
-	slots []fslot
+	// w holds the slots in pairs, three words a pair: the two keys, then
+	// both holder words (slot 2p's in the low half). Slots cost 12 bytes, and
+	// every word is written whole by one atomic store, so a reader never sees
+	// a torn key (a stale one is caught by the seqlock).
+	w     []uint64
+	n     int      // slots (even)
 	stamp []uint32 // last store or lookup, seconds since the index's epoch; nil without pruning
-	shift uint8
 	slab  []uint64 // holder bitsets, words uint64s each
 	words int
 }
 
-// fslot keeps a key beside its holder word, so a probe costs one cache line.
-type fslot struct {
-	key  uint64 // prefix hash
-	hold uint64 // holder word, see table
+func keyWord(i int) int    { return 3*(i>>1) + i&1 }
+func holdWord(i int) int   { return 3*(i>>1) + 2 }
+func holdShift(i int) uint { return 32 * uint(i&1) }
+
+// key returns slot i's key and hold its holder word (writers: plain reads).
+func (t *table) key(i int) uint64  { return t.w[keyWord(i)] }
+func (t *table) hold(i int) uint32 { return uint32(t.w[holdWord(i)] >> holdShift(i)) }
+
+// loadKey and loadHold are the readers' atomic forms.
+func (t *table) loadKey(i int) uint64 { return atomic.LoadUint64(&t.w[keyWord(i)]) }
+func (t *table) loadHold(i int) uint32 {
+	return uint32(atomic.LoadUint64(&t.w[holdWord(i)]) >> holdShift(i))
+}
+
+// put fills slot i, the holder word last; setHold changes the holder word
+// (the pair's word is rewritten whole: only the locked writer writes it).
+func (t *table) put(i int, k uint64, h uint32) {
+	atomic.StoreUint64(&t.w[keyWord(i)], k)
+	t.setHold(i, h)
+}
+
+func (t *table) setHold(i int, h uint32) {
+	p := &t.w[holdWord(i)]
+	sh := holdShift(i)
+	atomic.StoreUint64(p, *p&^(0xffffffff<<sh)|uint64(h)<<sh)
 }
 
 // shard is a slice of the forward map with a seqlock: writers serialise on
@@ -52,16 +83,16 @@ type shard struct {
 const shardMinSlots = 64
 
 func newTable(slots, words int, slab []uint64, stamped bool) *table {
+	w := fullAlloc[uint64](3 * ((slots + 1) / 2))
+	n := 2 * (len(w) / 3)
 	var stamp []uint32
 	if stamped {
-		stamp = make([]uint32, slots)
+		stamp = make([]uint32, n)
 	}
 	return &table{
-		slots: make([]fslot, slots),
+		w:     w[:3*n/2],
+		n:     n,
 		stamp: stamp,
-		// Prefix hashes are XXH3 outputs, uniform: the bits below the
-		// shard-selection bits index the table directly.
-		shift: uint8(64 - bits.TrailingZeros(uint(slots))),
 		slab:  slab,
 		words: words,
 	}
@@ -82,17 +113,25 @@ func (t *table) setStamp(i int, v uint32) {
 	}
 }
 
-func (t *table) home(k uint64, sb uint8) int { return int((k << sb) >> t.shift) }
+// home is k's first slot. Prefix hashes are XXH3 outputs, uniform: the bits
+// below the shard-selection bits pick the slot directly.
+func (t *table) home(k uint64, sb uint8) int {
+	hi, _ := bits.Mul64(k<<sb, uint64(t.n))
+	return int(hi)
+}
 
 // find returns the slot of k, or -1. Writers only (they own the table).
 func (t *table) find(k uint64, sb uint8) int {
-	m := len(t.slots) - 1
-	for i := t.home(k, sb); ; i = (i + 1) & m {
-		if t.slots[i].hold == 0 {
+	n := t.n
+	for i := t.home(k, sb); ; {
+		if t.hold(i) == 0 {
 			return -1
 		}
-		if t.slots[i].key == k {
+		if t.key(i) == k {
 			return i
+		}
+		if i++; i == n {
+			i = 0
 		}
 	}
 }
@@ -111,37 +150,50 @@ func (s *shard) writeEnd() {
 
 // insertSlot adds k (absent) and may publish a grown table; it returns the
 // table now current.
-func (s *shard) insertSlot(t *table, k, hold uint64, stamp uint32, sb uint8) *table {
-	if (s.n+1)*5 > len(t.slots)*4 { // keep load ≤ 0.8: linear probing degrades fast above
-		nt := newTable(len(t.slots)*2, t.words, t.slab, t.stamp != nil)
-		for i, sl := range t.slots {
-			if sl.hold != 0 {
-				placeNew(nt, sl.key, sl.hold, t.getStamp(i), sb)
+func (s *shard) insertSlot(t *table, k uint64, hold uint32, stamp uint32, sb uint8) *table {
+	if (s.n+1)*5 > t.n*4 { // keep load ≤ 0.8: linear probing degrades fast above
+		nt := newTable(t.n+t.n/4, t.words, t.slab, t.stamp != nil)
+		for i := range t.n {
+			if h := t.hold(i); h != 0 {
+				placeNew(nt, t.key(i), h, t.getStamp(i), sb)
 			}
 		}
 		s.tab.Store(nt)
 		t = nt
 	}
-	m := len(t.slots) - 1
+	n := t.n
 	i := t.home(k, sb)
-	for t.slots[i].hold != 0 {
-		i = (i + 1) & m
+	for t.hold(i) != 0 {
+		if i++; i == n {
+			i = 0
+		}
 	}
-	atomic.StoreUint64(&t.slots[i].key, k)
 	t.setStamp(i, stamp)
-	atomic.StoreUint64(&t.slots[i].hold, hold)
+	t.put(i, k, hold)
 	s.n++
 	return t
 }
 
+// fullAlloc returns a zeroed slice of at least n elements that uses all of
+// its allocation: the allocator rounds a request up to its size class (or
+// to whole pages), and the rounded-up tail would otherwise be paid for and
+// left empty. Tables are not powers of two, so any length serves.
+func fullAlloc[T any](n int) []T {
+	s := slices.Grow([]T(nil), n)
+	return s[:cap(s)]
+}
+
 // placeNew fills an unpublished table: plain stores suffice.
-func placeNew(t *table, k, hold uint64, stamp uint32, sb uint8) {
-	m := len(t.slots) - 1
+func placeNew(t *table, k uint64, hold uint32, stamp uint32, sb uint8) {
+	n := t.n
 	i := t.home(k, sb)
-	for t.slots[i].hold != 0 {
-		i = (i + 1) & m
+	for t.hold(i) != 0 {
+		if i++; i == n {
+			i = 0
+		}
 	}
-	t.slots[i] = fslot{key: k, hold: hold}
+	t.w[keyWord(i)] = k
+	t.w[holdWord(i)] |= uint64(hold) << holdShift(i)
 	if t.stamp != nil {
 		t.stamp[i] = stamp
 	}
@@ -149,26 +201,28 @@ func placeNew(t *table, k, hold uint64, stamp uint32, sb uint8) {
 
 // delSlot frees slot i by backward shift (no tombstones) and its bitset.
 func (s *shard) delSlot(t *table, i int, sb uint8) {
-	if h := t.slots[i].hold; h&1 == 0 {
-		s.setsFree = append(s.setsFree, uint32(h>>1-1))
+	if h := t.hold(i); h&1 == 0 {
+		s.setsFree = append(s.setsFree, h>>1-1)
 	}
-	m := len(t.slots) - 1
+	n := t.n
 	j := i
 	for {
-		j = (j + 1) & m
-		if t.slots[j].hold == 0 {
+		if j++; j == n {
+			j = 0
+		}
+		if t.hold(j) == 0 {
 			break
 		}
-		h := t.home(t.slots[j].key, sb)
+		kj := t.key(j)
+		h := t.home(kj, sb)
 		// Move j back into the hole at i unless its home lies cyclically in (i, j].
 		if (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j)) {
-			atomic.StoreUint64(&t.slots[i].key, t.slots[j].key)
 			t.setStamp(i, t.getStamp(j))
-			atomic.StoreUint64(&t.slots[i].hold, t.slots[j].hold)
+			t.put(i, kj, t.hold(j))
 			i = j
 		}
 	}
-	atomic.StoreUint64(&t.slots[i].hold, 0)
+	t.setHold(i, 0)
 	s.n--
 }
 
@@ -219,21 +273,21 @@ func (s *shard) addHolderLocked(k uint64, id uint32, stamp uint32, sb uint8) boo
 	t := s.tab.Load()
 	i := t.find(k, sb)
 	if i < 0 {
-		s.insertSlot(t, k, uint64(id)<<1|1, stamp, sb)
+		s.insertSlot(t, k, id<<1|1, stamp, sb)
 		s.mem++
 		return false
 	}
 	t.setStamp(i, stamp)
-	h := t.slots[i].hold
+	h := t.hold(i)
 	if h&1 == 1 {
-		other := uint32(h >> 1)
+		other := h >> 1
 		if other == id {
 			return true
 		}
 		b, nt := s.newSet(t, int(max(id, other)>>6)+1)
 		setBitAtomic(nt, b, other)
 		setBitAtomic(nt, b, id)
-		atomic.StoreUint64(&nt.slots[i].hold, uint64(b+1)<<1)
+		nt.setHold(i, uint32(b+1)<<1)
 		s.mem++
 		return false
 	}
@@ -278,9 +332,9 @@ func (s *shard) removeHolderLocked(k uint64, id uint32, sb uint8) bool {
 	if i < 0 {
 		return false
 	}
-	h := t.slots[i].hold
+	h := t.hold(i)
 	if h&1 == 1 {
-		if uint32(h>>1) != id {
+		if h>>1 != id {
 			return false
 		}
 		s.delSlot(t, i, sb)
@@ -310,7 +364,7 @@ func (s *shard) removeHolderLocked(k uint64, id uint32, sb uint8) bool {
 		s.delSlot(t, i, sb)
 	case 1:
 		s.setsFree = append(s.setsFree, uint32(b))
-		atomic.StoreUint64(&t.slots[i].hold, uint64(last)<<1|1)
+		t.setHold(i, last<<1|1)
 	}
 	return true
 }
@@ -344,21 +398,26 @@ func (s *shard) lookup(k uint64, sb uint8, touch bool, now uint32, buf []uint64)
 // trusted (a torn read sent it somewhere impossible).
 func (s *shard) tryLookup(k uint64, sb uint8, touch bool, now uint32, buf []uint64) (holders, bool) {
 	t := s.tab.Load()
-	m := len(t.slots) - 1
+	n := t.n
 	i := t.home(k, sb)
-	for probes := 0; probes <= m; probes, i = probes+1, (i+1)&m {
-		h := atomic.LoadUint64(&t.slots[i].hold)
+	for probes := 0; probes < n; probes++ {
+		if probes > 0 {
+			if i++; i == n {
+				i = 0
+			}
+		}
+		h := t.loadHold(i)
 		if h == 0 {
 			return holders{}, true
 		}
-		if atomic.LoadUint64(&t.slots[i].key) != k {
+		if t.loadKey(i) != k {
 			continue
 		}
 		if touch && t.stamp != nil && atomic.LoadUint32(&t.stamp[i]) != now {
 			atomic.StoreUint32(&t.stamp[i], now)
 		}
 		if h&1 == 1 {
-			return holders{found: true, single: true, id: uint32(h >> 1)}, true
+			return holders{found: true, single: true, id: h >> 1}, true
 		}
 		b := int(h>>1) - 1
 		if (b+1)*t.words > len(t.slab) {
@@ -378,10 +437,10 @@ func (s *shard) stats() (n, mem, bytes int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	t := s.tab.Load()
-	return s.n, s.mem, len(t.slots)*16 + len(t.stamp)*4 + len(t.slab)*8 + cap(s.setsFree)*4
+	return s.n, s.mem, len(t.w)*8 + len(t.stamp)*4 + len(t.slab)*8 + cap(s.setsFree)*4
 }
 
-func holderCount(t *table, h uint64) int {
+func holderCount(t *table, h uint32) int {
 	if h&1 == 1 {
 		return 1
 	}

@@ -121,10 +121,26 @@ type workerState struct {
 	learned bool
 	c       WorkerCounters
 
-	// Scratch for flush, reused under mu.
+	// scr holds the forward changes queued for flush; taken from a pool by
+	// the first change and returned by flush, so an idle worker holds none.
+	scr *flushScratch
+}
+
+// flushScratch is flush's working memory (a few KB with 64 shards).
+type flushScratch struct {
 	pending     []fwdOp
 	order       []int32
 	bucketStart []int32
+}
+
+var scratchPool = sync.Pool{New: func() any { return new(flushScratch) }}
+
+// queue appends op to ws's pending forward changes.
+func (ws *workerState) queue(op fwdOp) {
+	if ws.scr == nil {
+		ws.scr = scratchPool.Get().(*flushScratch)
+	}
+	ws.scr.pending = append(ws.scr.pending, op)
 }
 
 // WorkerCounters count what Apply did with one worker's events (SMG's
@@ -385,7 +401,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	chained := false
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
-			prev, chained = rt.pref[i], true
+			prev, chained = rt.slots[i].pref, true
 		} else {
 			ws.c.ParentlessStores++
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
@@ -403,18 +419,18 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		eh := uint64(blk.BlockHash)
 		ws.c.StoredBlocks++
 		if i, found := rt.upsert(eh, p, withTierCount(0, tier, 1)); found {
-			c := rt.cnt[i]
+			c := rt.counts(i)
 			if n := tierCount(c, tier); n >= copiesCap {
 				ws.c.CappedCopies++
 			} else {
-				rt.cnt[i] = withTierCount(c, tier, n+1)
+				rt.setCounts(i, withTierCount(c, tier, n+1))
 			}
-			if rt.pref[i] != p {
+			if rt.slots[i].pref != p {
 				ws.c.EngineConflicts++
 			}
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
-			p = rt.pref[i]
+			p = rt.slots[i].pref
 			ix.addRef(ws, p, false)
 		} else {
 			ix.addRef(ws, p, true)
@@ -434,7 +450,7 @@ type fwdOp struct {
 // p (rather than an existing one gaining a copy). The change is queued until
 // flush.
 func (ix *Index) addRef(ws *workerState, p uint64, counted bool) {
-	ws.pending = append(ws.pending, fwdOp{p: p, add: true, counted: counted})
+	ws.queue(fwdOp{p: p, add: true, counted: counted})
 }
 
 // dropRef records that one reverse entry of ws referring to p is gone.
@@ -447,18 +463,23 @@ func (ix *Index) dropRef(ws *workerState, p uint64) {
 		}
 		return
 	}
-	ws.pending = append(ws.pending, fwdOp{p: p})
+	ws.queue(fwdOp{p: p})
 }
 
 // flush applies ws's pending forward changes, taking each shard's write lock
 // once for all of its changes: per-block locking was a third of the apply
 // cost. Changes to one prefix keep their order (a stable bucket sort).
 func (ix *Index) flush(ws *workerState, stamp uint32) {
-	ops := ws.pending
-	if len(ops) == 0 {
+	scr := ws.scr
+	if scr == nil {
 		return
 	}
-	defer func() { ws.pending = ws.pending[:0] }()
+	ops := scr.pending
+	defer func() {
+		scr.pending = scr.pending[:0]
+		ws.scr = nil
+		scratchPool.Put(scr)
+	}()
 	sb := ix.shardBits
 	apply := func(sh *shard, op fwdOp) {
 		if !op.add {
@@ -482,10 +503,10 @@ func (ix *Index) flush(ws *workerState, stamp uint32) {
 		return
 	}
 	nsh := len(ix.shards)
-	if len(ws.bucketStart) != nsh+1 {
-		ws.bucketStart = make([]int32, nsh+1)
+	if len(scr.bucketStart) != nsh+1 {
+		scr.bucketStart = make([]int32, nsh+1)
 	}
-	start := ws.bucketStart
+	start := scr.bucketStart
 	clear(start)
 	for _, op := range ops {
 		start[ix.shardIndex(op.p)+1]++
@@ -493,10 +514,10 @@ func (ix *Index) flush(ws *workerState, stamp uint32) {
 	for i := 1; i <= nsh; i++ {
 		start[i] += start[i-1]
 	}
-	ws.order = slices.Grow(ws.order[:0], len(ops))[:len(ops)]
+	scr.order = slices.Grow(scr.order[:0], len(ops))[:len(ops)]
 	for i, op := range ops {
 		si := ix.shardIndex(op.p)
-		ws.order[start[si]] = int32(i)
+		scr.order[start[si]] = int32(i)
 		start[si]++
 	}
 	// start[si] is now the end of bucket si; bucket si begins at start[si-1].
@@ -506,7 +527,7 @@ func (ix *Index) flush(ws *workerState, stamp uint32) {
 		if end > begin {
 			sh := &ix.shards[si]
 			sh.writeBegin()
-			for _, oi := range ws.order[begin:end] {
+			for _, oi := range scr.order[begin:end] {
 				apply(sh, ops[oi])
 			}
 			sh.writeEnd()
@@ -548,7 +569,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			ws.c.UnknownRemovals++
 			continue
 		}
-		c := rt.cnt[i]
+		c := rt.counts(i)
 		n := tierCount(c, tier)
 		if n == 0 {
 			ws.c.UnknownRemovals++
@@ -556,10 +577,10 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		}
 		ws.c.RemovedBlocks++
 		if c = withTierCount(c, tier, n-1); c != 0 {
-			rt.cnt[i] = c
+			rt.setCounts(i, c)
 			continue
 		}
-		p := rt.pref[i]
+		p := rt.slots[i].pref
 		rt.del(i)
 		ix.dropRef(ws, p)
 	}
@@ -571,9 +592,9 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 		return
 	}
 	delete(ws.ranks, rank)
-	for i, c := range rt.cnt {
-		if c != 0 {
-			ix.dropRef(ws, rt.pref[i])
+	for i := range rt.slots {
+		if rt.counts(i) != 0 {
+			ix.dropRef(ws, rt.slots[i].pref)
 		}
 	}
 	ix.flush(ws, 0)
@@ -668,13 +689,14 @@ func (ix *Index) LiveSet(w WorkerID) []LiveBlock {
 	defer ws.mu.Unlock()
 	var out []LiveBlock
 	for r, rt := range ws.ranks {
-		for i, c := range rt.cnt {
+		for i := range rt.slots {
+			c := rt.counts(i)
 			if c == 0 {
 				continue
 			}
 			for _, t := range []Tier{TierDevice, TierHost} {
 				if n := tierCount(c, t); n > 0 {
-					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.keys[i], Copies: int(n)})
+					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.slots[i].key, Copies: int(n)})
 				}
 			}
 		}
@@ -762,7 +784,7 @@ func (ix *Index) prefetch(hs []uint64) {
 	var x uint64
 	for _, p := range hs {
 		t := ix.shardOf(p).tab.Load()
-		x += atomic.LoadUint64(&t.slots[t.home(p, ix.shardBits)].hold)
+		x += uint64(t.loadHold(t.home(p, ix.shardBits)))
 	}
 	if x == 1 { // practically never; keeps the loads from being eliminated
 		prefetchSink.Store(x)

@@ -52,8 +52,8 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 		sh := &ix.shards[i]
 		sh.mu.Lock()
 		t := sh.tab.Load()
-		for j, sl := range t.slots {
-			if st := t.getStamp(j); sl.hold != 0 && st <= graceEnd {
+		for j := range t.n {
+			if st := t.getStamp(j); t.hold(j) != 0 && st <= graceEnd {
 				stamps = append(stamps, st)
 			}
 		}
@@ -97,9 +97,9 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 		sh := &ix.shards[i]
 		t := sh.writeBegin()
 		keys = keys[:0]
-		for j, sl := range t.slots {
-			if sl.hold != 0 && match(t.getStamp(j)) {
-				keys = append(keys, t.slots[j].key)
+		for j := range t.n {
+			if t.hold(j) != 0 && match(t.getStamp(j)) {
+				keys = append(keys, t.key(j))
 			}
 		}
 		// Delete by key: backward shifts move entries, so slot positions from
@@ -112,7 +112,7 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 			if j < 0 {
 				continue
 			}
-			sh.mem -= holderCount(t, t.slots[j].hold)
+			sh.mem -= holderCount(t, t.hold(j))
 			sh.delSlot(t, j, ix.shardBits)
 			evicted++
 		}

@@ -17,11 +17,14 @@
 package picker
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sort"
+	"strings"
 	"sync"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
@@ -116,63 +119,85 @@ type Decision struct {
 }
 
 // Pick chooses a worker. It fails only when req has no eligible worker.
+//
+// Its cost is proportional to the matched workers, not to the fleet, when
+// req.Eligible is already sorted and unique (the gateway's list is): the
+// eligible list is then used as is, membership is a binary search, and
+// only the Matched map is allocated. Loads are summed over the smaller of
+// the loads map and the eligible list.
 func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, error) {
-	eligible := uniqueSorted(req.Eligible)
+	eligible := req.Eligible
+	if !isUniqueSorted(eligible) {
+		eligible = uniqueSorted(eligible)
+	}
 	if len(eligible) == 0 {
 		return Decision{}, ErrNoWorkers
 	}
-	ok := make(map[string]bool, len(eligible))
 	total := 0
-	for _, w := range eligible {
-		ok[w] = true
-		total += max(loads[w], 0)
+	if len(loads) < len(eligible) {
+		for w, n := range loads {
+			if n > 0 && contains(eligible, w) {
+				total += n
+			}
+		}
+	} else {
+		for _, w := range eligible {
+			total += max(loads[w], 0)
+		}
 	}
 	mean := float64(total) / float64(len(eligible))
-	d := Decision{Matched: map[string]int{}, RequestBlocks: m.RequestBlocks, MeanLoad: mean}
-	var cands []index.Match // eligible, deepest first, then by name (as Matches orders them)
+	d := Decision{RequestBlocks: m.RequestBlocks, MeanLoad: mean}
+	// cands: eligible matched workers, deepest first, then by name (the order
+	// index.Matches already has; other orders are sorted below).
+	var candBuf [16]index.Match
+	cands := candBuf[:0]
 	for _, x := range m.Workers {
-		if ok[x.Worker] && x.Blocks > 0 {
-			d.Matched[x.Worker] = x.Blocks
+		if x.Blocks > 0 && contains(eligible, x.Worker) {
 			cands = append(cands, x)
 		}
 	}
-	sort.SliceStable(cands, func(i, j int) bool {
-		if cands[i].Blocks != cands[j].Blocks {
-			return cands[i].Blocks > cands[j].Blocks
-		}
-		return cands[i].Worker < cands[j].Worker
-	})
-	trips := func(w string) bool {
-		l := float64(max(loads[w], 0))
-		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
+	d.Matched = make(map[string]int, len(cands))
+	for _, c := range cands {
+		d.Matched[c.Worker] = c.Blocks
+	}
+	if !slices.IsSortedFunc(cands, byDepthThenName) {
+		slices.SortStableFunc(cands, byDepthThenName)
 	}
 	if len(cands) == 0 {
 		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonNoOverlap
 		return d, nil
 	}
+	trips := func(w string) bool {
+		l := float64(max(loads[w], 0))
+		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
+	}
 	d.Best = cands[0].Blocks
 	score := p.groupScore(cands)
-	var group []string
+	// The least-loaded untripped holder at the chosen depth, ties to the
+	// first name; cands at one depth are in name order.
+	found := false
 	for _, c := range cands {
-		if c.Blocks == score && !trips(c.Worker) {
-			group = append(group, c.Worker)
+		if c.Blocks != score || trips(c.Worker) {
+			continue
+		}
+		if !found || max(loads[c.Worker], 0) < max(loads[d.Worker], 0) {
+			d.Worker, found = c.Worker, true
 		}
 	}
-	if len(group) > 0 {
-		d.Worker = leastLoaded(group, loads)
-	} else {
+	if !found {
 		// Every holder at that depth is over the gate: let expected wait choose
 		// among the workers that are not (everyone, if all are).
-		var pool []string
 		for _, w := range eligible {
-			if !trips(w) {
-				pool = append(pool, w)
+			if trips(w) {
+				continue
+			}
+			if !found || max(loads[w], 0) < max(loads[d.Worker], 0) {
+				d.Worker, found = w, true
 			}
 		}
-		if len(pool) == 0 {
-			pool = eligible
+		if !found {
+			d.Worker = leastLoaded(eligible, loads)
 		}
-		d.Worker = leastLoaded(pool, loads)
 	}
 	d.Blocks = d.Matched[d.Worker]
 	d.Reason = ReasonHit
@@ -180,6 +205,19 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		d.Reason = ReasonSpill
 	}
 	return d, nil
+}
+
+func byDepthThenName(a, b index.Match) int {
+	if a.Blocks != b.Blocks {
+		return cmp.Compare(b.Blocks, a.Blocks)
+	}
+	return strings.Compare(a.Worker, b.Worker)
+}
+
+// contains reports whether w is in the sorted list ws.
+func contains(ws []string, w string) bool {
+	_, ok := slices.BinarySearch(ws, w)
+	return ok
 }
 
 // groupScore is the overlap depth whose holders compete: the deepest at
@@ -213,12 +251,26 @@ func (p *Picker) groupScore(cands []index.Match) int {
 // signal; ties go to the first name (ws is sorted).
 func leastLoaded(ws []string, loads Loads) string {
 	best := ws[0]
+	if len(loads) == 0 {
+		return best
+	}
 	for _, w := range ws[1:] {
 		if max(loads[w], 0) < max(loads[best], 0) {
 			best = w
 		}
 	}
 	return best
+}
+
+// isUniqueSorted reports whether ws is strictly increasing with no empty
+// name, i.e. what uniqueSorted would return unchanged.
+func isUniqueSorted(ws []string) bool {
+	for i, w := range ws {
+		if w == "" || (i > 0 && ws[i-1] >= w) {
+			return false
+		}
+	}
+	return true
 }
 
 func uniqueSorted(ws []string) []string {

@@ -1,0 +1,8 @@
+//go:build !unix
+
+package index
+
+import "time"
+
+// cpuTime is unavailable here; benchmarks then skip their per-CPU metrics.
+func cpuTime() time.Duration { return 0 }
