@@ -2,7 +2,6 @@ package demo
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -19,6 +18,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -86,40 +86,6 @@ type worker struct {
 	regs []*prometheus.Registry
 }
 
-// freePortBase finds n consecutive loopback ports free right now. Another
-// process may still take one before the engine binds it; startEngine then
-// tries another range.
-func freePortBase(n int) (int, error) {
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, fmt.Errorf("find free ports: %w", err)
-		}
-		base := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if base+n > 65535 {
-			continue
-		}
-		ok := true
-		var ls []net.Listener
-		for p := base; p < base+n; p++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return base, nil
-		}
-	}
-	return 0, errors.New("find free ports: no range of consecutive free loopback ports")
-}
-
 func simOptions(kind engineKind, kvConfig string, wl workload.Config, capacity int, log *slog.Logger) sim.Options {
 	return sim.Options{
 		Engine: kind.name, KVEventsConfig: kvConfig, DPSize: dpSize, BlockSize: blockSize,
@@ -134,7 +100,7 @@ func simOptions(kind engineKind, kvConfig string, wl workload.Config, capacity i
 func startEngine(ctx context.Context, kind engineKind, wl workload.Config, capacity int, log *slog.Logger) (*sim.Engine, error) {
 	var lastErr error
 	for attempt := 0; attempt < 5; attempt++ {
-		base, err := freePortBase(2 * dpSize)
+		base, err := freeport.Range(2 * dpSize)
 		if err != nil {
 			return nil, err
 		}

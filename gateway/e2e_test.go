@@ -15,6 +15,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -38,7 +39,7 @@ type relayedEngine struct {
 
 func startRelayedEngine(t *testing.T, dpSize int) *relayedEngine {
 	t.Helper()
-	live := freePorts(t, 2*dpSize)
+	live := freeport.ForTest(t, 2*dpSize)
 	ctx, cancel := context.WithCancel(context.Background())
 	eng, err := sim.Start(ctx, sim.Options{
 		Engine: "vllm", DPSize: dpSize, BlockSize: 16, CapacityBlocks: 256,
@@ -344,42 +345,6 @@ func workerStatus(t *testing.T, g *Gateway, id string) WorkerStatus {
 	}
 	t.Fatalf("no worker %s", id)
 	return WorkerStatus{}
-}
-
-// freePorts finds n consecutive free loopback ports and returns the first.
-// Another process may still take one before the engine binds it; starting
-// from a kernel-chosen port makes that rare.
-func freePorts(t *testing.T, n int) int {
-	t.Helper()
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		base := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if base+n > 65535 {
-			continue
-		}
-		ok := true
-		var held []net.Listener
-		for p := base; p < base+n && ok; p++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
-			if err != nil {
-				ok = false
-				continue
-			}
-			held = append(held, l)
-		}
-		for _, l := range held {
-			l.Close()
-		}
-		if ok {
-			return base
-		}
-	}
-	t.Fatal("no free port range")
-	return 0
 }
 
 // diffLive lists the rows of a that b lacks.

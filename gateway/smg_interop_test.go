@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/internal/pyenv"
 	"github.com/kvrelay/kvrelay/sim"
 )
@@ -90,7 +91,7 @@ func (f writerFunc) Write(b []byte) (int, error) { return f(b) }
 // OUT_OF_RANGE, which clears the worker and resubscribes from zero.
 func TestSMGPythonRelay(t *testing.T) {
 	const dp = 2
-	base := freePorts(t, 2*dp)
+	base := freeport.ForTest(t, 2*dp)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	eng, err := sim.Start(ctx, sim.Options{

@@ -2,12 +2,9 @@ package relay
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
-	"net"
 	"sync"
 	"sync/atomic"
-	"testing"
 	"time"
 )
 
@@ -104,39 +101,4 @@ func (r *dupReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 		}
 	}
 	return out, complete, err
-}
-
-// exactnessFreePorts finds n consecutive free TCP ports on loopback and
-// returns the first; the engines put rank r on base+r.
-func exactnessFreePorts(t *testing.T, n int) int {
-	t.Helper()
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		base := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if base+n > 65535 {
-			continue
-		}
-		var ls []net.Listener
-		ok := true
-		for p := base; p < base+n; p++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return base
-		}
-	}
-	t.Fatal("no free range of loopback ports")
-	return 0
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 	"github.com/kvrelay/kvrelay/sim"
@@ -196,7 +197,7 @@ func runExactnessDrill(t *testing.T, c exactnessCase, seed uint64, cov *exactnes
 	started := time.Now()
 	cov.drills++
 
-	base := exactnessFreePorts(t, 2*d.dp)
+	base := freeport.ForTest(t, 2*d.dp)
 	enable := `"enable_kv_cache_events": true`
 	if c.engine == "sglang" {
 		enable = `"publisher": "zmq"`

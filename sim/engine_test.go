@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
 
@@ -426,7 +427,7 @@ func TestInprocEndpoints(t *testing.T) {
 
 func TestContextCancelCloses(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	base := freeBase(t, 1)
+	base := freeport.ForTest(t, 1)
 	e, err := Start(ctx, Options{Engine: "vllm", KVEventsConfig: `{"enable_kv_cache_events": true, "endpoint": "tcp://*:` + itoa(base) + `"}`})
 	if err != nil {
 		t.Fatal(err)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"net"
 	"testing"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"go.uber.org/goleak"
 
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 	"github.com/kvrelay/kvrelay/sim/workload"
 )
@@ -28,49 +28,13 @@ func TestMain(m *testing.M) {
 	)
 }
 
-// freeBase finds n consecutive free TCP ports on loopback and returns the
-// first. Another process can still take one before the simulator binds it;
-// the range is picked from the kernel's ephemeral choice to make that rare.
-func freeBase(t *testing.T, n int) int {
-	t.Helper()
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		base := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if base+n > 65535 {
-			continue
-		}
-		var ls []net.Listener
-		ok := true
-		for p := base; p < base+n; p++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return base
-		}
-	}
-	t.Fatal("no free port range")
-	return 0
-}
-
 // startSim starts a simulator on free loopback ports with a replay ROUTER.
 func startSim(t *testing.T, opts Options, extraConfig string) *Engine {
 	t.Helper()
 	if opts.DPSize == 0 {
 		opts.DPSize = 1
 	}
-	base := freeBase(t, 2*opts.DPSize)
+	base := freeport.ForTest(t, 2*opts.DPSize)
 	enable := `"enable_kv_cache_events": true`
 	if opts.Engine == "sglang" {
 		enable = `"publisher": "zmq"`

@@ -5,13 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
 )
 
@@ -64,41 +64,12 @@ func (s *simStderr) String() string {
 	return s.b.String()
 }
 
-// simFreeBase finds n consecutive free TCP ports and returns the first.
-func simFreeBase(t *testing.T, n int) int {
-	t.Helper()
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		base := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		var ls []net.Listener
-		for p := base; p < base+n && p <= 65535; p++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("0.0.0.0:%d", p))
-			if err != nil {
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if len(ls) == n {
-			return base
-		}
-	}
-	t.Fatal("no free port range")
-	return 0
-}
-
 // TestSimRuns starts the subcommand with two ranks and a control endpoint,
 // waits until its workload has filled both ranks' caches, and stops it by
 // cancelling its context.
 func TestSimRuns(t *testing.T) {
 	// Live ports base, base+1; replay base+2, base+3; control base+4.
-	base := simFreeBase(t, 5)
+	base := freeport.ForTest(t, 5)
 	ctl := fmt.Sprintf("127.0.0.1:%d", base+4)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
