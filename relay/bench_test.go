@@ -89,6 +89,7 @@ func BenchmarkSnapshotSubscribe(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
+				s.buildSnapshot() // what the first Next does
 				chunks = len(s.pending)
 				s.Close()
 			}

@@ -20,11 +20,14 @@ type entry struct {
 	rank  int32
 	first uint64 // the batch's sequence, or the hole's first sequence
 	last  uint64 // == first for a batch, the hole's last sequence
-	batch *kvpb.KvEventBatch
-	size  int64
+	// enc is the batch's protobuf encoding, made once when it was relayed:
+	// every subscriber is sent these bytes, and they take about a third of
+	// the memory the message would. nil for a hole.
+	enc  []byte
+	size int64
 }
 
-func (e *entry) hole() bool { return e.batch == nil }
+func (e *entry) hole() bool { return e.enc == nil }
 
 // rankSlot is where one of a rank's entries sits: its log position and the
 // sequences it covers, so a rank's cursor resolves to a log position with a
@@ -91,8 +94,12 @@ func (h *history) rank(r int32) *rankWindow {
 }
 
 // pushBatch appends a relayed batch and returns its position.
-func (h *history) pushBatch(rank int32, seq uint64, b *kvpb.KvEventBatch, size int64) uint64 {
-	return h.push(entry{rank: rank, first: seq, last: seq, batch: b, size: size + entryOverhead})
+// size is what it is charged, its encoded size.
+func (h *history) pushBatch(rank int32, seq uint64, enc []byte, size int64) uint64 {
+	if enc == nil {
+		enc = []byte{} // an empty encoding is still a batch, not a hole
+	}
+	return h.push(entry{rank: rank, first: seq, last: seq, enc: enc, size: size + entryOverhead})
 }
 
 // pushHole records that rank's sequences from..to passed without a batch.
@@ -205,13 +212,16 @@ func (h *history) batchesAfter(out []posBatch, pos uint64, limit int, keep func(
 		if e.hole() || (keep != nil && !keep(e)) {
 			continue
 		}
-		out = append(out, posBatch{pos: p, batch: e.batch})
+		out = append(out, posBatch{pos: p, enc: e.enc})
 	}
 	return out, last
 }
 
-// posBatch is a batch with its log position, as subscribers queue it.
+// posBatch is a batch with its log position, as subscribers queue it: its
+// encoding always, and the message too when it was just relayed (a batch
+// from the history is decoded only for a caller that asks for the message).
 type posBatch struct {
 	pos   uint64
 	batch *kvpb.KvEventBatch
+	enc   []byte
 }

@@ -5,11 +5,18 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
-func hb(rank int32, seq uint64) *kvpb.KvEventBatch {
-	return &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: &rank}
+// hb is the encoding of an empty batch of rank at seq, as the history keeps it.
+func hb(rank int32, seq uint64) []byte {
+	enc, err := proto.Marshal(&kvpb.KvEventBatch{SequenceNumber: seq, DpRank: &rank})
+	if err != nil {
+		panic(err)
+	}
+	return enc
 }
 
 // seqs names the batches after pos, "rank:seq".
@@ -17,7 +24,11 @@ func seqsAfter(h *history, pos uint64, keep func(*entry) bool) string {
 	pbs, _ := h.batchesAfter(nil, pos, 0, keep)
 	var out []string
 	for _, pb := range pbs {
-		out = append(out, describe(pb.batch))
+		b := &kvpb.KvEventBatch{}
+		if err := proto.Unmarshal(pb.enc, b); err != nil {
+			return "undecodable: " + err.Error()
+		}
+		out = append(out, describe(b))
 	}
 	return strings.Join(out, " ")
 }

@@ -436,7 +436,15 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	b.SequenceNumber = seq
 	// The socket's rank is authoritative: sequences are per socket.
 	b.DpRank = proto.Int32(rk.rank)
-	size := int64(proto.Size(b))
+	// Encoded once here, for the history and for every subscriber's send.
+	enc, err := proto.Marshal(b)
+	if err != nil {
+		// A message built by the normalizer always encodes; this would be a
+		// bug, and an empty batch keeps the sequence without a gap.
+		r.log.Error("encoding a relayed batch failed; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
+		b = &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: proto.Int32(rk.rank)}
+		enc, _ = proto.Marshal(b)
+	}
 	var blocks int
 	for _, ev := range b.Events {
 		if s := ev.GetStored(); s != nil {
@@ -445,7 +453,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 
 	r.mu.Lock()
-	pos := r.hist.pushBatch(rk.rank, seq, b, size)
+	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
 	r.rec.Apply(b)
 	rk.cursor, rk.hasCursor = seq, true
 	if !rk.hasStart {
@@ -453,7 +461,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 	r.relayed++
 	relayed := r.relayed
-	r.fanOut(posBatch{pos: pos, batch: b})
+	r.fanOut(posBatch{pos: pos, batch: b, enc: enc})
 	r.mu.Unlock()
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -48,7 +50,7 @@ func newError(kind error, format string, args ...any) error {
 // treat them as read-only (clone before changing one).
 type Subscription struct {
 	r       *Relay
-	pending []*kvpb.KvEventBatch            // snapshot chunks, then history: sent first
+	pending []posBatch                      // snapshot chunks, then history: sent first
 	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks the first Next builds
 
 	mu      sync.Mutex
@@ -117,7 +119,7 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 		case len(ranks) == 0:
 			served = "live"
 		case complete:
-			s.pending = toBatches(r.hist.batchesAfter(nil, 0, 0, nil))
+			s.pending, _ = r.hist.batchesAfter(nil, 0, 0, nil)
 			served = "history"
 		default:
 			cut, cursors, unknown = r.cutLocked(ranks)
@@ -170,7 +172,11 @@ func (s *Subscription) buildSnapshot() {
 	}
 	chunks := p.cut.Chunks(p.cursors, p.unknown, unixSeconds(time.Now()))
 	p.cut.Release()
-	s.pending = append(chunks, s.pending...)
+	out := make([]posBatch, 0, len(chunks)+len(s.pending))
+	for _, c := range chunks {
+		out = append(out, posBatch{batch: c})
+	}
+	s.pending = append(out, s.pending...)
 	s.r.metrics.snapshotTotal.Observe(time.Since(p.begin).Seconds())
 	s.r.log.Info("serving a snapshot", "chunks", len(chunks), "ranks", len(p.cursors),
 		"lock", p.locked, "total", time.Since(p.begin))
@@ -214,14 +220,6 @@ func (r *Relay) Snapshot() []*kvpb.KvEventBatch {
 
 func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 
-func toBatches(pbs []posBatch, _ uint64) []*kvpb.KvEventBatch {
-	out := make([]*kvpb.KvEventBatch, len(pbs))
-	for i, pb := range pbs {
-		out[i] = pb.batch
-	}
-	return out
-}
-
 // rankWindowCheck resolves cursor c (non-zero) of rank against the window:
 // the log position after which the rank's batches follow, or why not. A
 // rank with a cursor but nothing left in the window sits just past its
@@ -255,16 +253,17 @@ func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
 }
 
 // resumeRank0 serves an SMG-style cursor: rank 0's last applied batch.
-func (r *Relay) resumeRank0(c uint64) ([]*kvpb.KvEventBatch, error) {
+func (r *Relay) resumeRank0(c uint64) ([]posBatch, error) {
 	pos, err := r.rankWindowCheck(0, c)
 	if err != nil {
 		return nil, err
 	}
-	return toBatches(r.hist.batchesAfter(nil, pos, 0, nil)), nil
+	out, _ := r.hist.batchesAfter(nil, pos, 0, nil)
+	return out, nil
 }
 
 // resumeRanks serves a kvrelay client's per-rank cursors.
-func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]*kvpb.KvEventBatch, error) {
+func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]posBatch, error) {
 	for rank := range cursors {
 		if rank < 0 || int(rank) >= len(r.ranks) {
 			return nil, newError(ErrOutOfRange, "the relay for %s has no DP rank %d (it follows %d ranks); resubscribe from zero", r.ranks[0].endpoint, rank, len(r.ranks))
@@ -292,7 +291,8 @@ func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]*kvpb.KvEventBatch, err
 		}
 	}
 	keep := func(e *entry) bool { return all[e.rank] || e.first > after[e.rank] }
-	return toBatches(r.hist.batchesAfter(nil, 0, 0, keep)), nil
+	out, _ := r.hist.batchesAfter(nil, 0, 0, keep)
+	return out, nil
 }
 
 // fanOut offers a newly relayed batch to every subscriber. Called with r.mu
@@ -342,19 +342,35 @@ func (s *Subscription) end(err error, reason string) {
 // ErrDataLoss (restart, or the subscriber fell behind beyond the history),
 // ErrClosed, or ctx's error.
 func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
+	b, enc, err := s.NextEncoded(ctx)
+	if err != nil || b != nil {
+		return b, err
+	}
+	b = &kvpb.KvEventBatch{}
+	if err := proto.Unmarshal(enc, b); err != nil {
+		return nil, fmt.Errorf("relay: decoding a batch from the history: %w", err)
+	}
+	return b, nil
+}
+
+// NextEncoded is Next for a sender: it returns the batch's protobuf
+// encoding, made once for every subscriber, and the message only where one
+// is at hand (a snapshot chunk, or a batch just relayed). At least one of the
+// two is set. The server sends the bytes as they are.
+func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []byte, error) {
 	for {
 		s.mu.Lock()
 		closed := s.closed
 		s.mu.Unlock()
 		if closed {
-			return nil, ErrClosed
+			return nil, nil, ErrClosed
 		}
 		s.buildSnapshot()
 		if len(s.pending) > 0 {
-			b := s.pending[0]
-			s.pending[0] = nil
+			pb := s.pending[0]
+			s.pending[0] = posBatch{}
 			s.pending = s.pending[1:]
-			return b, nil
+			return pb.batch, pb.enc, nil
 		}
 		s.mu.Lock()
 		if s.qhead < len(s.queue) {
@@ -373,25 +389,25 @@ func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
 				continue
 			}
 			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
-			return pb.batch, nil
+			return pb.batch, pb.enc, nil
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed
 		s.mu.Unlock()
 		switch {
 		case closed:
-			return nil, ErrClosed
+			return nil, nil, ErrClosed
 		case err != nil:
-			return nil, err
+			return nil, nil, err
 		case lagged:
 			if err := s.refill(); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			continue
 		}
 		select {
 		case <-s.notify:
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, nil, ctx.Err()
 		}
 	}
 }

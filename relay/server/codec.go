@@ -9,14 +9,16 @@ import (
 )
 
 // frame is an undecoded gRPC message: the proxy moves frames between the
-// gateway and the engine's servicer without knowing their types.
+// gateway and the engine's servicer without knowing their types, and the
+// SubscribeKvEvents handler sends batches the relay encoded once for all
+// subscribers.
 type frame struct {
 	payload []byte
 }
 
 // passthroughCodec is the proto codec for typed messages and a byte pipe for
-// frames. A gRPC server has one codec for every service, and kvrelay serves
-// its own typed RPC beside the proxied ones, so one codec must do both.
+// frames. A gRPC server has one codec for every service, and kvrelay sends
+// both typed messages and pre-encoded ones, so one codec must do both.
 type passthroughCodec struct {
 	proto encoding.CodecV2
 }
@@ -29,8 +31,8 @@ func (c *passthroughCodec) Name() string { return "proto" }
 
 func (c *passthroughCodec) Marshal(v any) (mem.BufferSlice, error) {
 	if f, ok := v.(*frame); ok {
-		// A copy keeps buffer ownership simple: the transport frees what
-		// Marshal returns, and proxied calls are not on the event hot path.
+		// SliceBuffer does not return its bytes to a pool when freed, so
+		// the transport may hold the relay's shared encoding without a copy.
 		return mem.BufferSlice{mem.SliceBuffer(f.payload)}, nil
 	}
 	return c.proto.Marshal(v)

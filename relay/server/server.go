@@ -140,10 +140,11 @@ func New(opts Options) (*Server, error) {
 		if len(s.conns) == 1 {
 			p.fallback = s.conns[0]
 		}
-		serverOpts = append(serverOpts,
-			grpc.UnknownServiceHandler(p.handle),
-			grpc.ForceServerCodecV2(newPassthroughCodec()))
+		serverOpts = append(serverOpts, grpc.UnknownServiceHandler(p.handle))
 	}
+	// Typed messages go through the proto codec; pre-encoded batches and
+	// proxied frames go through as bytes.
+	serverOpts = append(serverOpts, grpc.ForceServerCodecV2(newPassthroughCodec()))
 	s.grpc = grpc.NewServer(serverOpts...)
 	for i := range s.services {
 		if err := s.register(&s.services[i]); err != nil {
@@ -300,7 +301,25 @@ func (h *handler) pump(ctx context.Context, req *kvpb.SubscribeKvEventsRequest, 
 	if err := stream.SendHeader(metadata.MD{}); err != nil {
 		return err
 	}
+	enc, encoded := sub.(encodedStream)
 	for {
+		if encoded {
+			// The relay encoded the batch once for every subscriber; the
+			// server codec sends those bytes as they are.
+			b, payload, err := enc.NextEncoded(ctx)
+			if err != nil {
+				return err
+			}
+			if b != nil && payload == nil {
+				err = stream.Send(b)
+			} else {
+				err = stream.SendMsg(&frame{payload: payload})
+			}
+			if err != nil {
+				return err
+			}
+			continue
+		}
 		b, err := sub.Next(ctx)
 		if err != nil {
 			return err
@@ -309,6 +328,11 @@ func (h *handler) pump(ctx context.Context, req *kvpb.SubscribeKvEventsRequest, 
 			return err
 		}
 	}
+}
+
+// encodedStream is a Stream that can hand out batches already encoded.
+type encodedStream interface {
+	NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []byte, error)
 }
 
 // statusOf maps the relay's errors to the codes SMG's gateway acts on.
