@@ -311,9 +311,14 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			if r.catchUp(ctx, rk) && ctx.Err() == nil {
 				primeC = closedChan
 			}
+			// A replay that did not answer took up to ReplayTimeout; the
+			// quiet time counts from its end, not its start.
+			lastActive = time.Now()
 		case <-primeC:
 			primeC = nil
-			if !r.prime(ctx, rk) && ctx.Err() == nil {
+			primed := r.prime(ctx, rk)
+			lastActive = time.Now()
+			if !primed && ctx.Err() == nil {
 				retry = time.AfterFunc(r.cfg.PrimeRetry, func() {
 					select {
 					case retryC <- struct{}{}:

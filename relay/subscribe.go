@@ -377,8 +377,15 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			pb := s.queue[s.qhead]
 			s.queue[s.qhead] = posBatch{}
 			s.qhead++
-			if s.qhead == len(s.queue) {
+			switch {
+			case s.qhead == len(s.queue):
 				s.queue, s.qhead = s.queue[:0], 0
+			case s.qhead >= 1024 && 2*s.qhead >= len(s.queue):
+				// A subscriber that keeps up but never quite empties its
+				// queue would otherwise keep the consumed front forever.
+				n := copy(s.queue, s.queue[s.qhead:])
+				clear(s.queue[n:])
+				s.queue, s.qhead = s.queue[:n], 0
 			}
 			dup := pb.pos <= s.lastPos
 			if !dup {

@@ -334,12 +334,18 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 		lis net.Listener
 	}
 	var servers []listening
+	// closeAll stops every server; listeners whose Serve never ran are
+	// closed here, since only Serve would close them.
+	serving := false
 	closeAll := func() {
 		for _, l := range servers {
 			l.srv.Stop()
+			if !serving {
+				_ = l.lis.Close()
+			}
 		}
 	}
-	for i, addr := range order {
+	for _, addr := range order {
 		var services []server.Service
 		upstreams := map[string]string{}
 		for _, r := range byListen[addr] {
@@ -356,8 +362,10 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 				upstreams[r.cfg.engine.Name] = r.cfg.Upstream
 			}
 		}
+		// Every listener's series carry a listener label when there are
+		// several: one metric name must have one label set.
 		var srvReg prometheus.Registerer = reg
-		if i > 0 {
+		if len(order) > 1 {
 			srvReg = prometheus.WrapRegistererWith(prometheus.Labels{"listener": addr}, reg)
 		}
 		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg})
@@ -389,6 +397,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			}
 		}(r)
 	}
+	serving = true
 	for _, l := range servers {
 		wg.Add(1)
 		go func(l listening) {

@@ -162,3 +162,51 @@ func TestServeRelaysAPeerToTail(t *testing.T) {
 		t.Fatal("serve did not shut down")
 	}
 }
+
+// Relays on two listeners start: each listener registers its gRPC series
+// under its own listener label (one metric name must have one label set,
+// which once stopped a two-listener config at start-up).
+func TestServeRunsRelaysOnTwoListeners(t *testing.T) {
+	verifyNoLeaks(t)
+	dir := t.TempDir()
+	grpcA, grpcB, httpAddr := freeAddr(t), freeAddr(t), freeAddr(t)
+	cfg := fmt.Sprintf(`{"metrics_listen": %q, "relays": [
+		{"name": "a", "engine": "vllm", "kv_events_config": {"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:1"}, "listen": %q},
+		{"name": "b", "engine": "sglang", "kv_events_config": {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:3"}, "listen": %q}]}`,
+		httpAddr, grpcA, grpcB)
+	path := filepath.Join(dir, "kvrelay.json")
+	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var stderr syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- dispatch(ctx, []string{"serve", "--config", path}, strings.NewReader(""), io.Discard, &stderr)
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Get("http://" + httpAddr + "/metrics")
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if strings.Contains(string(body), `relay="a"`) && strings.Contains(string(body), `relay="b"`) {
+				break
+			}
+		}
+		select {
+		case code := <-done:
+			t.Fatalf("serve exited with %d; stderr:\n%s", code, stderr.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("both relays never showed in /metrics; stderr:\n%s", stderr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	cancel()
+	if code := <-done; code != 0 {
+		t.Fatalf("serve exit %d; stderr:\n%s", code, stderr.String())
+	}
+}

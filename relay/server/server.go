@@ -348,6 +348,8 @@ func (h *handler) statusOf(err error) *status.Status {
 		return status.New(codes.DataLoss, err.Error())
 	case errors.Is(err, relay.ErrDisabled):
 		return status.New(codes.Unimplemented, h.svc.Engine.DisabledMessage)
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.New(codes.DeadlineExceeded, "the subscriber's deadline passed")
 	case errors.Is(err, context.Canceled):
 		return status.New(codes.Canceled, "the subscriber went away")
 	}
