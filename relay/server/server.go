@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -80,6 +81,8 @@ type Server struct {
 	shutdown    context.CancelFunc
 	stopOnce    sync.Once
 	healthDone  chan struct{}
+	watching    sync.Once // starts the health watcher once, from Serve
+	watched     atomic.Bool
 }
 
 // New builds a server; Serve starts it.
@@ -188,7 +191,10 @@ func (s *Server) register(svc *Service) error {
 // Serve accepts connections on lis until Stop. It also keeps the health
 // service in step with the relays' readiness.
 func (s *Server) Serve(lis net.Listener) error {
-	go s.watchHealth()
+	s.watching.Do(func() {
+		s.watched.Store(true)
+		go s.watchHealth()
+	})
 	err := s.grpc.Serve(lis)
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
@@ -242,10 +248,8 @@ func (s *Server) Stop() {
 			<-done
 		}
 		s.closeConns()
-		select {
-		case <-s.healthDone:
-		default:
-			// Serve was never called, so no health watcher runs.
+		if s.watched.Load() {
+			<-s.healthDone // it returns once shutdownCtx is done
 		}
 	})
 }
