@@ -3,6 +3,7 @@ package index
 import (
 	"container/list"
 	"fmt"
+	"maps"
 	"os"
 	"runtime"
 	"strconv"
@@ -27,9 +28,32 @@ import (
 // blocks + removed blocks, as in SMG's and Dynamo's definition.
 
 type replayOp struct {
-	find   []uint32 // request tokens, for a lookup
-	batch  *kvpb.KvEventBatch
-	blocks int
+	find    []uint32 // request tokens, for a lookup
+	content []uint64 // the request's content hashes, for a lookup with hashed input
+	batch   *kvpb.KvEventBatch
+	prep    *Prepared // batch with its content hashes, for hashed input
+	blocks  int
+}
+
+// replayInput says what the timed replay hands the index.
+type replayInput int
+
+const (
+	// hashedInput: stores and lookups arrive with their blocks' content
+	// hashes computed (ApplyPrepared, FindMatchesContent), as the anchors'
+	// benchmarks feed SMG's and Dynamo's indexes. The prefix chain, the
+	// reverse maps and the lookups are timed; hashing tokens is not.
+	hashedInput replayInput = iota
+	// tokenInput: stores and lookups carry token ids (Apply, FindMatches),
+	// so every block is also XXH3-hashed inside the timed part.
+	tokenInput
+)
+
+func (in replayInput) String() string {
+	if in == tokenInput {
+		return "token-input"
+	}
+	return "hashed-input"
 }
 
 type replayPlan struct {
@@ -55,6 +79,12 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 		index[p.workers[w]] = w
 		state[w] = &simWorker{lru: list.New(), pos: map[int64]*list.Element{}}
 	}
+	// Load, for the spill gate: the requests each worker received among the
+	// last window arrivals (as if each lasted that long).
+	const spillMargin = 2
+	window := 2 * workers
+	busy := make([]int, workers)
+	var recent []int
 	for _, r := range reqs {
 		n := len(r.Tokens) / bs
 		if n == 0 {
@@ -66,20 +96,35 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 			if x.Blocks < m.Best() {
 				break
 			}
-			if c := index[x.Worker]; w < 0 || state[c].reqs < state[w].reqs {
+			if c := index[x.Worker]; w < 0 || busy[c] < busy[w] {
 				w = c
 			}
 		}
+		// SMG's spill gate: a holder loaded above 1.5× the mean (and by more
+		// than a margin) loses the request to the least-loaded worker. Without
+		// it every session of a shared prompt would follow the prompt's first
+		// worker, a quarter of the fleet would take all the traffic, and no
+		// block would ever be held by two workers.
+		mean := float64(min(len(recent), window)) / float64(workers)
+		if w >= 0 && float64(busy[w]) > 1.5*mean && float64(busy[w]) > mean+spillMargin {
+			w = -1
+		}
 		if w < 0 {
 			for c := range state {
-				if w < 0 || state[c].reqs < state[w].reqs {
+				if w < 0 || busy[c] < busy[w] || busy[c] == busy[w] && state[c].reqs < state[w].reqs {
 					w = c
 				}
 			}
 		}
+		// A request keeps its worker busy for the next window arrivals.
+		if len(recent) >= window {
+			busy[recent[len(recent)-window]]--
+		}
+		recent = append(recent, w)
+		busy[w]++
 		st := state[w]
 		st.reqs++
-		p.ops[w] = append(p.ops[w], replayOp{find: r.Tokens, blocks: n})
+		p.ops[w] = append(p.ops[w], replayOp{find: r.Tokens, content: ContentHashes(r.Tokens, bs, BaseSeed), blocks: n})
 		p.blocks += int64(n)
 		p.finds++
 		hs := PrefixHashes(r.Tokens, bs, Namespace{})
@@ -89,15 +134,14 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 			if run != nil {
 				b := batch(0, &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Stored{Stored: run}})
 				sim.Apply(p.workers[w], b)
-				p.ops[w] = append(p.ops[w], replayOp{batch: b, blocks: len(run.Blocks)})
+				p.ops[w] = append(p.ops[w], replayOp{batch: b, prep: Prepare(b), blocks: len(run.Blocks)})
 				p.blocks += int64(len(run.Blocks))
 				run = nil
 			}
 		}
 		for j := range n {
 			eh := ehOf(j)
-			if e, ok := st.pos[eh]; ok {
-				st.lru.MoveToBack(e)
+			if _, ok := st.pos[eh]; ok {
 				flush()
 				continue
 			}
@@ -110,9 +154,20 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 				}
 			}
 			run.Blocks = append(run.Blocks, &kvpb.KvBlock{BlockHash: eh, TokenIds: r.Tokens[j*bs : (j+1)*bs], BlockSize: int32(bs)})
-			st.pos[eh] = st.lru.PushBack(eh)
 		}
 		flush()
+		// The request's blocks become the most recent, its last block first
+		// in line for eviction: engines free a finished request's blocks tail
+		// first (vLLM queues them in reverse; SGLang's radix cache evicts
+		// leaves), so a cached chain shrinks from its end.
+		for j := n - 1; j >= 0; j-- {
+			eh := ehOf(j)
+			if e, ok := st.pos[eh]; ok {
+				st.lru.MoveToBack(e)
+			} else {
+				st.pos[eh] = st.lru.PushBack(eh)
+			}
+		}
 		var evict []int64
 		for st.lru.Len() > capacity {
 			e := st.lru.Front()
@@ -124,7 +179,7 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 		if len(evict) > 0 {
 			b := batch(0, removed(unspec, evict...))
 			sim.Apply(p.workers[w], b)
-			p.ops[w] = append(p.ops[w], replayOp{batch: b, blocks: len(evict)})
+			p.ops[w] = append(p.ops[w], replayOp{batch: b, prep: Prepare(b), blocks: len(evict)})
 			p.blocks += int64(len(evict))
 		}
 	}
@@ -133,7 +188,7 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 
 // replay runs plan into a fresh index and returns it, the wall time and the
 // lookup latencies.
-func replay(plan replayPlan, bs int) (*Index, time.Duration, []time.Duration) {
+func replay(plan replayPlan, bs int, in replayInput) (*Index, time.Duration, []time.Duration) {
 	ix := New(Options{BlockSize: bs})
 	g := runtime.GOMAXPROCS(0)
 	lat := make([][]time.Duration, g)
@@ -157,13 +212,20 @@ func replay(plan replayPlan, bs int) (*Index, time.Duration, []time.Duration) {
 					left = true
 					op := plan.ops[w][next[w]]
 					next[w]++
-					if op.batch != nil {
+					switch {
+					case op.batch != nil && in == hashedInput:
+						ix.ApplyPrepared(plan.workers[w], op.prep)
+					case op.batch != nil:
 						ix.Apply(plan.workers[w], op.batch)
-						continue
+					case in == hashedInput:
+						t0 := time.Now()
+						_ = ix.FindMatchesContent(op.content)
+						lat[gi] = append(lat[gi], time.Since(t0))
+					default:
+						t0 := time.Now()
+						_ = ix.FindMatches(op.find, Namespace{})
+						lat[gi] = append(lat[gi], time.Since(t0))
 					}
-					t0 := time.Now()
-					_ = ix.FindMatches(op.find, Namespace{})
-					lat[gi] = append(lat[gi], time.Since(t0))
 				}
 			}
 		}()
@@ -186,6 +248,12 @@ func envInt(name string, def int) int {
 
 func runReplay(b *testing.B, reqs []tracegen.Request, bs, capacityTokens int) {
 	plan := planReplay(reqs, 128, bs, capacityTokens/bs)
+	for _, in := range []replayInput{hashedInput, tokenInput} {
+		b.Run(in.String(), func(b *testing.B) { runPlan(b, plan, bs, in) })
+	}
+}
+
+func runPlan(b *testing.B, plan replayPlan, bs int, in replayInput) {
 	b.ResetTimer()
 	var el time.Duration
 	var lat []time.Duration
@@ -194,7 +262,7 @@ func runReplay(b *testing.B, reqs []tracegen.Request, bs, capacityTokens int) {
 	for range b.N {
 		var e time.Duration
 		var l []time.Duration
-		ix, e, l = replay(plan, bs)
+		ix, e, l = replay(plan, bs, in)
 		el += e
 		lat = append(lat, l...)
 	}
@@ -270,11 +338,7 @@ func TestReplayPlanIsExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	plan := planReplay(reqs, 128, 16, 64)
-	ix, _, lat := replay(plan, 16)
-	if len(lat) != plan.finds {
-		t.Errorf("%d lookups, planned %d", len(lat), plan.finds)
-	}
+	plan := planReplay(reqs, 8, 16, 24)
 	seq := New(Options{BlockSize: 16})
 	evictions := 0
 	for w, ops := range plan.ops {
@@ -290,20 +354,42 @@ func TestReplayPlanIsExact(t *testing.T) {
 	if evictions == 0 {
 		t.Errorf("the plan evicts nothing; capacity too large for the test")
 	}
-	for _, w := range plan.workers {
-		a, b := ix.LiveSet(w), seq.LiveSet(w)
-		if len(a) != len(b) {
-			t.Fatalf("%s: %d live blocks after parallel replay, %d sequentially", w, len(a), len(b))
-		}
-		for i := range a {
-			if a[i] != b[i] || a[i].Copies != 1 {
-				t.Fatalf("%s: live block %d: %+v vs %+v", w, i, a[i], b[i])
-			}
+	used := 0
+	for _, ops := range plan.ops {
+		if len(ops) > 0 {
+			used++
 		}
 	}
-	for _, r := range reqs[:50] {
-		if got, want := matchMap(ix.FindMatches(r.Tokens, Namespace{})), matchMap(seq.FindMatches(r.Tokens, Namespace{})); len(got) != len(want) {
-			t.Fatalf("matches differ: %v vs %v", got, want)
+	if st := seq.Stats(); used < len(plan.workers) || st.Entries >= st.Memberships {
+		t.Errorf("%d of %d workers used, %d entries for %d memberships: the spill gate should spread shared prompts", used, len(plan.workers), st.Entries, st.Memberships)
+	}
+	for _, in := range []replayInput{hashedInput, tokenInput} {
+		ix, _, lat := replay(plan, 16, in)
+		if len(lat) != plan.finds {
+			t.Errorf("%v: %d lookups, planned %d", in, len(lat), plan.finds)
+		}
+		for _, w := range plan.workers {
+			a, b := ix.LiveSet(w), seq.LiveSet(w)
+			if len(a) != len(b) {
+				t.Fatalf("%v: %s: %d live blocks after parallel replay, %d sequentially", in, w, len(a), len(b))
+			}
+			for i := range a {
+				if a[i] != b[i] || a[i].Copies != 1 {
+					t.Fatalf("%v: %s: live block %d: %+v vs %+v", in, w, i, a[i], b[i])
+				}
+			}
+		}
+		for _, r := range reqs[:50] {
+			want := matchMap(seq.FindMatches(r.Tokens, Namespace{}))
+			for name, got := range map[string]Matches{
+				"tokens":  ix.FindMatches(r.Tokens, Namespace{}),
+				"content": ix.FindMatchesContent(ContentHashes(r.Tokens, 16, BaseSeed)),
+				"prefix":  ix.FindMatchesHashes(PrefixHashes(r.Tokens, 16, Namespace{})),
+			} {
+				if g := matchMap(got); !maps.Equal(g, want) {
+					t.Fatalf("%v: matches by %s differ: %v vs %v", in, name, g, want)
+				}
+			}
 		}
 	}
 }

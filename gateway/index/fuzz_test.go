@@ -33,7 +33,7 @@ func FuzzApply(f *testing.F) {
 				return
 			}
 			ix.Apply("w", &b)
-			ix.Apply("v", &b)
+			ix.ApplyPrepared("v", Prepare(&b))
 		}
 		_ = ix.FindMatches(seq(1, 12), Namespace{})
 		ix.Prune(ix.now())

@@ -319,6 +319,51 @@ func resolveTier(t *kvpb.KvCacheTier, level int32) (Tier, bool) {
 // Events owned by a residency agent ("kvcr"), remote events, non-main
 // attention groups and disk/external tiers are skipped and counted.
 func (ix *Index) Apply(w WorkerID, b *kvpb.KvEventBatch) {
+	ix.apply(w, b, nil)
+}
+
+// Prepared is a batch whose stored blocks already carry their content hashes,
+// computed by Prepare. Hashing the tokens is the largest part of applying a
+// store (a 128-token block takes longer to hash than to index), and it needs
+// nothing from the index, so a caller can do it before taking any lock, on
+// any goroutine; ApplyPrepared then does only the index's own work.
+type Prepared struct {
+	batch   *kvpb.KvEventBatch
+	content [][]uint64 // per event: one content hash per block; nil for other events
+}
+
+// Prepare hashes b's stored blocks under their events' namespaces.
+func Prepare(b *kvpb.KvEventBatch) *Prepared {
+	p := &Prepared{batch: b}
+	if b == nil {
+		return p
+	}
+	p.content = make([][]uint64, len(b.Events))
+	for i, ev := range b.Events {
+		s := ev.GetStored()
+		if s == nil || len(s.Blocks) == 0 {
+			continue
+		}
+		seed := NamespaceSeed(s.GetLoraName(), s.GetCacheSalt())
+		hs := make([]uint64, len(s.Blocks))
+		for j, blk := range s.Blocks {
+			if blk != nil {
+				hs[j] = ContentHash(blk.TokenIds, seed)
+			}
+		}
+		p.content[i] = hs
+	}
+	return p
+}
+
+// ApplyPrepared is Apply for a batch hashed by Prepare.
+func (ix *Index) ApplyPrepared(w WorkerID, p *Prepared) {
+	if p != nil {
+		ix.apply(w, p.batch, p.content)
+	}
+}
+
+func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 	if b == nil || len(b.Events) == 0 {
 		return
 	}
@@ -329,10 +374,14 @@ func (ix *Index) Apply(w WorkerID, b *kvpb.KvEventBatch) {
 	if ix.pruning {
 		stamp = ix.stampAt(ix.now())
 	}
-	for _, ev := range b.Events {
+	for i, ev := range b.Events {
 		switch e := ev.GetData().(type) {
 		case *kvpb.KvCacheEvent_Stored:
-			ix.applyStored(ws, rank, e.Stored)
+			var hs []uint64
+			if i < len(content) {
+				hs = content[i]
+			}
+			ix.applyStored(ws, rank, e.Stored, hs)
 			ix.flush(ws, stamp)
 		case *kvpb.KvCacheEvent_Removed:
 			ix.applyRemoved(ws, rank, e.Removed)
@@ -348,7 +397,9 @@ func (ix *Index) Apply(w WorkerID, b *kvpb.KvEventBatch) {
 	}
 }
 
-func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored) {
+// applyStored files s's blocks; content holds their content hashes when the
+// batch was prepared (nil: hash the tokens here).
+func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64) {
 	if s == nil || len(s.Blocks) == 0 {
 		return
 	}
@@ -396,7 +447,11 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		rt = newRevTable()
 		ws.ranks[rank] = rt
 	}
-	seed := NamespaceSeed(s.GetLoraName(), s.GetCacheSalt())
+	var seed uint64
+	if len(content) != len(s.Blocks) {
+		content = nil
+		seed = NamespaceSeed(s.GetLoraName(), s.GetCacheSalt())
+	}
 	var prev uint64
 	chained := false
 	if s.ParentBlockHash != nil {
@@ -407,11 +462,16 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
 		}
 	}
-	for _, blk := range s.Blocks {
+	for j, blk := range s.Blocks {
 		if blk == nil {
 			continue
 		}
-		p := ContentHash(blk.TokenIds, seed)
+		var p uint64
+		if content != nil {
+			p = content[j]
+		} else {
+			p = ContentHash(blk.TokenIds, seed)
+		}
 		if chained {
 			p = ChainHash(prev, p)
 		}
@@ -765,6 +825,22 @@ func (ix *Index) FindMatches(tokens []uint32, ns Namespace) Matches {
 // PrefixHashes.
 func (ix *Index) FindMatchesHashes(prefix []uint64) Matches {
 	return ix.walk(len(prefix), func(i int) uint64 { return prefix[i] })
+}
+
+// FindMatchesContent is FindMatches for a request's content hashes (as
+// ContentHashes computes them under the request's namespace seed): the input
+// SMG's and Dynamo's indexes take, for callers that keep a conversation's
+// block hashes. The prefix chain is computed here, lazily.
+func (ix *Index) FindMatchesContent(content []uint64) Matches {
+	var prev uint64
+	return ix.walk(len(content), func(i int) uint64 {
+		c := content[i]
+		if i > 0 {
+			c = ChainHash(prev, c)
+		}
+		prev = c
+		return c
+	})
 }
 
 type slotMatch struct {

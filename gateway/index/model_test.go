@@ -240,7 +240,11 @@ func TestRandomizedAgainstModel(t *testing.T) {
 				switch x := rng.IntN(100); {
 				case x < 55:
 					b := c.storeBatch(rng, r)
-					ix.Apply(w, b)
+					if op%2 == 0 {
+						ix.Apply(w, b)
+					} else {
+						ix.ApplyPrepared(w, Prepare(b))
+					}
 					ref.apply(w, b)
 				case x < 93:
 					b := c.removeBatch(rng, r)
@@ -258,7 +262,11 @@ func TestRandomizedAgainstModel(t *testing.T) {
 					delete(ref.workers, w)
 				}
 				q, ns := c.query(rng)
-				if diff := cmp.Diff(ref.find(q, 4, ns), matchMap(ix.FindMatches(q, ns))); diff != "" {
+				got := ix.FindMatches(q, ns)
+				if op%3 == 0 {
+					got = ix.FindMatchesContent(ContentHashes(q, 4, ns.Seed()))
+				}
+				if diff := cmp.Diff(ref.find(q, 4, ns), matchMap(got)); diff != "" {
 					t.Fatalf("op %d: matches (-model +index):\n%s", op, diff)
 				}
 			}
