@@ -8,109 +8,122 @@ import (
 	"sync/atomic"
 )
 
-// table is one shard's open-addressing map prefix hash → holders (12 bytes a
-// slot, 16 with pruning on). A slot's holder word (32 bits) is:
+// The forward map says, for every prefix hash the fleet holds, which workers
+// hold it. It is stored as runs: a run is a stretch of consecutive positions
+// of one chain (block i+1 extends block i), kept in two parallel arrays, the
+// positions' prefix hashes and their holder words. A lookup walks a request
+// along a run by comparing its next prefix hash with the run's next one,
+// which is a sequential read, and needs a hash-table probe only where the
+// request leaves a run: at block 0 and where chains branch. Storing a
+// conversation's next turn appends to its run. With one table entry per
+// block (the flat layout this replaced), every block of a lookup, a store
+// and a removal cost a cache miss.
 //
-//	0                  empty slot
-//	id<<1 | 1          exactly one holder, the worker in slot id (the common case:
-//	                   a conversation's unique tail is held by one worker)
-//	(set+1)<<1         two or more holders: bitset number set in slab, words wide
+// Holders stay per position, so a worker that lost a block in the middle of
+// a run (a hole) stops there exactly, and nothing is split when holder sets
+// differ along a run.
 //
-// The slot count is not a power of two: a hash maps to its home slot by a
-// multiply-high of the bits below the shard bits (fastrange), and a table
-// grows by a quarter, so its load stays between 0.64 and 0.8 instead of
-// halving at each doubling (12-byte slots: 15–19 B per entry rather than 15–30 B).
+// Every prefix hash has at most one position: block 0 of a chain, and a
+// block whose predecessor's run continues differently or is full, begin a
+// run of their own, found by the heads table (prefix hash → run); any other
+// block lives right after its predecessor. Writers keep this by looking in
+// both places, under both shards' locks, before they append or start a run.
 //
-// A table is replaced, never resized in place, so a reader holding an old
-// one reads memory that stays valid; the shard's version tells it the
-// snapshot went stale.
-type table struct {
-	// w holds the slots in pairs, three words a pair: the two keys, then
-	// both holder words (slot 2p's in the low half). Slots cost 12 bytes, and
-	// every word is written whole by one atomic store, so a reader never sees
-	// a torn key (a stale one is caught by the seqlock).
-	w     []uint64
-	n     int      // slots (even)
+// A run belongs to the shard of its first prefix hash. Writers serialise on
+// the shard's mutex and make its version odd around each change; readers
+// take no lock, read with atomic loads and retry a run when the version
+// moved (a seqlock). Arrays are replaced, never resized in place, so a
+// reader holding an old one reads memory that stays valid.
+//
+// A position is named by a loc (shard, run, offset), which the workers'
+// reverse tables keep. A run counts the reverse entries that name it and is
+// freed when none is left, so a loc never dangles (pruning clears holders,
+// not reverse entries, so the count is not the holders').
+
+// maxRunLen bounds a run; the next block starts a run of its own. Long runs
+// keep lookups sequential; the bound keeps one run's arrays (and a writer's
+// copy when they grow) small.
+const maxRunLen = 256
+
+// loc names one position: run index << 28 | shard << 16 | offset.
+type loc uint64
+
+func makeLoc(sh int, run uint32, off int) loc {
+	return loc(uint64(run)<<28 | uint64(sh)<<16 | uint64(off))
+}
+func (l loc) shard() int  { return int(l>>16) & 0xfff }
+func (l loc) run() uint32 { return uint32(l >> 28) }
+func (l loc) off() int    { return int(l & 0xffff) }
+
+// A holder word (32 bits) is:
+//
+//	0              no holder
+//	id<<1 | 1      exactly one holder, the worker in slot id (the common case:
+//	               a conversation's own blocks are held by one worker)
+//	(set+1)<<1     two or more holders: bitset number set in the shard's slab
+
+type run struct {
+	head uint64 // prefix hash of position 0, the heads key
+	n    uint32 // positions in use; written with store32, read atomically
+	body atomic.Pointer[runBody]
+	refs int32 // reverse entries naming a position of this run; guarded by the shard's mu
+}
+
+type runBody struct {
+	hash  []uint64 // prefix hash per position
+	hold  []uint32 // holder word per position
 	stamp []uint32 // last store or lookup, seconds since the index's epoch; nil without pruning
-	slab  []uint64 // holder bitsets, words uint64s each
+}
+
+// runDir maps a shard's run numbers to runs; it is replaced when it grows.
+type runDir struct {
+	r []atomic.Pointer[run]
+}
+
+// slab holds a shard's holder bitsets, words uint64s each.
+type slab struct {
+	w     []uint64
 	words int
 }
 
-func keyWord(i int) int    { return 3*(i>>1) + i&1 }
-func holdWord(i int) int   { return 3*(i>>1) + 2 }
-func holdShift(i int) uint { return 32 * uint(i&1) }
-
-// key returns slot i's key and hold its holder word (writers: plain reads).
-func (t *table) key(i int) uint64  { return t.w[keyWord(i)] }
-func (t *table) hold(i int) uint32 { return uint32(t.w[holdWord(i)] >> holdShift(i)) }
-
-// loadKey and loadHold are the readers' atomic forms.
-func (t *table) loadKey(i int) uint64 { return atomic.LoadUint64(&t.w[keyWord(i)]) }
-func (t *table) loadHold(i int) uint32 {
-	return uint32(atomic.LoadUint64(&t.w[holdWord(i)]) >> holdShift(i))
+// table is the heads table: an open-addressing map prefix hash → run number
+// + 1 (12 bytes a slot: slots in pairs, three words a pair, the two keys then
+// both values, so every word is written whole by one atomic store and a
+// reader never sees a torn key). The slot count is not a power of two: a
+// hash maps to its home slot by a multiply-high of the bits below the shard
+// bits, and the table grows by a quarter.
+type table struct {
+	w []uint64
+	n int // slots (even)
 }
 
-// put fills slot i, the holder word last; setHold changes the holder word
-// (the pair's word is rewritten whole: only the locked writer writes it).
-func (t *table) put(i int, k uint64, h uint32) {
-	atomic.StoreUint64(&t.w[keyWord(i)], k)
-	t.setHold(i, h)
+func keyWord(i int) int           { return 3*(i>>1) + i&1 }
+func valWord(i int) int           { return 3*(i>>1) + 2 }
+func valShift(i int) uint         { return 32 * uint(i&1) }
+func (t *table) key(i int) uint64 { return t.w[keyWord(i)] }
+func (t *table) val(i int) uint32 { return uint32(t.w[valWord(i)] >> valShift(i)) }
+func (t *table) loadKey(i int) uint64 {
+	return atomic.LoadUint64(&t.w[keyWord(i)])
+}
+func (t *table) loadVal(i int) uint32 {
+	return uint32(atomic.LoadUint64(&t.w[valWord(i)]) >> valShift(i))
 }
 
-func (t *table) setHold(i int, h uint32) {
-	p := &t.w[holdWord(i)]
-	sh := holdShift(i)
-	atomic.StoreUint64(p, *p&^(0xffffffff<<sh)|uint64(h)<<sh)
+func (t *table) put(i int, k uint64, v uint32) {
+	store64(&t.w[keyWord(i)], k)
+	t.setVal(i, v)
 }
 
-// shard is a slice of the forward map with a seqlock: writers serialise on
-// mu and make ver odd while they write; readers take no lock, read with
-// atomic loads (plain MOVs on amd64 and arm64, so independent probes overlap
-// their cache misses) and retry when ver moved. Every word readers may read
-// is written atomically, which keeps the race detector meaningful.
-type shard struct {
-	mu       sync.Mutex
-	ver      atomic.Uint64
-	tab      atomic.Pointer[table]
-	n        int // occupied slots (entries); guarded by mu
-	mem      int // memberships (worker, entry); guarded by mu
-	setsUsed int // bitsets handed out (high water); guarded by mu
-	setsFree []uint32
-
-	_ [64]byte // keep neighbouring shards' versions off one cache line
+func (t *table) setVal(i int, v uint32) {
+	p := &t.w[valWord(i)]
+	sh := valShift(i)
+	store64(p, *p&^(0xffffffff<<sh)|uint64(v)<<sh)
 }
 
-const shardMinSlots = 64
-
-func newTable(slots, words int, slab []uint64, stamped bool) *table {
+func newTable(slots int) *table {
 	w := fullAlloc[uint64](3 * ((slots + 1) / 2))
 	n := 2 * (len(w) / 3)
-	var stamp []uint32
-	if stamped {
-		stamp = make([]uint32, n)
-	}
-	return &table{
-		w:     w[:3*n/2],
-		n:     n,
-		stamp: stamp,
-		slab:  slab,
-		words: words,
-	}
-}
-
-func (s *shard) init(stamped bool) { s.tab.Store(newTable(shardMinSlots, 1, nil, stamped)) }
-
-func (t *table) getStamp(i int) uint32 {
-	if t.stamp == nil {
-		return 0
-	}
-	return atomic.LoadUint32(&t.stamp[i])
-}
-
-func (t *table) setStamp(i int, v uint32) {
-	if t.stamp != nil {
-		atomic.StoreUint32(&t.stamp[i], v)
-	}
+	return &table{w: w[:3*n/2], n: n}
 }
 
 // home is k's first slot. Prefix hashes are XXH3 outputs, uniform: the bits
@@ -120,11 +133,11 @@ func (t *table) home(k uint64, sb uint8) int {
 	return int(hi)
 }
 
-// find returns the slot of k, or -1. Writers only (they own the table).
+// find returns the slot of k, or -1 (writers).
 func (t *table) find(k uint64, sb uint8) int {
 	n := t.n
 	for i := t.home(k, sb); ; {
-		if t.hold(i) == 0 {
+		if t.val(i) == 0 {
 			return -1
 		}
 		if t.key(i) == k {
@@ -136,42 +149,24 @@ func (t *table) find(k uint64, sb uint8) int {
 	}
 }
 
-// writeBegin and writeEnd bracket every change readers could observe.
-func (s *shard) writeBegin() *table {
-	s.mu.Lock()
-	s.ver.Add(1)
-	return s.tab.Load()
-}
-
-func (s *shard) writeEnd() {
-	s.ver.Add(1)
-	s.mu.Unlock()
-}
-
-// insertSlot adds k (absent) and may publish a grown table; it returns the
-// table now current.
-func (s *shard) insertSlot(t *table, k uint64, hold uint32, stamp uint32, sb uint8) *table {
-	if (s.n+1)*5 > t.n*4 { // keep load ≤ 0.8: linear probing degrades fast above
-		nt := newTable(t.n+t.n/4, t.words, t.slab, t.stamp != nil)
-		for i := range t.n {
-			if h := t.hold(i); h != 0 {
-				placeNew(nt, t.key(i), h, t.getStamp(i), sb)
-			}
-		}
-		s.tab.Store(nt)
-		t = nt
-	}
+// tryFind is the readers' find; ok is false when a torn read sent it
+// somewhere impossible.
+func (t *table) tryFind(k uint64, sb uint8) (val uint32, ok bool) {
 	n := t.n
 	i := t.home(k, sb)
-	for t.hold(i) != 0 {
+	for probes := 0; probes < n; probes++ {
+		v := t.loadVal(i)
+		if v == 0 {
+			return 0, true
+		}
+		if t.loadKey(i) == k {
+			return v, true
+		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.setStamp(i, stamp)
-	t.put(i, k, hold)
-	s.n++
-	return t
+	return 0, false
 }
 
 // fullAlloc returns a zeroed slice of at least n elements that uses all of
@@ -183,26 +178,85 @@ func fullAlloc[T any](n int) []T {
 	return s[:cap(s)]
 }
 
-// placeNew fills an unpublished table: plain stores suffice.
-func placeNew(t *table, k uint64, hold uint32, stamp uint32, sb uint8) {
+// shard is one slice of the forward map: the runs whose first prefix hash
+// falls in it, their heads table and their holder bitsets.
+type shard struct {
+	mu   sync.Mutex
+	ver  atomic.Uint64
+	tab  atomic.Pointer[table]
+	dir  atomic.Pointer[runDir]
+	sets atomic.Pointer[slab]
+
+	heads    int // guarded by mu
+	runsUsed int // run numbers handed out (high water); guarded by mu
+	runsFree []uint32
+	setsUsed int
+	setsFree []uint32
+	bytes    int // run arrays' capacity in bytes; guarded by mu
+	// spare holds run arrays given back, by size class, for reuse: runs come
+	// and go with conversations, and allocating their arrays anew made the
+	// garbage collector a fifth of a replay's time.
+	spare [bodyClasses][]*runBody
+
+	// Counted by the writers (mu held, plain stores), read without locking.
+	entries uint64 // positions with at least one holder
+	mem     uint64 // memberships (worker, position)
+
+	_ [64]byte // keep neighbouring shards' versions off one cache line
+}
+
+const shardMinSlots = 64
+
+func (s *shard) init() {
+	s.tab.Store(newTable(shardMinSlots))
+	s.dir.Store(&runDir{r: make([]atomic.Pointer[run], 16)})
+	s.sets.Store(&slab{words: 1})
+}
+
+// begin and end bracket every change a reader could observe (mu held).
+func (s *shard) begin() { s.ver.Add(1) }
+func (s *shard) end()   { s.ver.Add(1) }
+
+func (s *shard) runAt(idx uint32) *run { return s.dir.Load().r[idx].Load() }
+
+// insertHead adds k → idx (k absent), growing the table by a quarter to keep
+// its load at or below 0.8 (linear probing degrades fast above).
+func (s *shard) insertHead(k uint64, idx uint32, sb uint8) {
+	t := s.tab.Load()
+	if (s.heads+1)*5 > t.n*4 {
+		nt := newTable(t.n + t.n/4)
+		for i := range t.n {
+			if v := t.val(i); v != 0 {
+				j := nt.home(t.key(i), sb)
+				for nt.val(j) != 0 {
+					if j++; j == nt.n {
+						j = 0
+					}
+				}
+				nt.w[keyWord(j)] = t.key(i)
+				nt.w[valWord(j)] |= uint64(v) << valShift(j)
+			}
+		}
+		s.tab.Store(nt)
+		t = nt
+	}
 	n := t.n
 	i := t.home(k, sb)
-	for t.hold(i) != 0 {
+	for t.val(i) != 0 {
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.w[keyWord(i)] = k
-	t.w[holdWord(i)] |= uint64(hold) << holdShift(i)
-	if t.stamp != nil {
-		t.stamp[i] = stamp
-	}
+	t.put(i, k, idx+1)
+	s.heads++
 }
 
-// delSlot frees slot i by backward shift (no tombstones) and its bitset.
-func (s *shard) delSlot(t *table, i int, sb uint8) {
-	if h := t.hold(i); h&1 == 0 {
-		s.setsFree = append(s.setsFree, h>>1-1)
+// deleteHead removes k by backward shift (no tombstones).
+func (s *shard) deleteHead(k uint64, sb uint8) {
+	t := s.tab.Load()
+	i := t.find(k, sb)
+	if i < 0 {
+		return
 	}
 	n := t.n
 	j := i
@@ -210,27 +264,139 @@ func (s *shard) delSlot(t *table, i int, sb uint8) {
 		if j++; j == n {
 			j = 0
 		}
-		if t.hold(j) == 0 {
+		if t.val(j) == 0 {
 			break
 		}
 		kj := t.key(j)
 		h := t.home(kj, sb)
 		// Move j back into the hole at i unless its home lies cyclically in (i, j].
 		if (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j)) {
-			t.setStamp(i, t.getStamp(j))
-			t.put(i, kj, t.hold(j))
+			t.put(i, kj, t.val(j))
 			i = j
 		}
 	}
-	t.setHold(i, 0)
-	s.n--
+	t.setVal(i, 0)
+	s.heads--
 }
 
-// newSet hands out a zeroed bitset at least need words wide, publishing a
-// wider or longer slab when required; it returns the set and current table.
-func (s *shard) newSet(t *table, need int) (int, *table) {
-	if need > t.words {
-		_, t = s.widen(t, need)
+// newRun starts a run at prefix hash p and files it as a head.
+func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
+	var idx uint32
+	if k := len(s.runsFree); k > 0 {
+		idx = s.runsFree[k-1]
+		s.runsFree = s.runsFree[:k-1]
+	} else {
+		idx = uint32(s.runsUsed)
+		s.runsUsed++
+		if d := s.dir.Load(); int(idx) >= len(d.r) {
+			nd := &runDir{r: make([]atomic.Pointer[run], 2*len(d.r))}
+			for i := range d.r {
+				nd.r[i].Store(d.r[i].Load())
+			}
+			s.dir.Store(nd)
+		}
+	}
+	r := &run{head: p}
+	b := s.getBody(minBody, stamped)
+	s.bytes += bodyBytes(b)
+	store64(&b.hash[0], p)
+	r.body.Store(b)
+	store32(&r.n, 1)
+	s.dir.Load().r[idx].Store(r)
+	s.insertHead(p, idx, sb)
+	return idx
+}
+
+// Run arrays come in sizes minBody << k, k < bodyClasses.
+const (
+	minBody     = 4
+	bodyClasses = 7 // up to maxRunLen
+)
+
+func bodyClass(n int) int { return bits.Len(uint(n/minBody)) - 1 }
+
+// getBody returns arrays for n positions (a size class), holders and stamps
+// zero. A reused body may still be read by a lookup that started before it
+// was given back; that lookup's shard version has moved since, so it will
+// read again, and the stores here are atomic for the race detector's sake.
+func (s *shard) getBody(n int, stamped bool) *runBody {
+	k := bodyClass(n)
+	if l := len(s.spare[k]); l > 0 && (s.spare[k][l-1].stamp != nil) == stamped {
+		b := s.spare[k][l-1]
+		s.spare[k][l-1] = nil
+		s.spare[k] = s.spare[k][:l-1]
+		for i := range b.hold {
+			store32(&b.hold[i], 0)
+		}
+		for i := range b.stamp {
+			store32(&b.stamp[i], 0)
+		}
+		return b
+	}
+	b := &runBody{hash: make([]uint64, n), hold: make([]uint32, n)}
+	if stamped {
+		b.stamp = make([]uint32, n)
+	}
+	return b
+}
+
+// putBody keeps b for reuse, a bounded number per size class (mu held, and
+// the shard's version odd, so that lookups reading b will read again).
+func (s *shard) putBody(b *runBody) {
+	k := bodyClass(len(b.hash))
+	if len(s.spare[k]) < max(4, 1024>>k) {
+		s.spare[k] = append(s.spare[k], b)
+	}
+}
+
+func bodyBytes(b *runBody) int { return len(b.hash)*12 + len(b.stamp)*4 }
+
+// appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
+func (s *shard) appendPos(r *run, p uint64) int {
+	o := int(r.n)
+	b := r.body.Load()
+	if o == len(b.hash) {
+		nb := s.getBody(min(2*o, maxRunLen), b.stamp != nil)
+		for i := range o {
+			store64(&nb.hash[i], b.hash[i])
+			store32(&nb.hold[i], b.hold[i])
+		}
+		for i := range b.stamp {
+			store32(&nb.stamp[i], b.stamp[i])
+		}
+		s.bytes += bodyBytes(nb) - bodyBytes(b)
+		r.body.Store(nb)
+		s.putBody(b)
+		b = nb
+	}
+	// Holder and stamp at o are zero already: arrays start zeroed, and
+	// positions past n were never used.
+	store64(&b.hash[o], p)
+	store32(&r.n, uint32(o+1))
+	return o
+}
+
+// freeRun drops run idx, which no reverse entry names any more.
+func (s *shard) freeRun(idx uint32, sb uint8) {
+	r := s.runAt(idx)
+	b := r.body.Load()
+	for o := range int(r.n) {
+		if h := b.hold[o]; h != 0 { // only pruned positions can be left, and prune clears them
+			s.clearPos(b, o)
+		}
+	}
+	s.bytes -= bodyBytes(b)
+	s.putBody(b)
+	s.deleteHead(r.head, sb)
+	s.dir.Load().r[idx].Store(nil)
+	s.runsFree = append(s.runsFree, idx)
+}
+
+// newSet hands out a zeroed bitset at least need words wide.
+func (s *shard) newSet(need int) (int, *slab) {
+	sl := s.sets.Load()
+	if need > sl.words {
+		sl = s.widen(need)
 	}
 	var b int
 	if k := len(s.setsFree); k > 0 {
@@ -240,120 +406,103 @@ func (s *shard) newSet(t *table, need int) (int, *table) {
 		b = s.setsUsed
 		s.setsUsed++
 	}
-	if (b+1)*t.words > len(t.slab) {
-		sets := max(2*len(t.slab)/t.words, 4)
-		slab := make([]uint64, sets*t.words)
-		copy(slab, t.slab)
-		nt := *t
-		nt.slab = slab
-		s.tab.Store(&nt)
-		t = &nt
+	if (b+1)*sl.words > len(sl.w) {
+		sets := max(2*len(sl.w)/sl.words, 4)
+		w := make([]uint64, sets*sl.words)
+		copy(w, sl.w)
+		sl = &slab{w: w, words: sl.words}
+		s.sets.Store(sl)
 	}
-	for w := range t.words {
-		atomic.StoreUint64(&t.slab[b*t.words+w], 0)
+	for w := range sl.words {
+		store64(&sl.w[b*sl.words+w], 0)
 	}
-	return b, t
+	return b, sl
 }
 
-func setBitAtomic(t *table, b int, id uint32) {
-	p := &t.slab[b*t.words+int(id>>6)]
-	atomic.StoreUint64(p, *p|1<<(id&63))
-}
-
-// addHolder makes worker id a holder of k and stamps the entry. It reports
-// whether id already held k.
-func (s *shard) addHolder(k uint64, id uint32, stamp uint32, sb uint8) bool {
-	s.writeBegin()
-	defer s.writeEnd()
-	return s.addHolderLocked(k, id, stamp, sb)
-}
-
-// addHolderLocked is addHolder inside writeBegin/writeEnd.
-func (s *shard) addHolderLocked(k uint64, id uint32, stamp uint32, sb uint8) bool {
-	t := s.tab.Load()
-	i := t.find(k, sb)
-	if i < 0 {
-		s.insertSlot(t, k, id<<1|1, stamp, sb)
-		s.mem++
-		return false
+// widen publishes a slab whose sets are at least need words wide.
+func (s *shard) widen(need int) *slab {
+	old := s.sets.Load()
+	words := max(need, 2*old.words)
+	sets := max(len(old.w)/old.words, 4)
+	w := make([]uint64, sets*words)
+	for x := range len(old.w) / old.words {
+		copy(w[x*words:], old.w[x*old.words:(x+1)*old.words])
 	}
-	t.setStamp(i, stamp)
-	h := t.hold(i)
-	if h&1 == 1 {
+	sl := &slab{w: w, words: words}
+	s.sets.Store(sl)
+	return sl
+}
+
+func setBit(sl *slab, b int, id uint32) {
+	p := &sl.w[b*sl.words+int(id>>6)]
+	store64(p, *p|1<<(id&63))
+}
+
+// addHolder makes worker id a holder of position o of b and stamps it; it
+// reports whether id already held it.
+func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
+	if b.stamp != nil {
+		store32(&b.stamp[o], stamp)
+	}
+	h := b.hold[o]
+	switch {
+	case h == 0:
+		store32(&b.hold[o], id<<1|1)
+		s.count(&s.entries, 1)
+	case h&1 == 1:
 		other := h >> 1
 		if other == id {
 			return true
 		}
-		b, nt := s.newSet(t, int(max(id, other)>>6)+1)
-		setBitAtomic(nt, b, other)
-		setBitAtomic(nt, b, id)
-		nt.setHold(i, uint32(b+1)<<1)
-		s.mem++
-		return false
+		set, sl := s.newSet(int(max(id, other)>>6) + 1)
+		setBit(sl, set, other)
+		setBit(sl, set, id)
+		store32(&b.hold[o], uint32(set+1)<<1)
+	default:
+		set := int(h>>1) - 1
+		sl := s.sets.Load()
+		if int(id>>6) >= sl.words {
+			sl = s.widen(int(id>>6) + 1)
+		}
+		if sl.w[set*sl.words+int(id>>6)]&(1<<(id&63)) != 0 {
+			return true
+		}
+		setBit(sl, set, id)
 	}
-	b := int(h>>1) - 1
-	if int(id>>6) >= t.words {
-		_, t = s.widen(t, int(id>>6)+1)
-	}
-	if t.slab[b*t.words+int(id>>6)]&(1<<(id&63)) != 0 {
-		return true
-	}
-	setBitAtomic(t, b, id)
-	s.mem++
+	s.count(&s.mem, 1)
 	return false
 }
 
-// widen publishes a slab whose sets are at least need words wide.
-func (s *shard) widen(t *table, need int) (int, *table) {
-	words := max(need, 2*t.words)
-	sets := max(len(t.slab)/t.words, 4)
-	slab := make([]uint64, sets*words)
-	for x := range len(t.slab) / t.words {
-		copy(slab[x*words:], t.slab[x*t.words:(x+1)*t.words])
-	}
-	nt := *t
-	nt.slab, nt.words = slab, words
-	s.tab.Store(&nt)
-	return words, &nt
-}
-
-// removeHolder drops worker id from k's holders, and the entry with its last
-// holder. It reports whether id held k.
-func (s *shard) removeHolder(k uint64, id uint32, sb uint8) bool {
-	s.writeBegin()
-	defer s.writeEnd()
-	return s.removeHolderLocked(k, id, sb)
-}
-
-// removeHolderLocked is removeHolder inside writeBegin/writeEnd.
-func (s *shard) removeHolderLocked(k uint64, id uint32, sb uint8) bool {
-	t := s.tab.Load()
-	i := t.find(k, sb)
-	if i < 0 {
+// removeHolder drops worker id from position o's holders; it reports
+// whether id held it.
+func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
+	h := b.hold[o]
+	switch {
+	case h == 0:
 		return false
-	}
-	h := t.hold(i)
-	if h&1 == 1 {
+	case h&1 == 1:
 		if h>>1 != id {
 			return false
 		}
-		s.delSlot(t, i, sb)
-		s.mem--
+		store32(&b.hold[o], 0)
+		s.count(&s.entries, -1)
+		s.count(&s.mem, -1)
 		return true
 	}
-	b := int(h>>1) - 1
+	set := int(h>>1) - 1
+	sl := s.sets.Load()
 	w := int(id >> 6)
-	if w >= t.words || t.slab[b*t.words+w]&(1<<(id&63)) == 0 {
+	if w >= sl.words || sl.w[set*sl.words+w]&(1<<(id&63)) == 0 {
 		return false
 	}
-	p := &t.slab[b*t.words+w]
-	atomic.StoreUint64(p, *p&^(1<<(id&63)))
-	s.mem--
-	// Back to the inline form when one holder is left, so a shared prefix that
-	// shrinks to one worker costs no bitset.
+	p := &sl.w[set*sl.words+w]
+	store64(p, *p&^(1<<(id&63)))
+	s.count(&s.mem, -1)
+	// Back to the inline form when one holder is left, so a shared prefix
+	// that shrinks to one worker costs no bitset.
 	var count int
 	var last uint32
-	for wi, x := range t.slab[b*t.words : (b+1)*t.words] {
+	for wi, x := range sl.w[set*sl.words : (set+1)*sl.words] {
 		if x != 0 {
 			count += bits.OnesCount64(x)
 			last = uint32(wi<<6 + 63 - bits.LeadingZeros64(x))
@@ -361,93 +510,178 @@ func (s *shard) removeHolderLocked(k uint64, id uint32, sb uint8) bool {
 	}
 	switch count {
 	case 0:
-		s.delSlot(t, i, sb)
+		s.setsFree = append(s.setsFree, uint32(set))
+		store32(&b.hold[o], 0)
+		s.count(&s.entries, -1)
 	case 1:
-		s.setsFree = append(s.setsFree, uint32(b))
-		t.setHold(i, last<<1|1)
+		s.setsFree = append(s.setsFree, uint32(set))
+		store32(&b.hold[o], last<<1|1)
 	}
 	return true
 }
 
-// holders is a consistent read of one entry's holder set.
-type holders struct {
-	found  bool
-	single bool
-	id     uint32   // the holder, when single
-	set    []uint64 // a copy of the bitset, otherwise
+// clearPos drops every holder of position o and returns how many there were.
+func (s *shard) clearPos(b *runBody, o int) int {
+	h := b.hold[o]
+	if h == 0 {
+		return 0
+	}
+	n := 1
+	if h&1 == 0 {
+		set := int(h>>1) - 1
+		sl := s.sets.Load()
+		n = 0
+		for _, x := range sl.w[set*sl.words : (set+1)*sl.words] {
+			n += bits.OnesCount64(x)
+		}
+		s.setsFree = append(s.setsFree, uint32(set))
+	}
+	store32(&b.hold[o], 0)
+	s.count(&s.entries, -1)
+	s.count(&s.mem, -int64(n))
+	return n
 }
 
-// lookup reads k's holders without locking; buf backs the copied bitset.
-// With touch, it refreshes the entry's stamp (one store a second at most).
-func (s *shard) lookup(k uint64, sb uint8, touch bool, now uint32, buf []uint64) holders {
-	for spins := 0; ; spins++ {
+// count adds d to a counter of s (mu held).
+func (s *shard) count(c *uint64, d int64) { store64(c, *c+uint64(d)) }
+
+// load reads a counter of s without locking.
+func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
+
+// memBytes estimates the shard's own memory (mu held).
+func (s *shard) memBytes() int {
+	const runOverhead = 32 + 80 // run and runBody headers
+	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
+		s.bytes + len(s.sets.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
+}
+
+// shardLocks holds the write locks of at most two shards, taken in shard
+// order so that two writers never wait on each other in a cycle. A writer
+// keeps a shard locked across the consecutive blocks it files there.
+//
+// A held shard's version is made odd at its first change and even again at
+// release, so the changes a writer makes in one go cost one pair of atomic
+// increments: a pair per change was the largest cost of filing a block.
+type shardLocks struct {
+	ix      *Index
+	held    [2]int // shard numbers, ascending; -1 = none
+	writing [2]bool
+}
+
+func newShardLocks(ix *Index) shardLocks { return shardLocks{ix: ix, held: [2]int{-1, -1}} }
+
+func (l *shardLocks) has(s int) bool { return l.held[0] == s || l.held[1] == s }
+
+// write marks held shard s as changing (its version odd) until release.
+func (l *shardLocks) write(s int) {
+	for i, h := range l.held {
+		if h == s {
+			if !l.writing[i] {
+				l.ix.shards[s].begin()
+				l.writing[i] = true
+			}
+			return
+		}
+	}
+	panic("index: write to a shard not locked")
+}
+
+func (l *shardLocks) release() {
+	for i, s := range l.held {
+		if s >= 0 {
+			if l.writing[i] {
+				l.ix.shards[s].end()
+				l.writing[i] = false
+			}
+			l.ix.shards[s].mu.Unlock()
+			l.held[i] = -1
+		}
+	}
+}
+
+// need makes shards a and b (b < 0: only a) held. It returns false when it
+// had to let go of a lock first, so what the caller read under it may be
+// stale.
+func (l *shardLocks) need(a, b int) bool {
+	if b < 0 || b == a {
+		b = -1
+	}
+	if l.has(a) && (b < 0 || l.has(b)) {
+		return true
+	}
+	lo, hi := a, b
+	if b >= 0 && b < a {
+		lo, hi = b, a
+	}
+	// Extend without letting go when the new locks all come after those held.
+	top := max(l.held[0], l.held[1])
+	free := 0
+	for _, s := range l.held {
+		if s < 0 {
+			free++
+		}
+	}
+	var add []int
+	for _, s := range []int{lo, hi} {
+		if s >= 0 && !l.has(s) {
+			add = append(add, s)
+		}
+	}
+	if len(add) <= free && add[0] > top {
+		for _, s := range add {
+			l.ix.shards[s].mu.Lock()
+			l.put(s)
+		}
+		return true
+	}
+	l.release()
+	for _, s := range []int{lo, hi} {
+		if s >= 0 {
+			l.ix.shards[s].mu.Lock()
+			l.put(s)
+		}
+	}
+	return false
+}
+
+func (l *shardLocks) put(s int) {
+	if l.held[0] < 0 {
+		l.held[0] = s
+	} else {
+		l.held[1] = s
+	}
+	if l.held[1] >= 0 && l.held[1] < l.held[0] {
+		l.held[0], l.held[1] = l.held[1], l.held[0]
+		l.writing[0], l.writing[1] = l.writing[1], l.writing[0]
+	}
+}
+
+// tryHasHead reports, without locking, whether k heads a run of s; ok is
+// false when a writer was changing s. A writer must not wait for another
+// one's version to turn even while its own is odd: two writers doing that
+// to each other would wait forever. It takes the ordered locks instead.
+func (s *shard) tryHasHead(k uint64, sb uint8) (has, ok bool) {
+	for range 4 {
 		v := s.ver.Load()
 		if v&1 == 1 {
-			if spins > 64 {
-				runtime.Gosched() // the writer may have been preempted mid-write
-			}
 			continue
 		}
-		if r, ok := s.tryLookup(k, sb, touch, now, buf); ok && s.ver.Load() == v {
-			return r
+		val, good := s.tab.Load().tryFind(k, sb)
+		if good && s.ver.Load() == v {
+			return val != 0, true
 		}
 	}
+	return false, false
 }
 
-// tryLookup probes one snapshot; ok is false when what it read cannot be
-// trusted (a torn read sent it somewhere impossible).
-func (s *shard) tryLookup(k uint64, sb uint8, touch bool, now uint32, buf []uint64) (holders, bool) {
-	t := s.tab.Load()
-	n := t.n
-	i := t.home(k, sb)
-	for probes := 0; probes < n; probes++ {
-		if probes > 0 {
-			if i++; i == n {
-				i = 0
-			}
+// spinRead waits for an even version (no change in progress) and returns it.
+func (s *shard) spinRead() uint64 {
+	for spins := 0; ; spins++ {
+		if v := s.ver.Load(); v&1 == 0 {
+			return v
 		}
-		h := t.loadHold(i)
-		if h == 0 {
-			return holders{}, true
+		if spins > 64 {
+			runtime.Gosched() // the writer may have been preempted mid-change
 		}
-		if t.loadKey(i) != k {
-			continue
-		}
-		if touch && t.stamp != nil && atomic.LoadUint32(&t.stamp[i]) != now {
-			atomic.StoreUint32(&t.stamp[i], now)
-		}
-		if h&1 == 1 {
-			return holders{found: true, single: true, id: h >> 1}, true
-		}
-		b := int(h>>1) - 1
-		if (b+1)*t.words > len(t.slab) {
-			return holders{}, false
-		}
-		set := buf[:0]
-		for w := range t.words {
-			set = append(set, atomic.LoadUint64(&t.slab[b*t.words+w]))
-		}
-		return holders{found: true, set: set}, true
 	}
-	return holders{}, false
-}
-
-// stats returns entries, memberships and an estimate of the shard's bytes.
-func (s *shard) stats() (n, mem, bytes int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	t := s.tab.Load()
-	return s.n, s.mem, len(t.w)*8 + len(t.stamp)*4 + len(t.slab)*8 + cap(s.setsFree)*4
-}
-
-func holderCount(t *table, h uint32) int {
-	if h&1 == 1 {
-		return 1
-	}
-	b := int(h>>1) - 1
-	n := 0
-	for _, x := range t.slab[b*t.words : (b+1)*t.words] {
-		n += bits.OnesCount64(x)
-	}
-	return n
 }

@@ -112,35 +112,14 @@ type workerState struct {
 	name    WorkerID
 	removed bool
 	ranks   map[int32]*revTable
-	// refs counts, for a prefix hash held through two or more reverse entries
+	// refs counts, for a position held through two or more reverse entries
 	// (the same block on two DP ranks, or two engine hashes naming the same
-	// content), how many. One reference is implied by the forward bit, so the
+	// content), how many. One reference is implied by the holder bit, so the
 	// common case costs nothing here.
-	refs    map[uint64]uint32
+	refs    map[loc]uint32
 	nonMain map[uint32]struct{} // cache groups seen with a non-main-attention kind
 	learned bool
 	c       WorkerCounters
-
-	// scr holds the forward changes queued for flush; taken from a pool by
-	// the first change and returned by flush, so an idle worker holds none.
-	scr *flushScratch
-}
-
-// flushScratch is flush's working memory (a few KB with 64 shards).
-type flushScratch struct {
-	pending     []fwdOp
-	order       []int32
-	bucketStart []int32
-}
-
-var scratchPool = sync.Pool{New: func() any { return new(flushScratch) }}
-
-// queue appends op to ws's pending forward changes.
-func (ws *workerState) queue(op fwdOp) {
-	if ws.scr == nil {
-		ws.scr = scratchPool.Get().(*flushScratch)
-	}
-	ws.scr.pending = append(ws.scr.pending, op)
 }
 
 // WorkerCounters count what Apply did with one worker's events (SMG's
@@ -187,7 +166,7 @@ func New(opts Options) *Index {
 	}
 	ix.epoch = ix.now()
 	for i := range ix.shards {
-		ix.shards[i].init(ix.pruning)
+		ix.shards[i].init()
 	}
 	if opts.BlockSize > 0 {
 		ix.blockSize.Store(int64(opts.BlockSize))
@@ -381,11 +360,9 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 			if i < len(content) {
 				hs = content[i]
 			}
-			ix.applyStored(ws, rank, e.Stored, hs)
-			ix.flush(ws, stamp)
+			ix.applyStored(ws, rank, e.Stored, hs, stamp)
 		case *kvpb.KvCacheEvent_Removed:
 			ix.applyRemoved(ws, rank, e.Removed)
-			ix.flush(ws, stamp)
 		case *kvpb.KvCacheEvent_Cleared:
 			if e.Cleared == nil || foreignOwner(e.Cleared.Ownership) {
 				ws.c.SkippedForeign++
@@ -399,7 +376,7 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 
 // applyStored files s's blocks; content holds their content hashes when the
 // batch was prepared (nil: hash the tokens here).
-func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64) {
+func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64, stamp uint32) {
 	if s == nil || len(s.Blocks) == 0 {
 		return
 	}
@@ -453,10 +430,14 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		seed = NamespaceSeed(s.GetLoraName(), s.GetCacheSalt())
 	}
 	var prev uint64
+	var prevLoc loc
 	chained := false
+	lk := newShardLocks(ix)
+	defer lk.release()
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
-			prev, chained = rt.slots[i].pref, true
+			prevLoc, chained = loc(rt.slots[i].loc), true
+			prev = ix.hashAt(&lk, prevLoc)
 		} else {
 			ws.c.ParentlessStores++
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
@@ -475,124 +456,152 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		if chained {
 			p = ChainHash(prev, p)
 		}
-		chained = true
 		eh := uint64(blk.BlockHash)
 		ws.c.StoredBlocks++
-		if i, found := rt.upsert(eh, p, withTierCount(0, tier, 1)); found {
+		i, found := rt.upsert(eh, 0, withTierCount(0, tier, 1))
+		var l loc
+		if found {
 			c := rt.counts(i)
 			if n := tierCount(c, tier); n >= copiesCap {
 				ws.c.CappedCopies++
 			} else {
 				rt.setCounts(i, withTierCount(c, tier, n+1))
 			}
-			if rt.slots[i].pref != p {
-				ws.c.EngineConflicts++
-			}
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
-			p = rt.slots[i].pref
-			ix.addRef(ws, p, false)
+			l = loc(rt.slots[i].loc)
+			if known := ix.hashAt(&lk, l); known != p {
+				ws.c.EngineConflicts++
+				p = known
+			}
+			ix.addRef(&lk, ws, l, stamp, false)
 		} else {
-			ix.addRef(ws, p, true)
+			l = ix.place(&lk, prevLoc, chained, p)
+			rt.slots[i].loc = uint64(l)
+			ix.addRef(&lk, ws, l, stamp, true)
 		}
-		prev = p
+		chained = true
+		prev, prevLoc = p, l
 	}
 }
 
-// fwdOp is one pending change of the forward map for the locked worker.
-type fwdOp struct {
-	p       uint64
-	add     bool
-	counted bool // an add for a new reverse entry (vs. a copy of a known one)
+// hashAt is the prefix hash at l, read under l's shard lock (a run's
+// arrays are recycled when it grows). l must be named by a reverse entry of
+// the calling writer, which keeps its run in place.
+func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
+	lk.need(l.shard(), -1)
+	r := ix.shards[l.shard()].runAt(l.run())
+	return r.body.Load().hash[l.off()]
 }
 
-// addRef records that ws holds p. counted says a new reverse entry refers to
-// p (rather than an existing one gaining a copy). The change is queued until
-// flush.
-func (ix *Index) addRef(ws *workerState, p uint64, counted bool) {
-	ws.queue(fwdOp{p: p, add: true, counted: counted})
-}
-
-// dropRef records that one reverse entry of ws referring to p is gone.
-func (ix *Index) dropRef(ws *workerState, p uint64) {
-	if n := ws.refs[p]; n > 0 {
-		if n <= 2 {
-			delete(ws.refs, p)
-		} else {
-			ws.refs[p] = n - 1
-		}
-		return
-	}
-	ws.queue(fwdOp{p: p})
-}
-
-// flush applies ws's pending forward changes, taking each shard's write lock
-// once for all of its changes: per-block locking was a third of the apply
-// cost. Changes to one prefix keep their order (a stable bucket sort).
-func (ix *Index) flush(ws *workerState, stamp uint32) {
-	scr := ws.scr
-	if scr == nil {
-		return
-	}
-	ops := scr.pending
-	defer func() {
-		scr.pending = scr.pending[:0]
-		ws.scr = nil
-		scratchPool.Put(scr)
-	}()
+// place finds or makes the position of prefix hash p: right after prev when
+// chained, else as the first block of a chain. A position after prev is
+// either the next one of prev's run or the first of a run of its own; both
+// are looked at, under both shards' locks, before anything is added, so p
+// never gets two positions.
+func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 	sb := ix.shardBits
-	apply := func(sh *shard, op fwdOp) {
-		if !op.add {
-			sh.removeHolderLocked(op.p, ws.id, sb)
-			return
+	ps := ix.shardIndex(p)
+	hs := &ix.shards[ps]
+	if chained {
+		a := prev.shard()
+		sh := &ix.shards[a]
+		r := sh.runAt(prev.run())
+		o := prev.off() + 1
+		next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
+		lk.need(a, -1)
+		if next() {
+			return makeLoc(a, prev.run(), o)
 		}
-		if held := sh.addHolderLocked(op.p, ws.id, stamp, sb); held && op.counted {
-			if ws.refs == nil {
-				ws.refs = make(map[uint64]uint32)
+		// Appending to prev's run is the common case (a conversation's next
+		// turn). It only needs to know that p is not a head, which a lock-free
+		// read of p's shard tells: a head p made while prev sat where it sits
+		// now would have been made under a's lock, which we hold, and prev
+		// cannot move while our reverse entry names it.
+		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen && ix.noHead(lk, ps, p) {
+			lk.write(a)
+			sh.appendPos(r, p)
+			return makeLoc(a, prev.run(), o)
+		}
+		if !lk.need(a, ps) && next() {
+			return makeLoc(a, prev.run(), o)
+		}
+		if t := hs.tab.Load(); true {
+			if i := t.find(p, sb); i >= 0 {
+				return makeLoc(ps, t.val(i)-1, 0)
 			}
-			ws.refs[op.p] = max(ws.refs[op.p], 1) + 1
 		}
-	}
-	if len(ops) < 4 {
-		for _, op := range ops {
-			sh := ix.shardOf(op.p)
-			sh.writeBegin()
-			apply(sh, op)
-			sh.writeEnd()
+		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen {
+			lk.write(a)
+			sh.appendPos(r, p)
+			return makeLoc(a, prev.run(), o)
 		}
-		return
-	}
-	nsh := len(ix.shards)
-	if len(scr.bucketStart) != nsh+1 {
-		scr.bucketStart = make([]int32, nsh+1)
-	}
-	start := scr.bucketStart
-	clear(start)
-	for _, op := range ops {
-		start[ix.shardIndex(op.p)+1]++
-	}
-	for i := 1; i <= nsh; i++ {
-		start[i] += start[i-1]
-	}
-	scr.order = slices.Grow(scr.order[:0], len(ops))[:len(ops)]
-	for i, op := range ops {
-		si := ix.shardIndex(op.p)
-		scr.order[start[si]] = int32(i)
-		start[si]++
-	}
-	// start[si] is now the end of bucket si; bucket si begins at start[si-1].
-	begin := int32(0)
-	for si := range nsh {
-		end := start[si]
-		if end > begin {
-			sh := &ix.shards[si]
-			sh.writeBegin()
-			for _, oi := range scr.order[begin:end] {
-				apply(sh, ops[oi])
+	} else {
+		lk.need(ps, -1)
+		if t := hs.tab.Load(); true {
+			if i := t.find(p, sb); i >= 0 {
+				return makeLoc(ps, t.val(i)-1, 0)
 			}
-			sh.writeEnd()
 		}
-		begin = end
+	}
+	lk.write(ps)
+	idx := hs.newRun(p, ix.pruning, sb)
+	return makeLoc(ps, idx, 0)
+}
+
+// noHead reports that p surely heads no run of shard ps: read under the
+// lock when this writer holds it (its version may be odd by our own hand),
+// else without locking; false when that read could not be had, and the
+// caller takes the locked path.
+func (ix *Index) noHead(lk *shardLocks, ps int, p uint64) bool {
+	hs := &ix.shards[ps]
+	if lk.has(ps) {
+		return hs.tab.Load().find(p, ix.shardBits) < 0
+	}
+	has, ok := hs.tryHasHead(p, ix.shardBits)
+	return ok && !has
+}
+
+// addRef makes ws a holder of l and stamps it. counted says a new reverse
+// entry of ws names l (rather than a known one gaining a copy).
+func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, counted bool) {
+	s := l.shard()
+	lk.need(s, -1)
+	sh := &ix.shards[s]
+	r := sh.runAt(l.run())
+	if counted {
+		r.refs++
+	}
+	lk.write(s)
+	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
+	if held && counted {
+		if ws.refs == nil {
+			ws.refs = make(map[loc]uint32)
+		}
+		ws.refs[l] = max(ws.refs[l], 1) + 1
+	}
+}
+
+// dropRef records that one reverse entry of ws naming l is gone: ws stops
+// holding l when it was the last, and l's run goes when no entry names it.
+func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
+	s := l.shard()
+	lk.need(s, -1)
+	sh := &ix.shards[s]
+	r := sh.runAt(l.run())
+	if n := ws.refs[l]; n > 0 {
+		if n <= 2 {
+			delete(ws.refs, l)
+		} else {
+			ws.refs[l] = n - 1
+		}
+	} else {
+		lk.write(s)
+		sh.removeHolder(r.body.Load(), l.off(), ws.id)
+	}
+	if r.refs--; r.refs == 0 {
+		lk.write(s)
+		sh.freeRun(l.run(), ix.shardBits)
 	}
 }
 
@@ -620,6 +629,8 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		return
 	}
 	rt := ws.ranks[rank]
+	lk := newShardLocks(ix)
+	defer lk.release()
 	for _, h := range r.BlockHashes {
 		i := -1
 		if rt != nil {
@@ -640,9 +651,9 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			rt.setCounts(i, c)
 			continue
 		}
-		p := rt.slots[i].pref
+		l := loc(rt.slots[i].loc)
 		rt.del(i)
-		ix.dropRef(ws, p)
+		ix.dropRef(&lk, ws, l)
 	}
 }
 
@@ -652,12 +663,13 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 		return
 	}
 	delete(ws.ranks, rank)
+	lk := newShardLocks(ix)
+	defer lk.release()
 	for i := range rt.slots {
 		if rt.counts(i) != 0 {
-			ix.dropRef(ws, rt.slots[i].pref)
+			ix.dropRef(&lk, ws, loc(rt.slots[i].loc))
 		}
 	}
-	ix.flush(ws, 0)
 }
 
 // ClearWorker drops every block w holds on every rank (snapshot chunk 0,
@@ -723,7 +735,7 @@ func (ix *Index) Workers() []WorkerID {
 // without events, as SMG does while an index warms up).
 func (ix *Index) IsEmpty() bool {
 	for i := range ix.shards {
-		if n, _, _ := ix.shards[i].stats(); n > 0 {
+		if load(&ix.shards[i].entries) > 0 {
 			return false
 		}
 	}
@@ -848,25 +860,147 @@ type slotMatch struct {
 	blocks int32
 }
 
-// lookAhead is how many blocks a lookup hashes and prefetches at a time; a
-// request whose overlap ends early wastes at most this many hashes.
-const lookAhead = 16
-
-var prefetchSink atomic.Uint64
-
-// prefetch loads the home slot of each hash so the probes that follow hit
-// the cache; the loads are independent, so their misses overlap.
-func (ix *Index) prefetch(hs []uint64) {
-	var x uint64
-	for _, p := range hs {
-		t := ix.shardOf(p).tab.Load()
-		x += uint64(t.loadHold(t.home(p, ix.shardBits)))
-	}
-	if x == 1 { // practically never; keeps the loads from being eliminated
-		prefetchSink.Store(x)
-	}
+// hashCursor computes a request's prefix hashes lazily, in order, and keeps
+// them: a lookup that retries a run reads them again.
+type hashCursor struct {
+	at func(int) uint64
+	hs []uint64
 }
 
+func (c *hashCursor) get(i int) uint64 {
+	for len(c.hs) <= i {
+		c.hs = append(c.hs, c.at(len(c.hs)))
+	}
+	return c.hs[i]
+}
+
+// candidates is a lookup's set of workers still matching, and those that
+// dropped out with their depth.
+type candidates struct {
+	active   []uint64 // bitset over worker slots, when !isSingle
+	single   uint32
+	isSingle bool
+	started  bool
+	done     []slotMatch
+}
+
+// step applies position pos's holder word: workers not holding it drop out
+// with depth pos. It returns false when no candidate is left, and ok false
+// when the word names a bitset the slab does not have (a torn read).
+func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
+	if h == 0 {
+		return false, true
+	}
+	var set []uint64
+	if h&1 == 0 {
+		b := int(h>>1) - 1
+		if (b+1)*sl.words > len(sl.w) {
+			return false, false
+		}
+		set = sl.w[b*sl.words : (b+1)*sl.words]
+	}
+	if !c.started {
+		c.started = true
+		if set == nil {
+			c.single, c.isSingle = h>>1, true
+			return true, true
+		}
+		for i := range set {
+			c.active = append(c.active, atomic.LoadUint64(&set[i]))
+		}
+		return true, true
+	}
+	if c.isSingle {
+		if set == nil {
+			return h>>1 == c.single, true
+		}
+		w := int(c.single >> 6)
+		return w < len(set) && atomic.LoadUint64(&set[w])&(1<<(c.single&63)) != 0, true
+	}
+	if set == nil {
+		id := h >> 1
+		keep := int(id>>6) < len(c.active) && c.active[id>>6]&(1<<(id&63)) != 0
+		c.done = dropAll(c.active, c.done, pos, id, keep)
+		c.active = c.active[:0]
+		if !keep {
+			return false, true
+		}
+		c.single, c.isSingle = id, true
+		return true, true
+	}
+	alive := uint64(0)
+	for wi := range c.active {
+		var x uint64
+		if wi < len(set) {
+			x = atomic.LoadUint64(&set[wi])
+		}
+		gone := c.active[wi] &^ x
+		for gone != 0 {
+			b := bits.TrailingZeros64(gone)
+			gone &= gone - 1
+			c.done = append(c.done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
+		}
+		c.active[wi] &= x
+		alive |= c.active[wi]
+	}
+	return alive != 0, true
+}
+
+// walkState is a lookup's working memory, pooled: its buffers point into
+// itself, which would send them to the heap on every lookup.
+type walkState struct {
+	hc        hashCursor
+	c         candidates
+	big       []uint64
+	hashBuf   [256]uint64
+	activeBuf [16]uint64
+	doneBuf   [32]slotMatch
+}
+
+var walkPool = sync.Pool{New: func() any { return new(walkState) }}
+
+func (w *walkState) put() {
+	w.hc = hashCursor{}
+	w.c = candidates{}
+	if cap(w.big) > 1024 {
+		w.big = nil
+	}
+	walkPool.Put(w)
+}
+
+// savedCandidates is what a lookup rolls back to when a run it read changed.
+type savedCandidates struct {
+	active   [16]uint64
+	nActive  int
+	single   uint32
+	isSingle bool
+	started  bool
+	nDone    int
+}
+
+func (c *candidates) save(s *savedCandidates) bool {
+	if len(c.active) > len(s.active) {
+		return false
+	}
+	s.nActive = copy(s.active[:], c.active)
+	s.single, s.isSingle, s.started, s.nDone = c.single, c.isSingle, c.started, len(c.done)
+	return true
+}
+
+func (c *candidates) restore(s *savedCandidates, big []uint64) {
+	if big != nil {
+		c.active = append(c.active[:0], big...)
+	} else {
+		c.active = append(c.active[:0], s.active[:s.nActive]...)
+	}
+	c.single, c.isSingle, c.started, c.done = s.single, s.isSingle, s.started, c.done[:s.nDone]
+}
+
+// walk matches a request's prefix hashes (hashAt, asked in order) against
+// the forward map. It reads run by run: the request's block 0, and every
+// block where it leaves a run, is found through the heads table; the blocks
+// that follow in the same run are compared in place. Each run is read under
+// its shard's seqlock and read again, from the same state, if it changed.
 func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 	res := Matches{RequestBlocks: n}
 	if n == 0 {
@@ -876,94 +1010,51 @@ func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 	if ix.pruning {
 		stamp = ix.stampAt(ix.now())
 	}
-	var activeBuf, setBuf [16]uint64
-	active := activeBuf[:0]
-	var single uint32 // the one active worker, when active is not a bitset
-	isSingle := false
-	var doneBuf [32]slotMatch
-	done := doneBuf[:0]
+	ws := walkPool.Get().(*walkState)
+	defer ws.put()
+	ws.hc = hashCursor{at: hashAt, hs: ws.hashBuf[:0]}
+	ws.c = candidates{active: ws.activeBuf[:0], done: ws.doneBuf[:0]}
+	hc, c, big := &ws.hc, &ws.c, ws.big[:0]
+	var saved savedCandidates
 	sb := ix.shardBits
 	pos := 0
-	// Hashes are computed a chunk ahead and their home slots touched first,
-	// so the chunk's cache misses overlap instead of queueing one by one.
-	var chunk [lookAhead]uint64
-	chunkEnd := 0
-	for ; pos < n; pos++ {
-		if pos == chunkEnd {
-			chunkEnd = min(n, pos+lookAhead)
-			for j := pos; j < chunkEnd; j++ {
-				chunk[j-pos] = hashAt(j)
-			}
-			ix.prefetch(chunk[:chunkEnd-pos])
+	for pos < n {
+		h := hc.get(pos)
+		sh := &ix.shards[ix.shardIndex(h)]
+		if !c.save(&saved) {
+			big = append(big[:0], c.active...)
+			ws.big = big
+			saved.single, saved.isSingle, saved.started, saved.nDone = c.single, c.isSingle, c.started, len(c.done)
+		} else {
+			big = nil
 		}
-		p := chunk[pos%lookAhead]
-		h := ix.shardOf(p).lookup(p, sb, ix.pruning, stamp, setBuf[:0])
-		if !h.found {
-			break
-		}
-		if pos == 0 {
-			if h.single {
-				single, isSingle = h.id, true
-			} else {
-				active = append(active, h.set...)
-			}
-			continue
-		}
-		if isSingle {
-			held := false
-			if h.single {
-				held = h.id == single
-			} else if int(single>>6) < len(h.set) {
-				held = h.set[single>>6]&(1<<(single&63)) != 0
-			}
-			if !held {
+		start := pos
+		var more bool
+		for {
+			v := sh.spinRead()
+			p, stop, ok := ix.readRun(sh, hc, c, start, n, h, sb, stamp)
+			if ok && sh.ver.Load() == v {
+				pos, more = p, !stop
 				break
 			}
-			continue
+			c.restore(&saved, big)
 		}
-		// Bitset of candidates: intersect, and give each dropped worker its depth.
-		if h.single {
-			id := h.id
-			keep := int(id>>6) < len(active) && active[id>>6]&(1<<(id&63)) != 0
-			done = dropAll(active, done, pos, id, keep)
-			active = active[:0]
-			if !keep {
-				break
-			}
-			single, isSingle = id, true
-			continue
-		}
-		alive := uint64(0)
-		for wi := range active {
-			var x uint64
-			if wi < len(h.set) {
-				x = h.set[wi]
-			}
-			gone := active[wi] &^ x
-			for gone != 0 {
-				b := bits.TrailingZeros64(gone)
-				gone &= gone - 1
-				done = append(done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
-			}
-			active[wi] &= x
-			alive |= active[wi]
-		}
-		if alive == 0 {
-			active = active[:0]
+		if !more {
 			break
 		}
 	}
-	if isSingle {
-		done = append(done, slotMatch{id: single, blocks: int32(pos)})
+	if c.isSingle {
+		c.done = append(c.done, slotMatch{id: c.single, blocks: int32(pos)})
 	} else {
-		for wi, x := range active {
+		for wi, x := range c.active {
 			for x != 0 {
 				b := bits.TrailingZeros64(x)
 				x &= x - 1
-				done = append(done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
+				c.done = append(c.done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
 			}
 		}
 	}
+	done := c.done
 	if len(done) == 0 {
 		return res
 	}
@@ -982,6 +1073,60 @@ func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 	}
 	ix.wmu.RUnlock()
 	return res
+}
+
+// readRun finds request block pos (prefix hash h) through sh's heads table
+// and applies the holders of it and of the blocks after it that continue in
+// the same run. It returns the first position not applied, and stop when no
+// candidate is left (or nobody holds h); ok is false when what it read
+// cannot be trusted, and the caller rolls back and reads again.
+func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h uint64, sb uint8, stamp uint32) (next int, stop, ok bool) {
+	val, ok := sh.tab.Load().tryFind(h, sb)
+	if !ok {
+		return pos, false, false
+	}
+	if val == 0 {
+		// Nobody holds block pos: every candidate ends there.
+		c.step(pos, 0, nil)
+		return pos, true, true
+	}
+	d := sh.dir.Load()
+	idx := int(val - 1)
+	if idx >= len(d.r) {
+		return pos, false, false
+	}
+	r := d.r[idx].Load()
+	if r == nil {
+		return pos, false, false
+	}
+	b := r.body.Load()
+	rn := min(int(atomic.LoadUint32(&r.n)), len(b.hash))
+	sl := sh.sets.Load()
+	touch := ix.pruning && b.stamp != nil
+	for o := 0; ; {
+		if o >= rn || atomic.LoadUint64(&b.hash[o]) != h {
+			if o == 0 {
+				return pos, false, false // the head is always position 0
+			}
+			return pos, false, true
+		}
+		if touch && atomic.LoadUint32(&b.stamp[o]) != stamp {
+			atomic.StoreUint32(&b.stamp[o], stamp)
+		}
+		more, good := c.step(pos, atomic.LoadUint32(&b.hold[o]), sl)
+		if !good {
+			return pos, false, false
+		}
+		if !more {
+			return pos, true, true
+		}
+		pos++
+		o++
+		if pos == n {
+			return pos, false, true
+		}
+		h = hc.get(pos)
+	}
 }
 
 // dropAll records every active worker except keep-id as ending at pos.
@@ -1022,10 +1167,12 @@ type Stats struct {
 func (ix *Index) Stats() Stats {
 	st := Stats{BlockSize: ix.BlockSize(), Workers: make(map[WorkerID]WorkerStats)}
 	for i := range ix.shards {
-		n, mem, bytes := ix.shards[i].stats()
-		st.Entries += n
-		st.Memberships += mem
-		st.MemoryBytes += int64(bytes)
+		sh := &ix.shards[i]
+		sh.mu.Lock()
+		st.Entries += int(load(&sh.entries))
+		st.Memberships += int(load(&sh.mem))
+		st.MemoryBytes += int64(sh.memBytes())
+		sh.mu.Unlock()
 	}
 	ix.wmu.RLock()
 	wss := make([]*workerState, 0, len(ix.workers))

@@ -34,8 +34,7 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	}
 	entries := 0
 	for i := range ix.shards {
-		n, _, _ := ix.shards[i].stats()
-		entries += n
+		entries += int(load(&ix.shards[i].entries))
 	}
 	if entries <= maxEntries {
 		return r
@@ -51,12 +50,11 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	for i := range ix.shards {
 		sh := &ix.shards[i]
 		sh.mu.Lock()
-		t := sh.tab.Load()
-		for j := range t.n {
-			if st := t.getStamp(j); t.hold(j) != 0 && st <= graceEnd {
+		sh.eachPos(func(b *runBody, o int) {
+			if st := b.stamp[o]; b.hold[o] != 0 && st <= graceEnd {
 				stamps = append(stamps, st)
 			}
-		}
+		})
 		sh.mu.Unlock()
 	}
 	if len(stamps) == 0 {
@@ -90,36 +88,45 @@ func (ix *Index) evictAt(stamp uint32, limit int) int {
 	return ix.evictWhere(func(s uint32) bool { return s == stamp }, limit)
 }
 
+// evictWhere clears the holders of positions whose stamp matches. Runs and
+// reverse entries stay: a later removal is a no-op, a later store re-files
+// the holder at the same position.
 func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 	evicted := 0
-	var keys []uint64
 	for i := range ix.shards {
 		sh := &ix.shards[i]
-		t := sh.writeBegin()
-		keys = keys[:0]
-		for j := range t.n {
-			if t.hold(j) != 0 && match(t.getStamp(j)) {
-				keys = append(keys, t.key(j))
-			}
-		}
-		// Delete by key: backward shifts move entries, so slot positions from
-		// the scan do not survive the first deletion.
-		for _, k := range keys {
+		sh.mu.Lock()
+		sh.eachPos(func(b *runBody, o int) {
 			if limit >= 0 && evicted >= limit {
-				break
+				return
 			}
-			j := t.find(k, ix.shardBits)
-			if j < 0 {
-				continue
+			if b.hold[o] != 0 && match(b.stamp[o]) {
+				sh.begin()
+				sh.clearPos(b, o)
+				sh.end()
+				evicted++
 			}
-			sh.mem -= holderCount(t, t.hold(j))
-			sh.delSlot(t, j, ix.shardBits)
-			evicted++
-		}
-		sh.writeEnd()
+		})
+		sh.mu.Unlock()
 		if limit >= 0 && evicted >= limit {
 			break
 		}
 	}
 	return evicted
+}
+
+// eachPos calls f for every position of every run (mu held; stamps exist,
+// as only a pruning index calls it).
+func (s *shard) eachPos(f func(b *runBody, o int)) {
+	d := s.dir.Load()
+	for idx := range min(s.runsUsed, len(d.r)) {
+		r := d.r[idx].Load()
+		if r == nil {
+			continue
+		}
+		b := r.body.Load()
+		for o := range int(r.n) { // mu held
+			f(b, o)
+		}
+	}
 }

@@ -7,10 +7,11 @@ import "math/bits"
 // count without bound. It must fit a nibble (see revTable.cnt).
 const copiesCap = 8
 
-// revTable maps one (worker, rank)'s engine block hashes to the prefix hash
-// the index filed the block under, with its physical copies per tier. It is
+// revTable maps one (worker, rank)'s engine block hashes to the position the
+// index filed the block at (a loc: its run and offset, which also give its
+// prefix hash), with its physical copies per tier. It is
 // the index's memory hog (one slot per block a worker holds), so it is an
-// open-addressing table of 16-byte slots (key and prefix side by side: one
+// open-addressing table of 16-byte slots (key and position side by side: one
 // cache line when a probe hits) plus 2 bytes of metadata per slot, 18 bytes
 // in all. The metadata holds the copy counts and an 8-bit tag of the key, so
 // a probe walks the dense metadata (32 slots a cache line) and reads a slot
@@ -29,8 +30,8 @@ type revTable struct {
 }
 
 type rslot struct {
-	key  uint64 // engine block hash (the proto int64, bit for bit)
-	pref uint64 // prefix hash in the index
+	key uint64 // engine block hash (the proto int64, bit for bit)
+	loc uint64 // the block's position in the forward map (a loc)
 }
 
 const (
@@ -84,8 +85,8 @@ func (t *revTable) find(k uint64) int {
 }
 
 // upsert returns k's slot and whether it was there; if not, k now occupies
-// the returned slot with pref and counts cnt. One probe sequence serves both.
-func (t *revTable) upsert(k, pref uint64, cnt uint8) (int, bool) {
+// the returned slot with loc l and counts cnt. One probe sequence serves both.
+func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
 	if (t.n+1)*16 > len(t.slots)*revMaxLoad16 {
 		t.grow()
 	}
@@ -105,7 +106,7 @@ func (t *revTable) upsert(k, pref uint64, cnt uint8) (int, bool) {
 			i = 0
 		}
 	}
-	t.slots[i] = rslot{key: k, pref: pref}
+	t.slots[i] = rslot{key: k, loc: l}
 	t.meta[i] = tag | uint16(cnt)
 	t.n++
 	return i, false

@@ -12,7 +12,7 @@ import (
 func TestRevTableAgainstMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(11, 11))
 	rt := newRevTable()
-	want := map[uint64][2]uint64{} // key → (pref, counts)
+	want := map[uint64][2]uint64{} // key → (loc, counts)
 	var keys []uint64
 	for step := range 25000 {
 		var k uint64
@@ -52,7 +52,7 @@ func TestRevTableAgainstMap(t *testing.T) {
 		if step%2500 == 0 {
 			for k, v := range want {
 				i := rt.find(k)
-				if i < 0 || rt.slots[i].pref != v[0] || uint64(rt.counts(i)) != v[1] {
+				if i < 0 || rt.slots[i].loc != v[0] || uint64(rt.counts(i)) != v[1] {
 					t.Fatalf("step %d: %#x lost or changed", step, k)
 				}
 			}
@@ -60,78 +60,123 @@ func TestRevTableAgainstMap(t *testing.T) {
 	}
 }
 
-// TestShardAgainstMap does the same for one forward shard: holders added
-// and removed at random over a few workers (inline holder and bitset
-// forms), through table growth and deletions, checked by lookup.
+// TestShardAgainstMap does the same for one forward shard: runs started,
+// extended and freed, holders added and removed at random positions over a
+// few workers (inline and bitset forms, a widening slab), through heads-table
+// growth and backward-shift deletions, checked against maps.
 func TestShardAgainstMap(t *testing.T) {
 	const sb = 6
 	rng := rand.New(rand.NewPCG(12, 12))
 	var s shard
-	s.init(false)
-	want := map[uint64]map[uint32]bool{}
-	var keys []uint64
-	for step := range 25000 {
-		var k uint64
-		if len(keys) > 0 && rng.IntN(2) == 0 {
-			k = keys[rng.IntN(len(keys))]
-		} else {
-			k = rng.Uint64() >> sb // one shard: the top bits are the shard's
+	s.init()
+	type pos struct {
+		run uint32
+		off int
+	}
+	heads := map[uint32]uint64{} // live run → head
+	lens := map[uint32]int{}
+	want := map[pos]map[uint32]bool{}
+	var live []uint32
+	pick := func() (pos, bool) {
+		if len(live) == 0 {
+			return pos{}, false
 		}
-		id := uint32(rng.IntN(130))
-		if rng.IntN(5) < 3 {
-			held := s.addHolder(k, id, 0, sb)
-			if held != want[k][id] {
-				t.Fatalf("step %d: addHolder(%#x, %d) held=%v, want %v", step, k, id, held, want[k][id])
+		r := live[rng.IntN(len(live))]
+		return pos{r, rng.IntN(lens[r])}, true
+	}
+	body := func(p pos) *runBody { return s.runAt(p.run).body.Load() }
+	for step := range 40000 {
+		switch x := rng.IntN(100); {
+		case x < 8 || len(live) == 0:
+			h := rng.Uint64() >> sb // one shard: the top bits are the shard's
+			idx := s.newRun(h, false, sb)
+			if _, dup := heads[idx]; dup {
+				t.Fatalf("step %d: run %d handed out twice", step, idx)
 			}
-			if want[k] == nil {
-				want[k] = map[uint32]bool{}
-				keys = append(keys, k)
-			}
-			want[k][id] = true
-		} else {
-			had := want[k][id]
-			if got := s.removeHolder(k, id, sb); got != had {
-				t.Fatalf("step %d: removeHolder(%#x, %d) = %v, want %v", step, k, id, got, had)
-			}
-			if had {
-				delete(want[k], id)
-				if len(want[k]) == 0 {
-					delete(want, k)
+			heads[idx], lens[idx] = h, 1
+			live = append(live, idx)
+		case x < 30:
+			r := live[rng.IntN(len(live))]
+			if lens[r] < maxRunLen {
+				if o := s.appendPos(s.runAt(r), rng.Uint64()); o != lens[r] {
+					t.Fatalf("step %d: appended at %d, want %d", step, o, lens[r])
 				}
+				lens[r]++
 			}
+		case x < 70:
+			p, _ := pick()
+			id := uint32(rng.IntN(130))
+			if held := s.addHolder(body(p), p.off, id, 0); held != want[p][id] {
+				t.Fatalf("step %d: addHolder(%v, %d) held=%v, want %v", step, p, id, held, want[p][id])
+			}
+			if want[p] == nil {
+				want[p] = map[uint32]bool{}
+			}
+			want[p][id] = true
+		case x < 97:
+			p, _ := pick()
+			id := uint32(rng.IntN(130))
+			had := want[p][id]
+			if got := s.removeHolder(body(p), p.off, id); got != had {
+				t.Fatalf("step %d: removeHolder(%v, %d) = %v, want %v", step, p, id, got, had)
+			}
+			delete(want[p], id)
+		default:
+			k := rng.IntN(len(live))
+			r := live[k]
+			s.freeRun(r, sb)
+			live = append(live[:k], live[k+1:]...)
+			for o := range lens[r] {
+				delete(want, pos{r, o})
+			}
+			delete(heads, r)
+			delete(lens, r)
 		}
-		if step%5000 == 0 {
-			n := 0
-			for k, ids := range want {
-				h := s.lookup(k, sb, false, 0, nil)
-				if !h.found {
-					t.Fatalf("step %d: %#x not found", step, k)
-				}
-				got := map[uint32]bool{}
-				if h.single {
-					got[h.id] = true
-				} else {
-					for wi, x := range h.set {
-						for b := range 64 {
-							if x&(1<<b) != 0 {
-								got[uint32(wi*64+b)] = true
-							}
+		if step%4000 != 0 {
+			continue
+		}
+		entries, mem := 0, 0
+		for p, ids := range want {
+			if len(ids) == 0 {
+				continue
+			}
+			entries++
+			mem += len(ids)
+			h := body(p).hold[p.off]
+			got := map[uint32]bool{}
+			if h&1 == 1 {
+				got[h>>1] = true
+			} else if h != 0 {
+				sl := s.sets.Load()
+				set := int(h>>1) - 1
+				for wi, x := range sl.w[set*sl.words : (set+1)*sl.words] {
+					for b := range 64 {
+						if x&(1<<b) != 0 {
+							got[uint32(wi*64+b)] = true
 						}
 					}
 				}
-				if len(got) != len(ids) {
-					t.Fatalf("step %d: %#x holders %v, want %v", step, k, got, ids)
-				}
-				for id := range ids {
-					if !got[id] {
-						t.Fatalf("step %d: %#x holders %v, want %v", step, k, got, ids)
-					}
-				}
-				n++
 			}
-			if s.n != n {
-				t.Fatalf("step %d: shard has %d entries, want %d", step, s.n, n)
+			if len(got) != len(ids) {
+				t.Fatalf("step %d: %v holders %v, want %v", step, p, got, ids)
 			}
+			for id := range ids {
+				if !got[id] {
+					t.Fatalf("step %d: %v holders %v, want %v", step, p, got, ids)
+				}
+			}
+		}
+		if int(load(&s.entries)) != entries || int(load(&s.mem)) != mem {
+			t.Fatalf("step %d: shard counts %d entries, %d memberships; want %d, %d", step, load(&s.entries), load(&s.mem), entries, mem)
+		}
+		tab := s.tab.Load()
+		for r, h := range heads {
+			if v, ok := tab.tryFind(h, sb); !ok || v != r+1 {
+				t.Fatalf("step %d: head %#x of run %d found as %d", step, h, r, int(v)-1)
+			}
+		}
+		if s.heads != len(heads) {
+			t.Fatalf("step %d: %d heads, want %d", step, s.heads, len(heads))
 		}
 	}
 }
