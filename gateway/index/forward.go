@@ -2,7 +2,6 @@ package index
 
 import (
 	"math/bits"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -63,6 +62,10 @@ func (l loc) off() int    { return int(l & 0xffff) }
 //	(set+1)<<1     two or more holders: bitset number set in the shard's slab
 
 type run struct {
+	// ver is the run's own seqlock version: odd while a writer changes the
+	// run's positions, holders or arrays. A lookup reading a run checks it,
+	// so writes to other runs of the shard do not send it back.
+	ver  atomic.Uint64
 	head uint64 // prefix hash of position 0, the heads key
 	n    uint32 // positions in use; written with store32, read atomically
 	body atomic.Pointer[runBody]
@@ -196,7 +199,8 @@ type shard struct {
 	// spare holds run arrays given back, by size class, for reuse: runs come
 	// and go with conversations, and allocating their arrays anew made the
 	// garbage collector a fifth of a replay's time.
-	spare [bodyClasses][]*runBody
+	spare      [bodyClasses][]*runBody
+	spareBytes int
 
 	// Counted by the writers (mu held, plain stores), read without locking.
 	entries uint64 // positions with at least one holder
@@ -307,13 +311,28 @@ func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
 	return idx
 }
 
-// Run arrays come in sizes minBody << k, k < bodyClasses.
+// Run arrays come in a few sizes, up to maxRunLen, each half again the one
+// before: most runs are a shared prompt plus a turn or two, and doubling
+// left a third of the arrays empty.
+var bodySizes = [...]int{4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, maxRunLen}
+
 const (
 	minBody     = 4
-	bodyClasses = 7 // up to maxRunLen
+	bodyClasses = len(bodySizes)
 )
 
-func bodyClass(n int) int { return bits.Len(uint(n/minBody)) - 1 }
+// bodyClass is the class of the arrays for n positions (n a size).
+func bodyClass(n int) int {
+	for k, c := range bodySizes {
+		if n <= c {
+			return k
+		}
+	}
+	return bodyClasses - 1
+}
+
+// nextBodySize is the size after n.
+func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-1)] }
 
 // getBody returns arrays for n positions (a size class), holders and stamps
 // zero. A reused body may still be read by a lookup that started before it
@@ -321,10 +340,12 @@ func bodyClass(n int) int { return bits.Len(uint(n/minBody)) - 1 }
 // read again, and the stores here are atomic for the race detector's sake.
 func (s *shard) getBody(n int, stamped bool) *runBody {
 	k := bodyClass(n)
+	n = bodySizes[k]
 	if l := len(s.spare[k]); l > 0 && (s.spare[k][l-1].stamp != nil) == stamped {
 		b := s.spare[k][l-1]
 		s.spare[k][l-1] = nil
 		s.spare[k] = s.spare[k][:l-1]
+		s.spareBytes -= bodyBytes(b)
 		for i := range b.hold {
 			store32(&b.hold[i], 0)
 		}
@@ -340,12 +361,15 @@ func (s *shard) getBody(n int, stamped bool) *runBody {
 	return b
 }
 
-// putBody keeps b for reuse, a bounded number per size class (mu held, and
-// the shard's version odd, so that lookups reading b will read again).
+// putBody keeps b for reuse (mu held, and the shard's version odd, so that
+// lookups reading b will read again). What is kept is bounded, per size
+// class and to an eighth of the shard's live arrays, and counted in memBytes.
 func (s *shard) putBody(b *runBody) {
 	k := bodyClass(len(b.hash))
-	if len(s.spare[k]) < max(4, 1024>>k) {
+	n := bodyBytes(b)
+	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 4096+s.bytes/8 {
 		s.spare[k] = append(s.spare[k], b)
+		s.spareBytes += n
 	}
 }
 
@@ -356,7 +380,7 @@ func (s *shard) appendPos(r *run, p uint64) int {
 	o := int(r.n)
 	b := r.body.Load()
 	if o == len(b.hash) {
-		nb := s.getBody(min(2*o, maxRunLen), b.stamp != nil)
+		nb := s.getBody(nextBodySize(o), b.stamp != nil)
 		for i := range o {
 			store64(&nb.hash[i], b.hash[i])
 			store32(&nb.hold[i], b.hold[i])
@@ -552,7 +576,7 @@ func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
 func (s *shard) memBytes() int {
 	const runOverhead = 32 + 80 // run and runBody headers
 	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
-		s.bytes + len(s.sets.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
+		s.bytes + s.spareBytes + len(s.sets.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
 }
 
 // shardLocks holds the write locks of at most two shards, taken in shard
@@ -566,6 +590,7 @@ type shardLocks struct {
 	ix      *Index
 	held    [2]int // shard numbers, ascending; -1 = none
 	writing [2]bool
+	runs    [2][]*run // runs of each held shard whose version is odd by our hand
 }
 
 func newShardLocks(ix *Index) shardLocks { return shardLocks{ix: ix, held: [2]int{-1, -1}} }
@@ -586,17 +611,62 @@ func (l *shardLocks) write(s int) {
 	panic("index: write to a shard not locked")
 }
 
+// writeRun marks run r of held shard s as changing until its shard is let go.
+func (l *shardLocks) writeRun(s int, r *run) {
+	for i, h := range l.held {
+		if h == s {
+			for _, x := range l.runs[i] {
+				if x == r {
+					return
+				}
+			}
+			r.ver.Add(1)
+			l.runs[i] = append(l.runs[i], r)
+			return
+		}
+	}
+	panic("index: write to a run whose shard is not locked")
+}
+
+// settle ends the changes made so far to runs and shards (their versions
+// even again), keeping the locks: a writer calls it before work of its own (the reverse
+// table) so that lookups of those runs need not wait through it.
+func (l *shardLocks) settle() {
+	for i := range l.runs {
+		for j, r := range l.runs[i] {
+			r.ver.Add(1)
+			l.runs[i][j] = nil
+		}
+		l.runs[i] = l.runs[i][:0]
+		if l.writing[i] {
+			l.ix.shards[l.held[i]].end()
+			l.writing[i] = false
+		}
+	}
+}
+
 func (l *shardLocks) release() {
 	for i, s := range l.held {
 		if s >= 0 {
-			if l.writing[i] {
-				l.ix.shards[s].end()
-				l.writing[i] = false
-			}
-			l.ix.shards[s].mu.Unlock()
-			l.held[i] = -1
+			l.drop(i)
 		}
 	}
+}
+
+// drop lets go of held slot i.
+func (l *shardLocks) drop(i int) {
+	s := l.held[i]
+	for j, r := range l.runs[i] {
+		r.ver.Add(1)
+		l.runs[i][j] = nil
+	}
+	l.runs[i] = l.runs[i][:0]
+	if l.writing[i] {
+		l.ix.shards[s].end()
+		l.writing[i] = false
+	}
+	l.ix.shards[s].mu.Unlock()
+	l.held[i] = -1
 }
 
 // need makes shards a and b (b < 0: only a) held. It returns false when it
@@ -605,6 +675,18 @@ func (l *shardLocks) release() {
 func (l *shardLocks) need(a, b int) bool {
 	if b < 0 || b == a {
 		b = -1
+	}
+	// Let go of the shards no longer needed: a shard's version stays odd
+	// while it is held and written, and lookups reading it wait.
+	for i, s := range l.held {
+		if s >= 0 && s != a && s != b {
+			l.drop(i)
+		}
+	}
+	if l.held[0] < 0 && l.held[1] >= 0 {
+		l.held[0], l.held[1] = l.held[1], -1
+		l.writing[0], l.writing[1] = l.writing[1], false
+		l.runs[0], l.runs[1] = l.runs[1], l.runs[0]
 	}
 	if l.has(a) && (b < 0 || l.has(b)) {
 		return true
@@ -653,6 +735,7 @@ func (l *shardLocks) put(s int) {
 	if l.held[1] >= 0 && l.held[1] < l.held[0] {
 		l.held[0], l.held[1] = l.held[1], l.held[0]
 		l.writing[0], l.writing[1] = l.writing[1], l.writing[0]
+		l.runs[0], l.runs[1] = l.runs[1], l.runs[0]
 	}
 }
 
@@ -672,16 +755,4 @@ func (s *shard) tryHasHead(k uint64, sb uint8) (has, ok bool) {
 		}
 	}
 	return false, false
-}
-
-// spinRead waits for an even version (no change in progress) and returns it.
-func (s *shard) spinRead() uint64 {
-	for spins := 0; ; spins++ {
-		if v := s.ver.Load(); v&1 == 0 {
-			return v
-		}
-		if spins > 64 {
-			runtime.Gosched() // the writer may have been preempted mid-change
-		}
-	}
 }

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"math"
 	"math/bits"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -458,6 +459,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		}
 		eh := uint64(blk.BlockHash)
 		ws.c.StoredBlocks++
+		lk.settle()
 		i, found := rt.upsert(eh, 0, withTierCount(0, tier, 1))
 		var l loc
 		if found {
@@ -519,7 +521,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 		// now would have been made under a's lock, which we hold, and prev
 		// cannot move while our reverse entry names it.
 		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen && ix.noHead(lk, ps, p) {
-			lk.write(a)
+			lk.writeRun(a, r)
 			sh.appendPos(r, p)
 			return makeLoc(a, prev.run(), o)
 		}
@@ -532,7 +534,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 			}
 		}
 		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen {
-			lk.write(a)
+			lk.writeRun(a, r)
 			sh.appendPos(r, p)
 			return makeLoc(a, prev.run(), o)
 		}
@@ -572,7 +574,7 @@ func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, co
 	if counted {
 		r.refs++
 	}
-	lk.write(s)
+	lk.writeRun(s, r)
 	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
 	if held && counted {
 		if ws.refs == nil {
@@ -596,11 +598,12 @@ func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
 			ws.refs[l] = n - 1
 		}
 	} else {
-		lk.write(s)
+		lk.writeRun(s, r)
 		sh.removeHolder(r.body.Load(), l.off(), ws.id)
 	}
 	if r.refs--; r.refs == 0 {
 		lk.write(s)
+		lk.writeRun(s, r)
 		sh.freeRun(l.run(), ix.shardBits)
 	}
 }
@@ -632,6 +635,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	lk := newShardLocks(ix)
 	defer lk.release()
 	for _, h := range r.BlockHashes {
+		lk.settle()
 		i := -1
 		if rt != nil {
 			i = rt.find(uint64(h))
@@ -1030,10 +1034,12 @@ func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 		}
 		start := pos
 		var more bool
-		for {
-			v := sh.spinRead()
+		for tries := 0; ; tries++ {
+			if tries > 64 {
+				runtime.Gosched() // a writer may have been preempted mid-change
+			}
 			p, stop, ok := ix.readRun(sh, hc, c, start, n, h, sb, stamp)
-			if ok && sh.ver.Load() == v {
+			if ok {
 				pos, more = p, !stop
 				break
 			}
@@ -1079,13 +1085,21 @@ func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 // and applies the holders of it and of the blocks after it that continue in
 // the same run. It returns the first position not applied, and stop when no
 // candidate is left (or nobody holds h); ok is false when what it read
-// cannot be trusted, and the caller rolls back and reads again.
+// cannot be trusted (the shard's heads or the run changed meanwhile), and the
+// caller rolls back and reads again.
 func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h uint64, sb uint8, stamp uint32) (next int, stop, ok bool) {
-	val, ok := sh.tab.Load().tryFind(h, sb)
-	if !ok {
+	v := sh.ver.Load()
+	if v&1 == 1 {
+		return pos, false, false
+	}
+	val, good := sh.tab.Load().tryFind(h, sb)
+	if !good {
 		return pos, false, false
 	}
 	if val == 0 {
+		if sh.ver.Load() != v {
+			return pos, false, false
+		}
 		// Nobody holds block pos: every candidate ends there.
 		c.step(pos, 0, nil)
 		return pos, true, true
@@ -1096,37 +1110,47 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 		return pos, false, false
 	}
 	r := d.r[idx].Load()
-	if r == nil {
+	if r == nil || sh.ver.Load() != v {
+		return pos, false, false
+	}
+	// r is h's run; from here on only r's own version matters.
+	rv := r.ver.Load()
+	if rv&1 == 1 {
 		return pos, false, false
 	}
 	b := r.body.Load()
 	rn := min(int(atomic.LoadUint32(&r.n)), len(b.hash))
 	sl := sh.sets.Load()
 	touch := ix.pruning && b.stamp != nil
+	next, stop, ok = pos, false, true
 	for o := 0; ; {
 		if o >= rn || atomic.LoadUint64(&b.hash[o]) != h {
-			if o == 0 {
-				return pos, false, false // the head is always position 0
-			}
-			return pos, false, true
+			ok = o > 0 // the head is always position 0
+			break
 		}
 		if touch && atomic.LoadUint32(&b.stamp[o]) != stamp {
 			atomic.StoreUint32(&b.stamp[o], stamp)
 		}
-		more, good := c.step(pos, atomic.LoadUint32(&b.hold[o]), sl)
+		more, good := c.step(next, atomic.LoadUint32(&b.hold[o]), sl)
 		if !good {
-			return pos, false, false
+			ok = false
+			break
 		}
 		if !more {
-			return pos, true, true
+			stop = true
+			break
 		}
-		pos++
+		next++
 		o++
-		if pos == n {
-			return pos, false, true
+		if next == n {
+			break
 		}
-		h = hc.get(pos)
+		h = hc.get(next)
 	}
+	if !ok || r.ver.Load() != rv {
+		return pos, false, false
+	}
+	return next, stop, true
 }
 
 // dropAll records every active worker except keep-id as ending at pos.

@@ -50,7 +50,7 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	for i := range ix.shards {
 		sh := &ix.shards[i]
 		sh.mu.Lock()
-		sh.eachPos(func(b *runBody, o int) {
+		sh.eachPos(func(_ *run, b *runBody, o int) {
 			if st := b.stamp[o]; b.hold[o] != 0 && st <= graceEnd {
 				stamps = append(stamps, st)
 			}
@@ -96,14 +96,14 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 	for i := range ix.shards {
 		sh := &ix.shards[i]
 		sh.mu.Lock()
-		sh.eachPos(func(b *runBody, o int) {
+		sh.eachPos(func(r *run, b *runBody, o int) {
 			if limit >= 0 && evicted >= limit {
 				return
 			}
 			if b.hold[o] != 0 && match(b.stamp[o]) {
-				sh.begin()
+				r.ver.Add(1)
 				sh.clearPos(b, o)
-				sh.end()
+				r.ver.Add(1)
 				evicted++
 			}
 		})
@@ -117,7 +117,7 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 
 // eachPos calls f for every position of every run (mu held; stamps exist,
 // as only a pruning index calls it).
-func (s *shard) eachPos(f func(b *runBody, o int)) {
+func (s *shard) eachPos(f func(r *run, b *runBody, o int)) {
 	d := s.dir.Load()
 	for idx := range min(s.runsUsed, len(d.r)) {
 		r := d.r[idx].Load()
@@ -126,7 +126,7 @@ func (s *shard) eachPos(f func(b *runBody, o int)) {
 		}
 		b := r.body.Load()
 		for o := range int(r.n) { // mu held
-			f(b, o)
+			f(r, b, o)
 		}
 	}
 }
