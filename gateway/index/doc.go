@@ -22,27 +22,41 @@
 //
 // # Structure
 //
-// The forward map, prefix hash → holders, is split into 2^ShardBits shards by
-// the hash's top bits, each an open-addressing table (12-byte slots) whose
-// writers serialise on a mutex and whose readers take no lock (a seqlock). A
-// holder set is one worker id inline in the slot (the common case) or a
-// bitset over worker slots. A lookup walks the request's prefix hashes in
-// order, intersecting the candidate set with each block's holders, and gives
-// each worker the position where it dropped out: exactly the number of
-// consecutive leading blocks it holds, so a hole stops a worker there.
+// The forward map, prefix hash → holders, is stored as runs (forward.go): a
+// run is a stretch of consecutive positions of one chain, kept as two
+// parallel arrays, the positions' prefix hashes and their holder words. A
+// holder word is one worker id inline (the common case) or a bitset over
+// worker slots. A lookup finds the request's block 0 through a heads table
+// (prefix hash → run), then walks the run comparing the request's next
+// prefix hash with the run's next one, a sequential read, and goes back to
+// the heads table only where the request leaves the run (a branch, or a full
+// run). Each worker drops out at the position it stops holding: exactly the
+// number of consecutive leading blocks it holds, so a hole stops a worker
+// there. A new turn of a conversation is appended to its run.
 //
-// Each worker has, per DP rank, a reverse table engine hash → (prefix hash,
-// copies per tier), 18 bytes a slot, written only by that worker's Apply, which resolves
-// parents and removals and counts physical copies (a removal takes one copy;
-// the worker holds the prefix while any copy on any indexed tier is left).
+// Every prefix hash has at most one position: right after its predecessor's
+// position, or as the head of a run of its own, and writers check both
+// before adding it. Runs are split into 2^ShardBits shards by their head's
+// top bits. Writers serialise on a shard's mutex (two at most, taken in shard
+// order); readers take no lock: the heads table is read under the shard's
+// seqlock version and a run under its own, and a read that saw a change is
+// redone.
 //
-// Tables are not powers of two: a hash picks its slot by a multiply-high,
-// and tables grow by a quarter, so memory per indexed block stays within a
-// narrow band (about 36–48 bytes with 128 workers) instead of doubling in
-// steps.
+// Each worker has, per DP rank, a reverse table engine hash → position (run
+// and offset) and copies per tier, 18 bytes a slot, written only by that
+// worker's Apply, which resolves parents and removals and counts physical
+// copies (a removal takes one copy; the worker holds the prefix while any copy
+// on any indexed tier is left). A run counts the reverse entries that name it
+// and is freed when none is left.
+//
+// The content hashes of a stored batch can be computed before the index is
+// touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that
+// keeps a request's content or prefix hashes can look up with them
+// (FindMatchesContent, FindMatchesHashes).
 //
 // Pruning by TTL and by a maximum entry count (to 90 %) follows SMG's G1
-// indexer; Run calls Prune every 30 s. Embedding:
+// indexer (an entry is a held position; pruning clears its holders, and the
+// position stays while a reverse entry names it); Run calls Prune every 30 s. Embedding:
 //
 //	ix := index.New(index.Options{TTL: 10 * time.Minute})
 //	go ix.Run(ctx)

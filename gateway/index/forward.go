@@ -73,9 +73,13 @@ type run struct {
 }
 
 type runBody struct {
-	hash  []uint64 // prefix hash per position
-	hold  []uint32 // holder word per position
-	stamp []uint32 // last store or lookup, seconds since the index's epoch; nil without pruning
+	hash []uint64 // prefix hash per position
+	hold []uint32 // holder word per position
+	// stamp is the last store or lookup, seconds since the index's epoch;
+	// nil without pruning. Lookups refresh it without the lock, so a refresh
+	// racing a run's growth or reuse can be lost or land on another run: it
+	// only ages an entry for pruning, never changes a match.
+	stamp []uint32
 }
 
 // runDir maps a shard's run numbers to runs; it is replaced when it grows.
@@ -385,8 +389,8 @@ func (s *shard) appendPos(r *run, p uint64) int {
 			store64(&nb.hash[i], b.hash[i])
 			store32(&nb.hold[i], b.hold[i])
 		}
-		for i := range b.stamp {
-			store32(&nb.stamp[i], b.stamp[i])
+		for i := range b.stamp { // lookups refresh stamps without the lock
+			store32(&nb.stamp[i], atomic.LoadUint32(&b.stamp[i]))
 		}
 		s.bytes += bodyBytes(nb) - bodyBytes(b)
 		r.body.Store(nb)
@@ -411,6 +415,10 @@ func (s *shard) freeRun(idx uint32, sb uint8) {
 	}
 	s.bytes -= bodyBytes(b)
 	s.putBody(b)
+	// A lookup may still hold r, found through the heads table just before
+	// this; r's version will not move again, so r must read as empty, not as
+	// whatever the array's next owner writes into it.
+	store32(&r.n, 0)
 	s.deleteHead(r.head, sb)
 	s.dir.Load().r[idx].Store(nil)
 	s.runsFree = append(s.runsFree, idx)

@@ -67,7 +67,7 @@ type Options struct {
 
 // Index is one model's prefix index: which workers hold which block prefixes.
 // All methods are safe for concurrent use. Writers for one worker serialise
-// on that worker; lookups take one shard read lock per probed block.
+// on that worker, and on the shards they change; lookups take no lock.
 type Index struct {
 	opts      Options
 	now       func() time.Time
@@ -445,6 +445,9 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		}
 	}
 	for j, blk := range s.Blocks {
+		// Close the previous block's change windows before this block's own
+		// work (hashing, the reverse table), so lookups need not wait on it.
+		lk.settle()
 		if blk == nil {
 			continue
 		}
@@ -459,7 +462,6 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		}
 		eh := uint64(blk.BlockHash)
 		ws.c.StoredBlocks++
-		lk.settle()
 		i, found := rt.upsert(eh, 0, withTierCount(0, tier, 1))
 		var l loc
 		if found {
@@ -1177,12 +1179,12 @@ type WorkerStats struct {
 // Stats is a snapshot of the index's size.
 type Stats struct {
 	BlockSize int
-	// Entries is the number of distinct prefix hashes; Memberships counts an
+	// Entries is the number of distinct prefix hashes held; Memberships counts an
 	// entry once per holder.
 	Entries     int
 	Memberships int
 	Workers     map[WorkerID]WorkerStats
-	// MemoryBytes estimates the index's own tables (forward shards, bitsets,
+	// MemoryBytes estimates the index's own tables (runs, heads, bitsets,
 	// reverse maps), not Go map overheads of per-worker bookkeeping.
 	MemoryBytes int64
 }

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -368,5 +369,62 @@ func TestConcurrentApplyAndFind(t *testing.T) {
 		if diff := cmp.Diff(ref.find(q, 4, ns), matchMap(ix.FindMatches(q, ns))); diff != "" {
 			t.Fatalf("matches (-model +index):\n%s", diff)
 		}
+	}
+}
+
+// TestPruneWhileLookingUp runs stores, removals and prunes (with a clock
+// that moves, so stamps change) against concurrent lookups, which refresh
+// stamps without a lock; under -race it checks that every stamp access is
+// atomic where it must be. The index must still empty out exactly.
+func TestPruneWhileLookingUp(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	c := newCorpus(rng, 32)
+	clk := &lockedClock{t: time.Unix(5_000_000, 0)}
+	ix := New(Options{BlockSize: 4, ShardBits: 1, TTL: 3 * time.Second, MaxEntries: 200, Now: clk.Now})
+	var wg sync.WaitGroup
+	for w := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			wr := rand.New(rand.NewPCG(uint64(w), 9))
+			for i := range 1500 {
+				if wr.IntN(3) == 0 {
+					ix.Apply(fmt.Sprint("w", w), c.removeBatch(wr, 0))
+				} else {
+					ix.Apply(fmt.Sprint("w", w), c.storeBatch(wr, 0))
+				}
+				if i%50 == 0 {
+					clk.Add(time.Second)
+					ix.Prune(clk.Now())
+				}
+			}
+		}()
+	}
+	stop := make(chan struct{})
+	var readers sync.WaitGroup
+	for r := range 2 {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			qr := rand.New(rand.NewPCG(uint64(r), 1))
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				q, ns := c.query(qr)
+				ix.FindMatches(q, ns)
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	readers.Wait()
+	for w := range 3 {
+		ix.RemoveWorker(fmt.Sprint("w", w))
+	}
+	if st := ix.Stats(); st.Entries != 0 || st.Memberships != 0 {
+		t.Fatalf("entries left after removing every worker: %+v", st)
 	}
 }

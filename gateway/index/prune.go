@@ -2,6 +2,7 @@ package index
 
 import (
 	"slices"
+	"sync/atomic"
 	"time"
 )
 
@@ -51,7 +52,8 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 		sh := &ix.shards[i]
 		sh.mu.Lock()
 		sh.eachPos(func(_ *run, b *runBody, o int) {
-			if st := b.stamp[o]; b.hold[o] != 0 && st <= graceEnd {
+			// Lookups refresh stamps without the lock: read them atomically.
+			if st := atomic.LoadUint32(&b.stamp[o]); b.hold[o] != 0 && st <= graceEnd {
 				stamps = append(stamps, st)
 			}
 		})
@@ -100,7 +102,7 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 			if limit >= 0 && evicted >= limit {
 				return
 			}
-			if b.hold[o] != 0 && match(b.stamp[o]) {
+			if b.hold[o] != 0 && match(atomic.LoadUint32(&b.stamp[o])) {
 				r.ver.Add(1)
 				sh.clearPos(b, o)
 				r.ver.Add(1)

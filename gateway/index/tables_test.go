@@ -2,6 +2,7 @@ package index
 
 import (
 	"math/rand/v2"
+	"sync/atomic"
 	"testing"
 )
 
@@ -178,5 +179,29 @@ func TestShardAgainstMap(t *testing.T) {
 		if s.heads != len(heads) {
 			t.Fatalf("step %d: %d heads, want %d", step, s.heads, len(heads))
 		}
+	}
+}
+
+// TestFreedRunReadsEmpty: a lookup that found a run through the heads table
+// just before the run was freed must not read the run's array once a new run
+// reuses it (the freed run's version never moves again, so the lookup's
+// check cannot catch it): a freed run reads as empty.
+func TestFreedRunReadsEmpty(t *testing.T) {
+	const sb = 6
+	var s shard
+	s.init()
+	a := s.newRun(1, false, sb)
+	ra := s.runAt(a)
+	s.addHolder(ra.body.Load(), 0, 7, 0)
+	old := ra.body.Load()
+	s.removeHolder(old, 0, 7)
+	s.freeRun(a, sb)
+	b := s.newRun(2, false, sb)
+	if s.runAt(b).body.Load() != old {
+		t.Fatalf("the freed run's array was not reused; the test no longer covers reuse")
+	}
+	s.addHolder(old, 0, 9, 0)
+	if n := atomic.LoadUint32(&ra.n); n != 0 {
+		t.Fatalf("a freed run still shows %d positions, read from its array's new owner", n)
 	}
 }
