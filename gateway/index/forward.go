@@ -367,11 +367,11 @@ func (s *shard) getBody(n int, stamped bool) *runBody {
 
 // putBody keeps b for reuse (mu held, and the shard's version odd, so that
 // lookups reading b will read again). What is kept is bounded, per size
-// class and to an eighth of the shard's live arrays, and counted in memBytes.
+// class and to a sixteenth of the shard's live arrays, and counted in memBytes.
 func (s *shard) putBody(b *runBody) {
 	k := bodyClass(len(b.hash))
 	n := bodyBytes(b)
-	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 4096+s.bytes/8 {
+	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 2048+s.bytes/16 {
 		s.spare[k] = append(s.spare[k], b)
 		s.spareBytes += n
 	}
