@@ -826,23 +826,13 @@ func (m Matches) Best() int {
 // holds. Lookups write nothing but (with pruning on) an entry's stamp.
 func (ix *Index) FindMatches(tokens []uint32, ns Namespace) Matches {
 	bs := ix.BlockSize()
-	n := len(tokens) / bs
-	seed := ns.Seed()
-	var prev uint64
-	return ix.walk(n, func(i int) uint64 {
-		c := ContentHash(tokens[i*bs:(i+1)*bs], seed)
-		if i > 0 {
-			c = ChainHash(prev, c)
-		}
-		prev = c
-		return c
-	})
+	return ix.walk(hashCursor{tokens: tokens, bs: bs, seed: ns.Seed(), n: len(tokens) / bs})
 }
 
 // FindMatchesHashes is FindMatches for prefix hashes already computed with
 // PrefixHashes.
 func (ix *Index) FindMatchesHashes(prefix []uint64) Matches {
-	return ix.walk(len(prefix), func(i int) uint64 { return prefix[i] })
+	return ix.walk(hashCursor{prefix: prefix, n: len(prefix)})
 }
 
 // FindMatchesContent is FindMatches for a request's content hashes (as
@@ -850,15 +840,7 @@ func (ix *Index) FindMatchesHashes(prefix []uint64) Matches {
 // SMG's and Dynamo's indexes take, for callers that keep a conversation's
 // block hashes. The prefix chain is computed here, lazily.
 func (ix *Index) FindMatchesContent(content []uint64) Matches {
-	var prev uint64
-	return ix.walk(len(content), func(i int) uint64 {
-		c := content[i]
-		if i > 0 {
-			c = ChainHash(prev, c)
-		}
-		prev = c
-		return c
-	})
+	return ix.walk(hashCursor{content: content, n: len(content)})
 }
 
 type slotMatch struct {
@@ -866,16 +848,35 @@ type slotMatch struct {
 	blocks int32
 }
 
-// hashCursor computes a request's prefix hashes lazily, in order, and keeps
-// them: a lookup that retries a run reads them again.
+// hashCursor gives a request's prefix hashes, from whichever input the
+// caller has (prefix hashes, content hashes, or tokens), computed lazily in
+// order and kept: a lookup that retries a run reads them again, and one
+// whose overlap ends early hashes no further.
 type hashCursor struct {
-	at func(int) uint64
-	hs []uint64
+	n       int // blocks
+	prefix  []uint64
+	content []uint64
+	tokens  []uint32
+	bs      int
+	seed    uint64
+	hs      []uint64
 }
 
 func (c *hashCursor) get(i int) uint64 {
-	for len(c.hs) <= i {
-		c.hs = append(c.hs, c.at(len(c.hs)))
+	if c.prefix != nil {
+		return c.prefix[i]
+	}
+	for j := len(c.hs); j <= i; j++ {
+		var h uint64
+		if c.content != nil {
+			h = c.content[j]
+		} else {
+			h = ContentHash(c.tokens[j*c.bs:(j+1)*c.bs], c.seed)
+		}
+		if j > 0 {
+			h = ChainHash(c.hs[j-1], h)
+		}
+		c.hs = append(c.hs, h)
 	}
 	return c.hs[i]
 }
@@ -958,7 +959,7 @@ type walkState struct {
 	hc        hashCursor
 	c         candidates
 	big       []uint64
-	hashBuf   [256]uint64
+	hashes    []uint64 // grown for long requests and kept
 	activeBuf [16]uint64
 	doneBuf   [32]slotMatch
 }
@@ -966,6 +967,9 @@ type walkState struct {
 var walkPool = sync.Pool{New: func() any { return new(walkState) }}
 
 func (w *walkState) put() {
+	if cap(w.hc.hs) <= 1<<14 {
+		w.hashes = w.hc.hs[:0]
+	}
 	w.hc = hashCursor{}
 	w.c = candidates{}
 	if cap(w.big) > 1024 {
@@ -1002,12 +1006,13 @@ func (c *candidates) restore(s *savedCandidates, big []uint64) {
 	c.single, c.isSingle, c.started, c.done = s.single, s.isSingle, s.started, c.done[:s.nDone]
 }
 
-// walk matches a request's prefix hashes (hashAt, asked in order) against
+// walk matches a request's prefix hashes (from cur, asked in order) against
 // the forward map. It reads run by run: the request's block 0, and every
 // block where it leaves a run, is found through the heads table; the blocks
 // that follow in the same run are compared in place. Each run is read under
 // its shard's seqlock and read again, from the same state, if it changed.
-func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
+func (ix *Index) walk(cur hashCursor) Matches {
+	n := cur.n
 	res := Matches{RequestBlocks: n}
 	if n == 0 {
 		return res
@@ -1018,7 +1023,8 @@ func (ix *Index) walk(n int, hashAt func(int) uint64) Matches {
 	}
 	ws := walkPool.Get().(*walkState)
 	defer ws.put()
-	ws.hc = hashCursor{at: hashAt, hs: ws.hashBuf[:0]}
+	ws.hc = cur
+	ws.hc.hs = ws.hashes[:0]
 	ws.c = candidates{active: ws.activeBuf[:0], done: ws.doneBuf[:0]}
 	hc, c, big := &ws.hc, &ws.c, ws.big[:0]
 	var saved savedCandidates
