@@ -313,7 +313,6 @@ func TestConcurrentApplyAndFind(t *testing.T) {
 		}
 	}
 	var wg sync.WaitGroup
-	stop := make(chan struct{})
 	for w := range writers {
 		wg.Add(1)
 		go func() {
@@ -323,34 +322,14 @@ func TestConcurrentApplyAndFind(t *testing.T) {
 			}
 		}()
 	}
-	var readers sync.WaitGroup
-	for r := range 2 {
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			qr := rand.New(rand.NewPCG(uint64(r), 3))
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				q, ns := c.query(qr)
-				m := ix.FindMatches(q, ns)
-				for _, x := range m.Workers {
-					if x.Blocks <= 0 || x.Blocks > m.RequestBlocks {
-						t.Errorf("impossible match %+v of %d", x, m.RequestBlocks)
-						return
-					}
-				}
-				_ = ix.Stats()
-				ix.Prune(ix.now())
-			}
-		}()
-	}
+	// The readers also take stats and prune, which read the shards under
+	// their locks while writers change them.
+	stopReaders := startReaders(t, ix, c, 3, func() {
+		_ = ix.Stats()
+		ix.Prune(ix.now())
+	})
 	wg.Wait()
-	close(stop)
-	readers.Wait()
+	stopReaders()
 	ref := newRefModel()
 	for w := range writers {
 		for i, b := range seqs[w] {
@@ -381,6 +360,7 @@ func TestPruneWhileLookingUp(t *testing.T) {
 	c := newCorpus(rng, 32)
 	clk := &lockedClock{t: time.Unix(5_000_000, 0)}
 	ix := New(Options{BlockSize: 4, ShardBits: 1, TTL: 3 * time.Second, MaxEntries: 200, Now: clk.Now})
+	stopReaders := startReaders(t, ix, c, 1, nil)
 	var wg sync.WaitGroup
 	for w := range 3 {
 		wg.Add(1)
@@ -400,31 +380,47 @@ func TestPruneWhileLookingUp(t *testing.T) {
 			}
 		}()
 	}
-	stop := make(chan struct{})
-	var readers sync.WaitGroup
-	for r := range 2 {
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			qr := rand.New(rand.NewPCG(uint64(r), 1))
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				q, ns := c.query(qr)
-				ix.FindMatches(q, ns)
-			}
-		}()
-	}
 	wg.Wait()
-	close(stop)
-	readers.Wait()
+	stopReaders()
 	for w := range 3 {
 		ix.RemoveWorker(fmt.Sprint("w", w))
 	}
 	if st := ix.Stats(); st.Entries != 0 || st.Memberships != 0 {
 		t.Fatalf("entries left after removing every worker: %+v", st)
 	}
+}
+
+// startReaders runs two goroutines looking up c's queries against ix until
+// the returned function is called (which waits for them); a match deeper than
+// its request, or of no block, fails t. also, if not nil, runs after each
+// lookup.
+func startReaders(t *testing.T, ix *Index, c *corpus, seed uint64, also func()) (stop func()) {
+	done := make(chan struct{})
+	var readers sync.WaitGroup
+	for r := range 2 {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			qr := rand.New(rand.NewPCG(uint64(r), seed))
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				q, ns := c.query(qr)
+				m := ix.FindMatches(q, ns)
+				for _, x := range m.Workers {
+					if x.Blocks <= 0 || x.Blocks > m.RequestBlocks {
+						t.Errorf("impossible match %+v of %d", x, m.RequestBlocks)
+						return
+					}
+				}
+				if also != nil {
+					also()
+				}
+			}
+		}()
+	}
+	return func() { close(done); readers.Wait() }
 }
