@@ -116,7 +116,8 @@ type workerState struct {
 	// refs counts, for a position held through two or more reverse entries
 	// (the same block on two DP ranks, or two engine hashes naming the same
 	// content), how many. One reference is implied by the holder bit, so the
-	// common case costs nothing here.
+	// common case costs nothing here. With pruning on, the holder bit can be
+	// cleared while entries remain, so refs then counts every entry.
 	refs    map[loc]uint32
 	nonMain map[uint32]struct{} // cache groups seen with a non-main-attention kind
 	learned bool
@@ -578,6 +579,15 @@ func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, co
 	}
 	lk.writeRun(s, r)
 	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
+	if ix.pruning {
+		if counted {
+			if ws.refs == nil {
+				ws.refs = make(map[loc]uint32)
+			}
+			ws.refs[l]++
+		}
+		return
+	}
 	if held && counted {
 		if ws.refs == nil {
 			ws.refs = make(map[loc]uint32)
@@ -593,7 +603,15 @@ func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
 	lk.need(s, -1)
 	sh := &ix.shards[s]
 	r := sh.runAt(l.run())
-	if n := ws.refs[l]; n > 0 {
+	if ix.pruning {
+		if n := ws.refs[l]; n > 1 {
+			ws.refs[l] = n - 1
+		} else {
+			delete(ws.refs, l)
+			lk.writeRun(s, r)
+			sh.removeHolder(r.body.Load(), l.off(), ws.id)
+		}
+	} else if n := ws.refs[l]; n > 0 {
 		if n <= 2 {
 			delete(ws.refs, l)
 		} else {

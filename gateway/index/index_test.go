@@ -472,3 +472,25 @@ func TestApplyIgnoresEmpty(t *testing.T) {
 		t.Errorf("(-want +got):\n%s", diff)
 	}
 }
+
+// TestPruneThenSecondCopyOnAnotherRank: a prune clears a block's holders,
+// then the same block is stored on another DP rank and removed from the
+// first: the worker still holds it through the second rank.
+func TestPruneThenSecondCopyOnAnotherRank(t *testing.T) {
+	clk := &fakeClock{t: time.Unix(1_000_000, 0)}
+	ix := New(Options{BlockSize: 4, TTL: time.Minute, Now: clk.Now})
+	ix.Apply("a", batch(0, stored([]*kvpb.KvBlock{blk(1, 1, 2, 3, 4)})))
+	clk.t = clk.t.Add(2 * time.Minute)
+	if r := ix.Prune(clk.t); r.TTL != 1 {
+		t.Fatalf("TTL evicted %d, want 1", r.TTL)
+	}
+	ix.Apply("a", batch(1, stored([]*kvpb.KvBlock{blk(1, 1, 2, 3, 4)})))
+	ix.Apply("a", batch(0, removed(device, 1)))
+	if got := ix.FindMatches(seq(1, 4), Namespace{}).Blocks("a"); got != 1 {
+		t.Errorf("a holds the block on rank 1, matched %d blocks", got)
+	}
+	ix.Apply("a", batch(1, removed(device, 1)))
+	if st := ix.Stats(); st.Entries != 0 || st.Memberships != 0 {
+		t.Errorf("after both copies went: %+v", st)
+	}
+}
