@@ -54,6 +54,9 @@ type Options struct {
 	TTL time.Duration
 	// MaxEntries bounds the number of distinct prefix entries: above it, a
 	// prune evicts the least recently touched down to 90 %; 0 = off.
+	// Pruning (TTL or MaxEntries) costs a map entry per indexed block: a
+	// prune clears holders while the engines' blocks remain, so the index
+	// counts each worker's references to a block explicitly.
 	MaxEntries int
 	// PruneEvery is Run's period; 0 = 30 s.
 	PruneEvery time.Duration
