@@ -508,53 +508,62 @@ func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 // are looked at, under both shards' locks, before anything is added, so p
 // never gets two positions.
 func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
-	sb := ix.shardBits
 	ps := ix.shardIndex(p)
-	hs := &ix.shards[ps]
-	if chained {
-		a := prev.shard()
-		sh := &ix.shards[a]
-		r := sh.runAt(prev.run())
-		o := prev.off() + 1
-		next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
-		lk.need(a, -1)
-		if next() {
-			return makeLoc(a, prev.run(), o)
-		}
-		// Appending to prev's run is the common case (a conversation's next
-		// turn). It only needs to know that p is not a head, which a lock-free
-		// read of p's shard tells: a head p made while prev sat where it sits
-		// now would have been made under a's lock, which we hold, and prev
-		// cannot move while our reverse entry names it.
-		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen && ix.noHead(lk, ps, p) {
-			lk.writeRun(a, r)
-			sh.appendPos(r, p)
-			return makeLoc(a, prev.run(), o)
-		}
-		if !lk.need(a, ps) && next() {
-			return makeLoc(a, prev.run(), o)
-		}
-		if t := hs.tab.Load(); true {
-			if i := t.find(p, sb); i >= 0 {
-				return makeLoc(ps, t.val(i)-1, 0)
-			}
-		}
-		if o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen {
-			lk.writeRun(a, r)
-			sh.appendPos(r, p)
-			return makeLoc(a, prev.run(), o)
-		}
-	} else {
+	if !chained {
 		lk.need(ps, -1)
-		if t := hs.tab.Load(); true {
-			if i := t.find(p, sb); i >= 0 {
-				return makeLoc(ps, t.val(i)-1, 0)
-			}
+		if l, ok := ix.headLoc(ps, p); ok {
+			return l
 		}
+		return ix.startRun(lk, ps, p)
 	}
+	a := prev.shard()
+	sh := &ix.shards[a]
+	r := sh.runAt(prev.run())
+	o := prev.off() + 1
+	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
+	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
+	appendHere := func() loc {
+		lk.writeRun(a, r)
+		sh.appendPos(r, p)
+		return makeLoc(a, prev.run(), o)
+	}
+	lk.need(a, -1)
+	if next() {
+		return makeLoc(a, prev.run(), o)
+	}
+	// Appending to prev's run is the common case (a conversation's next
+	// turn). It only needs to know that p is not a head, which a lock-free
+	// read of p's shard tells: a head p made while prev sat where it sits
+	// now would have been made under a's lock, which we hold, and prev
+	// cannot move while our reverse entry names it.
+	if atEnd() && ix.noHead(lk, ps, p) {
+		return appendHere()
+	}
+	if !lk.need(a, ps) && next() {
+		return makeLoc(a, prev.run(), o)
+	}
+	if l, ok := ix.headLoc(ps, p); ok {
+		return l
+	}
+	if atEnd() {
+		return appendHere()
+	}
+	return ix.startRun(lk, ps, p)
+}
+
+// headLoc is the position of p when p heads a run of shard ps (ps locked).
+func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
+	t := ix.shards[ps].tab.Load()
+	if i := t.find(p, ix.shardBits); i >= 0 {
+		return makeLoc(ps, t.val(i)-1, 0), true
+	}
+	return 0, false
+}
+
+// startRun makes p the head of a new run of shard ps (ps locked).
+func (ix *Index) startRun(lk *shardLocks, ps int, p uint64) loc {
 	lk.write(ps)
-	idx := hs.newRun(p, ix.pruning, sb)
-	return makeLoc(ps, idx, 0)
+	return makeLoc(ps, ix.shards[ps].newRun(p, ix.pruning, ix.shardBits), 0)
 }
 
 // noHead reports that p surely heads no run of shard ps: read under the
@@ -562,11 +571,11 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 // else without locking; false when that read could not be had, and the
 // caller takes the locked path.
 func (ix *Index) noHead(lk *shardLocks, ps int, p uint64) bool {
-	hs := &ix.shards[ps]
 	if lk.has(ps) {
-		return hs.tab.Load().find(p, ix.shardBits) < 0
+		_, has := ix.headLoc(ps, p)
+		return !has
 	}
-	has, ok := hs.tryHasHead(p, ix.shardBits)
+	has, ok := ix.shards[ps].tryHasHead(p, ix.shardBits)
 	return ok && !has
 }
 
@@ -582,21 +591,42 @@ func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, co
 	}
 	lk.writeRun(s, r)
 	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
-	if ix.pruning {
-		if counted {
-			if ws.refs == nil {
-				ws.refs = make(map[loc]uint32)
-			}
-			ws.refs[l]++
-		}
+	if counted {
+		ws.retain(l, held, ix.pruning)
+	}
+}
+
+// retain counts a new reverse entry of ws naming l; held says ws already
+// held l. Without pruning one entry is implied by the holder bit, so only a
+// second one is counted; with pruning (which clears holder bits) every one.
+func (ws *workerState) retain(l loc, held, pruning bool) {
+	if !pruning && !held {
 		return
 	}
-	if held && counted {
-		if ws.refs == nil {
-			ws.refs = make(map[loc]uint32)
-		}
+	if ws.refs == nil {
+		ws.refs = make(map[loc]uint32)
+	}
+	if pruning {
+		ws.refs[l]++
+	} else {
 		ws.refs[l] = max(ws.refs[l], 1) + 1
 	}
+}
+
+// release uncounts a reverse entry of ws naming l and reports whether it was
+// the last, so that ws stops holding l.
+func (ws *workerState) release(l loc, pruning bool) (last bool) {
+	n := ws.refs[l]
+	if pruning && n <= 1 || !pruning && n == 0 {
+		delete(ws.refs, l)
+		return true
+	}
+	if !pruning && n <= 2 {
+		delete(ws.refs, l) // one left, implied by the holder bit again
+	} else {
+		ws.refs[l] = n - 1
+	}
+	return false
 }
 
 // dropRef records that one reverse entry of ws naming l is gone: ws stops
@@ -606,21 +636,7 @@ func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
 	lk.need(s, -1)
 	sh := &ix.shards[s]
 	r := sh.runAt(l.run())
-	if ix.pruning {
-		if n := ws.refs[l]; n > 1 {
-			ws.refs[l] = n - 1
-		} else {
-			delete(ws.refs, l)
-			lk.writeRun(s, r)
-			sh.removeHolder(r.body.Load(), l.off(), ws.id)
-		}
-	} else if n := ws.refs[l]; n > 0 {
-		if n <= 2 {
-			delete(ws.refs, l)
-		} else {
-			ws.refs[l] = n - 1
-		}
-	} else {
+	if ws.release(l, ix.pruning) {
 		lk.writeRun(s, r)
 		sh.removeHolder(r.body.Load(), l.off(), ws.id)
 	}
@@ -979,7 +995,7 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 type walkState struct {
 	hc        hashCursor
 	c         candidates
-	big       []uint64
+	saved     savedCandidates
 	hashes    []uint64 // grown for long requests and kept
 	activeBuf [16]uint64
 	doneBuf   [32]slotMatch
@@ -993,45 +1009,37 @@ func (w *walkState) put() {
 	}
 	w.hc = hashCursor{}
 	w.c = candidates{}
-	if cap(w.big) > 1024 {
-		w.big = nil
+	if cap(w.saved.active) > 1024 {
+		w.saved.active = nil
 	}
 	walkPool.Put(w)
 }
 
 // savedCandidates is what a lookup rolls back to when a run it read changed.
 type savedCandidates struct {
-	active   [16]uint64
-	nActive  int
+	active   []uint64
 	single   uint32
 	isSingle bool
 	started  bool
 	nDone    int
 }
 
-func (c *candidates) save(s *savedCandidates) bool {
-	if len(c.active) > len(s.active) {
-		return false
-	}
-	s.nActive = copy(s.active[:], c.active)
+func (c *candidates) save(s *savedCandidates) {
+	s.active = append(s.active[:0], c.active...)
 	s.single, s.isSingle, s.started, s.nDone = c.single, c.isSingle, c.started, len(c.done)
-	return true
 }
 
-func (c *candidates) restore(s *savedCandidates, big []uint64) {
-	if big != nil {
-		c.active = append(c.active[:0], big...)
-	} else {
-		c.active = append(c.active[:0], s.active[:s.nActive]...)
-	}
+func (c *candidates) restore(s *savedCandidates) {
+	c.active = append(c.active[:0], s.active...)
 	c.single, c.isSingle, c.started, c.done = s.single, s.isSingle, s.started, c.done[:s.nDone]
 }
 
 // walk matches a request's prefix hashes (from cur, asked in order) against
 // the forward map. It reads run by run: the request's block 0, and every
 // block where it leaves a run, is found through the heads table; the blocks
-// that follow in the same run are compared in place. Each run is read under
-// its shard's seqlock and read again, from the same state, if it changed.
+// that follow in the same run are compared in place. The heads table is read
+// under its shard's seqlock and a run under its own, and read again, from
+// the same state, if it changed.
 func (ix *Index) walk(cur hashCursor) Matches {
 	n := cur.n
 	res := Matches{RequestBlocks: n}
@@ -1047,20 +1055,13 @@ func (ix *Index) walk(cur hashCursor) Matches {
 	ws.hc = cur
 	ws.hc.hs = ws.hashes[:0]
 	ws.c = candidates{active: ws.activeBuf[:0], done: ws.doneBuf[:0]}
-	hc, c, big := &ws.hc, &ws.c, ws.big[:0]
-	var saved savedCandidates
+	hc, c, saved := &ws.hc, &ws.c, &ws.saved
 	sb := ix.shardBits
 	pos := 0
 	for pos < n {
 		h := hc.get(pos)
 		sh := &ix.shards[ix.shardIndex(h)]
-		if !c.save(&saved) {
-			big = append(big[:0], c.active...)
-			ws.big = big
-			saved.single, saved.isSingle, saved.started, saved.nDone = c.single, c.isSingle, c.started, len(c.done)
-		} else {
-			big = nil
-		}
+		c.save(saved)
 		start := pos
 		var more bool
 		for tries := 0; ; tries++ {
@@ -1072,7 +1073,7 @@ func (ix *Index) walk(cur hashCursor) Matches {
 				pos, more = p, !stop
 				break
 			}
-			c.restore(&saved, big)
+			c.restore(saved)
 		}
 		if !more {
 			break
