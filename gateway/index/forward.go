@@ -277,8 +277,7 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 		}
 		kj := t.key(j)
 		h := t.home(kj, sb)
-		// Move j back into the hole at i unless its home lies cyclically in (i, j].
-		if (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j)) {
+		if fillsHole(i, j, h) {
 			t.put(i, kj, t.val(j))
 			i = j
 		}

@@ -137,6 +137,13 @@ func (t *revTable) grow() {
 	}
 }
 
+// fillsHole reports whether the entry at slot j, whose home is slot h, moves
+// back into the hole at slot i during a backward-shift deletion: it does
+// unless its home lies cyclically in (i, j]. Both tables use it.
+func fillsHole(i, j, h int) bool {
+	return (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j))
+}
+
 // del removes slot i with backward-shift deletion, so lookups need no
 // tombstones and the table never degrades under churn.
 func (t *revTable) del(i int) {
@@ -150,8 +157,7 @@ func (t *revTable) del(i int) {
 			break
 		}
 		h := t.homeOf(mix(t.slots[j].key))
-		// Move j back into the hole at i unless its home lies cyclically in (i, j].
-		if (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j)) {
+		if fillsHole(i, j, h) {
 			t.slots[i], t.meta[i] = t.slots[j], t.meta[j]
 			i = j
 		}
