@@ -1,0 +1,135 @@
+package tlsconfig
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+
+	"google.golang.org/grpc/credentials"
+)
+
+// Client is the TLS settings of a connection kvrelay makes.
+type Client struct {
+	// CA is a PEM bundle that verifies the server; empty: the system roots.
+	CA string `json:"ca"`
+	// Cert and Key are the client certificate for servers that ask for one.
+	Cert string `json:"cert"`
+	Key  string `json:"key"`
+	// ServerName overrides the name the server certificate must carry
+	// (default: the host of the address).
+	ServerName string `json:"server_name"`
+}
+
+// Set reports whether any setting is given.
+func (c Client) Set() bool { return c != Client{} }
+
+// Check validates the combination of settings without reading files.
+func (c Client) Check() error {
+	if (c.Cert == "") != (c.Key == "") {
+		return errNoKey
+	}
+	return nil
+}
+
+// Dialer is a built client-side TLS: the CA bundle is read once, the client
+// certificate is re-read when its files change (checked at each handshake)
+// or on Reload.
+type Dialer struct {
+	roots *x509.CertPool // nil: system roots
+	pair  *reloadable[*tls.Certificate]
+	name  string
+}
+
+// NewDialer loads c's files.
+func NewDialer(c Client, log *slog.Logger) (*Dialer, error) {
+	if err := c.Check(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	d := &Dialer{name: c.ServerName}
+	if c.CA != "" {
+		pool, err := loadPool(c.CA)
+		if err != nil {
+			return nil, err
+		}
+		d.roots = pool
+	}
+	if c.Cert != "" {
+		var err error
+		d.pair, err = newReloadable(log, func() {}, func() (*tls.Certificate, error) {
+			return loadKeyPair(c.Cert, c.Key)
+		}, c.Cert, c.Key)
+		if err != nil {
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// TLSConfig is the client's tls.Config.
+func (d *Dialer) TLSConfig() *tls.Config {
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: d.roots, ServerName: d.name}
+	if d.pair != nil {
+		cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			return d.pair.current(), nil
+		}
+	}
+	return cfg
+}
+
+// Credentials are the gRPC transport credentials.
+func (d *Dialer) Credentials() credentials.TransportCredentials {
+	return credentials.NewTLS(d.TLSConfig())
+}
+
+// Reload re-reads the client certificate now (SIGHUP).
+func (d *Dialer) Reload() error {
+	if d.pair == nil {
+		return nil
+	}
+	return d.pair.reload()
+}
+
+// ParseTarget reads a gRPC address: HOST:PORT or grpc://HOST:PORT (plaintext)
+// or grpcs://HOST:PORT (TLS).
+func ParseTarget(v string) (addr string, useTLS bool, err error) {
+	if u, perr := url.Parse(v); perr == nil && (u.Scheme == "grpc" || u.Scheme == "grpcs") {
+		if u.Path != "" || u.RawQuery != "" || u.User != nil || u.Fragment != "" {
+			return "", false, fmt.Errorf("%q: want %s://HOST:PORT with nothing after the port", v, u.Scheme)
+		}
+		addr, useTLS = u.Host, u.Scheme == "grpcs"
+	} else {
+		addr = v
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", false, fmt.Errorf("%q: want HOST:PORT, grpc://HOST:PORT or grpcs://HOST:PORT: %w", v, err)
+	}
+	if host == "" || port == "" {
+		return "", false, fmt.Errorf("%q: want HOST:PORT with both parts", v)
+	}
+	return addr, useTLS, nil
+}
+
+// errClientTLSWithoutTLS is returned when TLS client files are given for a
+// plaintext target: silently ignoring them would leave the operator believing
+// the connection is encrypted.
+var errClientTLSWithoutTLS = errors.New("TLS client settings are given but the address is plaintext (use grpcs://HOST:PORT)")
+
+// ClientFor returns the credentials for a target: nil for plaintext, an error
+// when TLS settings come with a plaintext target.
+func ClientFor(c Client, useTLS bool, log *slog.Logger) (*Dialer, error) {
+	if !useTLS {
+		if c.Set() {
+			return nil, errClientTLSWithoutTLS
+		}
+		return nil, nil
+	}
+	return NewDialer(c, log)
+}
