@@ -5,38 +5,103 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"sort"
 	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 )
 
-// proxy forwards every RPC kvrelay does not serve itself to an engine's own
-// gRPC servicer, so a gateway's worker URL can point at kvrelay. Calls are
-// routed by the service's proto package (vllm.*, sglang.*, tokenspeed.*);
-// with a single upstream, everything unknown goes there.
+// ProxyOptions configure the forwarding of calls kvrelay does not serve.
+type ProxyOptions struct {
+	// Credentials per engine name dial that engine's upstream; nil (or a
+	// missing entry) dials in plaintext.
+	Credentials map[string]credentials.TransportCredentials
+	// ExtraServices per engine name are further full service names (e.g.
+	// "smg.worker.v1.WorkerControl") forwarded to that engine's upstream,
+	// besides the engine's own service.
+	ExtraServices map[string][]string
+	// DropAuthorization removes the caller's authorization metadata instead
+	// of passing it on (for engines that do not check API keys themselves
+	// and should not see the gateway's).
+	DropAuthorization bool
+}
+
+// proxy forwards the calls of an engine's own service that kvrelay does not
+// serve itself (everything but SubscribeKvEvents) to the engine's own gRPC
+// servicer, so a gateway's worker URL can point at kvrelay. Only the engine's
+// service (and any extra services configured) is forwarded: kvrelay must not
+// turn a loopback-only servicer's other services into network services.
 type proxy struct {
-	upstreams map[string]*grpc.ClientConn // proto package prefix → conn
-	fallback  *grpc.ClientConn            // used when exactly one upstream exists
+	upstreams         map[string]*grpc.ClientConn // full service name → conn
+	dropAuthorization bool
 }
 
 // streamDesc describes every proxied call as bidirectional: a frame pump
 // does not need to know the call's real shape.
 var streamDesc = &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
 
+// conn is the upstream for a "/package.Service/Method" name, nil if the
+// service is not forwarded.
 func (p *proxy) conn(fullMethod string) *grpc.ClientConn {
 	svc := strings.TrimPrefix(fullMethod, "/")
-	if i := strings.LastIndex(svc, "/"); i >= 0 {
-		svc = svc[:i]
+	i := strings.LastIndex(svc, "/")
+	if i < 0 {
+		return nil
 	}
-	for pkg, cc := range p.upstreams {
-		if strings.HasPrefix(svc, pkg+".") {
-			return cc
+	return p.upstreams[svc[:i]]
+}
+
+// droppedMetadata never reaches the upstream: the transport's own headers
+// (grpc sets them again), HTTP hop-by-hop headers, cookies (a browser-style
+// credential no engine servicer uses), and forwarding headers a caller could
+// forge (kvrelay sets x-forwarded-for from the connection itself).
+var droppedMetadata = []string{
+	":authority", "content-type", "user-agent", "grpc-timeout", "te",
+	"connection", "keep-alive", "proxy-connection", "proxy-authorization", "proxy-authenticate",
+	"transfer-encoding", "upgrade", "trailer", "host",
+	"cookie", "cookie2",
+	"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+	"x-forwarded-client-cert",
+}
+
+// outgoingMetadata is what the upstream sees of the caller's metadata.
+func (p *proxy) outgoingMetadata(ctx context.Context) metadata.MD {
+	md, _ := metadata.FromIncomingContext(ctx)
+	out := md.Copy()
+	for _, k := range droppedMetadata {
+		delete(out, k)
+	}
+	if p.dropAuthorization {
+		delete(out, "authorization")
+	}
+	pr, ok := peer.FromContext(ctx)
+	if !ok {
+		return out
+	}
+	if host, _, err := net.SplitHostPort(pr.Addr.String()); err == nil {
+		out.Set("x-forwarded-for", host)
+	}
+	// A verified client certificate's identity, in the form Envoy and
+	// Istio use, so an engine can tell gateways apart.
+	if info, ok := pr.AuthInfo.(credentials.TLSInfo); ok && len(info.State.VerifiedChains) > 0 && len(info.State.VerifiedChains[0]) > 0 {
+		leaf := info.State.VerifiedChains[0][0]
+		var parts []string
+		parts = append(parts, fmt.Sprintf("Subject=%q", leaf.Subject.String()))
+		for _, u := range leaf.URIs {
+			parts = append(parts, "URI="+u.String())
 		}
+		for _, d := range leaf.DNSNames {
+			parts = append(parts, "DNS="+d)
+		}
+		out.Set("x-forwarded-client-cert", strings.Join(parts, ";"))
 	}
-	return p.fallback
+	return out
 }
 
 func (p *proxy) handle(_ any, serverStream grpc.ServerStream) error {
@@ -46,18 +111,12 @@ func (p *proxy) handle(_ any, serverStream grpc.ServerStream) error {
 	}
 	cc := p.conn(method)
 	if cc == nil {
-		return status.Errorf(codes.Unimplemented, "unknown method %s: kvrelay serves SubscribeKvEvents and has no upstream for this service", method)
+		return status.Errorf(codes.Unimplemented, "unknown method %s: kvrelay serves SubscribeKvEvents and forwards only the engine's own service (%s)", method, p.services())
 	}
-	// The incoming context carries the caller's deadline; its metadata is
-	// re-sent as outgoing metadata, minus the transport's own pseudo-headers.
+	// The incoming context carries the caller's deadline.
 	ctx, cancel := context.WithCancel(serverStream.Context())
 	defer cancel()
-	md, _ := metadata.FromIncomingContext(ctx)
-	out := md.Copy()
-	for _, k := range []string{":authority", "content-type", "user-agent", "grpc-timeout", "te"} {
-		delete(out, k)
-	}
-	ctx = metadata.NewOutgoingContext(ctx, out)
+	ctx = metadata.NewOutgoingContext(ctx, p.outgoingMetadata(ctx))
 
 	clientStream, err := cc.NewStream(ctx, streamDesc, method, grpc.ForceCodecV2(newPassthroughCodec()))
 	if err != nil {
@@ -109,6 +168,16 @@ func (p *proxy) handle(_ any, serverStream grpc.ServerStream) error {
 			return err
 		}
 	}
+}
+
+// services lists the forwarded services, for error messages.
+func (p *proxy) services() string {
+	names := make([]string, 0, len(p.upstreams))
+	for n := range p.upstreams {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return strings.Join(names, ", ")
 }
 
 // upstreamStatus keeps the upstream's status code and message; a transport

@@ -56,9 +56,19 @@ type Service struct {
 type Options struct {
 	Services []Service
 	// Upstreams maps an engine name (a Service's Engine.Name) to the address
-	// of that engine's own gRPC servicer. RPCs other than SubscribeKvEvents
-	// are forwarded there. Empty: no proxy.
-	Upstreams  map[string]string
+	// of that engine's own gRPC servicer. The other methods of the engine's
+	// own service (generation, abort, tokenizer, model info...) are
+	// forwarded there; other services are refused. Empty: no proxy.
+	Upstreams map[string]string
+	// Proxy says how the proxy dials and what it forwards.
+	Proxy ProxyOptions
+	// ServerOptions are added to the server's own: transport credentials
+	// and interceptors (TLS, allow-lists) come from the caller.
+	ServerOptions []grpc.ServerOption
+	// Reflection registers the gRPC reflection service (grpcurl). It lists
+	// every service, so a caller turns it on for loopback or trusted
+	// listeners only.
+	Reflection bool
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
 	// ShutdownGrace bounds how long Stop waits for in-flight sends.
@@ -126,25 +136,34 @@ func New(opts Options) (*Server, error) {
 		grpc.MaxSendMsgSize(1 << 30),
 	}
 	if len(opts.Upstreams) > 0 {
-		p := &proxy{upstreams: map[string]*grpc.ClientConn{}}
+		p := &proxy{upstreams: map[string]*grpc.ClientConn{}, dropAuthorization: opts.Proxy.DropAuthorization}
 		for _, svc := range opts.Services {
 			addr, ok := opts.Upstreams[svc.Engine.Name]
 			if !ok {
 				continue
 			}
-			cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			creds := opts.Proxy.Credentials[svc.Engine.Name]
+			if creds == nil {
+				creds = insecure.NewCredentials()
+			}
+			cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
 			if err != nil {
 				s.closeConns()
 				return nil, fmt.Errorf("server: upstream %q for %s: %w", addr, svc.Engine.Name, err)
 			}
 			s.conns = append(s.conns, cc)
-			p.upstreams[servicePackage(svc.Engine.ServiceName)] = cc
-		}
-		if len(s.conns) == 1 {
-			p.fallback = s.conns[0]
+			p.upstreams[svc.Engine.ServiceName] = cc
+			for _, extra := range opts.Proxy.ExtraServices[svc.Engine.Name] {
+				if _, taken := p.upstreams[extra]; taken || seen[extra] {
+					s.closeConns()
+					return nil, fmt.Errorf("server: service %s is forwarded twice or served by kvrelay", extra)
+				}
+				p.upstreams[extra] = cc
+			}
 		}
 		serverOpts = append(serverOpts, grpc.UnknownServiceHandler(p.handle))
 	}
+	serverOpts = append(serverOpts, opts.ServerOptions...)
 	// Typed messages go through the proto codec; pre-encoded batches and
 	// proxied frames go through as bytes.
 	serverOpts = append(serverOpts, grpc.ForceServerCodecV2(newPassthroughCodec()))
@@ -157,20 +176,11 @@ func New(opts Options) (*Server, error) {
 	}
 	s.health = health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, s.health)
-	reflection.Register(s.grpc)
+	if opts.Reflection {
+		reflection.Register(s.grpc)
+	}
 	s.updateHealth()
 	return s, nil
-}
-
-// servicePackage is the proto package of a full service name:
-// "vllm.grpc.engine.VllmEngine" → "vllm.grpc.engine".
-func servicePackage(full string) string {
-	for i := len(full) - 1; i >= 0; i-- {
-		if full[i] == '.' {
-			return full[:i]
-		}
-	}
-	return full
 }
 
 func (s *Server) register(svc *Service) error {
