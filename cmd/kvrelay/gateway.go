@@ -23,6 +23,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
 
 func init() {
@@ -43,13 +44,18 @@ func (w *workerFlags) Set(v string) error {
 	return nil
 }
 
-// parseWorker reads grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed].
-// The worker's name (what /v1/route answers) is grpc://HOST:PORT.
+// parseWorker reads grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed]
+// (grpcs:// for TLS). The worker's name (what /v1/route answers) is the URL
+// without its options.
 func parseWorker(v string) (gateway.Worker, error) {
 	parts := strings.Split(v, ",")
 	target := strings.TrimSpace(parts[0])
-	if !strings.HasPrefix(target, "grpc://") {
-		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed]", v)
+	scheme := "grpc://"
+	if strings.HasPrefix(target, "grpcs://") {
+		scheme = "grpcs://"
+	}
+	if !strings.HasPrefix(target, scheme) {
+		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed] (grpcs:// for TLS)", v)
 	}
 	u, err := url.Parse(target)
 	if err != nil {
@@ -62,7 +68,7 @@ func parseWorker(v string) (gateway.Worker, error) {
 	if err != nil || host == "" || port == "" {
 		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT", v)
 	}
-	w := gateway.Worker{ID: "grpc://" + u.Host, Addr: u.Host, Service: monitor.ServiceVLLM, Model: gateway.DefaultModel}
+	w := gateway.Worker{ID: scheme + u.Host, Addr: u.Host, Service: monitor.ServiceVLLM, Model: gateway.DefaultModel}
 	for _, opt := range parts[1:] {
 		key, val, ok := strings.Cut(strings.TrimSpace(opt), "=")
 		if !ok || val == "" {
@@ -100,6 +106,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	temperature := fs.Float64("selection-temperature", 0, "0 picks the deepest overlap; >0 draws among overlap depths")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
+	var workerTLS tlsconfig.Client
+	tlsconfig.RegisterClientFlags(fs, "worker-tls-", "grpcs:// workers", &workerTLS)
+	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --listen")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -133,6 +142,29 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	if err != nil {
 		return fail("%v", err)
 	}
+	var reloaders []reloader
+	anyTLS := false
+	for _, w := range workers {
+		anyTLS = anyTLS || strings.HasPrefix(w.ID, "grpcs://")
+	}
+	switch {
+	case anyTLS:
+		d, err := tlsconfig.NewDialer(workerTLS, log)
+		if err != nil {
+			return fail("--worker-tls-*: %v", err)
+		}
+		for i := range workers {
+			if strings.HasPrefix(workers[i].ID, "grpcs://") {
+				workers[i].Credentials = d.Credentials()
+			}
+		}
+		reloaders = append(reloaders, d)
+	case workerTLS.Set():
+		return fail("--worker-tls-* are set but no --worker is grpcs://")
+	}
+	if err := checkWebConfig(*webConfig); err != nil {
+		return fail("%v", err)
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	g, err := gateway.New(gateway.Config{
@@ -154,7 +186,11 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	if err != nil {
 		return fail("--listen %s: %v", *listen, err)
 	}
-	if err := serveGateway(ctx, log, g, reg, ln); err != nil {
+	warnIfExposed(log, "gateway", *listen, *webConfig != "")
+	hupCtx, hupCancel := context.WithCancel(ctx)
+	hupDone := reloadOnHangup(hupCtx, log, reloaders)
+	defer func() { hupCancel(); <-hupDone }()
+	if err := serveGateway(ctx, log, g, reg, ln, *webConfig); err != nil {
 		log.Error("gateway failed", "err", err)
 		return 1
 	}
@@ -163,7 +199,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 
 // serveGateway runs g and its HTTP API on ln until ctx ends, then shuts the
 // HTTP server down gracefully and waits for the subscriptions to stop.
-func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener) error {
+func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	runDone := make(chan error, 1)
@@ -175,7 +211,7 @@ func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	serveDone := make(chan error, 1)
-	go func() { serveDone <- srv.Serve(ln) }()
+	go func() { serveDone <- serveHTTP(srv, ln, webConfig, log) }()
 	log.Info("gateway listening", "addr", ln.Addr().String(), "models", g.Models())
 
 	var serveErr error

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -47,9 +48,12 @@ func engineByName(name string) (engines.Engine, error) {
 
 // serveFile is the --config file: several relays, on one listener or several.
 type serveFile struct {
-	MetricsListen string        `json:"metrics_listen"`
-	LogLevel      string        `json:"log_level"`
-	LogFormat     string        `json:"log_format"`
+	MetricsListen string `json:"metrics_listen"`
+	LogLevel      string `json:"log_level"`
+	LogFormat     string `json:"log_format"`
+	// WebConfigFile is the metrics listener's exporter-toolkit web config
+	// (TLS, basic auth).
+	WebConfigFile string        `json:"web_config_file"`
 	Relays        []relayConfig `json:"relays"`
 }
 
@@ -65,6 +69,15 @@ type relayConfig struct {
 	HistoryBatches int             `json:"history_batches"`
 	HistoryBytes   int64           `json:"history_bytes"`
 	ReplayTimeout  string          `json:"replay_timeout"`
+	// TLS secures the listener (every relay on one listener gives the same).
+	TLS tlsconfig.Server `json:"tls"`
+	// Reflection is auto (on for a loopback listener), on or off.
+	Reflection string `json:"reflection"`
+	// UpstreamTLS applies to a grpcs:// upstream.
+	UpstreamTLS tlsconfig.Client `json:"upstream_tls"`
+	// UpstreamServices are services forwarded besides the engine's own.
+	UpstreamServices          []string `json:"upstream_services"`
+	UpstreamDropAuthorization bool     `json:"upstream_drop_authorization"`
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -73,6 +86,8 @@ type resolvedRelay struct {
 	engine        engines.Engine
 	kv            engines.Config
 	replayTimeout time.Duration
+	upstreamAddr  string // HOST:PORT of Upstream
+	upstreamTLS   bool
 }
 
 func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
@@ -90,6 +105,18 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
+	var listenTLS tlsconfig.Server
+	tlsconfig.RegisterServerFlags(fs, &listenTLS)
+	reflectionMode := fs.String("reflection", "auto", "gRPC server reflection: auto (on when --listen is loopback), on or off")
+	var upstreamTLS tlsconfig.Client
+	tlsconfig.RegisterClientFlags(fs, "upstream-tls-", "the upstream", &upstreamTLS)
+	var upstreamServices []string
+	fs.Func("upstream-service", "a full gRPC service name forwarded to --upstream besides the engine's own (repeat)", func(v string) error {
+		upstreamServices = append(upstreamServices, v)
+		return nil
+	})
+	upstreamDropAuth := fs.Bool("upstream-drop-authorization", false, "do not pass callers' authorization metadata to --upstream")
+	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --metrics-listen")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -102,7 +129,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	if *configPath != "" {
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout"} {
+		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout",
+			"tls-cert", "tls-key", "tls-client-ca", "tls-allow", "reflection", "upstream-tls-ca", "upstream-tls-cert", "upstream-tls-key",
+			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -123,6 +152,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		if file.LogFormat == "" {
 			file.LogFormat = *logFormat
 		}
+		if file.WebConfigFile == "" {
+			file.WebConfigFile = *webConfig
+		}
 	} else {
 		if *engineName == "" {
 			fmt.Fprintln(stderr, "kvrelay serve: --engine is required (or --config)")
@@ -138,11 +170,13 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		}
 		raw, _ := json.Marshal(*kvConfig)
 		file = serveFile{
-			MetricsListen: *metricsListen, LogLevel: *logLevel, LogFormat: *logFormat,
+			MetricsListen: *metricsListen, LogLevel: *logLevel, LogFormat: *logFormat, WebConfigFile: *webConfig,
 			Relays: []relayConfig{{
 				Name: *engineName, Engine: *engineName, KVEventsConfig: raw, DPSize: *dpSize,
 				Listen: *listen, Upstream: *upstream, HistoryBatches: *historyBatches,
 				HistoryBytes: *historyBytes, ReplayTimeout: replayTimeout.String(),
+				TLS: listenTLS, Reflection: *reflectionMode, UpstreamTLS: upstreamTLS,
+				UpstreamServices: upstreamServices, UpstreamDropAuthorization: *upstreamDropAuth,
 			}},
 		}
 	}
@@ -156,7 +190,11 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	if err := serve(ctx, log, file.MetricsListen, relays); err != nil {
+	if err := checkWebConfig(file.WebConfigFile); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
@@ -219,10 +257,32 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 			return nil, fmt.Errorf("%s: listen %q: %w", where, c.Listen, err)
 		}
+		var upstreamAddr string
+		var upstreamTLS bool
 		if c.Upstream != "" {
-			if _, _, err := net.SplitHostPort(c.Upstream); err != nil {
-				return nil, fmt.Errorf("%s: upstream %q: %w", where, c.Upstream, err)
+			upstreamAddr, upstreamTLS, err = tlsconfig.ParseTarget(c.Upstream)
+			if err != nil {
+				return nil, fmt.Errorf("%s: upstream: %w", where, err)
 			}
+		}
+		if err := c.UpstreamTLS.Check(); err != nil {
+			return nil, fmt.Errorf("%s: upstream TLS: %w", where, err)
+		}
+		if !upstreamTLS && c.UpstreamTLS.Set() {
+			return nil, fmt.Errorf("%s: upstream TLS settings are given but upstream %q is plaintext (use grpcs://HOST:PORT)", where, c.Upstream)
+		}
+		if (len(c.UpstreamServices) > 0 || c.UpstreamDropAuthorization) && c.Upstream == "" {
+			return nil, fmt.Errorf("%s: upstream services and authorization settings need an upstream", where)
+		}
+		if err := c.TLS.Check(); err != nil {
+			return nil, fmt.Errorf("%s: TLS: %w", where, err)
+		}
+		switch c.Reflection {
+		case "":
+			c.Reflection = "auto"
+		case "auto", "on", "off":
+		default:
+			return nil, fmt.Errorf("%s: reflection %q: want auto, on or off", where, c.Reflection)
 		}
 		if c.HistoryBatches < 0 {
 			return nil, fmt.Errorf("%s: history-batches %d is negative", where, c.HistoryBatches)
@@ -250,7 +310,7 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 				}
 			}
 		}
-		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout})
+		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS})
 	}
 	return out, nil
 }
@@ -284,9 +344,14 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
-func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay) error {
+func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	tlsMetrics, err := tlsconfig.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	var reloaders []reloader // certificates SIGHUP re-reads
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -348,6 +413,16 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 	for _, addr := range order {
 		var services []server.Service
 		upstreams := map[string]string{}
+		var cfgs []resolvedRelay
+		for _, r := range byListen[addr] {
+			cfgs = append(cfgs, r.cfg)
+		}
+		security, err := listenerSecurity(log, addr, cfgs, tlsMetrics)
+		if err != nil {
+			closeAll()
+			return err
+		}
+		reloaders = append(reloaders, security.reloaders...)
 		for _, r := range byListen[addr] {
 			svc := server.Service{Engine: r.cfg.engine}
 			if r.relay != nil {
@@ -359,7 +434,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			}
 			services = append(services, svc)
 			if r.cfg.Upstream != "" {
-				upstreams[r.cfg.engine.Name] = r.cfg.Upstream
+				upstreams[r.cfg.engine.Name] = r.cfg.upstreamAddr
 			}
 		}
 		// Every listener's series carry a listener label when there are
@@ -368,7 +443,10 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 		if len(order) > 1 {
 			srvReg = prometheus.WrapRegistererWith(prometheus.Labels{"listener": addr}, reg)
 		}
-		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg})
+		srv, err := server.New(server.Options{
+			Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg,
+			Proxy: security.proxy, ServerOptions: security.serverOptions, Reflection: security.reflection,
+		})
 		if err != nil {
 			closeAll()
 			return fmt.Errorf("listener %s: %w", addr, err)
@@ -446,13 +524,16 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 		}
 		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
-			if err := httpSrv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := serveHTTP(httpSrv, lis, webConfig, log); err != nil {
 				errs <- fmt.Errorf("http %s: %w", metricsListen, err)
 			}
 		}()
+		warnIfExposed(log, "metrics", metricsListen, webConfig != "")
 		log.Info("serving /metrics and /debug/status", "listen", lis.Addr().String())
 	}
 
+	hupDone := reloadOnHangup(runCtx, log, reloaders)
+	defer func() { cancel(); <-hupDone }()
 	if err := sdNotify("READY=1"); err != nil {
 		log.Warn("systemd notify failed", "err", err)
 	}

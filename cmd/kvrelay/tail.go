@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -38,11 +39,13 @@ var tailServices = map[string]subscribeFunc{
 func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("tail", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	addr := fs.String("addr", "", "relay or servicer address HOST:PORT")
+	addr := fs.String("addr", "", "relay or servicer address HOST:PORT, or grpcs://HOST:PORT for TLS")
 	service := fs.String("service", "vllm", "service flavour: vllm, sglang or tokenspeed")
 	from := fs.Uint64("from", 0, "last sequence already applied (0: the relay's whole state)")
 	asJSON := fs.Bool("json", false, "print each batch as one JSON line")
 	limit := fs.Int("n", 0, "stop after this many batches (0: until the stream ends)")
+	var clientTLS tlsconfig.Client
+	tlsconfig.RegisterClientFlags(fs, "tls-", "the relay", &clientTLS)
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -55,7 +58,21 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 		fmt.Fprintf(stderr, "kvrelay tail: --service %q: want vllm, sglang or tokenspeed\n", *service)
 		return 2
 	}
-	cc, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	target, useTLS, err := tlsconfig.ParseTarget(*addr)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrelay tail: --addr: %v\n", err)
+		return 2
+	}
+	creds := insecure.NewCredentials()
+	dialer, err := tlsconfig.ClientFor(clientTLS, useTLS, nil)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrelay tail: --tls-*: %v\n", err)
+		return 2
+	}
+	if dialer != nil {
+		creds = dialer.Credentials()
+	}
+	cc, err := grpc.NewClient(target, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay tail: --addr %q: %v\n", *addr, err)
 		return 2

@@ -39,6 +39,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -74,6 +75,9 @@ type Worker struct {
 	Service Service
 	// Model is the model the worker serves; it selects the index.
 	Model string
+	// Credentials secure the worker's stream (TLS, a client certificate);
+	// nil dials in plaintext.
+	Credentials credentials.TransportCredentials
 }
 
 // Sink receives what the monitor admits for a worker. Calls for one worker

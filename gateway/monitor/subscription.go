@@ -161,6 +161,10 @@ func (s *subscription) run(ctx context.Context) {
 			MinConnectTimeout: opts.SubscribeDeadline,
 		}),
 	}, opts.DialOptions...)
+	if s.w.Credentials != nil {
+		// The last transport credentials given win over the plaintext default.
+		dial = append(dial, grpc.WithTransportCredentials(s.w.Credentials))
+	}
 	cc, err := grpc.NewClient(s.w.Addr, dial...)
 	if err != nil {
 		// Only a malformed target gets here; retrying cannot fix it.
