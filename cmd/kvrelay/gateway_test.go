@@ -31,14 +31,14 @@ type fakeEngine struct {
 	batches chan *kvpb.KvEventBatch
 }
 
-func startFakeEngine(t *testing.T) *fakeEngine {
+func startFakeEngine(t *testing.T, opts ...grpc.ServerOption) *fakeEngine {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := &fakeEngine{addr: lis.Addr().String(), batches: make(chan *kvpb.KvEventBatch, 16)}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(opts...)
 	kvpb.RegisterVllmEngineServer(srv, e)
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
