@@ -87,6 +87,8 @@ func TestParseWorker(t *testing.T) {
 		{in: "grpc://10.0.0.1:50051", want: gateway.Worker{ID: "grpc://10.0.0.1:50051", Addr: "10.0.0.1:50051", Service: monitor.ServiceVLLM, Model: "default"}},
 		{in: "grpc://w:1,model=llama,service=sglang", want: gateway.Worker{ID: "grpc://w:1", Addr: "w:1", Service: monitor.ServiceSGLang, Model: "llama"}},
 		{in: "grpc://[::1]:7,service=tokenspeed", want: gateway.Worker{ID: "grpc://[::1]:7", Addr: "[::1]:7", Service: monitor.ServiceTokenSpeed, Model: "default"}},
+		{in: "grpcs://w:1,model=llama", want: gateway.Worker{ID: "grpcs://w:1", Addr: "w:1", Service: monitor.ServiceVLLM, Model: "llama"}},
+		{in: "grpcs://w", wantErr: "HOST:PORT"},
 		{in: "10.0.0.1:50051", wantErr: "grpc://"},
 		{in: "http://w:1", wantErr: "grpc://"},
 		{in: "grpc://w", wantErr: "HOST:PORT"},
@@ -406,7 +408,7 @@ func verifyNoLeaks(t *testing.T) {
 // FuzzParseWorker: any --worker value gets a worker or an error, never a
 // panic, and an accepted one round-trips to its ID.
 func FuzzParseWorker(f *testing.F) {
-	for _, s := range []string{"grpc://h:1", "grpc://h:1,model=m,service=sglang", "grpc://[::1]:9", "grpc://h:1,", "grpc://:1", "grpc://h:1,model=a=b"} {
+	for _, s := range []string{"grpc://h:1", "grpc://h:1,model=m,service=sglang", "grpc://[::1]:9", "grpc://h:1,", "grpc://:1", "grpc://h:1,model=a=b", "grpcs://h:1,model=m"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
@@ -414,7 +416,7 @@ func FuzzParseWorker(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if w.Addr == "" || w.ID != "grpc://"+w.Addr || w.Model == "" {
+		if w.Addr == "" || (w.ID != "grpc://"+w.Addr && w.ID != "grpcs://"+w.Addr) || w.Model == "" {
 			t.Fatalf("%q parsed to %+v", s, w)
 		}
 		if _, err := monitor.ParseService(string(w.Service)); err != nil {

@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
+	"strconv"
+	"strings"
 
 	"google.golang.org/grpc/credentials"
 )
@@ -99,20 +101,28 @@ func (d *Dialer) Reload() error {
 // ParseTarget reads a gRPC address: HOST:PORT or grpc://HOST:PORT (plaintext)
 // or grpcs://HOST:PORT (TLS).
 func ParseTarget(v string) (addr string, useTLS bool, err error) {
-	if u, perr := url.Parse(v); perr == nil && (u.Scheme == "grpc" || u.Scheme == "grpcs") {
-		if u.Path != "" || u.RawQuery != "" || u.User != nil || u.Fragment != "" {
-			return "", false, fmt.Errorf("%q: want %s://HOST:PORT with nothing after the port", v, u.Scheme)
+	addr = v
+	if scheme, rest, ok := strings.Cut(v, "://"); ok {
+		switch scheme {
+		case "grpc", "grpcs":
+		default:
+			return "", false, fmt.Errorf("%q: scheme %q: want grpc:// or grpcs://", v, scheme)
 		}
-		addr, useTLS = u.Host, u.Scheme == "grpcs"
-	} else {
-		addr = v
+		u, err := url.Parse(v)
+		if err != nil {
+			return "", false, fmt.Errorf("%q: %w", v, err)
+		}
+		if u.Path != "" || u.RawQuery != "" || u.User != nil || u.Fragment != "" || u.Host != rest {
+			return "", false, fmt.Errorf("%q: want %s://HOST:PORT with nothing after the port", v, scheme)
+		}
+		addr, useTLS = u.Host, scheme == "grpcs"
 	}
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
 		return "", false, fmt.Errorf("%q: want HOST:PORT, grpc://HOST:PORT or grpcs://HOST:PORT: %w", v, err)
 	}
-	if host == "" || port == "" {
-		return "", false, fmt.Errorf("%q: want HOST:PORT with both parts", v)
+	if n, perr := strconv.ParseUint(port, 10, 16); host == "" || perr != nil || n == 0 {
+		return "", false, fmt.Errorf("%q: want HOST:PORT with a host and a port from 1 to 65535", v)
 	}
 	return addr, useTLS, nil
 }

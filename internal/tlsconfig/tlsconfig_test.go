@@ -315,6 +315,11 @@ func TestParseTarget(t *testing.T) {
 		{"h", "", false, true},
 		{"grpcs://h", "", false, true},
 		{":1", "", false, true},
+		{"0://", "", false, true},
+		{"http://h:1", "", false, true},
+		{"h:http", "", false, true},
+		{"h:0", "", false, true},
+		{"h:70000", "", false, true},
 	}
 	for _, tt := range tests {
 		addr, useTLS, err := ParseTarget(tt.in)
