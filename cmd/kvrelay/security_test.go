@@ -8,17 +8,22 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/crypto/bcrypt"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // testPKI is a CA, a server certificate for 127.0.0.1/localhost and client
@@ -274,5 +279,123 @@ func TestSecurityFlagsNameTheProblem(t *testing.T) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tt.want)
 			}
 		})
+	}
+}
+
+// TestServeCertificateRotation: a stream opened over mTLS stays up while the
+// server certificate rotates; a rotation whose files do not load (a
+// certificate written before its key) is refused by SIGHUP naming the file,
+// and handshakes keep getting the old certificate; once the key arrives the
+// next handshake gets the new one.
+func TestServeCertificateRotation(t *testing.T) {
+	verifyNoLeaks(t)
+	p := newTestPKI(t)
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 1})
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": %q, "replay_endpoint": %q}`, peer.PubEndpoint(0), peer.ReplayEndpoint(0))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var serveErr syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg,
+			"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s",
+			"--tls-cert", p.server.Cert, "--tls-key", p.server.Key, "--tls-client-ca", p.caFile,
+		}, strings.NewReader(""), io.Discard, &serveErr)
+	}()
+	waitUntil(t, 30*time.Second, "kvrelay serve to become healthy", &serveErr, func() bool {
+		resp, err := http.Get("http://" + httpAddr + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+
+	gw, err := tls.LoadX509KeyPair(p.gateway.Cert, p.gateway.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clientTLS := &tls.Config{RootCAs: p.ca.Pool(), ServerName: "localhost", Certificates: []tls.Certificate{gw}}
+	servedCN := func() string {
+		t.Helper()
+		c := clientTLS.Clone()
+		c.NextProtos = []string{"h2"}
+		conn, err := tls.Dial("tcp", grpcAddr, c)
+		if err != nil {
+			t.Fatalf("handshake: %v", err)
+		}
+		defer conn.Close()
+		return conn.ConnectionState().PeerCertificates[0].Subject.CommonName
+	}
+	cc, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(credentials.NewTLS(clientTLS)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	sctx, scancel := context.WithCancel(ctx)
+	defer scancel()
+	stream, err := kvpb.NewVllmEngineClient(cc).SubscribeKvEvents(sctx, &kvpb.SubscribeKvEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := peer.Publish(0, enginepeer.Stored(nil, []int64{1, 2, 3, 4}, enginepeer.U64(1))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); err != nil {
+		t.Fatalf("first batch: %v", err)
+	}
+	if cn := servedCN(); cn != "kvrelay" {
+		t.Fatalf("served %q before the rotation", cn)
+	}
+
+	// Half a rotation: the new certificate without its key.
+	rotated := p.ca.Issue(t, testpki.Leaf{CommonName: "kvrelay-rotated", DNSNames: []string{"localhost"}, Server: true})
+	testpki.WriteFile(t, p.server.Cert, rotated.CertPEM)
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP) // our own process must not die of it
+	defer signal.Stop(hup)
+	waitUntil(t, 20*time.Second, "SIGHUP to report the failed reload", &serveErr, func() bool {
+		if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		return strings.Contains(serveErr.String(), "certificate reload failed") && strings.Contains(serveErr.String(), p.server.Cert)
+	})
+	if cn := servedCN(); cn != "kvrelay" {
+		t.Fatalf("served %q after a rotation that does not load, want the old certificate", cn)
+	}
+	// The key arrives: the next handshake gets the new certificate.
+	testpki.WriteFile(t, p.server.Key, rotated.KeyPEM)
+	if cn := servedCN(); cn != "kvrelay-rotated" {
+		t.Fatalf("served %q after the rotation completed", cn)
+	}
+	// The stream opened before the rotation still delivers.
+	if _, err := peer.Publish(0, enginepeer.Stored(nil, []int64{5, 6, 7, 8}, enginepeer.U64(2))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); err != nil {
+		t.Fatalf("the stream opened before the rotation ended: %v", err)
+	}
+	scancel()
+	cancel()
+	select {
+	case code := <-done:
+		if code != 0 {
+			t.Fatalf("serve exit %d; stderr:\n%s", code, serveErr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("serve did not shut down")
+	}
+}
+
+// waitUntil polls cond until it holds or d passes.
+func waitUntil(t *testing.T, d time.Duration, what string, logs *syncBuffer, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s; log:\n%s", what, logs.String())
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
