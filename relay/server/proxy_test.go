@@ -184,6 +184,7 @@ func TestProxyOverTLS(t *testing.T) {
 	engineCert := ca.Issue(t, testpki.Leaf{CommonName: "engine", DNSNames: []string{"localhost"}, Server: true}).WriteFiles(t, dir, "engine")
 	relayClient := ca.Issue(t, testpki.Leaf{CommonName: "relay-client", URIs: []string{"spiffe://td/kvrelay"}}).WriteFiles(t, dir, "relay-client")
 	gateway := ca.Issue(t, testpki.Leaf{CommonName: "gw", URIs: []string{"spiffe://td/gateway"}}).WriteFiles(t, dir, "gateway")
+	intruder := ca.Issue(t, testpki.Leaf{CommonName: "job", URIs: []string{"spiffe://td/batch-job"}}).WriteFiles(t, dir, "intruder")
 
 	// The engine's servicer requires a client certificate (mTLS).
 	engineTLS, err := tlsconfig.NewListener(tlsconfig.Server{Cert: engineCert.Cert, Key: engineCert.Key, ClientCA: caFile, Allow: []string{"spiffe://td/kvrelay"}}, "engine", nil, nil)
@@ -192,7 +193,7 @@ func TestProxyOverTLS(t *testing.T) {
 	}
 	up := startRecordingUpstream(t, []string{"vllm.grpc.engine.VllmEngine"}, engineTLS.GRPCServerOptions()...)
 
-	relayTLS, err := tlsconfig.NewListener(tlsconfig.Server{Cert: relayCert.Cert, Key: relayCert.Key, ClientCA: caFile}, "relay", nil, nil)
+	relayTLS, err := tlsconfig.NewListener(tlsconfig.Server{Cert: relayCert.Cert, Key: relayCert.Key, ClientCA: caFile, Allow: []string{"spiffe://td/gateway"}}, "relay", nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,6 +216,25 @@ func TestProxyOverTLS(t *testing.T) {
 	}
 	if xfcc := strings.Join(seen.Get("x-forwarded-client-cert"), ","); !strings.Contains(xfcc, "URI=spiffe://td/gateway") {
 		t.Fatalf("x-forwarded-client-cert %q does not name the gateway", xfcc)
+	}
+
+	// The allow-list guards proxied calls too: an identity outside it never
+	// reaches the engine.
+	intruderDialer, err := tlsconfig.NewDialer(tlsconfig.Client{CA: caFile, Cert: intruder.Cert, Key: intruder.Key, ServerName: "localhost"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	icc, err := grpc.NewClient(strings.TrimPrefix(cc.Target(), "passthrough:///"), grpc.WithTransportCredentials(intruderDialer.Credentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer icc.Close()
+	before := up.calls.Load()
+	if _, err := invoke(t, icc, "/vllm.grpc.engine.VllmEngine/GetModelInfo"); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("an identity outside the allow-list through the proxy: %v, want PERMISSION_DENIED", err)
+	}
+	if up.calls.Load() != before {
+		t.Fatal("a refused caller's call reached the upstream")
 	}
 }
 
