@@ -268,6 +268,11 @@ func TestSecurityFlagsNameTheProblem(t *testing.T) {
 		{"gateway worker TLS without grpcs", []string{"gateway", "--worker", "grpc://h:1", "--worker-tls-ca", p.caFile}, "grpcs://"},
 		{"gateway missing CA", []string{"gateway", "--worker", "grpcs://h:1", "--worker-tls-ca", filepath.Join(p.dir, "none.pem")}, "none.pem"},
 		{"tail TLS on plaintext", []string{"tail", "--addr", "h:1", "--tls-ca", p.caFile}, "grpcs://"},
+		{"config: one listener, two TLS settings", []string{"serve", "--metrics-listen", "", "--config", writeText(t, filepath.Join(p.dir, "two.json"), fmt.Sprintf(`{"relays": [
+			{"name": "a", "engine": "vllm", "kv_events_config": {"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:1"}, "listen": "127.0.0.1:0", "tls": {"cert": %q, "key": %q}},
+			{"name": "b", "engine": "sglang", "kv_events_config": {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:3"}, "listen": "127.0.0.1:0"}]}`, p.server.Cert, p.server.Key))}, "different TLS settings"},
+		{"config: bad upstream_tls", []string{"serve", "--config", writeText(t, filepath.Join(p.dir, "up.json"), `{"relays": [
+			{"engine": "vllm", "kv_events_config": {}, "listen": "127.0.0.1:0", "upstream": "grpcs://127.0.0.1:1", "upstream_tls": {"cert": "c.pem"}}]}`)}, "key"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
