@@ -144,6 +144,19 @@ func TestProxyForwardsOnlyTheEngineService(t *testing.T) {
 	}
 }
 
+func TestProxyRefusesForwardingKvrelaysOwnServices(t *testing.T) {
+	for _, extra := range []string{"vllm.grpc.engine.VllmEngine", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} {
+		_, err := server.New(server.Options{
+			Services:  []server.Service{{Engine: vllm.Engine}},
+			Upstreams: map[string]string{"vllm": "127.0.0.1:1"},
+			Proxy:     server.ProxyOptions{ExtraServices: map[string][]string{"vllm": {extra}}},
+		})
+		if err == nil || !strings.Contains(err.Error(), extra) {
+			t.Errorf("forwarding %s: %v, want an error naming it", extra, err)
+		}
+	}
+}
+
 func TestProxyMetadata(t *testing.T) {
 	up := startRecordingUpstream(t, []string{"vllm.grpc.engine.VllmEngine"})
 	for _, drop := range []bool{false, true} {

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -154,7 +155,10 @@ func New(opts Options) (*Server, error) {
 			s.conns = append(s.conns, cc)
 			p.upstreams[svc.Engine.ServiceName] = cc
 			for _, extra := range opts.Proxy.ExtraServices[svc.Engine.Name] {
-				if _, taken := p.upstreams[extra]; taken || seen[extra] {
+				// kvrelay's own services (health, reflection) would shadow
+				// the entry: say so rather than forward nothing.
+				ownService := seen[extra] || extra == healthpb.Health_ServiceDesc.ServiceName || strings.HasPrefix(extra, "grpc.reflection.")
+				if _, taken := p.upstreams[extra]; taken || ownService {
 					s.closeConns()
 					return nil, fmt.Errorf("server: service %s is forwarded twice or served by kvrelay", extra)
 				}
