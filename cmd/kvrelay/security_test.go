@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"os/signal"
@@ -402,5 +403,38 @@ func waitUntil(t *testing.T, d time.Duration, what string, logs *syncBuffer, con
 			t.Fatalf("timed out waiting for %s; log:\n%s", what, logs.String())
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestIsLoopback(t *testing.T) {
+	for addr, want := range map[string]bool{
+		"127.0.0.1:50051": true, "127.0.0.2:1": true, "[::1]:1": true, "localhost:1": true,
+		"0.0.0.0:1": false, ":1": false, "[::]:1": false, "10.0.0.1:1": false, "relay.local:1": false, "nonsense": false,
+	} {
+		if got := isLoopback(addr); got != want {
+			t.Errorf("isLoopback(%q) = %v, want %v", addr, got, want)
+		}
+	}
+}
+
+// A plaintext listener off loopback is named in a warning at start; one on
+// loopback or with TLS is not.
+func TestWarnIfExposed(t *testing.T) {
+	tests := []struct {
+		addr    string
+		secured bool
+		warn    bool
+	}{
+		{"0.0.0.0:50051", false, true},
+		{":9464", false, true},
+		{"0.0.0.0:50051", true, false},
+		{"127.0.0.1:50051", false, false},
+	}
+	for _, tt := range tests {
+		var buf syncBuffer
+		warnIfExposed(slog.New(slog.NewTextHandler(&buf, nil)), "grpc", tt.addr, tt.secured)
+		if got := strings.Contains(buf.String(), "level=WARN") && strings.Contains(buf.String(), tt.addr); got != tt.warn {
+			t.Errorf("%s secured=%v: warned %v (%q)", tt.addr, tt.secured, got, buf.String())
+		}
 	}
 }
