@@ -1,6 +1,7 @@
 package tlsconfig
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -37,11 +38,12 @@ func (c Client) Check() error {
 	return nil
 }
 
-// Dialer is a built client-side TLS: the CA bundle is read once, the client
-// certificate is re-read when its files change (checked at each handshake)
-// or on Reload.
+// Dialer is a built client-side TLS. The CA bundle and the client
+// certificate are re-read when their files change (checked at each
+// handshake) or on Reload, so a rotated trust bundle (SPIFFE bundles rotate)
+// applies to the next connection.
 type Dialer struct {
-	roots *x509.CertPool // nil: system roots
+	roots *reloadable[*x509.CertPool] // nil: system roots
 	pair  *reloadable[*tls.Certificate]
 	name  string
 }
@@ -56,11 +58,13 @@ func NewDialer(c Client, log *slog.Logger) (*Dialer, error) {
 	}
 	d := &Dialer{name: c.ServerName}
 	if c.CA != "" {
-		pool, err := loadPool(c.CA)
+		var err error
+		d.roots, err = newReloadable(log, func() {}, func() (*x509.CertPool, error) {
+			return loadPool(c.CA)
+		}, c.CA)
 		if err != nil {
 			return nil, err
 		}
-		d.roots = pool
 	}
 	if c.Cert != "" {
 		var err error
@@ -74,9 +78,13 @@ func NewDialer(c Client, log *slog.Logger) (*Dialer, error) {
 	return d, nil
 }
 
-// TLSConfig is the client's tls.Config.
+// TLSConfig is the client's tls.Config with the CA bundle in service now;
+// the client certificate is looked up at each handshake.
 func (d *Dialer) TLSConfig() *tls.Config {
-	cfg := &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: d.roots, ServerName: d.name}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: d.name}
+	if d.roots != nil {
+		cfg.RootCAs = d.roots.current()
+	}
 	if d.pair != nil {
 		cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
 			return d.pair.current(), nil
@@ -85,17 +93,40 @@ func (d *Dialer) TLSConfig() *tls.Config {
 	return cfg
 }
 
-// Credentials are the gRPC transport credentials.
+// Credentials are the gRPC transport credentials. Each handshake builds its
+// TLS config anew, so it verifies with the CA bundle in service at that
+// moment (standard verification; nothing is skipped).
 func (d *Dialer) Credentials() credentials.TransportCredentials {
-	return credentials.NewTLS(d.TLSConfig())
+	return &dialerCreds{TransportCredentials: credentials.NewTLS(d.TLSConfig()), d: d}
 }
 
-// Reload re-reads the client certificate now (SIGHUP).
+type dialerCreds struct {
+	credentials.TransportCredentials // Info, and the server side (unused)
+	d                                *Dialer
+}
+
+func (c *dialerCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return credentials.NewTLS(c.d.TLSConfig()).ClientHandshake(ctx, authority, raw)
+}
+
+func (c *dialerCreds) Clone() credentials.TransportCredentials {
+	return &dialerCreds{TransportCredentials: c.TransportCredentials.Clone(), d: c.d}
+}
+
+// Reload re-reads the CA bundle and the client certificate now (SIGHUP).
 func (d *Dialer) Reload() error {
-	if d.pair == nil {
-		return nil
+	var errs []error
+	if d.roots != nil {
+		if err := d.roots.reload(); err != nil {
+			errs = append(errs, err)
+		}
 	}
-	return d.pair.reload()
+	if d.pair != nil {
+		if err := d.pair.reload(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // ParseTarget reads a gRPC address: HOST:PORT or grpc://HOST:PORT (plaintext)

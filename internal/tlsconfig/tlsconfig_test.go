@@ -240,6 +240,43 @@ func TestBadRotationKeepsTheOldCertificate(t *testing.T) {
 	}
 }
 
+// A client's CA bundle rotates without a restart: a server signed by a new
+// CA is refused until the bundle file names that CA, then accepted by the
+// next connection of the same Dialer.
+func TestDialerCABundleRotation(t *testing.T) {
+	p := newPKI(t)
+	newCA := testpki.NewCA(t, "next CA")
+	dir := t.TempDir()
+	server := newCA.Issue(t, testpki.Leaf{CommonName: "relay", DNSNames: []string{"localhost"}, Server: true}).WriteFiles(t, dir, "server")
+	l, err := NewListener(Server{Cert: server.Cert, Key: server.Key}, "test", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, _ := serveHealth(t, l)
+	bundle := p.caFile // the old CA only
+	d, err := NewDialer(Client{CA: bundle, ServerName: "localhost"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	creds := d.Credentials() // one for the whole test, as a long-lived gateway holds it
+	if err := check(t, addr, creds); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a server from an untrusted CA: %v, want UNAVAILABLE", err)
+	}
+	testpki.WriteFile(t, bundle, append(append([]byte{}, p.ca.CertPEM...), newCA.CertPEM...))
+	if err := check(t, addr, creds); err != nil {
+		t.Fatalf("after the bundle gained the new CA: %v", err)
+	}
+	// A bundle that does not load keeps the previous one (and Reload says
+	// which file).
+	testpki.WriteFile(t, bundle, []byte("garbage"))
+	if err := d.Reload(); err == nil || !strings.Contains(err.Error(), bundle) {
+		t.Fatalf("Reload error %v does not name %s", err, bundle)
+	}
+	if err := check(t, addr, creds); err != nil {
+		t.Fatalf("after a bad bundle: %v, want the previous bundle in service", err)
+	}
+}
+
 func TestServerCheck(t *testing.T) {
 	tests := []struct {
 		name    string
