@@ -120,6 +120,15 @@ func (a ArmResult) HitRate() float64 {
 	return float64(a.HitBlocks) / float64(a.PromptBlocks)
 }
 
+// PrefillTokens is the prompt tokens the engines computed: the full
+// blocks not served from a cache (partial tail blocks, never cached, are
+// left out of both arms alike).
+func (a ArmResult) PrefillTokens() int { return (a.PromptBlocks - a.HitBlocks) * blockSize }
+
+// SavedTokens is the prompt tokens served from a prefix cache instead of
+// prefilled.
+func (a ArmResult) SavedTokens() int { return a.HitBlocks * blockSize }
+
 func (a *ArmResult) add(worker int, res sim.StepResult) {
 	for _, r := range res.Results {
 		a.Requests++
