@@ -366,7 +366,10 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 			loads[w] = n
 		}
 	}
-	engine := g.engineSignalsLocked(eligible, g.now())
+	var engine map[string]picker.EngineSignal
+	if g.picker.UsesEngineLoad() {
+		engine = g.engineSignalsLocked(eligible, g.now())
+	}
 	g.mu.Unlock()
 	if len(eligible) == 0 {
 		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)

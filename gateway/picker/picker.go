@@ -152,6 +152,13 @@ func New(cfg Config) (*Picker, error) {
 	return &Picker{cfg: cfg}, nil
 }
 
+// UsesEngineLoad reports whether any knob reads Request.Engine (overlap
+// decay or a KV-pressure threshold below 1), so a caller may skip building
+// it when none does.
+func (p *Picker) UsesEngineLoad() bool {
+	return p.cfg.OverlapDecay > 0 || p.cfg.OverloadTokenUsage < 1 || p.cfg.BalanceTokenUsage < 1
+}
+
 // Request is what the picker needs to know about a request beyond its overlaps.
 type Request struct {
 	// Eligible lists the workers that may serve it (healthy, serving the

@@ -352,3 +352,24 @@ func TestNewValidatesSignals(t *testing.T) {
 		t.Errorf("defaults %+v", p.cfg)
 	}
 }
+
+func TestUsesEngineLoad(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  Config
+		want bool
+	}{
+		{Config{}, false},
+		{Config{OverloadTokenUsage: 1, BalanceTokenUsage: 1}, false},
+		{Config{OverlapDecay: 0.1}, true},
+		{Config{OverloadTokenUsage: 0.9}, true},
+		{Config{BalanceTokenUsage: 0.9}, true},
+	} {
+		p, err := New(tc.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := p.UsesEngineLoad(); got != tc.want {
+			t.Errorf("%+v: %v", tc.cfg, got)
+		}
+	}
+}
