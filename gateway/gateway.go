@@ -508,7 +508,6 @@ func (g *Gateway) Models() []string {
 	return out
 }
 
-
 func (g *Gateway) onBlockSize(name string, n int) {
 	g.mu.Lock()
 	m := g.models[name]
