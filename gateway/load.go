@@ -185,9 +185,10 @@ func (g *Gateway) untrackLocked(id uint64) bool {
 }
 
 // expireTracked ends the tracked requests whose timeout passed.
-func (g *Gateway) expireTracked(now time.Time) int {
+func (g *Gateway) expireTracked() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	now := g.now()
 	var ids []uint64
 	for id, t := range g.pending {
 		if !now.Before(t.expires) {
@@ -216,7 +217,7 @@ func (g *Gateway) runExpiry(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			g.expireTracked(g.now())
+			g.expireTracked()
 		}
 	}
 }
