@@ -336,7 +336,10 @@ func (g *Gateway) Run(ctx context.Context) error {
 	return err
 }
 
-// Route picks the worker for req.
+// Route picks the worker for req. A tracked request is chosen and counted
+// in one step under the gateway's lock, so a burst of concurrent tracked
+// routes sees each other's load (as SMG selects and credits atomically);
+// the prefix lookup stays outside it.
 func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	start := time.Now()
 	name := req.Model
@@ -354,10 +357,60 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		return Decision{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
 	}
 	// m.list is replaced, never modified in place, so it may be read
-	// after the lock is released. Workers with nothing in flight need no
-	// entry: the picker reads a missing one as 0.
+	// after the lock is released.
 	eligible := m.list
-	var loads picker.Loads // nil until a worker has something in flight
+	var loads picker.Loads
+	var engine map[string]picker.EngineSignal
+	if !req.Track {
+		loads, engine = g.loadsLocked(eligible)
+	}
+	g.mu.Unlock()
+	if len(eligible) == 0 {
+		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
+	}
+
+	blockSize := m.ix.BlockSize()
+	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
+	pick := func() (picker.Decision, error) {
+		return g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, matches, loads)
+	}
+	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
+	var d picker.Decision
+	var err error
+	if req.Track {
+		g.mu.Lock()
+		loads, engine = g.loadsLocked(eligible)
+		d, err = pick()
+		// The worker may have been removed since the list was read; its
+		// requests are no longer counted, so neither is this one.
+		if _, ok := g.workerOf[d.Worker]; err == nil && ok {
+			id := g.trackLocked(d.Worker, g.now())
+			out.RequestID = id
+			out.Done = func() { _ = g.Complete(id) }
+		}
+		g.mu.Unlock()
+	} else {
+		d, err = pick()
+	}
+	if errors.Is(err, picker.ErrNoWorkers) {
+		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
+	}
+	if err != nil {
+		return Decision{}, fmt.Errorf("gateway: %w", err)
+	}
+	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
+	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
+	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
+	g.logDecision(name, d, loads, engine)
+	return out, nil
+}
+
+// loadsLocked reads what the picker weighs for the eligible workers: their
+// in-flight counts (workers with none need no entry: the picker reads a
+// missing one as 0; nil when nobody has any) and, when a knob reads them,
+// their engines' signals. g.mu is held.
+func (g *Gateway) loadsLocked(eligible []string) (picker.Loads, map[string]picker.EngineSignal) {
+	var loads picker.Loads
 	for _, w := range eligible {
 		if n := g.inflightLocked(w); n > 0 {
 			if loads == nil {
@@ -370,44 +423,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	if g.picker.UsesEngineLoad() {
 		engine = g.engineSignalsLocked(eligible, g.now())
 	}
-	g.mu.Unlock()
-	if len(eligible) == 0 {
-		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
-	}
-
-	blockSize := m.ix.BlockSize()
-	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
-	d, err := g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, matches, loads)
-	if errors.Is(err, picker.ErrNoWorkers) {
-		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
-	}
-	if err != nil {
-		return Decision{}, fmt.Errorf("gateway: %w", err)
-	}
-	out := Decision{
-		Worker:        d.Worker,
-		Model:         name,
-		Reason:        d.Reason,
-		MatchedBlocks: d.Matched,
-		BlockSize:     blockSize,
-		RequestBlocks: matches.RequestBlocks,
-		Done:          func() {},
-	}
-	if req.Track {
-		g.mu.Lock()
-		// The worker may have been removed since the choice; its requests
-		// are no longer counted, so neither is this one.
-		if _, ok := g.workerOf[d.Worker]; ok {
-			id := g.trackLocked(d.Worker, g.now())
-			out.RequestID = id
-			out.Done = func() { _ = g.Complete(id) }
-		}
-		g.mu.Unlock()
-	}
-	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
-	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
-	g.logDecision(name, d, loads, engine)
-	return out, nil
+	return loads, engine
 }
 
 // logDecision writes SMG's per-decision debug line: the branch and what

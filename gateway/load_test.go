@@ -312,3 +312,53 @@ func TestDecisionLog(t *testing.T) {
 		t.Errorf("kv_pressure line %v", pressure)
 	}
 }
+
+// TestTrackedRoutesCreditAtomically: concurrent tracked routes each see the
+// ones chosen before them, so a burst on an empty index spreads evenly
+// instead of every route reading the same loads and picking the same worker.
+func TestTrackedRoutesCreditAtomically(t *testing.T) {
+	var workers []Worker
+	var engines []*engineServer
+	for _, id := range []string{"A", "B", "C", "D"} {
+		e := startEngine(t)
+		engines = append(engines, e)
+		workers = append(workers, Worker{ID: id, Addr: e.addr})
+	}
+	g := runGateway(t, Config{Workers: workers})
+	// Every worker holds the whole long prompt, so each route is a tie of
+	// four holders settled by load, and spends a 2,048-block lookup between
+	// reading the loads and choosing, where a non-atomic route lets the
+	// others in.
+	prompt := tokens(0, 32_768)
+	for i, e := range engines {
+		e.batches <- storeBatch(1, 16, int64(i)<<32, prompt)
+	}
+	eventually(t, "the prompt indexed everywhere", func() bool {
+		for _, w := range g.Workers() {
+			if w.IndexBlocks != 2048 {
+				return false
+			}
+		}
+		return true
+	})
+	const n = 200
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			if _, err := g.Route(RouteRequest{TokenIDs: prompt, Track: true}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for _, w := range g.Workers() {
+		if w.Routed != n/4 {
+			t.Errorf("%s has %d tracked requests, want %d (the burst spread evenly)", w.ID, w.Routed, n/4)
+		}
+	}
+}
