@@ -41,7 +41,8 @@ type Options struct {
 	// process (for example {"/path/kvrelay", "serve"}). Nil: the relay runs
 	// inside the bench process, and its CPU and RSS are not reported.
 	ServeCommand []string
-	// Parts selects what runs: "sidebyside", "scale", "route". Nil: all.
+	// Parts selects what runs: "sidebyside", "scale", "route", "policy".
+	// Nil: all.
 	Parts []string
 	// Log receives progress; nil discards it.
 	Log *slog.Logger
@@ -113,15 +114,16 @@ func findRepo() (string, error) {
 
 // Results is everything one run measured; results.json holds it.
 type Results struct {
-	Quick      bool          `json:"quick"`
-	Started    time.Time     `json:"started"`
-	Duration   string        `json:"duration"`
-	Machine    Machine       `json:"machine"`
-	SideBySide *SideBySide   `json:"side_by_side,omitempty"`
-	Scale      *ScaleResults `json:"scale,omitempty"`
-	Route      *RouteResults `json:"route,omitempty"`
-	Plots      []string      `json:"plots"`
-	Profiles   []string      `json:"profiles"`
+	Quick      bool           `json:"quick"`
+	Started    time.Time      `json:"started"`
+	Duration   string         `json:"duration"`
+	Machine    Machine        `json:"machine"`
+	SideBySide *SideBySide    `json:"side_by_side,omitempty"`
+	Scale      *ScaleResults  `json:"scale,omitempty"`
+	Route      *RouteResults  `json:"route,omitempty"`
+	Policy     *PolicyResults `json:"policy,omitempty"`
+	Plots      []string       `json:"plots"`
+	Profiles   []string       `json:"profiles"`
 }
 
 // Machine describes where the run happened.
@@ -182,6 +184,16 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 			return nil, err
 		}
 		res.Route = rt
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if want("policy") {
+		pr, err := runPolicy(ctx, env)
+		if err != nil {
+			return nil, err
+		}
+		res.Policy = pr
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()

@@ -27,6 +27,9 @@ func WriteMarkdown(w io.Writer, res *Results) {
 	if rt := res.Route; rt != nil {
 		writeRoute(w, rt)
 	}
+	if pr := res.Policy; pr != nil {
+		writePolicy(w, pr)
+	}
 	if len(res.Plots) > 0 || len(res.Profiles) > 0 {
 		fmt.Fprintf(w, "Plots: %s. CPU profiles: %s.\n\n", baseNames(res.Plots), baseNames(res.Profiles))
 	}

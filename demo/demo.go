@@ -120,6 +120,15 @@ func (a ArmResult) HitRate() float64 {
 	return float64(a.HitBlocks) / float64(a.PromptBlocks)
 }
 
+// PrefillTokens is the prompt tokens the engines computed: the full
+// blocks not served from a cache (partial tail blocks, never cached, are
+// left out of both arms alike).
+func (a ArmResult) PrefillTokens() int { return (a.PromptBlocks - a.HitBlocks) * blockSize }
+
+// SavedTokens is the prompt tokens served from a prefix cache instead of
+// prefilled.
+func (a ArmResult) SavedTokens() int { return a.HitBlocks * blockSize }
+
 func (a *ArmResult) add(worker int, res sim.StepResult) {
 	for _, r := range res.Results {
 		a.Requests++
@@ -226,7 +235,7 @@ type demo struct {
 
 	step     int
 	credit   float64
-	inflight [][]int // per worker: the step each in-flight request ends
+	inflight [][]inflightRequest // per worker
 	rr       int
 	arms     [2]ArmResult // kvrelay, round-robin
 	flushes  uint32
@@ -310,7 +319,7 @@ func (d *demo) setUp(ctx context.Context) error {
 			return fmt.Errorf("demo: %w", err)
 		}
 	}
-	d.inflight = make([][]int, len(d.workers))
+	d.inflight = make([][]inflightRequest, len(d.workers))
 	for i := range d.arms {
 		d.arms[i].PerWorker = make([]int, len(d.workers))
 	}
@@ -378,14 +387,12 @@ func (d *demo) workerIndex(id string) int {
 	return -1
 }
 
-// loads is each worker's in-flight requests, as a gateway embedder reports
-// them.
-func (d *demo) loads() map[string]int {
-	out := make(map[string]int, len(d.workers))
-	for i, w := range d.workers {
-		out[w.id] = len(d.inflight[i])
-	}
-	return out
+// inflightRequest is a routed request until it finishes decoding: the
+// gateway tracks it (RouteRequest.Track) until done is called, as an
+// embedder does when the request's response ends.
+type inflightRequest struct {
+	end  int // the step it finishes
+	done func()
 }
 
 // serveStep routes and serves one scheduler step's worth of requests. With
@@ -393,7 +400,13 @@ func (d *demo) loads() map[string]int {
 func (d *demo) serveStep(compare bool, limit int) (int, error) {
 	d.step++
 	for i := range d.inflight {
-		d.inflight[i] = slices.DeleteFunc(d.inflight[i], func(end int) bool { return end <= d.step })
+		d.inflight[i] = slices.DeleteFunc(d.inflight[i], func(r inflightRequest) bool {
+			if r.end > d.step {
+				return false
+			}
+			r.done()
+			return true
+		})
 	}
 	d.credit += d.opts.Rate * stepInterval.Seconds()
 	n := int(d.credit)
@@ -408,7 +421,7 @@ func (d *demo) serveStep(compare bool, limit int) (int, error) {
 		// Inside an engine the rank is the engine's choice, identical in
 		// both arms: the simulator's session-sticky rank.
 		rank := req.Session % dpSize
-		dec, err := d.gw.gw.Route(gateway.RouteRequest{Model: model, TokenIDs: req.Tokens, Loads: d.loads()})
+		dec, err := d.gw.gw.Route(gateway.RouteRequest{Model: model, TokenIDs: req.Tokens, Track: true})
 		if err != nil {
 			return 0, fmt.Errorf("demo: route: %w", err)
 		}
@@ -420,7 +433,7 @@ func (d *demo) serveStep(compare bool, limit int) (int, error) {
 			d.report.Decisions[string(dec.Reason)]++
 		}
 		live[wi] = append(live[wi], sim.Request{Rank: rank, Tokens: req.Tokens})
-		d.inflight[wi] = append(d.inflight[wi], d.step+decodeSteps)
+		d.inflight[wi] = append(d.inflight[wi], inflightRequest{end: d.step + decodeSteps, done: dec.Done})
 		if compare {
 			ri := d.rr % len(d.workers)
 			d.rr++

@@ -130,3 +130,42 @@ func TestReportOK(t *testing.T) {
 		})
 	}
 }
+
+// TestTablePrefillTokens: the table prints the prefill work beside the hit
+// rates: tokens served from cache and tokens computed, per arm, and the
+// difference.
+func TestTablePrefillTokens(t *testing.T) {
+	r := Report{
+		Workers:    []string{"A", "B"},
+		KVRelay:    ArmResult{Policy: "kvrelay", Requests: 10, PerWorker: []int{5, 5}, PromptBlocks: 100, HitBlocks: 80},
+		RoundRobin: ArmResult{Policy: "round-robin", Requests: 10, PerWorker: []int{5, 5}, PromptBlocks: 100, HitBlocks: 70},
+	}
+	var b bytes.Buffer
+	r.WriteTable(&b)
+	out := b.String()
+	for _, want := range []string{
+		"prefill tokens saved", "prefill tokens computed",
+		"160 fewer prefill tokens (67% of round-robin's prefill work)",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	// Per arm: hit rate, tokens saved (hit blocks × 16), tokens computed.
+	rows := map[string]string{"kvrelay": "80.0% 1280 320", "round-robin": "70.0% 1120 480"}
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 8 || !strings.HasSuffix(f[len(f)-5], "%") {
+			continue
+		}
+		if want, ok := rows[f[0]]; ok {
+			if got := strings.Join(f[len(f)-5:len(f)-2], " "); got != want {
+				t.Errorf("%s row %q: want %q", f[0], got, want)
+			}
+			delete(rows, f[0])
+		}
+	}
+	if len(rows) > 0 {
+		t.Errorf("rows missing: %v\n%s", rows, out)
+	}
+}

@@ -111,7 +111,7 @@ func (r *Report) WriteTable(w io.Writer) {
 
 	fmt.Fprintln(w, "Prefix-cache hits on the same request sequence (each policy on its own, initially empty, identical engines):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	head := "routing\trequests\tprompt blocks\tserved from cache\thit rate\t"
+	head := "routing\trequests\tprompt blocks\tserved from cache\thit rate\tprefill tokens saved\tprefill tokens computed\t"
 	for _, id := range r.Workers {
 		head += "→ " + id + "\t"
 	}
@@ -121,15 +121,16 @@ func (r *Report) WriteTable(w io.Writer) {
 		if name == "kvrelay" {
 			name = "kvrelay (cache-aware)"
 		}
-		row := fmt.Sprintf("%s\t%d\t%d\t%d\t%.1f%%\t", name, a.Requests, a.PromptBlocks, a.HitBlocks, 100*a.HitRate())
+		row := fmt.Sprintf("%s\t%d\t%d\t%d\t%.1f%%\t%d\t%d\t", name, a.Requests, a.PromptBlocks, a.HitBlocks, 100*a.HitRate(), a.SavedTokens(), a.PrefillTokens())
 		for _, n := range a.PerWorker {
 			row += fmt.Sprintf("%d\t", n)
 		}
 		fmt.Fprintln(tw, row)
 	}
 	tw.Flush()
-	fmt.Fprintf(w, "kvrelay routing: %+.1f points, %d more blocks served from cache instead of prefilled.\n",
-		100*(r.KVRelay.HitRate()-r.RoundRobin.HitRate()), r.KVRelay.HitBlocks-r.RoundRobin.HitBlocks)
+	fmt.Fprintf(w, "kvrelay routing: %+.1f points, %d more blocks served from cache instead of prefilled: %d fewer prefill tokens%s.\n",
+		100*(r.KVRelay.HitRate()-r.RoundRobin.HitRate()), r.KVRelay.HitBlocks-r.RoundRobin.HitBlocks,
+		r.RoundRobin.PrefillTokens()-r.KVRelay.PrefillTokens(), prefillShare(r.KVRelay, r.RoundRobin))
 	fmt.Fprintf(w, "Gateway decisions: %d on a cached prefix (event_hit), %d spilled to a less loaded engine (event_spill), %d with no engine holding the prefix (no_overlap).\n",
 		r.Decisions["event_hit"], r.Decisions["event_spill"], r.Decisions["no_overlap"])
 	fmt.Fprintf(w, "(Both policies place a chat on DP rank session mod %d inside an engine; a request stays in flight %d steps of %s;\n"+
@@ -211,4 +212,13 @@ func (r *Report) WriteTable(w io.Writer) {
 	}
 	fmt.Fprintf(w, "%s: index exact after %d of %d checks; kvrelay hit rate %.1f%% vs round-robin %.1f%%\n",
 		verdict, exact, len(r.Checks), 100*r.KVRelay.HitRate(), 100*r.RoundRobin.HitRate())
+}
+
+// prefillShare says how much of round-robin's prefill work the kvrelay arm
+// left to do.
+func prefillShare(kv, rr ArmResult) string {
+	if rr.PrefillTokens() == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (%.0f%% of round-robin's prefill work)", 100*float64(kv.PrefillTokens())/float64(rr.PrefillTokens()))
 }

@@ -31,13 +31,11 @@ func Example() {
 	}
 	go gw.Run(ctx) // one subscription per worker, index pruning
 
-	inflight := map[string]int{}
 	promptTokens := []uint32{1, 2, 3 /* … the tokenized prompt */}
-	d, err := gw.Route(gateway.RouteRequest{Model: "llama", TokenIDs: promptTokens})
+	d, err := gw.Route(gateway.RouteRequest{Model: "llama", TokenIDs: promptTokens, Track: true})
 	if err != nil {
 		panic(err) // ErrUnknownModel, ErrNoWorkers
 	}
-	inflight[d.Worker]++
-	_ = gw.ReportLoad(d.Worker, inflight[d.Worker]) // and again when it finishes
-	fmt.Println(d.Worker, d.Reason)                 // forward the request to d.Worker
+	defer d.Done()                  // the worker's in-flight count drops when the request ends
+	fmt.Println(d.Worker, d.Reason) // forward the request to d.Worker
 }

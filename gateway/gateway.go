@@ -21,17 +21,16 @@
 //	go gw.Run(ctx) // one subscription per worker, index pruning
 //
 //	// per request:
-//	d, err := gw.Route(gateway.RouteRequest{Model: "llama", TokenIDs: promptTokens})
+//	d, err := gw.Route(gateway.RouteRequest{Model: "llama", TokenIDs: promptTokens, Track: true})
 //	if err != nil {
 //		return err // ErrUnknownModel, ErrNoWorkers
 //	}
-//	inflight[d.Worker]++
-//	gw.ReportLoad(d.Worker, inflight[d.Worker]) // and again when it finishes
-//	forward(req, d.Worker)                      // d.Reason: event_hit, event_spill or no_overlap
+//	defer d.Done()         // the worker's in-flight count drops when the request ends
+//	forward(req, d.Worker) // d.Reason: event_hit, event_spill, no_overlap or kv_pressure
 //
-// Route answers from the index alone: while a model's index is empty (at
-// start, after a resync) every request is no_overlap and goes to the least
-// loaded worker.
+// Route answers from the index and the load the gateway knows (load.go):
+// while a model's index is empty (at start, after a resync) every request
+// is no_overlap and goes to the least loaded worker.
 //
 // Workers can also come and go at run time (AddWorker, RemoveWorker); a
 // removed worker's blocks leave its model's index before RemoveWorker
@@ -52,7 +51,6 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // DefaultModel is the model of a worker or request that names none.
@@ -70,8 +68,12 @@ type Config struct {
 	Monitor monitor.Options
 	// Index is the options every model's index is built with.
 	Index index.Options
-	// Picker tunes the choice (spill gate, temperature).
+	// Picker tunes the choice (spill gate, temperature, overlap decay,
+	// KV-pressure thresholds).
 	Picker picker.Config
+	// InflightTimeout ends a tracked request nobody completed; 0 =
+	// DefaultInflightTimeout.
+	InflightTimeout time.Duration
 	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -89,13 +91,17 @@ type RouteRequest struct {
 	// before the choice, as ReportLoads would; an unknown worker fails the
 	// request with ErrUnknownWorker.
 	Loads map[string]int
+	// Track counts the request in its worker's in-flight load until
+	// Decision.Done or Complete(Decision.RequestID) is called, or
+	// Config.InflightTimeout passes.
+	Track bool
 }
 
 // Decision is where a request goes and why.
 type Decision struct {
 	Worker string
 	Model  string
-	// Reason is event_hit, event_spill or no_overlap.
+	// Reason is event_hit, event_spill, no_overlap or kv_pressure.
 	Reason picker.Reason
 	// MatchedBlocks holds each worker's leading blocks of the request that
 	// its cache holds (workers with none are absent).
@@ -104,25 +110,30 @@ type Decision struct {
 	// the number of full blocks.
 	BlockSize     int
 	RequestBlocks int
-}
-
-// EngineLoad is the last load record a worker pushed on its event stream.
-type EngineLoad struct {
-	Rank            int32     `json:"rank"`
-	RunningRequests uint32    `json:"running_requests"`
-	WaitingRequests uint32    `json:"waiting_requests"`
-	TokenUsage      float64   `json:"token_usage"`
-	At              time.Time `json:"at"`
+	// RequestID names a tracked request (RouteRequest.Track) for Complete;
+	// 0 when untracked.
+	RequestID uint64
+	// Done completes a tracked request; calling it again, or on an
+	// untracked decision, does nothing. Never nil.
+	Done func()
 }
 
 // WorkerStatus is a worker's stream state plus what routing knows of it.
 type WorkerStatus struct {
 	monitor.WorkerStatus
-	// Inflight is the last in-flight count reported for the worker.
+	// Inflight is the in-flight count the picker uses: the larger of
+	// Reported and Routed.
 	Inflight int `json:"inflight"`
+	// Reported is the last count a client reported; Routed the tracked
+	// requests routed to the worker and not completed.
+	Reported int `json:"reported_inflight"`
+	Routed   int `json:"routed_inflight"`
 	// IndexBlocks is the number of engine blocks the index holds for it.
-	IndexBlocks int         `json:"index_blocks"`
-	EngineLoad  *EngineLoad `json:"engine_load,omitempty"`
+	IndexBlocks int `json:"index_blocks"`
+	// EngineLoad is the latest load record of any rank; EngineRanks the
+	// latest of each, by rank.
+	EngineLoad  *EngineLoad  `json:"engine_load,omitempty"`
+	EngineRanks []EngineLoad `json:"engine_ranks,omitempty"`
 }
 
 // Errors Route and ReportLoad return.
@@ -130,6 +141,8 @@ var (
 	ErrUnknownModel  = errors.New("unknown model")
 	ErrNoWorkers     = errors.New("no workers for the model")
 	ErrUnknownWorker = errors.New("unknown worker")
+	// ErrUnknownRequest: Complete was given an id that is not in flight.
+	ErrUnknownRequest = errors.New("unknown or completed request")
 )
 
 // model is one model's index and workers.
@@ -161,16 +174,29 @@ type Gateway struct {
 	mu       sync.Mutex
 	models   map[string]*model
 	workerOf map[string]string // worker ID → model
-	inflight map[string]int
-	engine   map[string]EngineLoad
+	inflight map[string]int    // reported by clients
+	routed   map[string]int    // tracked and not completed
+	pending  map[uint64]tracked
+	nextID   uint64
+	engine   map[string]map[int32]EngineLoad // worker → rank → last record
+	lastRank map[string]int32                // worker → rank of its latest record
 	runCtx   context.Context
 	wg       sync.WaitGroup
+	// now is the clock load records are stamped and aged with, and tracked
+	// requests expired by; tests replace it.
+	now func() time.Time
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
 func New(cfg Config) (*Gateway, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.InflightTimeout < 0 {
+		return nil, fmt.Errorf("gateway: in-flight timeout must be ≥ 0, got %v", cfg.InflightTimeout)
+	}
+	if cfg.InflightTimeout == 0 {
+		cfg.InflightTimeout = DefaultInflightTimeout
 	}
 	p, err := picker.New(cfg.Picker)
 	if err != nil {
@@ -183,7 +209,11 @@ func New(cfg Config) (*Gateway, error) {
 		models:   map[string]*model{},
 		workerOf: map[string]string{},
 		inflight: map[string]int{},
-		engine:   map[string]EngineLoad{},
+		routed:   map[string]int{},
+		pending:  map[uint64]tracked{},
+		engine:   map[string]map[int32]EngineLoad{},
+		lastRank: map[string]int32{},
+		now:      time.Now,
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
@@ -256,6 +286,12 @@ func (g *Gateway) RemoveWorker(id string) error {
 	delete(g.workerOf, id)
 	delete(g.inflight, id)
 	delete(g.engine, id)
+	delete(g.lastRank, id)
+	for rid, t := range g.pending {
+		if t.worker == id {
+			g.untrackLocked(rid)
+		}
+	}
 	g.mu.Unlock()
 	if err := g.mon.Remove(id); err != nil {
 		return fmt.Errorf("gateway: %w", err)
@@ -289,13 +325,21 @@ func (g *Gateway) Run(ctx context.Context) error {
 	for _, m := range g.models {
 		g.startIndex(m)
 	}
+	g.wg.Add(1)
+	go func() {
+		defer g.wg.Done()
+		g.runExpiry(ctx)
+	}()
 	g.mu.Unlock()
 	err := g.mon.Run(ctx)
 	g.wg.Wait()
 	return err
 }
 
-// Route picks the worker for req.
+// Route picks the worker for req. A tracked request is chosen and counted
+// in one step under the gateway's lock, so a burst of concurrent tracked
+// routes sees each other's load (as SMG selects and credits atomically);
+// the prefix lookup stays outside it.
 func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	start := time.Now()
 	name := req.Model
@@ -313,41 +357,105 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		return Decision{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
 	}
 	// m.list is replaced, never modified in place, so it may be read
-	// after the lock is released. Workers with nothing in flight need no
-	// entry: the picker reads a missing one as 0.
+	// after the lock is released.
 	eligible := m.list
-	var loads picker.Loads // nil until a worker has something in flight
-	for _, w := range eligible {
-		if n := g.inflight[w]; n > 0 {
-			if loads == nil {
-				loads = make(picker.Loads)
-			}
-			loads[w] = n
-		}
+	var loads picker.Loads
+	var engine map[string]picker.EngineSignal
+	if !req.Track {
+		loads, engine = g.loadsLocked(eligible)
 	}
 	g.mu.Unlock()
 	if len(eligible) == 0 {
 		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
 	}
 
+	blockSize := m.ix.BlockSize()
 	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
-	d, err := g.picker.Pick(picker.Request{Eligible: eligible}, matches, loads)
+	pick := func() (picker.Decision, error) {
+		return g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, matches, loads)
+	}
+	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
+	var d picker.Decision
+	var err error
+	if req.Track {
+		g.mu.Lock()
+		loads, engine = g.loadsLocked(eligible)
+		d, err = pick()
+		// The worker may have been removed since the list was read; its
+		// requests are no longer counted, so neither is this one.
+		if _, ok := g.workerOf[d.Worker]; err == nil && ok {
+			id := g.trackLocked(d.Worker, g.now())
+			out.RequestID = id
+			out.Done = func() { _ = g.Complete(id) }
+		}
+		g.mu.Unlock()
+	} else {
+		d, err = pick()
+	}
 	if errors.Is(err, picker.ErrNoWorkers) {
 		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
 	}
 	if err != nil {
 		return Decision{}, fmt.Errorf("gateway: %w", err)
 	}
+	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
 	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
-	return Decision{
-		Worker:        d.Worker,
-		Model:         name,
-		Reason:        d.Reason,
-		MatchedBlocks: d.Matched,
-		BlockSize:     m.ix.BlockSize(),
-		RequestBlocks: matches.RequestBlocks,
-	}, nil
+	g.logDecision(name, d, loads, engine)
+	return out, nil
+}
+
+// loadsLocked reads what the picker weighs for the eligible workers: their
+// in-flight counts (workers with none need no entry: the picker reads a
+// missing one as 0; nil when nobody has any) and, when a knob reads them,
+// their engines' signals. g.mu is held.
+func (g *Gateway) loadsLocked(eligible []string) (picker.Loads, map[string]picker.EngineSignal) {
+	var loads picker.Loads
+	for _, w := range eligible {
+		if n := g.inflightLocked(w); n > 0 {
+			if loads == nil {
+				loads = make(picker.Loads)
+			}
+			loads[w] = n
+		}
+	}
+	var engine map[string]picker.EngineSignal
+	if g.picker.UsesEngineLoad() {
+		engine = g.engineSignalsLocked(eligible, g.now())
+	}
+	return loads, engine
+}
+
+// logDecision writes SMG's per-decision debug line: the branch and what
+// decided it.
+func (g *Gateway) logDecision(model string, d picker.Decision, loads picker.Loads, engine map[string]picker.EngineSignal) {
+	if !g.log.Enabled(context.Background(), slog.LevelDebug) {
+		return
+	}
+	attrs := []slog.Attr{
+		slog.String("model", model),
+		slog.String("worker", d.Worker),
+		slog.String("branch", string(d.Reason)),
+		slog.Int("matched_blocks", d.Blocks),
+		slog.Int("best_blocks", d.Best),
+		slog.Int("request_blocks", d.RequestBlocks),
+		slog.Int("candidates", len(d.Matched)),
+		slog.Float64("score", d.Score),
+		slog.Int("inflight", loads[d.Worker]),
+		slog.Float64("mean_inflight", d.MeanLoad),
+	}
+	if s, ok := engine[d.Worker]; ok {
+		if s.HasBacklog {
+			attrs = append(attrs, slog.Int("waiting_prefill_tokens", s.Backlog))
+		}
+		if s.HasTokenUsage {
+			attrs = append(attrs, slog.Float64("token_usage", s.TokenUsage))
+		}
+	}
+	if d.Reason == picker.ReasonKVPressure {
+		attrs = append(attrs, slog.Float64("hottest_token_usage", d.HottestUsage), slog.Float64("coolest_token_usage", d.CoolestUsage))
+	}
+	g.log.LogAttrs(context.Background(), slog.LevelDebug, "route decision", attrs...)
 }
 
 // ReportLoad records the worker's in-flight requests (negative counts as 0).
@@ -385,10 +493,18 @@ func (g *Gateway) Workers() []WorkerStatus {
 	}
 	out := make([]WorkerStatus, 0, len(sts))
 	for _, st := range sts {
-		ws := WorkerStatus{WorkerStatus: st, Inflight: g.inflight[st.ID]}
+		ws := WorkerStatus{
+			WorkerStatus: st, Inflight: g.inflightLocked(st.ID),
+			Reported: g.inflight[st.ID], Routed: g.routed[st.ID],
+		}
 		ws.IndexBlocks = stats[st.Model].Workers[st.ID].Blocks
-		if l, ok := g.engine[st.ID]; ok {
+		if ranks := g.engine[st.ID]; len(ranks) > 0 {
+			l := ranks[g.lastRank[st.ID]]
 			ws.EngineLoad = &l
+			for _, r := range ranks {
+				ws.EngineRanks = append(ws.EngineRanks, r)
+			}
+			sort.Slice(ws.EngineRanks, func(i, j int) bool { return ws.EngineRanks[i].Rank < ws.EngineRanks[j].Rank })
 		}
 		out = append(out, ws)
 	}
@@ -406,21 +522,6 @@ func (g *Gateway) Models() []string {
 	}
 	sort.Strings(out)
 	return out
-}
-
-func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if _, ok := g.workerOf[worker]; !ok {
-		return
-	}
-	g.engine[worker] = EngineLoad{
-		Rank:            rank,
-		RunningRequests: l.GetRunningRequests(),
-		WaitingRequests: l.GetWaitingRequests(),
-		TokenUsage:      l.GetTokenUsage(),
-		At:              time.Now(),
-	}
 }
 
 func (g *Gateway) onBlockSize(name string, n int) {

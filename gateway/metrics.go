@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"fmt"
+	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -9,26 +10,31 @@ import (
 )
 
 type gatewayMetrics struct {
-	routes       *prometheus.CounterVec // model, reason
-	routeSeconds prometheus.Histogram
+	routes          *prometheus.CounterVec // model, reason
+	routeSeconds    prometheus.Histogram
+	inflightExpired prometheus.Counter
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
 	m := &gatewayMetrics{
 		routes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_route_decisions_total",
-			Help: "Routing decisions, by model and reason (event_hit, event_spill, no_overlap).",
+			Help: "Routing decisions, by model and reason (event_hit, event_spill, no_overlap, kv_pressure).",
 		}, []string{"model", "reason"}),
 		routeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_route_seconds",
 			Help:    "Time to route one request: prefix lookup and choice.",
 			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 10),
 		}),
+		inflightExpired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_inflight_expired_total",
+			Help: "Tracked requests that stopped counting as in flight because nobody completed them within the timeout.",
+		}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, indexCollector{g}} {
+	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, indexCollector{g}} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("gateway metrics: %w", err)
 		}
@@ -50,7 +56,11 @@ var (
 	indexMemoryDesc = prometheus.NewDesc("kvrelay_gateway_index_memory_bytes",
 		"Estimated size of the model's index tables.", []string{"model"}, nil)
 	inflightDesc = prometheus.NewDesc("kvrelay_gateway_inflight_requests",
-		"Last reported in-flight requests per worker.", []string{"worker"}, nil)
+		"In-flight requests per worker as the picker counts them: the larger of the last client report and the tracked requests routed and not completed.", []string{"worker"}, nil)
+	cacheHitRateDesc = prometheus.NewDesc("kvrelay_gateway_engine_cache_hit_rate",
+		"The engine's own prefix-cache hit rate, from its last load record that carried one.", []string{"model", "worker", "rank"}, nil)
+	blockSizeDesc = prometheus.NewDesc("kvrelay_gateway_block_size",
+		"Block size (tokens) learned from the model's KV events; absent until one is seen.", []string{"model"}, nil)
 )
 
 func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -59,6 +69,8 @@ func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- indexMembershipsDesc
 	ch <- indexMemoryDesc
 	ch <- inflightDesc
+	ch <- cacheHitRateDesc
+	ch <- blockSizeDesc
 }
 
 func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
@@ -69,10 +81,28 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		ixs[name] = m.ix
 	}
 	inflight := make(map[string]int, len(g.workerOf))
-	for w := range g.workerOf {
-		inflight[w] = g.inflight[w]
+	type hitRate struct {
+		model, worker, rank string
+		rate                float64
+	}
+	var hitRates []hitRate
+	for w, model := range g.workerOf {
+		inflight[w] = g.inflightLocked(w)
+		for rank, l := range g.engine[w] {
+			if l.CacheHitRate != nil {
+				hitRates = append(hitRates, hitRate{model, w, strconv.Itoa(int(rank)), *l.CacheHitRate})
+			}
+		}
 	}
 	g.mu.Unlock()
+	for _, h := range hitRates {
+		ch <- prometheus.MustNewConstMetric(cacheHitRateDesc, prometheus.GaugeValue, h.rate, h.model, h.worker, h.rank)
+	}
+	for name := range ixs {
+		if n := g.mon.BlockSize(name); n > 0 {
+			ch <- prometheus.MustNewConstMetric(blockSizeDesc, prometheus.GaugeValue, float64(n), name)
+		}
+	}
 	for name, ix := range ixs {
 		st := ix.Stats()
 		ch <- prometheus.MustNewConstMetric(indexEntriesDesc, prometheus.GaugeValue, float64(st.Entries), name)

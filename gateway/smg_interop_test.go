@@ -28,11 +28,12 @@ type pyRelay struct {
 	stderr strings.Builder
 }
 
-func startPyRelay(t *testing.T, endpoint, replay string, dp, port int) *pyRelay {
+func startPyRelay(t *testing.T, endpoint, replay string, dp, port int, extra ...string) *pyRelay {
 	t.Helper()
-	cmd := pyenv.Command(t, pyenv.Script("smg", "py_relay_server.py"),
+	args := append([]string{pyenv.Script("smg", "py_relay_server.py"),
 		"--engine", "vllm", "--endpoint", endpoint, "--replay-endpoint", replay,
-		"--dp-size", strconv.Itoa(dp), "--port", strconv.Itoa(port))
+		"--dp-size", strconv.Itoa(dp), "--port", strconv.Itoa(port)}, extra...)
+	cmd := pyenv.Command(t, args[0], args[1:]...)
 	p := &pyRelay{cmd: cmd}
 	cmd.Stderr = writerFunc(func(b []byte) (int, error) {
 		p.mu.Lock()

@@ -23,7 +23,7 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	out := fs.String("out", "bench-out", "directory for results.json, results.md, PNG plots and CPU profiles")
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
 	python := fs.String("python", "", "interpreter with pyzmq, msgspec and the SMG packages (default: $KVRELAY_PYTHON or <repo>/.venv/bin/python)")
-	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route (default: all)")
+	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy (default: all)")
 	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as `kvrelay serve` (then its CPU and RSS are not reported)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -39,10 +39,10 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	if *only != "" {
 		for _, p := range strings.Split(*only, ",") {
 			switch p = strings.TrimSpace(p); p {
-			case "sidebyside", "scale", "route":
+			case "sidebyside", "scale", "route", "policy":
 				opts.Parts = append(opts.Parts, p)
 			default:
-				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale or route)\n", p)
+				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale, route or policy)\n", p)
 				return 2
 			}
 		}

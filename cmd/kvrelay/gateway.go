@@ -95,7 +95,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	fs.SetOutput(stderr)
 	var workers workerFlags
 	fs.Var(&workers, "worker", "a worker: grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed] (repeat per worker; model defaults to \"default\", service to vllm)")
-	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address for /v1/route, /v1/load, /v1/workers and /metrics")
+	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address for /v1/route, /v1/done, /v1/load, /v1/workers and /metrics")
 	deadline := fs.Duration("subscribe-deadline", monitor.DefaultSubscribeDeadline, "abandon a subscribe call the worker does not answer within this")
 	maxBackoff := fs.Duration("max-backoff", monitor.DefaultMaxBackoff, "reconnect backoff cap (it starts at 100ms)")
 	blockSize := fs.Int("block-size", 0, "request block size; 0 learns it from the workers' events (16 until then)")
@@ -104,6 +104,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	spillAbs := fs.Float64("spill-abs-threshold", picker.DefaultAbsThreshold, "a holder spills above mean+this in-flight requests (and the relative threshold)")
 	spillRel := fs.Float64("spill-rel-threshold", picker.DefaultRelThreshold, "a holder spills above mean×this in-flight requests (and the absolute threshold)")
 	temperature := fs.Float64("selection-temperature", 0, "0 picks the deepest overlap; >0 draws among overlap depths")
+	overlapDecay := fs.Float64("overlap-decay", 0, "de-rank a holder by its engine's waiting-prefill backlog: overlap ÷ (1 + this × backlog in request lengths); 0: off")
+	overloadUsage := fs.Float64("overload-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while the hottest engine's KV token usage is above this (1.0: off)")
+	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
+	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var workerTLS tlsconfig.Client
@@ -137,6 +141,14 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--spill-rel-threshold must be ≥ 0, got %v", *spillRel)
 	case !(*temperature >= 0) || math.IsInf(*temperature, 0):
 		return fail("--selection-temperature must be finite and ≥ 0, got %v", *temperature)
+	case !(*overlapDecay >= 0) || math.IsInf(*overlapDecay, 0):
+		return fail("--overlap-decay must be finite and ≥ 0, got %v", *overlapDecay)
+	case !(*overloadUsage > 0 && *overloadUsage <= 1):
+		return fail("--overload-token-usage-threshold must be in (0, 1], got %v", *overloadUsage)
+	case !(*balanceUsage > 0 && *balanceUsage <= 1):
+		return fail("--balance-token-usage-threshold must be in (0, 1], got %v", *balanceUsage)
+	case *inflightTimeout <= 0:
+		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
 	}
 	log, err := newLogger(stderr, *logLevel, *logFormat)
 	if err != nil {
@@ -173,9 +185,11 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax},
 		Picker: picker.Config{
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
+			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
-		Registerer: reg,
-		Logger:     log,
+		InflightTimeout: *inflightTimeout,
+		Registerer:      reg,
+		Logger:          log,
 	})
 	if err != nil {
 		// The flags above are checked; what is left is the worker list
@@ -250,6 +264,9 @@ type routeRequest struct {
 	LoraName  string          `json:"lora_name"`
 	CacheSalt string          `json:"cache_salt"`
 	Loads     map[string]*int `json:"loads"`
+	// Track counts the request in its worker's in-flight load until POST
+	// /v1/done names its request_id.
+	Track bool `json:"track"`
 }
 
 type routeResponse struct {
@@ -259,6 +276,12 @@ type routeResponse struct {
 	MatchedBlocks map[string]int `json:"matched_blocks"`
 	BlockSize     int            `json:"block_size"`
 	RequestBlocks int            `json:"request_blocks"`
+	RequestID     uint64         `json:"request_id,omitempty"`
+}
+
+// doneRequest is the /v1/done body: {"request_id": N} from a tracked route.
+type doneRequest struct {
+	RequestID *uint64 `json:"request_id"`
 }
 
 // loadRequest is the /v1/load body: {"loads": {"worker": inflight, ...}}.
@@ -285,6 +308,7 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 		}
 		d, err := g.Route(gateway.RouteRequest{
 			Model: req.Model, TokenIDs: *req.TokenIDs, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
+			Track: req.Track,
 		})
 		switch {
 		case errors.Is(err, gateway.ErrUnknownWorker):
@@ -303,8 +327,24 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 		}
 		writeJSON(w, http.StatusOK, routeResponse{
 			Worker: d.Worker, Model: d.Model, Reason: string(d.Reason), MatchedBlocks: d.MatchedBlocks,
-			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks,
+			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks, RequestID: d.RequestID,
 		})
+	})
+	mux.HandleFunc("POST /v1/done", func(w http.ResponseWriter, r *http.Request) {
+		var req doneRequest
+		if err := decodeBody(w, r, &req); err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		if req.RequestID == nil {
+			writeError(w, http.StatusBadRequest, `"request_id" is required (from a /v1/route answer with "track": true)`)
+			return
+		}
+		if err := g.Complete(*req.RequestID); err != nil {
+			writeError(w, http.StatusNotFound, err.Error())
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]bool{"completed": true})
 	})
 	mux.HandleFunc("POST /v1/load", func(w http.ResponseWriter, r *http.Request) {
 		var req loadRequest

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -124,6 +125,11 @@ func TestGatewayBadFlags(t *testing.T) {
 		{[]string{"--worker", "grpc://a:1", "--block-size", "-1"}, "--block-size"},
 		{[]string{"--worker", "grpc://a:1", "--spill-rel-threshold", "NaN"}, "--spill-rel-threshold"},
 		{[]string{"--worker", "grpc://a:1", "--selection-temperature", "-1"}, "--selection-temperature"},
+		{[]string{"--worker", "grpc://a:1", "--overlap-decay", "-1"}, "--overlap-decay"},
+		{[]string{"--worker", "grpc://a:1", "--overlap-decay", "+Inf"}, "--overlap-decay"},
+		{[]string{"--worker", "grpc://a:1", "--overload-token-usage-threshold", "1.5"}, "--overload-token-usage-threshold"},
+		{[]string{"--worker", "grpc://a:1", "--balance-token-usage-threshold", "0"}, "--balance-token-usage-threshold"},
+		{[]string{"--worker", "grpc://a:1", "--inflight-timeout", "0s"}, "--inflight-timeout"},
 		{[]string{"--worker", "grpc://a:1", "--log-level", "loud"}, "--log-level"},
 		{[]string{"--worker", "grpc://a:1", "--listen", "nonsense"}, "--listen"},
 		{[]string{"--worker", "grpc://a:1", "extra"}, "unexpected argument"},
@@ -320,6 +326,56 @@ func TestGatewayHTTP(t *testing.T) {
 	code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`)
 	if code != http.StatusServiceUnavailable {
 		t.Errorf("no workers: %d %v", code, out)
+	}
+}
+
+// TestGatewayHTTPTracked: a tracked route counts in its worker's in-flight
+// load until POST /v1/done names it.
+func TestGatewayHTTPTracked(t *testing.T) {
+	verifyNoLeaks(t)
+	r := newHTTPRig(t)
+	routed := func() map[string]int {
+		out := map[string]int{}
+		for _, w := range r.g.Workers() {
+			out[w.ID] = w.Routed
+		}
+		return out
+	}
+	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3],"track":true}`)
+	id, _ := out["request_id"].(float64)
+	if code != http.StatusOK || id == 0 {
+		t.Fatalf("tracked route: %d %v", code, out)
+	}
+	worker, _ := out["worker"].(string)
+	if got := routed(); got[worker] != 1 {
+		t.Errorf("routed in flight %v after a tracked route to %s", got, worker)
+	}
+	if _, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`); out["request_id"] != nil {
+		t.Errorf("untracked route answered with an id: %v", out)
+	}
+	done := fmt.Sprintf(`{"request_id":%d}`, uint64(id))
+	if code, out := post(t, r.srv.URL+"/v1/done", done); code != http.StatusOK || out["completed"] != true {
+		t.Errorf("done: %d %v", code, out)
+	}
+	if got := routed(); got[worker] != 0 {
+		t.Errorf("routed in flight %v after done", got)
+	}
+	bad := []struct {
+		body string
+		code int
+		want string
+	}{
+		{done, http.StatusNotFound, "unknown or completed request"},
+		{`{}`, http.StatusBadRequest, "request_id"},
+		{`{"request_id":-1}`, http.StatusBadRequest, "bad JSON"},
+		{`{"request_id":"7"}`, http.StatusBadRequest, "bad JSON"},
+	}
+	for _, tt := range bad {
+		code, out := post(t, r.srv.URL+"/v1/done", tt.body)
+		msg, _ := out["error"].(string)
+		if code != tt.code || !strings.Contains(msg, tt.want) {
+			t.Errorf("/v1/done %s: %d %q, want %d mentioning %q", tt.body, code, msg, tt.code, tt.want)
+		}
 	}
 }
 

@@ -47,10 +47,14 @@ func refPick(p *Picker, req Request, m index.Matches, loads Loads) (Decision, er
 		return d, nil
 	}
 	d.Best = cands[0].Blocks
-	score := p.groupScore(cands)
+	depths := make([]float64, len(cands))
+	for i, c := range cands {
+		depths[i] = float64(c.Blocks)
+	}
+	score := p.groupScore(depths)
 	var group []string
 	for _, c := range cands {
-		if c.Blocks == score && !trips(c.Worker) {
+		if float64(c.Blocks) == score && !trips(c.Worker) {
 			group = append(group, c.Worker)
 		}
 	}
@@ -69,6 +73,7 @@ func refPick(p *Picker, req Request, m index.Matches, loads Loads) (Decision, er
 		d.Worker = leastLoaded(pool, loads)
 	}
 	d.Blocks = d.Matched[d.Worker]
+	d.Score = float64(d.Blocks)
 	d.Reason = ReasonHit
 	if d.Blocks == 0 {
 		d.Reason = ReasonSpill

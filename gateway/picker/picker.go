@@ -13,7 +13,27 @@
 //     ties go to the lexically smallest worker name, so decisions are
 //     reproducible.
 //
-// Every Decision carries its reason: event_hit, event_spill or no_overlap.
+// Two signals from the engines' own load records (Request.Engine) refine it,
+// both off by default as in SMG:
+//
+//   - overlap decay (SMG --overlap-decay): a candidate's overlap counts as
+//     raw ÷ (1 + decay·x), x = ((backlog − least backlog) ÷ block size) ÷
+//     request blocks, where backlog is the prompt tokens waiting for prefill
+//     that the worker's cache does not hold. A holder with a deep prefill
+//     queue loses to a slightly shallower one that can start now;
+//   - KV pressure (SMG --overload-token-usage-threshold and
+//     --balance-token-usage-threshold): when the hottest eligible engine's KV
+//     token usage is above the overload level, or hottest − coldest is above
+//     the balance level, cache affinity is suspended for the request and the
+//     least-loaded worker wins (reason kv_pressure): routing more prefixes to
+//     a full cache only evicts what it holds.
+//
+// Overlaps come in as index.Matches whatever produced them, so another
+// source of overlaps (an approximate tree of the gateway's own decisions)
+// feeds the same choice.
+//
+// Every Decision carries its reason: event_hit, event_spill, no_overlap or
+// kv_pressure.
 package picker
 
 import (
@@ -41,6 +61,9 @@ const (
 	ReasonSpill Reason = "event_spill"
 	// ReasonNoOverlap: no eligible worker holds the request's first block.
 	ReasonNoOverlap Reason = "no_overlap"
+	// ReasonKVPressure: a KV token-usage threshold suspended cache affinity
+	// and the least-loaded worker was chosen.
+	ReasonKVPressure Reason = "kv_pressure"
 )
 
 // SMG CLI defaults (--balance-abs-threshold, --balance-rel-threshold).
@@ -48,6 +71,10 @@ const (
 	DefaultAbsThreshold = 64
 	DefaultRelThreshold = 1.5
 )
+
+// DefaultBlockSize is the block size overlap decay assumes when the request
+// does not say (SMG's --block-size default).
+const DefaultBlockSize = 16
 
 // Config tunes the picker. Zero thresholds take SMG's CLI defaults; to turn
 // the spill gate off, set either to +Inf.
@@ -62,7 +89,23 @@ type Config struct {
 	// Rand drives the temperature draw; nil = a generator seeded from the
 	// runtime. Inject a seeded one for reproducible tests.
 	Rand *rand.Rand
+	// OverlapDecay de-ranks a candidate by its waiting-prefill backlog
+	// (SMG --overlap-decay); 0 = off. Finite, ≥ 0.
+	OverlapDecay float64
+	// OverloadTokenUsage suspends affinity when the hottest eligible
+	// engine's KV token usage is above it (SMG
+	// --overload-token-usage-threshold); 0 takes SMG's default, 1.0, which
+	// never fires (usage is at most 1).
+	OverloadTokenUsage float64
+	// BalanceTokenUsage suspends affinity when the eligible engines' KV
+	// token usages spread by more than it, hottest − coldest (SMG
+	// --balance-token-usage-threshold); 0 takes 1.0, off.
+	BalanceTokenUsage float64
 }
+
+// DefaultTokenUsageThreshold is SMG's default for both KV-pressure
+// thresholds: 1.0, which usage never exceeds, so the gate is off.
+const DefaultTokenUsageThreshold = 1.0
 
 // Picker is safe for concurrent use.
 type Picker struct {
@@ -81,9 +124,23 @@ func New(cfg Config) (*Picker, error) {
 	if cfg.RelThreshold == 0 {
 		cfg.RelThreshold = DefaultRelThreshold
 	}
+	if cfg.OverloadTokenUsage == 0 {
+		cfg.OverloadTokenUsage = DefaultTokenUsageThreshold
+	}
+	if cfg.BalanceTokenUsage == 0 {
+		cfg.BalanceTokenUsage = DefaultTokenUsageThreshold
+	}
 	for name, v := range map[string]float64{"abs threshold": cfg.AbsThreshold, "rel threshold": cfg.RelThreshold} {
 		if math.IsNaN(v) || v < 0 {
 			return nil, fmt.Errorf("picker: %s must be ≥ 0, got %v", name, v)
+		}
+	}
+	if math.IsNaN(cfg.OverlapDecay) || math.IsInf(cfg.OverlapDecay, 0) || cfg.OverlapDecay < 0 {
+		return nil, fmt.Errorf("picker: overlap decay must be finite and ≥ 0, got %v", cfg.OverlapDecay)
+	}
+	for name, v := range map[string]float64{"overload token usage threshold": cfg.OverloadTokenUsage, "balance token usage threshold": cfg.BalanceTokenUsage} {
+		if math.IsNaN(v) || v < 0 || v > 1 {
+			return nil, fmt.Errorf("picker: %s must be in (0, 1], got %v", name, v)
 		}
 	}
 	if math.IsNaN(cfg.Temperature) || math.IsInf(cfg.Temperature, 0) || cfg.Temperature < 0 {
@@ -95,11 +152,39 @@ func New(cfg Config) (*Picker, error) {
 	return &Picker{cfg: cfg}, nil
 }
 
+// UsesEngineLoad reports whether any knob reads Request.Engine (overlap
+// decay or a KV-pressure threshold below 1), so a caller may skip building
+// it when none does.
+func (p *Picker) UsesEngineLoad() bool {
+	return p.cfg.OverlapDecay > 0 || p.cfg.OverloadTokenUsage < 1 || p.cfg.BalanceTokenUsage < 1
+}
+
 // Request is what the picker needs to know about a request beyond its overlaps.
 type Request struct {
 	// Eligible lists the workers that may serve it (healthy, serving the
 	// model). Overlaps of other workers are ignored.
 	Eligible []string
+	// BlockSize is the token count of one block of the request (overlap
+	// decay converts token backlogs into blocks); 0 = DefaultBlockSize.
+	BlockSize int
+	// Engine holds what the workers' engines last reported about
+	// themselves; a worker without an entry is never decayed and does not
+	// count towards the KV-pressure gate.
+	Engine map[string]EngineSignal
+}
+
+// EngineSignal is one worker's load as its engine reports it on the event
+// stream (EngineLoad), summed or maxed over its DP ranks.
+type EngineSignal struct {
+	// Backlog is the prompt tokens waiting for prefill that the cache does
+	// not hold; valid when HasBacklog (engines that do not report it leave
+	// it unknown, which is not 0).
+	Backlog    int
+	HasBacklog bool
+	// TokenUsage is the KV cache's token usage in [0, 1]; valid when
+	// HasTokenUsage.
+	TokenUsage    float64
+	HasTokenUsage bool
 }
 
 // Loads maps a worker to its in-flight requests; a missing worker has none.
@@ -116,6 +201,12 @@ type Decision struct {
 	Blocks, Best, RequestBlocks int
 	// MeanLoad is the fleet's mean in-flight requests the gate compared with.
 	MeanLoad float64
+	// Score is the chosen worker's overlap after decay (= Blocks without).
+	Score float64
+	// HottestUsage and CoolestUsage are the eligible engines' KV token
+	// usage extremes, read when a request has overlaps (0 when no engine
+	// reported its usage).
+	HottestUsage, CoolestUsage float64
 }
 
 // Pick chooses a worker. It fails only when req has no eligible worker.
@@ -167,17 +258,25 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonNoOverlap
 		return d, nil
 	}
+	d.Best = cands[0].Blocks
+	if p.underPressure(req.Engine, eligible, &d) {
+		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonKVPressure
+		d.Blocks = d.Matched[d.Worker]
+		d.Score = float64(d.Blocks)
+		return d, nil
+	}
+	scores := p.decayed(cands, req, m.RequestBlocks)
 	trips := func(w string) bool {
 		l := float64(max(loads[w], 0))
 		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
 	}
-	d.Best = cands[0].Blocks
-	score := p.groupScore(cands)
-	// The least-loaded untripped holder at the chosen depth, ties to the
-	// first name; cands at one depth are in name order.
+	score := p.groupScore(scores)
+	// The least-loaded untripped holder at the chosen score, ties to the
+	// first name; cands at one depth are in name order, and decay only
+	// reorders across depths if it changes scores.
 	found := false
-	for _, c := range cands {
-		if c.Blocks != score || trips(c.Worker) {
+	for i, c := range cands {
+		if scores[i] != score || trips(c.Worker) {
 			continue
 		}
 		if !found || max(loads[c.Worker], 0) < max(loads[d.Worker], 0) {
@@ -200,6 +299,12 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		}
 	}
 	d.Blocks = d.Matched[d.Worker]
+	d.Score = float64(d.Blocks)
+	for i, c := range cands {
+		if c.Worker == d.Worker {
+			d.Score = scores[i]
+		}
+	}
 	d.Reason = ReasonHit
 	if d.Blocks == 0 {
 		d.Reason = ReasonSpill
@@ -220,19 +325,81 @@ func contains(ws []string, w string) bool {
 	return ok
 }
 
-// groupScore is the overlap depth whose holders compete: the deepest at
+// underPressure reports whether a KV-pressure threshold suspends affinity,
+// recording the usage extremes in d. Only eligible workers whose engines
+// reported a usage count.
+func (p *Picker) underPressure(engine map[string]EngineSignal, eligible []string, d *Decision) bool {
+	seen := false
+	for w, s := range engine {
+		if !s.HasTokenUsage || !contains(eligible, w) {
+			continue
+		}
+		if !seen || s.TokenUsage > d.HottestUsage {
+			d.HottestUsage = s.TokenUsage
+		}
+		if !seen || s.TokenUsage < d.CoolestUsage {
+			d.CoolestUsage = s.TokenUsage
+		}
+		seen = true
+	}
+	if !seen {
+		return false
+	}
+	return d.HottestUsage > p.cfg.OverloadTokenUsage || d.HottestUsage-d.CoolestUsage > p.cfg.BalanceTokenUsage
+}
+
+// decayed returns each candidate's effective score: its overlap, divided by
+// 1 + decay·x where x is its backlog above the least candidate backlog, in
+// request lengths (blocks of backlog ÷ request blocks). Without decay, or
+// without backlog reports, the scores are the overlaps.
+func (p *Picker) decayed(cands []index.Match, req Request, requestBlocks int) []float64 {
+	scores := make([]float64, len(cands))
+	for i, c := range cands {
+		scores[i] = float64(c.Blocks)
+	}
+	if p.cfg.OverlapDecay == 0 || len(req.Engine) == 0 {
+		return scores
+	}
+	floor := -1
+	for _, c := range cands {
+		if s, ok := req.Engine[c.Worker]; ok && s.HasBacklog {
+			if b := max(s.Backlog, 0); floor < 0 || b < floor {
+				floor = b
+			}
+		}
+	}
+	if floor < 0 {
+		return scores
+	}
+	blockSize := req.BlockSize
+	if blockSize <= 0 {
+		blockSize = DefaultBlockSize
+	}
+	reqBlocks := float64(max(requestBlocks, 1))
+	for i, c := range cands {
+		s, ok := req.Engine[c.Worker]
+		if !ok || !s.HasBacklog {
+			continue
+		}
+		x := float64(max(s.Backlog, 0)-floor) / float64(blockSize) / reqBlocks
+		scores[i] /= 1 + p.cfg.OverlapDecay*x
+	}
+	return scores
+}
+
+// groupScore is the effective score whose holders compete: the highest at
 // temperature 0, else a draw weighting each candidate by
 // exp(((s − min)/range − 1)/T), uniform when all scores are equal.
-func (p *Picker) groupScore(cands []index.Match) int {
-	best, worst := cands[0].Blocks, cands[len(cands)-1].Blocks
+func (p *Picker) groupScore(scores []float64) float64 {
+	best, worst := slices.Max(scores), slices.Min(scores)
 	if p.cfg.Temperature == 0 || best == worst {
 		return best
 	}
-	span := float64(best - worst)
-	weights := make([]float64, len(cands))
+	span := best - worst
+	weights := make([]float64, len(scores))
 	var sum float64
-	for i, c := range cands {
-		weights[i] = math.Exp((float64(c.Blocks-worst)/span - 1) / p.cfg.Temperature)
+	for i, s := range scores {
+		weights[i] = math.Exp(((s-worst)/span - 1) / p.cfg.Temperature)
 		sum += weights[i]
 	}
 	p.mu.Lock()
@@ -240,11 +407,11 @@ func (p *Picker) groupScore(cands []index.Match) int {
 	p.mu.Unlock()
 	for i, w := range weights {
 		if u < w {
-			return cands[i].Blocks
+			return scores[i]
 		}
 		u -= w
 	}
-	return cands[len(cands)-1].Blocks
+	return scores[len(scores)-1]
 }
 
 // leastLoaded is the expected-wait choice with in-flight requests as the only

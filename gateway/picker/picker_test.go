@@ -213,3 +213,163 @@ func TestTemperature(t *testing.T) {
 		t.Errorf("equal scores: picked %s", d.Worker)
 	}
 }
+
+// TestPickEngineSignals: overlap decay and the KV-pressure thresholds act on
+// the engines' own load records.
+func TestPickEngineSignals(t *testing.T) {
+	all := []string{"a", "b", "c"}
+	deepA := matches(8, index.Match{Worker: "a", Blocks: 8}, index.Match{Worker: "b", Blocks: 6})
+	backlog := func(n int) EngineSignal { return EngineSignal{Backlog: n, HasBacklog: true} }
+	usage := func(u float64) EngineSignal { return EngineSignal{TokenUsage: u, HasTokenUsage: true} }
+	tests := []struct {
+		name       string
+		cfg        Config
+		blockSize  int
+		engine     map[string]EngineSignal
+		m          index.Matches
+		loads      Loads
+		want       string
+		wantReason Reason
+		wantScore  float64
+	}{
+		{
+			name: "decay off: the deepest holder wins whatever its backlog", m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(4096), "b": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			// x = (4096/16)/8 = 32: 8/33 < 6.
+			name: "a deep backlog loses to a shallower idle holder", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(4096), "b": backlog(0)},
+			want:   "b", wantReason: ReasonHit, wantScore: 6,
+		},
+		{
+			// x = (64/16)/8 = 0.5: 8/1.5 = 5.33 < 6.
+			name: "half a request of backlog outweighs two blocks", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(64), "b": backlog(0)},
+			want:   "b", wantReason: ReasonHit, wantScore: 6,
+		},
+		{
+			// x = (16/16)/8 = 0.125: 8/1.125 = 7.11 > 6.
+			name: "a small backlog keeps the deeper holder", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(16), "b": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8 / 1.125,
+		},
+		{
+			// The same 64 tokens are one block of 64: x = 1/8 as above.
+			name: "backlog counted in the request's block size", cfg: Config{OverlapDecay: 1}, m: deepA, blockSize: 64,
+			engine: map[string]EngineSignal{"a": backlog(64), "b": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8 / 1.125,
+		},
+		{
+			// Both queued: only the backlog above the least one counts.
+			name: "backlog measured from the least candidate backlog", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(1016), "b": backlog(1000)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8 / 1.125,
+		},
+		{
+			name: "a holder without a load record is never decayed", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"b": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "an unknown backlog is not a zero one", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": usage(0.5), "b": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "a non-candidate's backlog sets no floor", cfg: Config{OverlapDecay: 1}, m: deepA,
+			engine: map[string]EngineSignal{"a": backlog(4096), "b": backlog(4096), "c": backlog(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "default thresholds never fire", m: deepA,
+			engine: map[string]EngineSignal{"a": usage(1), "b": usage(0)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "hottest engine over the overload level: least loaded", cfg: Config{OverloadTokenUsage: 0.9}, m: deepA,
+			engine: map[string]EngineSignal{"a": usage(0.95), "b": usage(0.2), "c": usage(0.2)},
+			loads:  Loads{"a": 1, "b": 2}, want: "c", wantReason: ReasonKVPressure,
+		},
+		{
+			name: "exactly at the overload level: affinity kept", cfg: Config{OverloadTokenUsage: 0.9}, m: deepA,
+			engine: map[string]EngineSignal{"a": usage(0.9), "b": usage(0.9)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "spread over the balance level: least loaded (a holder may still win)", cfg: Config{BalanceTokenUsage: 0.3}, m: deepA,
+			engine: map[string]EngineSignal{"a": usage(0.5), "b": usage(0.1)},
+			loads:  Loads{"a": 3, "c": 1}, want: "b", wantReason: ReasonKVPressure, wantScore: 6,
+		},
+		{
+			name: "spread within the balance level: affinity kept", cfg: Config{BalanceTokenUsage: 0.3}, m: deepA,
+			engine: map[string]EngineSignal{"a": usage(0.5), "b": usage(0.25)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "an ineligible engine's usage does not count", cfg: Config{OverloadTokenUsage: 0.9}, m: deepA,
+			engine: map[string]EngineSignal{"z": usage(1), "a": usage(0.1)},
+			want:   "a", wantReason: ReasonHit, wantScore: 8,
+		},
+		{
+			name: "no overlap stays no_overlap under pressure", cfg: Config{OverloadTokenUsage: 0.5}, m: matches(8),
+			engine: map[string]EngineSignal{"a": usage(0.9)},
+			loads:  Loads{"a": 1, "b": 1}, want: "c", wantReason: ReasonNoOverlap,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := New(tc.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			d, err := p.Pick(Request{Eligible: all, BlockSize: tc.blockSize, Engine: tc.engine}, tc.m, tc.loads)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Worker != tc.want || d.Reason != tc.wantReason || math.Abs(d.Score-tc.wantScore) > 1e-9 {
+				t.Errorf("got %s/%s score %v, want %s/%s score %v", d.Worker, d.Reason, d.Score, tc.want, tc.wantReason, tc.wantScore)
+			}
+		})
+	}
+}
+
+func TestNewValidatesSignals(t *testing.T) {
+	for _, cfg := range []Config{
+		{OverlapDecay: -1}, {OverlapDecay: math.Inf(1)}, {OverlapDecay: math.NaN()},
+		{OverloadTokenUsage: 1.5}, {OverloadTokenUsage: -0.1}, {BalanceTokenUsage: math.NaN()},
+	} {
+		if _, err := New(cfg); err == nil {
+			t.Errorf("%+v accepted", cfg)
+		}
+	}
+	p, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.cfg.OverloadTokenUsage != 1 || p.cfg.BalanceTokenUsage != 1 || p.cfg.OverlapDecay != 0 {
+		t.Errorf("defaults %+v", p.cfg)
+	}
+}
+
+func TestUsesEngineLoad(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  Config
+		want bool
+	}{
+		{Config{}, false},
+		{Config{OverloadTokenUsage: 1, BalanceTokenUsage: 1}, false},
+		{Config{OverlapDecay: 0.1}, true},
+		{Config{OverloadTokenUsage: 0.9}, true},
+		{Config{BalanceTokenUsage: 0.9}, true},
+	} {
+		p, err := New(tc.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := p.UsesEngineLoad(); got != tc.want {
+			t.Errorf("%+v: %v", tc.cfg, got)
+		}
+	}
+}

@@ -7,6 +7,10 @@ SubscribeKvEvents under the engine's service name, and nothing else.
 
 Usage: py_relay_server.py --engine vllm|sglang|tokenspeed --endpoint tcp://127.0.0.1:P
        [--replay-endpoint tcp://127.0.0.1:R] [--dp-size N] [--topic T] [--port 0]
+       [--load-file PATH]
+--load-file installs a scripted load source, as a servicer installs its GetLoads
+figures: the file holds {"RANK": {EngineLoad fields}}, reread on every call, so
+a test changes the engine's load by replacing the file.
 Prints {"ready": true, "port": N} on stdout once it listens.
 """
 
@@ -39,6 +43,7 @@ async def main() -> int:
     ap.add_argument("--dp-size", type=int, default=1)
     ap.add_argument("--topic", default="")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--load-file", default=None)
     a = ap.parse_args()
     # The relay logs its subscriptions, replays and failures at INFO/WARNING;
     # tests read them on stderr when something goes wrong.
@@ -49,10 +54,23 @@ async def main() -> int:
     config = argparse.Namespace(endpoint=a.endpoint, replay_endpoint=a.replay_endpoint)
     sources = kv_relay.rank_sources(config, range(a.dp_size))
 
+    load_source = None
+    if a.load_file:
+        from smg_grpc_proto.generated import common_pb2
+
+        def load_source(rank):
+            try:
+                with open(a.load_file) as f:
+                    fields = json.load(f).get(str(rank or 0))
+            except (OSError, ValueError):
+                return None
+            return None if fields is None else common_pb2.EngineLoad(**fields)
+
     class Relay(base):
         async def SubscribeKvEvents(self, request, context):
             async for batch in kv_relay.relay(
-                sources, engine, request.start_sequence_number, context, topic=a.topic
+                sources, engine, request.start_sequence_number, context, topic=a.topic,
+                load_source=load_source,
             ):
                 yield batch
 

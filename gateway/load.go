@@ -1,0 +1,223 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// Load the picker sees comes from three places:
+//
+//   - the engines' own load records on the event stream (EngineLoad, one
+//     per DP rank): waiting-prefill backlog for overlap decay, KV token
+//     usage for the pressure thresholds, and the cache hit rate as a gauge;
+//   - the requests the gateway routed with RouteRequest.Track and that have
+//     not completed (Decision.Done, POST /v1/done), as SMG counts its own;
+//   - in-flight counts a client reports (ReportLoads, POST /v1/load).
+//
+// A worker's in-flight count is the larger of the last two: a client that
+// reports totals and also completes tracked requests is not counted twice,
+// and one that only does either is counted fully.
+
+// DefaultInflightTimeout is how long a tracked request counts as in flight
+// when nobody completes it (a client that crashed, a lost /v1/done).
+const DefaultInflightTimeout = 10 * time.Minute
+
+// engineLoadMaxAge is how old a rank's load record may be and still steer
+// the picker. Streams send one at least every 5 s while idle (SMG's
+// heartbeat backoff), so an older one means the stream is down and the
+// record says nothing about the engine now.
+const engineLoadMaxAge = 15 * time.Second
+
+// EngineLoad is the last load record a worker's DP rank pushed on its event
+// stream. Optional fields the engine did not report are nil.
+type EngineLoad struct {
+	Rank            int32   `json:"rank"`
+	RunningRequests uint32  `json:"running_requests"`
+	WaitingRequests uint32  `json:"waiting_requests"`
+	TokenUsage      float64 `json:"token_usage"`
+	// WaitingUncachedTokens is the prompt tokens queued for prefill that the
+	// cache does not hold (SGLang reports it).
+	WaitingUncachedTokens *uint32 `json:"waiting_uncached_tokens,omitempty"`
+	// PrefillPendingTokens is the prompt tokens handed to the engine with no
+	// output yet (SMG's SGLang servicer reports it instead).
+	PrefillPendingTokens *uint32 `json:"prefill_pending_tokens,omitempty"`
+	// CacheHitRate is the engine's own prefix-cache hit rate. Streams carry
+	// it only in their first record and in load-only ones, so the last value
+	// seen is kept.
+	CacheHitRate *float64  `json:"cache_hit_rate,omitempty"`
+	At           time.Time `json:"at"`
+}
+
+// tracked is a routed request not yet completed.
+type tracked struct {
+	worker  string
+	expires time.Time
+}
+
+func optionalU32(p *uint32) *uint32 {
+	if p == nil {
+		return nil
+	}
+	v := *p
+	return &v
+}
+
+func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.workerOf[worker]; !ok {
+		return
+	}
+	ranks := g.engine[worker]
+	if ranks == nil {
+		ranks = map[int32]EngineLoad{}
+		g.engine[worker] = ranks
+	}
+	rec := EngineLoad{
+		Rank:                  rank,
+		RunningRequests:       l.GetRunningRequests(),
+		WaitingRequests:       l.GetWaitingRequests(),
+		TokenUsage:            l.GetTokenUsage(),
+		WaitingUncachedTokens: optionalU32(l.WaitingUncachedTokens),
+		PrefillPendingTokens:  optionalU32(l.PrefillPendingTokens),
+		CacheHitRate:          ranks[rank].CacheHitRate,
+		At:                    g.now(),
+	}
+	if l.CacheHitRate != nil {
+		v := l.GetCacheHitRate()
+		rec.CacheHitRate = &v
+	}
+	ranks[rank] = rec
+	g.lastRank[worker] = rank
+}
+
+// engineSignalsLocked sums each eligible worker's fresh rank records into
+// what the picker reads; g.mu is held. nil when no worker has one.
+func (g *Gateway) engineSignalsLocked(eligible []string, now time.Time) map[string]picker.EngineSignal {
+	var out map[string]picker.EngineSignal
+	for _, w := range eligible {
+		ranks := g.engine[w]
+		if len(ranks) == 0 {
+			continue
+		}
+		var s picker.EngineSignal
+		uncached, pending, hasPending := 0, 0, false
+		fresh := false
+		for _, r := range ranks {
+			if now.Sub(r.At) > engineLoadMaxAge {
+				continue
+			}
+			fresh = true
+			if !s.HasTokenUsage || r.TokenUsage > s.TokenUsage {
+				s.TokenUsage, s.HasTokenUsage = r.TokenUsage, true
+			}
+			if r.WaitingUncachedTokens != nil {
+				uncached += int(*r.WaitingUncachedTokens)
+				s.HasBacklog = true
+			}
+			if r.PrefillPendingTokens != nil {
+				pending += int(*r.PrefillPendingTokens)
+				hasPending = true
+			}
+		}
+		if !fresh {
+			continue
+		}
+		// SMG decays by waiting uncached tokens; an engine that reports only
+		// the prompt tokens awaiting prefill gives an upper bound of the same
+		// backlog (cached tokens included), better than none.
+		switch {
+		case s.HasBacklog:
+			s.Backlog = uncached
+		case hasPending:
+			s.Backlog, s.HasBacklog = pending, true
+		}
+		if out == nil {
+			out = make(map[string]picker.EngineSignal)
+		}
+		out[w] = s
+	}
+	return out
+}
+
+// inflightLocked is the worker's in-flight count as the picker sees it.
+func (g *Gateway) inflightLocked(w string) int {
+	return max(g.inflight[w], g.routed[w])
+}
+
+// trackLocked counts a routed request until done or its timeout, returning
+// its id; g.mu is held.
+func (g *Gateway) trackLocked(worker string, now time.Time) uint64 {
+	g.nextID++
+	id := g.nextID
+	g.pending[id] = tracked{worker: worker, expires: now.Add(g.cfg.InflightTimeout)}
+	g.routed[worker]++
+	return id
+}
+
+// Complete ends a tracked request: its worker's in-flight count drops by
+// one. It fails with ErrUnknownRequest for an id never issued, already
+// completed or expired.
+func (g *Gateway) Complete(id uint64) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.untrackLocked(id) {
+		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	return nil
+}
+
+func (g *Gateway) untrackLocked(id uint64) bool {
+	t, ok := g.pending[id]
+	if !ok {
+		return false
+	}
+	delete(g.pending, id)
+	if g.routed[t.worker]--; g.routed[t.worker] <= 0 {
+		delete(g.routed, t.worker)
+	}
+	return true
+}
+
+// expireTracked ends the tracked requests whose timeout passed.
+func (g *Gateway) expireTracked() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	now := g.now()
+	var ids []uint64
+	for id, t := range g.pending {
+		if !now.Before(t.expires) {
+			ids = append(ids, id)
+		}
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	for _, id := range ids {
+		g.untrackLocked(id)
+	}
+	if len(ids) > 0 {
+		g.metrics.inflightExpired.Add(float64(len(ids)))
+		g.log.Warn("tracked requests expired without completion", "count", len(ids), "timeout", g.cfg.InflightTimeout)
+	}
+	return len(ids)
+}
+
+// runExpiry expires tracked requests until ctx ends, checking a few times
+// per timeout so none outlives it by more than a quarter.
+func (g *Gateway) runExpiry(ctx context.Context) {
+	every := min(max(g.cfg.InflightTimeout/4, 10*time.Millisecond), 30*time.Second)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			g.expireTracked()
+		}
+	}
+}

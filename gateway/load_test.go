@@ -1,0 +1,364 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// loadBatch is a load-only batch of rank carrying l.
+func loadBatch(rank int32, l *kvpb.EngineLoad) *kvpb.KvEventBatch {
+	l.LoadOnly = true
+	return &kvpb.KvEventBatch{DpRank: &rank, Load: l}
+}
+
+// twoHolders starts engines A and B, both streaming; A caches all of
+// prompt's 4 blocks and B its first 3. It returns once both are indexed.
+func twoHolders(t *testing.T, cfg Config, prompt []uint32) (g *Gateway, a, b *engineServer) {
+	t.Helper()
+	a, b = startEngine(t), startEngine(t)
+	cfg.Workers = []Worker{{ID: "A", Addr: a.addr, Service: monitor.ServiceVLLM}, {ID: "B", Addr: b.addr, Service: monitor.ServiceVLLM}}
+	g = runGateway(t, cfg)
+	a.batches <- storeBatch(1, 16, 100, prompt)
+	b.batches <- storeBatch(1, 16, 200, prompt[:48])
+	eventually(t, "both indexed", func() bool {
+		d, err := g.Route(RouteRequest{TokenIDs: prompt})
+		return err == nil && d.MatchedBlocks["A"] == 4 && d.MatchedBlocks["B"] == 3
+	})
+	return g, a, b
+}
+
+// waitLoad waits until the gateway holds worker's record matching ok.
+func waitLoad(t *testing.T, g *Gateway, worker string, ok func(EngineLoad) bool) {
+	t.Helper()
+	eventually(t, worker+"'s load record", func() bool {
+		for _, w := range g.Workers() {
+			if w.ID == worker && w.EngineLoad != nil && ok(*w.EngineLoad) {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestOverlapDecayFromTheStream: a waiting-prefill backlog reported on A's
+// event stream moves the request to B, which holds one block less.
+func TestOverlapDecayFromTheStream(t *testing.T) {
+	prompt := tokens(0, 64)
+	tests := []struct {
+		name   string
+		decay  float64
+		record *kvpb.EngineLoad
+		want   string
+	}{
+		{"decay off", 0, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(4096)}, "A"},
+		{"waiting uncached tokens", 1, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(4096)}, "B"},
+		{"a small backlog", 1, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(16)}, "A"},
+		{"prefill pending tokens when uncached is unknown", 1, &kvpb.EngineLoad{PrefillPendingTokens: proto.Uint32(4096)}, "B"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			g, a, b := twoHolders(t, Config{Picker: picker.Config{OverlapDecay: tc.decay}}, prompt)
+			if d, _ := g.Route(RouteRequest{TokenIDs: prompt}); d.Worker != "A" {
+				t.Fatalf("before any load record: %s", d.Worker)
+			}
+			b.batches <- loadBatch(0, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(0)})
+			a.batches <- loadBatch(0, tc.record)
+			waitLoad(t, g, "A", func(l EngineLoad) bool { return l.WaitingUncachedTokens != nil || l.PrefillPendingTokens != nil })
+			waitLoad(t, g, "B", func(EngineLoad) bool { return true })
+			d, err := g.Route(RouteRequest{TokenIDs: prompt})
+			if err != nil || d.Worker != tc.want || d.Reason != picker.ReasonHit {
+				t.Errorf("routed to %s (%s, %v), want %s", d.Worker, d.Reason, err, tc.want)
+			}
+		})
+	}
+}
+
+// TestBacklogSumsRanks: a worker's backlog is its ranks' together.
+func TestBacklogSumsRanks(t *testing.T) {
+	prompt := tokens(0, 64)
+	g, a, b := twoHolders(t, Config{Picker: picker.Config{OverlapDecay: 1}}, prompt)
+	b.batches <- loadBatch(0, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(0)})
+	// 8 + 8 tokens: x = 1/4 → 4/1.25 = 3.2 > 3, A keeps it; 32 + 32 would not.
+	a.batches <- loadBatch(0, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(8)})
+	a.batches <- loadBatch(1, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(8)})
+	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.Rank == 1 })
+	waitLoad(t, g, "B", func(EngineLoad) bool { return true })
+	if d, _ := g.Route(RouteRequest{TokenIDs: prompt}); d.Worker != "A" {
+		t.Errorf("16 tokens over two ranks: %s", d.Worker)
+	}
+	a.batches <- loadBatch(1, &kvpb.EngineLoad{WaitingUncachedTokens: proto.Uint32(56)})
+	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.WaitingUncachedTokens != nil && *l.WaitingUncachedTokens == 56 })
+	if d, _ := g.Route(RouteRequest{TokenIDs: prompt}); d.Worker != "B" {
+		t.Errorf("8 + 56 tokens over two ranks: %s", d.Worker)
+	}
+}
+
+// TestKVPressureFromTheStream: an engine's token usage over the overload
+// level suspends affinity; a stale record does not.
+func TestKVPressureFromTheStream(t *testing.T) {
+	prompt := tokens(0, 64)
+	g, a, b := twoHolders(t, Config{Picker: picker.Config{OverloadTokenUsage: 0.9}}, prompt)
+	if err := g.ReportLoad("A", 2); err != nil {
+		t.Fatal(err)
+	}
+	b.batches <- loadBatch(0, &kvpb.EngineLoad{TokenUsage: 0.3})
+	a.batches <- loadBatch(0, &kvpb.EngineLoad{TokenUsage: 0.95})
+	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.TokenUsage == 0.95 })
+	waitLoad(t, g, "B", func(EngineLoad) bool { return true })
+	d, err := g.Route(RouteRequest{TokenIDs: prompt})
+	if err != nil || d.Worker != "B" || d.Reason != picker.ReasonKVPressure {
+		t.Errorf("under pressure: %s/%s %v, want B/kv_pressure", d.Worker, d.Reason, err)
+	}
+	// The same record, older than a stream's heartbeats allow, is ignored.
+	g.mu.Lock()
+	g.now = func() time.Time { return time.Now().Add(engineLoadMaxAge + time.Second) }
+	g.mu.Unlock()
+	if d, _ := g.Route(RouteRequest{TokenIDs: prompt}); d.Worker != "A" || d.Reason != picker.ReasonHit {
+		t.Errorf("stale record: %s/%s, want A/event_hit", d.Worker, d.Reason)
+	}
+}
+
+// TestTrackedInflight: requests the gateway routed count as its workers'
+// load until done, and trip the spill gate on their own.
+func TestTrackedInflight(t *testing.T) {
+	prompt := tokens(0, 64)
+	g, _, _ := twoHolders(t, Config{Picker: picker.Config{AbsThreshold: 1, RelThreshold: 1}}, prompt)
+	var ds []Decision
+	for range 2 {
+		d, err := g.Route(RouteRequest{TokenIDs: prompt, Track: true})
+		if err != nil || d.Worker != "A" || d.RequestID == 0 {
+			t.Fatalf("tracked route: %+v %v", d, err)
+		}
+		ds = append(ds, d)
+	}
+	// A has 2 in flight, mean 1: 2 > 1 but not > 1 + 1. A third makes 3 > 2.5.
+	d, _ := g.Route(RouteRequest{TokenIDs: prompt, Track: true})
+	if d.Worker != "A" {
+		t.Fatalf("third: %s", d.Worker)
+	}
+	d4, _ := g.Route(RouteRequest{TokenIDs: prompt, Track: true})
+	if d4.Worker != "B" || d4.Reason != picker.ReasonHit {
+		t.Errorf("with 3 in flight on A: %s/%s, want B", d4.Worker, d4.Reason)
+	}
+	if st := workerStatus(t, g, "A"); st.Routed != 3 || st.Inflight != 3 {
+		t.Errorf("A status %+v", st)
+	}
+	// An untracked route counts nothing.
+	if u, _ := g.Route(RouteRequest{TokenIDs: prompt}); u.RequestID != 0 {
+		t.Errorf("untracked route has id %d", u.RequestID)
+	} else {
+		u.Done() // a no-op, not a nil func
+	}
+	ds[0].Done()
+	ds[0].Done() // twice: still one completion
+	if err := g.Complete(ds[1].RequestID); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Complete(ds[1].RequestID); !errors.Is(err, ErrUnknownRequest) {
+		t.Errorf("second Complete: %v", err)
+	}
+	if st := workerStatus(t, g, "A"); st.Routed != 1 {
+		t.Errorf("A routed %d after two completions, want 1", st.Routed)
+	}
+	// A client's report is the floor, not added: 2 reported, 1 routed → 2.
+	if err := g.ReportLoad("A", 2); err != nil {
+		t.Fatal(err)
+	}
+	if st := workerStatus(t, g, "A"); st.Inflight != 2 || st.Reported != 2 {
+		t.Errorf("A status %+v", st)
+	}
+	// Removing a worker forgets its tracked requests.
+	if err := g.RemoveWorker("B"); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Complete(d4.RequestID); !errors.Is(err, ErrUnknownRequest) {
+		t.Errorf("a removed worker's request: %v", err)
+	}
+}
+
+func TestTrackedInflightExpires(t *testing.T) {
+	e := startEngine(t)
+	reg := prometheus.NewRegistry()
+	g := runGateway(t, Config{Workers: []Worker{{ID: "A", Addr: e.addr}}, InflightTimeout: 50 * time.Millisecond, Registerer: reg})
+	d, err := g.Route(RouteRequest{TokenIDs: tokens(0, 16), Track: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the request to expire", func() bool { return workerStatus(t, g, "A").Routed == 0 })
+	if err := g.Complete(d.RequestID); !errors.Is(err, ErrUnknownRequest) {
+		t.Errorf("Complete after expiry: %v", err)
+	}
+	if n := testutil.ToFloat64(g.metrics.inflightExpired); n != 1 {
+		t.Errorf("expired counter %v", n)
+	}
+	if _, err := New(Config{InflightTimeout: -time.Second}); err == nil {
+		t.Error("negative timeout accepted")
+	}
+}
+
+// TestEngineGauges: the engines' cache hit rate per worker, model and rank,
+// kept across records that omit it, and the learned block size per model.
+func TestEngineGauges(t *testing.T) {
+	e := startEngine(t)
+	reg := prometheus.NewRegistry()
+	g := runGateway(t, Config{Workers: []Worker{{ID: "A", Addr: e.addr, Model: "llama"}}, Registerer: reg})
+	e.batches <- loadBatch(0, &kvpb.EngineLoad{CacheHitRate: proto.Float64(0.25)})
+	e.batches <- loadBatch(1, &kvpb.EngineLoad{CacheHitRate: proto.Float64(0.75)})
+	e.batches <- loadBatch(1, &kvpb.EngineLoad{RunningRequests: 3}) // no telemetry
+	e.batches <- storeBatch(1, 32, 1, tokens(0, 64))
+	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.Rank == 1 && l.RunningRequests == 3 })
+	eventually(t, "block size learned", func() bool { return workerStatus(t, g, "A").BlockSize == 32 })
+	want := `
+# HELP kvrelay_gateway_block_size Block size (tokens) learned from the model's KV events; absent until one is seen.
+# TYPE kvrelay_gateway_block_size gauge
+kvrelay_gateway_block_size{model="llama"} 32
+# HELP kvrelay_gateway_engine_cache_hit_rate The engine's own prefix-cache hit rate, from its last load record that carried one.
+# TYPE kvrelay_gateway_engine_cache_hit_rate gauge
+kvrelay_gateway_engine_cache_hit_rate{model="llama",rank="0",worker="A"} 0.25
+kvrelay_gateway_engine_cache_hit_rate{model="llama",rank="1",worker="A"} 0.75
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvrelay_gateway_block_size", "kvrelay_gateway_engine_cache_hit_rate"); err != nil {
+		t.Error(err)
+	}
+	if st := workerStatus(t, g, "A"); len(st.EngineRanks) != 2 || st.EngineRanks[0].Rank != 0 || st.EngineRanks[1].Rank != 1 {
+		t.Errorf("engine ranks %+v", st.EngineRanks)
+	}
+}
+
+// syncBuffer is a bytes.Buffer the logger and the test may share.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) lines() []map[string]any {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []map[string]any
+	for _, l := range strings.Split(strings.TrimSpace(s.b.String()), "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(l), &m) == nil && m["msg"] == "route decision" {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// TestDecisionLog: one debug line per decision names its branch.
+func TestDecisionLog(t *testing.T) {
+	prompt := tokens(0, 64)
+	var buf syncBuffer
+	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	g, a, b := twoHolders(t, Config{Logger: log, Picker: picker.Config{AbsThreshold: 1, RelThreshold: 1, BalanceTokenUsage: 0.5}}, prompt)
+	before := len(buf.lines())
+	route := func(req RouteRequest) {
+		t.Helper()
+		if _, err := g.Route(req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	route(RouteRequest{TokenIDs: prompt})                                        // event_hit on A
+	route(RouteRequest{TokenIDs: tokens(5000, 64)})                              // no_overlap
+	route(RouteRequest{TokenIDs: prompt, Loads: map[string]int{"A": 9, "B": 9}}) // both trip? mean 9: no spill, hit
+	route(RouteRequest{TokenIDs: tokens(0, 48), Loads: map[string]int{"A": 9, "B": 9}})
+	// Only A and B hold the prompt; with a third worker idle they both trip.
+	c := startEngine(t)
+	if err := g.AddWorker(Worker{ID: "C", Addr: c.addr}); err != nil {
+		t.Fatal(err)
+	}
+	route(RouteRequest{TokenIDs: prompt, Loads: map[string]int{"A": 9, "B": 9, "C": 0}}) // event_spill to C
+	a.batches <- loadBatch(0, &kvpb.EngineLoad{TokenUsage: 0.9})
+	b.batches <- loadBatch(0, &kvpb.EngineLoad{TokenUsage: 0.1})
+	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.TokenUsage == 0.9 })
+	waitLoad(t, g, "B", func(l EngineLoad) bool { return l.TokenUsage == 0.1 })
+	route(RouteRequest{TokenIDs: prompt, Loads: map[string]int{"A": 0, "B": 0, "C": 0}}) // kv_pressure
+	lines := buf.lines()[before:]
+	var branches []string
+	for _, l := range lines {
+		branches = append(branches, l["branch"].(string))
+	}
+	want := []string{"event_hit", "no_overlap", "event_hit", "event_hit", "event_spill", "kv_pressure"}
+	if strings.Join(branches, " ") != strings.Join(want, " ") {
+		t.Fatalf("branches %v, want %v", branches, want)
+	}
+	hit, spill, pressure := lines[0], lines[4], lines[5]
+	if hit["worker"] != "A" || hit["matched_blocks"] != float64(4) || hit["request_blocks"] != float64(4) || hit["candidates"] != float64(2) {
+		t.Errorf("hit line %v", hit)
+	}
+	if spill["worker"] != "C" || spill["best_blocks"] != float64(4) || spill["mean_inflight"] != float64(6) {
+		t.Errorf("spill line %v", spill)
+	}
+	if pressure["hottest_token_usage"] != 0.9 || pressure["coolest_token_usage"] != 0.1 {
+		t.Errorf("kv_pressure line %v", pressure)
+	}
+}
+
+// TestTrackedRoutesCreditAtomically: concurrent tracked routes each see the
+// ones chosen before them, so a burst on an empty index spreads evenly
+// instead of every route reading the same loads and picking the same worker.
+func TestTrackedRoutesCreditAtomically(t *testing.T) {
+	var workers []Worker
+	var engines []*engineServer
+	for _, id := range []string{"A", "B", "C", "D"} {
+		e := startEngine(t)
+		engines = append(engines, e)
+		workers = append(workers, Worker{ID: id, Addr: e.addr})
+	}
+	g := runGateway(t, Config{Workers: workers})
+	// Every worker holds the whole long prompt, so each route is a tie of
+	// four holders settled by load, and spends a 2,048-block lookup between
+	// reading the loads and choosing, where a non-atomic route lets the
+	// others in.
+	prompt := tokens(0, 32_768)
+	for i, e := range engines {
+		e.batches <- storeBatch(1, 16, int64(i)<<32, prompt)
+	}
+	eventually(t, "the prompt indexed everywhere", func() bool {
+		for _, w := range g.Workers() {
+			if w.IndexBlocks != 2048 {
+				return false
+			}
+		}
+		return true
+	})
+	const n = 200
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			if _, err := g.Route(RouteRequest{TokenIDs: prompt, Track: true}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for _, w := range g.Workers() {
+		if w.Routed != n/4 {
+			t.Errorf("%s has %d tracked requests, want %d (the burst spread evenly)", w.ID, w.Routed, n/4)
+		}
+	}
+}
