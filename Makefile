@@ -28,14 +28,15 @@ $(VENV)/.stamp: testdata/requirements.txt
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r testdata/requirements.txt
 	touch $@
 
-# The generator and plugins are pinned in go.mod (tool directive); protoc is
-# Debian's protobuf-compiler 3.21.12.
+# The compiler (bufbuild/protocompile, driven by proto/generate) and the
+# plugins are Go modules pinned in go.mod: no protoc needed.
+PROTO_FILES := $(patsubst proto/%,%,$(wildcard proto/smg/*.proto))
 proto:
 	$(GO) build -o $(BIN)/ google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc
-	PATH=$(BIN):$$PATH protoc -I proto \
-		--go_out=proto/kvpb --go_opt=paths=import --go_opt=module=github.com/kvrelay/kvrelay/proto/kvpb \
-		--go-grpc_out=proto/kvpb --go-grpc_opt=paths=import --go-grpc_opt=module=github.com/kvrelay/kvrelay/proto/kvpb \
-		proto/smg/*.proto
+	$(GO) run ./proto/generate -I proto -out proto/kvpb \
+		-plugin $(BIN)/protoc-gen-go -plugin $(BIN)/protoc-gen-go-grpc \
+		-param paths=import,module=github.com/kvrelay/kvrelay/proto/kvpb \
+		$(PROTO_FILES)
 
 # Fails when the committed generated code differs from a fresh generation.
 proto-check: proto
@@ -55,8 +56,12 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
+# The race tests take minutes per package: testprogress prints slow and
+# failing tests, the packages still running every 30 s, and go test's own
+# "ok pkg" / "FAIL pkg" summary lines.
 test-go: venv build
-	$(GO) test -race -count=1 -timeout 20m ./...
+	$(GO) build -o $(BIN)/testprogress ./internal/testprogress
+	bash -o pipefail -c '$(GO) test -race -count=1 -timeout 20m -json ./... | $(BIN)/testprogress'
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s
