@@ -24,9 +24,9 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
 	python := fs.String("python", "", "interpreter with pyzmq, msgspec and the SMG packages (default: $KVRELAY_PYTHON or <repo>/.venv/bin/python)")
 	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route (default: all)")
-	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as `kvrelay serve` (then its CPU and RSS are not reported)")
+	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as a kvrelay serve process (then its CPU and RSS are not reported)")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay bench: unexpected argument %q\n", fs.Arg(0))

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -84,14 +85,14 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	dpSize := fs.Int("dp-size", 1, "data-parallel ranks the engine runs (one publisher each)")
 	listen := fs.String("listen", "127.0.0.1:50051", "gRPC listen address")
 	upstream := fs.String("upstream", "", "the engine's own gRPC servicer HOST:PORT; other RPCs are forwarded there")
-	metricsListen := fs.String("metrics-listen", "127.0.0.1:9464", "HTTP address for /metrics and /debug/status (empty: off)")
+	metricsListen := fs.String("metrics-listen", "127.0.0.1:9464", "HTTP address for /metrics, /healthz and /debug/status (empty: off)")
 	historyBatches := fs.Int("history-batches", 0, "history bound in batches (0: $SMG_KV_EVENT_HISTORY_BATCHES or 10000)")
 	historyBytes := fs.Int64("history-bytes", 0, "history bound in bytes (0: $SMG_KV_EVENT_HISTORY_BYTES or 256 MiB)")
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay serve: unexpected argument %q\n", fs.Arg(0))
@@ -286,7 +287,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
 func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay) error {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

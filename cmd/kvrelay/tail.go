@@ -44,7 +44,7 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	asJSON := fs.Bool("json", false, "print each batch as one JSON line")
 	limit := fs.Int("n", 0, "stop after this many batches (0: until the stream ends)")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if *addr == "" {
 		fmt.Fprintln(stderr, "kvrelay tail: --addr is required")
@@ -63,7 +63,8 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	defer cc.Close()
 	stream, err := open(ctx, cc, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: *from})
 	if err != nil {
-		fmt.Fprintf(stderr, "stream ended: %s\n", status.Convert(err).Code())
+		st := status.Convert(err)
+		fmt.Fprintf(stderr, "stream ended: %s: %s\n", st.Code(), st.Message())
 		return 1
 	}
 	n := 0
