@@ -74,10 +74,13 @@ run: build
 	$(BIN)/kvrelay demo
 
 # The side-by-side against SMG's Python relay, the scale curves and the
-# plots; BENCHFLAGS=--quick for a short run. Writes bench-out/.
+# plots; BENCHFLAGS=--quick for a short run. Writes bench-out/. The plots
+# are drawn by cmd/kvrelay-plot, so the daemon links no plotting code.
 BENCHFLAGS ?=
+BENCHOUT ?= bench-out
 bench: build venv
-	$(BIN)/kvrelay bench $(BENCHFLAGS)
+	$(BIN)/kvrelay bench --out $(BENCHOUT) $(BENCHFLAGS)
+	$(GO) run ./cmd/kvrelay-plot $(BENCHOUT)
 
 # Every Go benchmark once, so none of them rots; asserts no timing.
 bench-smoke: venv
