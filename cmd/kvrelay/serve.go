@@ -66,6 +66,9 @@ type relayConfig struct {
 	HistoryBatches int             `json:"history_batches"`
 	HistoryBytes   int64           `json:"history_bytes"`
 	ReplayTimeout  string          `json:"replay_timeout"`
+	// AllowUnknownConfigKeys accepts kv_events_config keys the engine does
+	// not read (a config shared with other engines), with a warning.
+	AllowUnknownConfigKeys bool `json:"allow_unknown_config_keys"`
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -74,6 +77,9 @@ type resolvedRelay struct {
 	engine        engines.Engine
 	kv            engines.Config
 	replayTimeout time.Duration
+	// unknownKeys is the refused-key error CheckKeys gave, kept as a start
+	// warning when AllowUnknownConfigKeys is on.
+	unknownKeys error
 }
 
 func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
@@ -91,6 +97,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
+	allowUnknownKeys := fs.Bool("allow-unknown-config-keys", false, "accept --kv-events-config keys this engine does not read (a config shared with other engines); default: refuse them")
 	if err := fs.Parse(args); err != nil {
 		return flagExitCode(err)
 	}
@@ -103,7 +110,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	if *configPath != "" {
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout"} {
+		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout", "allow-unknown-config-keys"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -144,6 +151,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				Name: *engineName, Engine: *engineName, KVEventsConfig: raw, DPSize: *dpSize,
 				Listen: *listen, Upstream: *upstream, HistoryBatches: *historyBatches,
 				HistoryBytes: *historyBytes, ReplayTimeout: replayTimeout.String(),
+				AllowUnknownConfigKeys: *allowUnknownKeys,
 			}},
 		}
 	}
@@ -208,6 +216,13 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: kv-events-config: %w", where, err)
 		}
+		var unknownKeys error
+		if obj, _, err := engines.ParseConfigObject(text); err == nil {
+			unknownKeys = obj.CheckKeys(eng.ConfigKeys)
+		}
+		if unknownKeys != nil && !c.AllowUnknownConfigKeys {
+			return nil, fmt.Errorf("%s: kv-events-config: %w; %s does not read it (allow such keys with --allow-unknown-config-keys, or allow_unknown_config_keys in --config)", where, unknownKeys, eng.Name)
+		}
 		if c.DPSize == 0 {
 			c.DPSize = 1
 		}
@@ -239,19 +254,13 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 			}
 		}
 		if kv.Enabled {
-			// Fail now, not at the first connect, on endpoints no rank can use.
-			for rank := 0; rank < c.DPSize; rank++ {
-				if _, err := engines.ConnectEndpoint(kv.Endpoint, rank); err != nil {
-					return nil, fmt.Errorf("%s: endpoint for rank %d: %w", where, rank, err)
-				}
-				if kv.ReplayEndpoint != "" {
-					if _, err := engines.ConnectEndpoint(kv.ReplayEndpoint, rank); err != nil {
-						return nil, fmt.Errorf("%s: replay_endpoint for rank %d: %w", where, rank, err)
-					}
-				}
+			// Fail now, not at the first connect, on endpoints no rank can
+			// use or that two ranks' sockets would share.
+			if err := engines.CheckEndpoints(kv, c.DPSize); err != nil {
+				return nil, fmt.Errorf("%s: kv-events-config: %w", where, err)
 			}
 		}
-		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout})
+		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout, unknownKeys: unknownKeys})
 	}
 	return out, nil
 }
@@ -283,6 +292,32 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
 
+// logEndpoints says at start where each rank of rc is dialled, and warns
+// about configurations the engine accepts but that leave kvrelay nothing to
+// connect to.
+func logEndpoints(log *slog.Logger, rc resolvedRelay) {
+	if rc.unknownKeys != nil {
+		log.Warn("kv-events-config has a key the engine does not read; accepted (allow_unknown_config_keys)",
+			"relay", rc.Name, "engine", rc.engine.Name, "problem", rc.unknownKeys.Error())
+	}
+	if !engines.PublisherBinds(rc.kv.Endpoint) {
+		log.Warn("the engine will connect its publisher to this endpoint instead of binding it, so nothing listens there for kvrelay: "+
+			"the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://; use tcp://*:PORT",
+			"relay", rc.Name, "endpoint", rc.kv.Endpoint)
+	}
+	eps, err := engines.PublisherEndpoints(rc.kv, rc.DPSize)
+	if err != nil {
+		return // resolveRelays already refused such a configuration
+	}
+	for _, ep := range eps {
+		replay := ep.Replay
+		if replay == "" {
+			replay = "none"
+		}
+		log.Info("rank endpoints", "relay", rc.Name, "rank", ep.Rank, "publisher", ep.Live, "replay", replay)
+	}
+}
+
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
 func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay) error {
@@ -304,6 +339,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			all = append(all, running{cfg: rc})
 			continue
 		}
+		logEndpoints(log, rc)
 		r, err := relay.New(relay.Config{
 			Engine:         rc.engine,
 			KV:             rc.kv,
@@ -311,7 +347,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			HistoryBatches: rc.HistoryBatches,
 			HistoryBytes:   rc.HistoryBytes,
 			ReplayTimeout:  rc.replayTimeout,
-			Logger:         log.With("relay", rc.Name),
+			Logger:         log,     // the relay adds its "relay" key itself
 			Instance:       rc.Name, // the relay label on its metrics
 			Registerer:     reg,
 		})
