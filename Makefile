@@ -13,12 +13,28 @@ BIN     := $(CURDIR)/.bin
 export KVRELAY_PYTHON := $(VPY)
 export KVRELAY_BIN := $(BIN)/kvrelay
 
-.PHONY: golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
+.PHONY: release image golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/kvrelay ./cmd/kvrelay
+
+# A release-style build: static, trimmed paths, the version stamped (the VCS
+# revision is stamped by go build itself; `kvrelay version` prints both).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+GOARCH  ?= $(shell $(GO) env GOARCH)
+RELEASE := $(BIN)/linux-$(GOARCH)/kvrelay
+release:
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(GOARCH) $(GO) build -trimpath \
+		-ldflags "-s -w -X github.com/kvrelay/kvrelay/internal/buildinfo.Version=$(VERSION)" \
+		-o $(RELEASE) ./cmd/kvrelay
+
+# The container image as a tarball (docker/podman load), built without a
+# container daemon or a base image: see deploy/image.
+IMAGE_TAG ?= kvrelay:$(VERSION)
+image: release
+	$(GO) run ./deploy/image -binary $(RELEASE) -arch $(GOARCH) -tag $(IMAGE_TAG) -out $(BIN)/kvrelay-image.tar
 
 # The Python peers (pyzmq, msgspec, the SMG packages) live in a venv built
 # from the pinned requirements, so tests never depend on what a machine has.
