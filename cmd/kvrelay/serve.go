@@ -89,7 +89,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	engineName := fs.String("engine", "", "engine: vllm, sglang or tokenspeed")
 	kvConfig := fs.String("kv-events-config", "", "the --kv-events-config JSON the engine was started with")
 	dpSize := fs.Int("dp-size", 1, "data-parallel ranks the engine runs (one publisher each)")
-	listen := fs.String("listen", "127.0.0.1:50051", "gRPC listen address")
+	listen := fs.String("listen", "127.0.0.1:50061", "gRPC listen address (not 50051: that is the engines' usual gRPC port, often the --upstream)")
 	upstream := fs.String("upstream", "", "the engine's own gRPC servicer HOST:PORT; other RPCs are forwarded there")
 	metricsListen := fs.String("metrics-listen", "127.0.0.1:9464", "HTTP address for /metrics, /healthz and /debug/status (empty: off)")
 	historyBatches := fs.Int("history-batches", 0, "history bound in batches (0: $SMG_KV_EVENT_HISTORY_BATCHES or 10000)")
