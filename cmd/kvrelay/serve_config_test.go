@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/freeport"
 )
 
 // Configurations the engines accept (or that only fail later) that leave
@@ -164,4 +166,59 @@ func duplicateKey(t *testing.T, line string) string {
 		}
 	}
 	return ""
+}
+
+// /metrics carries the build and every failure counter at 0 before any
+// publisher was reached.
+func TestServeMetricsBeforeTheFirstEvent(t *testing.T) {
+	verifyNoLeaks(t)
+	httpAddr := freeAddr(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var logs syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		// Nothing listens at the endpoint: the relay keeps retrying.
+		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--dp-size", "2", "--listen", freeAddr(t),
+			"--metrics-listen", httpAddr, "--kv-events-config", fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d"}`, freePortPair(t))},
+			strings.NewReader(""), io.Discard, &logs)
+	}()
+	var body string
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get("http://" + httpAddr + "/metrics")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			body = string(b)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/metrics never answered; logs:\n%s", logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	for _, want := range []string{
+		`kvrelay_build_info{goversion="go`,
+		`kvrelay_publisher_gaps_total{engine="vllm",rank="1",relay="vllm"} 0`,
+		`kvrelay_batches_lost_total{engine="vllm",rank="0",relay="vllm"} 0`,
+		`kvrelay_publisher_restarts_total{engine="vllm",rank="1",reason="sequence_regression",relay="vllm"} 0`,
+		`kvrelay_events_dropped_total{engine="vllm",reason="malformed",relay="vllm"} 0`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+// freePortPair is a port p with p and p+1 free now (rank 0 and rank 1).
+func freePortPair(t *testing.T) int {
+	t.Helper()
+	p, err := freeport.Range(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
