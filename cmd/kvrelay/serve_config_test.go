@@ -222,3 +222,20 @@ func freePortPair(t *testing.T) int {
 	}
 	return p
 }
+
+// The example config in deploy/ passes every start-time check.
+func TestTheExampleConfigResolves(t *testing.T) {
+	f, err := readServeFile("../../deploy/kvrelay.json.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs, err := resolveRelays(f.Relays)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		if !r.kv.Enabled || r.unknownKeys != nil {
+			t.Errorf("relay %s: enabled %v, unknown keys %v", r.Name, r.kv.Enabled, r.unknownKeys)
+		}
+	}
+}
