@@ -13,12 +13,28 @@ BIN     := $(CURDIR)/.bin
 export KVRELAY_PYTHON := $(VPY)
 export KVRELAY_BIN := $(BIN)/kvrelay
 
-.PHONY: golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
+.PHONY: release image golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/kvrelay ./cmd/kvrelay
+
+# A release-style build: static, trimmed paths, the version stamped (the VCS
+# revision is stamped by go build itself; `kvrelay version` prints both).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+GOARCH  ?= $(shell $(GO) env GOARCH)
+RELEASE := $(BIN)/linux-$(GOARCH)/kvrelay
+release:
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(GOARCH) $(GO) build -trimpath \
+		-ldflags "-s -w -X github.com/kvrelay/kvrelay/internal/buildinfo.Version=$(VERSION)" \
+		-o $(RELEASE) ./cmd/kvrelay
+
+# The container image as a tarball (docker/podman load), built without a
+# container daemon or a base image: see deploy/image.
+IMAGE_TAG ?= kvrelay:$(VERSION)
+image: release
+	$(GO) run ./deploy/image -binary $(RELEASE) -arch $(GOARCH) -tag $(IMAGE_TAG) -out $(BIN)/kvrelay-image.tar
 
 # The Python peers (pyzmq, msgspec, the SMG packages) live in a venv built
 # from the pinned requirements, so tests never depend on what a machine has.
@@ -28,14 +44,15 @@ $(VENV)/.stamp: testdata/requirements.txt
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r testdata/requirements.txt
 	touch $@
 
-# The generator and plugins are pinned in go.mod (tool directive); protoc is
-# Debian's protobuf-compiler 3.21.12.
+# The compiler (bufbuild/protocompile, driven by proto/generate) and the
+# plugins are Go modules pinned in go.mod: no protoc needed.
+PROTO_FILES := $(patsubst proto/%,%,$(wildcard proto/smg/*.proto))
 proto:
 	$(GO) build -o $(BIN)/ google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc
-	PATH=$(BIN):$$PATH protoc -I proto \
-		--go_out=proto/kvpb --go_opt=paths=import --go_opt=module=github.com/kvrelay/kvrelay/proto/kvpb \
-		--go-grpc_out=proto/kvpb --go-grpc_opt=paths=import --go-grpc_opt=module=github.com/kvrelay/kvrelay/proto/kvpb \
-		proto/smg/*.proto
+	$(GO) run ./proto/generate -I proto -out proto/kvpb \
+		-plugin $(BIN)/protoc-gen-go -plugin $(BIN)/protoc-gen-go-grpc \
+		-param paths=import,module=github.com/kvrelay/kvrelay/proto/kvpb \
+		$(PROTO_FILES)
 
 # Fails when the committed generated code differs from a fresh generation.
 proto-check: proto
@@ -55,8 +72,12 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
+# The race tests take minutes per package: testprogress prints slow and
+# failing tests, the packages still running every 30 s, and go test's own
+# "ok pkg" / "FAIL pkg" summary lines.
 test-go: venv build
-	$(GO) test -race -count=1 -timeout 20m ./...
+	$(GO) build -o $(BIN)/testprogress ./internal/testprogress
+	bash -o pipefail -c '$(GO) test -race -count=1 -timeout 20m -json ./... | $(BIN)/testprogress'
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s
@@ -69,10 +90,13 @@ run: build
 	$(BIN)/kvrelay demo
 
 # The side-by-side against SMG's Python relay, the scale curves and the
-# plots; BENCHFLAGS=--quick for a short run. Writes bench-out/.
+# plots; BENCHFLAGS=--quick for a short run. Writes bench-out/. The plots
+# are drawn by cmd/kvrelay-plot, so the daemon links no plotting code.
 BENCHFLAGS ?=
+BENCHOUT ?= bench-out
 bench: build venv
-	$(BIN)/kvrelay bench $(BENCHFLAGS)
+	$(BIN)/kvrelay bench --out $(BENCHOUT) $(BENCHFLAGS)
+	$(GO) run ./cmd/kvrelay-plot $(BENCHOUT)
 
 # Every Go benchmark once, so none of them rots; asserts no timing.
 bench-smoke: venv

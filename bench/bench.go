@@ -28,8 +28,8 @@ type Options struct {
 	// Quick runs a reduced version in seconds, only to prove that every part
 	// works end to end (CI); its figures mean nothing.
 	Quick bool
-	// Out is the directory for results.json, results.md, the PNG plots and
-	// the CPU profiles. Created if missing.
+	// Out is the directory for results.json, results.md and the CPU
+	// profiles (cmd/kvrelay-plot adds the PNG plots). Created if missing.
 	Out string
 	// Repo is the repository root (bench/publisher.py and testdata/ are read
 	// from it). Empty: found from the working directory upwards.
@@ -138,8 +138,9 @@ type Machine struct {
 	LoadAfter  string `json:"load_after"`
 }
 
-// Run measures what opts selects and writes results.json, results.md, the
-// plots and the profiles under opts.Out. Parts that cannot run here (no
+// Run measures what opts selects and writes results.json, results.md and
+// the profiles under opts.Out (cmd/kvrelay-plot draws the plots from
+// results.json). Parts that cannot run here (no
 // Python, for one) are reported as not available rather than failing.
 func Run(ctx context.Context, opts Options) (*Results, error) {
 	env, err := opts.resolve()
@@ -197,12 +198,7 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()
-	plots, err := drawPlots(env.out, res)
-	if err != nil {
-		return nil, err
-	}
-	res.Plots = plots
-	if err := writeResults(env.out, res); err != nil {
+	if err := WriteResults(env.out, res); err != nil {
 		return nil, err
 	}
 	return res, nil
@@ -252,7 +248,21 @@ func loadAverage() string {
 	return strings.Join(f[:3], " ")
 }
 
-func writeResults(out string, res *Results) error {
+// ReadResults reads the results.json a run wrote under out.
+func ReadResults(out string) (*Results, error) {
+	data, err := os.ReadFile(filepath.Join(out, "results.json"))
+	if err != nil {
+		return nil, fmt.Errorf("bench: results: %w", err)
+	}
+	var res Results
+	if err := json.Unmarshal(data, &res); err != nil {
+		return nil, fmt.Errorf("bench: results %s: %w", filepath.Join(out, "results.json"), err)
+	}
+	return &res, nil
+}
+
+// WriteResults writes res as results.json and results.md under out.
+func WriteResults(out string, res *Results) error {
 	data, err := json.MarshalIndent(res, "", "  ")
 	if err != nil {
 		return fmt.Errorf("bench: results: %w", err)

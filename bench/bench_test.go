@@ -24,7 +24,8 @@ func TestMain(m *testing.M) {
 }
 
 // TestQuick runs `kvrelay bench --quick` end to end (the relay in-process)
-// and checks that every part produced its table and plot. It asserts no
+// and checks that every part produced its table (bench/plot tests the
+// plots). It asserts no
 // timing: the figures of a quick run on a CI machine mean nothing.
 func TestQuick(t *testing.T) {
 	if testing.Short() {
@@ -73,11 +74,6 @@ func TestQuick(t *testing.T) {
 	for _, want := range []string{"kvrelay / Python", "Goals of issue 7", "snapshot", "Fan-out", "route"} {
 		if !strings.Contains(string(md), want) {
 			t.Errorf("results.md lacks %q", want)
-		}
-	}
-	for _, png := range []string{"latency.png", "snapshot.png", "fanout.png", "route.png"} {
-		if fi, err := os.Stat(filepath.Join(out, png)); err != nil || fi.Size() == 0 {
-			t.Errorf("plot %s: %v", png, err)
 		}
 	}
 	if _, err := os.Stat(filepath.Join(out, "results.json")); err != nil {

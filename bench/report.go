@@ -145,7 +145,7 @@ func summaryFigures(sb *SideBySide) []figure {
 			var notes []string
 			for _, r := range []*RelayRun{kv, py} {
 				if s := r.step(rate); s != nil && !s.Pass {
-					notes = append(notes, shortName(r.Name)+" fell behind")
+					notes = append(notes, ShortName(r.Name)+" fell behind")
 				}
 			}
 			out[i].note = strings.Join(notes, "; ")
@@ -356,4 +356,15 @@ func writeRoute(w io.Writer, rt *RouteResults) {
 		fmt.Fprintf(w, "| %d | %d | %d | %.1f | %.1f | %.1f | %.1f |\n", p.Workers, p.PromptTokens, p.IndexBlocks, p.FindP50us, p.RouteP50us, p.RouteP99us, p.RouteCPUP50us)
 	}
 	fmt.Fprintln(w)
+}
+
+// ShortName is a relay run's name as the tables and plots show it.
+func ShortName(name string) string {
+	switch {
+	case strings.HasPrefix(name, "python"):
+		return "python"
+	case strings.HasPrefix(name, "no relay"):
+		return "no relay"
+	}
+	return name
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -231,4 +232,125 @@ func PublisherEndpoints(cfg Config, dpSize int) ([]RankEndpoints, error) {
 		out = append(out, RankEndpoints{Rank: r, Live: live, Replay: replay})
 	}
 	return out, nil
+}
+
+// CommonConfigKeys are the KVEventsConfig fields all three engines share.
+var CommonConfigKeys = []string{"publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic"}
+
+// CheckKeys refuses a key that is not in known, naming it and the nearest
+// known key: the engines' own config classes would not read it, so the
+// setting it was meant to carry (often a typo: "endpont") silently takes
+// its default, and the relay would dial somewhere the engine is not.
+func (o ConfigObject) CheckKeys(known []string) error {
+	var unknown []string
+	for k := range o {
+		if !slices.Contains(known, k) {
+			unknown = append(unknown, k)
+		}
+	}
+	if len(unknown) == 0 {
+		return nil
+	}
+	slices.Sort(unknown)
+	k := unknown[0]
+	if near := nearest(k, known); near != "" {
+		return fmt.Errorf("unknown key %q (did you mean %q?)", k, near)
+	}
+	return fmt.Errorf("unknown key %q (known keys: %s)", k, strings.Join(known, ", "))
+}
+
+// nearest is the known key closest to k in edit distance, or "" when none
+// is close enough to be a plausible typo.
+func nearest(k string, known []string) string {
+	best, bestDist := "", len(k)/3+2
+	for _, c := range known {
+		if d := editDistance(k, c); d < bestDist {
+			best, bestDist = c, d
+		}
+	}
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b (bytes; keys are
+// ASCII).
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+// CheckEndpoints refuses endpoints kvrelay can never reach and DP layouts
+// where two ranks' sockets would share a port: a transport other than
+// tcp:// or ipc:// (ZeroMQ PUB has no udp://; inproc:// is reachable only
+// inside the engine's process), and a replay_endpoint whose per-rank ports
+// (base + rank) overlap the publishers' (the engine fails to bind the
+// second socket, or kvrelay dials the wrong one).
+func CheckEndpoints(cfg Config, dpSize int) error {
+	for _, f := range []struct{ name, ep string }{{"endpoint", cfg.Endpoint}, {"replay_endpoint", cfg.ReplayEndpoint}} {
+		if f.ep == "" {
+			continue
+		}
+		scheme, _, ok := strings.Cut(f.ep, "://")
+		switch {
+		case !ok:
+			return fmt.Errorf("%s %q: want tcp://HOST:PORT or ipc://PATH", f.name, f.ep)
+		case scheme == "inproc":
+			return fmt.Errorf("%s %q: inproc:// is reachable only inside the engine's own process; use tcp:// or ipc://", f.name, f.ep)
+		case scheme != "tcp" && scheme != "ipc":
+			return fmt.Errorf("%s %q: ZeroMQ PUB/ROUTER sockets cannot use %s://; want tcp:// or ipc://", f.name, f.ep, scheme)
+		}
+	}
+	eps, err := PublisherEndpoints(cfg, dpSize)
+	if err != nil {
+		return err
+	}
+	owner := map[string]string{} // socket address -> which rank's which socket
+	for _, r := range eps {
+		for _, s := range []struct{ what, ep string }{{"endpoint", r.Live}, {"replay_endpoint", r.Replay}} {
+			if s.ep == "" {
+				continue
+			}
+			key := socketKey(s.ep)
+			me := fmt.Sprintf("rank %d's %s %s", r.Rank, s.what, s.ep)
+			if other, dup := owner[key]; dup {
+				return fmt.Errorf("%s is also %s: each engine rank adds its rank to both ports, so endpoint and replay_endpoint must be at least dp-size (%d) ports apart", me, other, dpSize)
+			}
+			owner[key] = me
+		}
+	}
+	return nil
+}
+
+// socketKey identifies where a socket listens on this host: the port for
+// tcp (a wildcard and 127.0.0.1 are one port), the path for ipc.
+func socketKey(ep string) string {
+	if rest, ok := strings.CutPrefix(ep, "tcp://"); ok {
+		if i := strings.LastIndex(rest, ":"); i >= 0 {
+			return "tcp:" + rest[i+1:]
+		}
+	}
+	return ep
+}
+
+// PublisherBinds applies the engines' bind rule (engine-wire.md §1.2): the
+// PUB socket binds when its endpoint contains "*" or "::", or is ipc:// or
+// inproc://; otherwise the engine connects to that address and listens
+// nowhere. (The replay ROUTER always binds.)
+func PublisherBinds(endpoint string) bool {
+	return strings.Contains(endpoint, "*") || strings.Contains(endpoint, "::") ||
+		strings.HasPrefix(endpoint, "ipc://") || strings.HasPrefix(endpoint, "inproc://")
 }

@@ -40,6 +40,9 @@ type Engine struct {
 	DisabledMessage string
 	// ParseConfig reads --kv-events-config exactly as the engine does.
 	ParseConfig func(jsonText string) (Config, error)
+	// ConfigKeys are the --kv-events-config keys the engine reads; kvrelay
+	// refuses others unless told to allow them (ConfigObject.CheckKeys).
+	ConfigKeys []string
 	// Dialect selects the wire decoder's engine-specific rules.
 	Dialect wire.Dialect
 	// ReplayTopicFrame is true when the engine's replay replies carry the

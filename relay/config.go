@@ -112,10 +112,18 @@ func (c *Config) resolve() error {
 		c.Instance = c.Engine.Name
 	}
 	if c.HistoryBatches == 0 {
-		c.HistoryBatches = int(envInt(c.Logger, EnvHistoryBatches, DefaultHistoryBatches))
+		n, err := envInt(EnvHistoryBatches, DefaultHistoryBatches)
+		if err != nil {
+			return err
+		}
+		c.HistoryBatches = int(n)
 	}
 	if c.HistoryBytes == 0 {
-		c.HistoryBytes = envInt(c.Logger, EnvHistoryBytes, DefaultHistoryBytes)
+		n, err := envInt(EnvHistoryBytes, int64(DefaultHistoryBytes))
+		if err != nil {
+			return err
+		}
+		c.HistoryBytes = n
 	}
 	if c.ReplayTimeout == 0 {
 		c.ReplayTimeout = DefaultReplayTimeout
@@ -138,18 +146,18 @@ func (c *Config) resolve() error {
 	return nil
 }
 
-// envInt reads a positive integer from the environment the way the Rust
-// relay does: trimmed, empty means the default, and a value that does not
-// parse is warned about and replaced by the default.
-func envInt[T int64 | int](log *slog.Logger, name string, def T) T {
+// envInt reads a positive integer from the environment: trimmed, and empty
+// means the default. Anything else that is not a positive integer is an
+// error naming the variable: SMG's relay only warns and falls back, which
+// hides a typo behind a history of the wrong size.
+func envInt(name string, def int64) (int64, error) {
 	raw := strings.TrimSpace(os.Getenv(name))
 	if raw == "" {
-		return def
+		return def, nil
 	}
 	v, err := strconv.ParseUint(raw, 10, 62)
 	if err != nil || v == 0 {
-		log.Warn("ignoring a bad environment value; using the default", "name", name, "value", raw, "default", def)
-		return def
+		return 0, fmt.Errorf("relay: $%s=%q: want a positive integer (unset it for the default, %d)", name, raw, def)
 	}
-	return T(v)
+	return int64(v), nil
 }

@@ -40,16 +40,24 @@ func TestHistoryLimitsComeFromTheEnvironmentWhenUnset(t *testing.T) {
 		batches, bytes string
 		wantN          int
 		wantB          int64
+		wantErr        string // substring of New's error; "" for none
 	}{
-		{"", "", DefaultHistoryBatches, DefaultHistoryBytes},
-		{" 500 ", "1048576", 500, 1 << 20},
-		{"many", "-3", DefaultHistoryBatches, DefaultHistoryBytes},
-		{"0", "", DefaultHistoryBatches, DefaultHistoryBytes},
+		{"", "", DefaultHistoryBatches, DefaultHistoryBytes, ""},
+		{" 500 ", "1048576", 500, 1 << 20, ""},
+		{"abc", "", 0, 0, `$SMG_KV_EVENT_HISTORY_BATCHES="abc": want a positive integer`},
+		{"", "-3", 0, 0, `$SMG_KV_EVENT_HISTORY_BYTES="-3": want a positive integer`},
+		{"0", "", 0, 0, `$SMG_KV_EVENT_HISTORY_BATCHES="0": want a positive integer`},
 	}
 	for _, tc := range tests {
 		t.Setenv(EnvHistoryBatches, tc.batches)
 		t.Setenv(EnvHistoryBytes, tc.bytes)
 		r, err := New(Config{DPSize: 1, Logger: quietLogger()})
+		if tc.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("env %q/%q: error %v, want one containing %s", tc.batches, tc.bytes, err, tc.wantErr)
+			}
+			continue
+		}
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -4,6 +4,9 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/engines/wire"
 )
 
 // metrics are the relay's Prometheus series. Every series carries the
@@ -86,6 +89,36 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 		return nil, err
 	}
 	return m, nil
+}
+
+// restartReasonsOf lists the restart reasons engine's publishers can show
+// (a startup clear only where the engine begins with one).
+func restartReasonsOf(engine engines.Engine) []restartReason {
+	reasons := []restartReason{sequenceRegression, counterRestarted, replayMismatch}
+	if engine.StartupClear {
+		reasons = append(reasons, startupClearRestart)
+	}
+	return reasons
+}
+
+// zeroSeries creates every per-rank series at 0, and the drop and restart
+// series for each reason that can occur, so that alerts and rate() work
+// before the first event (a counter vector shows a label set only once it
+// was touched).
+func (m *metrics) zeroSeries(rankLabels []string, restartReasons []restartReason) {
+	for _, rank := range rankLabels {
+		for _, v := range []*prometheus.CounterVec{m.batches, m.events, m.blocks, m.undecodable, m.duplicates, m.gaps,
+			m.replayStale, m.recovered, m.primed, m.lost, m.unknownBeforeStart} {
+			v.WithLabelValues(rank)
+		}
+		m.unknownBefore.WithLabelValues(rank)
+		for _, reason := range restartReasons {
+			m.restarts.WithLabelValues(rank, string(reason))
+		}
+	}
+	for _, reason := range wire.DropReasons() {
+		m.drops.WithLabelValues(reason.String())
+	}
 }
 
 func (m *metrics) register(cs ...prometheus.Collector) error {

@@ -168,6 +168,11 @@ func New(cfg Config) (*Relay, error) {
 	if err != nil {
 		return nil, err
 	}
+	rankLabels := make([]string, len(ranks))
+	for i, rk := range ranks {
+		rankLabels[i] = rk.label
+	}
+	m.zeroSeries(rankLabels, restartReasonsOf(cfg.Engine))
 	r := &Relay{
 		cfg:     cfg,
 		log:     cfg.Logger.With("engine", cfg.Engine.Name, "relay", cfg.Instance),

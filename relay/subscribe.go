@@ -239,7 +239,9 @@ func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
 	}
 	switch {
 	case c > last:
-		return 0, newError(ErrOutOfRange, "cursor %d of rank %d is beyond the publisher's last sequence %d at %s: the publisher restarted; resubscribe from zero", c, rank, last, rk.endpoint)
+		// Same code as SMG's relay (the gateway resets on OUT_OF_RANGE);
+		// the message says what is known instead of guessing a restart.
+		return 0, newError(ErrOutOfRange, "cursor %d of rank %d is ahead of anything relayed from %s (last sequence %d): it was not issued by this publisher run (an earlier run, or another relay); resubscribe from zero", c, rank, rk.endpoint, last)
 	case c+1 < first && rk.hasStart && c+1 < rk.startedAt:
 		return 0, newError(ErrOutOfRange, "the relay for %s (rank %d) started at sequence %d and holds nothing before it; resubscribe from zero", rk.endpoint, rank, rk.startedAt)
 	case c+1 < first:

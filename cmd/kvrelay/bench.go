@@ -20,13 +20,13 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	quick := fs.Bool("quick", false, "a reduced run in seconds that only proves every part works (CI); its figures mean nothing")
-	out := fs.String("out", "bench-out", "directory for results.json, results.md, PNG plots and CPU profiles")
+	out := fs.String("out", "bench-out", "directory for results.json, results.md and CPU profiles (plots: go run ./cmd/kvrelay-plot DIR)")
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
 	python := fs.String("python", "", "interpreter with pyzmq, msgspec and the SMG packages (default: $KVRELAY_PYTHON or <repo>/.venv/bin/python)")
 	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy (default: all)")
-	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as `kvrelay serve` (then its CPU and RSS are not reported)")
+	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as a kvrelay serve process (then its CPU and RSS are not reported)")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay bench: unexpected argument %q\n", fs.Arg(0))
@@ -63,6 +63,6 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		return 1
 	}
 	bench.WriteMarkdown(stdout, res)
-	fmt.Fprintf(stderr, "kvrelay bench: results in %s\n", *out)
+	fmt.Fprintf(stderr, "kvrelay bench: results in %s; plots: go run ./cmd/kvrelay-plot %s\n", *out, *out)
 	return 0
 }

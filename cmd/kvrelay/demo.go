@@ -26,7 +26,7 @@ func runDemo(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	quiet := fs.Bool("quiet", false, "no progress line; print only the final table")
 	verbose := fs.Bool("verbose", false, "log the engines', relays' and gateway's activity to stderr")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	switch {
 	case fs.NArg() > 0:

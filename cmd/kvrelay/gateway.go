@@ -24,6 +24,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
+	"github.com/kvrelay/kvrelay/internal/buildinfo"
 )
 
 func init() {
@@ -114,7 +115,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	tlsconfig.RegisterClientFlags(fs, "worker-tls-", "grpcs:// workers", &workerTLS)
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --listen")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "kvrelay gateway: "+format+"\n", a...)
@@ -178,7 +179,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("%v", err)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	g, err := gateway.New(gateway.Config{
 		Workers: workers,
 		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff},

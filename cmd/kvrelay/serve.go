@@ -24,6 +24,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
+	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -78,6 +79,9 @@ type relayConfig struct {
 	// UpstreamServices are services forwarded besides the engine's own.
 	UpstreamServices          []string `json:"upstream_services"`
 	UpstreamDropAuthorization bool     `json:"upstream_drop_authorization"`
+	// AllowUnknownConfigKeys accepts kv_events_config keys the engine does
+	// not read (a config shared with other engines), with a warning.
+	AllowUnknownConfigKeys bool `json:"allow_unknown_config_keys"`
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -88,6 +92,9 @@ type resolvedRelay struct {
 	replayTimeout time.Duration
 	upstreamAddr  string // HOST:PORT of Upstream
 	upstreamTLS   bool
+	// unknownKeys is the refused-key error CheckKeys gave, kept as a start
+	// warning when AllowUnknownConfigKeys is on.
+	unknownKeys error
 }
 
 func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
@@ -97,9 +104,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	engineName := fs.String("engine", "", "engine: vllm, sglang or tokenspeed")
 	kvConfig := fs.String("kv-events-config", "", "the --kv-events-config JSON the engine was started with")
 	dpSize := fs.Int("dp-size", 1, "data-parallel ranks the engine runs (one publisher each)")
-	listen := fs.String("listen", "127.0.0.1:50051", "gRPC listen address")
+	listen := fs.String("listen", "127.0.0.1:50061", "gRPC listen address (not 50051: that is the engines' usual gRPC port, often the --upstream)")
 	upstream := fs.String("upstream", "", "the engine's own gRPC servicer HOST:PORT; other RPCs are forwarded there")
-	metricsListen := fs.String("metrics-listen", "127.0.0.1:9464", "HTTP address for /metrics and /debug/status (empty: off)")
+	metricsListen := fs.String("metrics-listen", "127.0.0.1:9464", "HTTP address for /metrics, /healthz and /debug/status (empty: off)")
 	historyBatches := fs.Int("history-batches", 0, "history bound in batches (0: $SMG_KV_EVENT_HISTORY_BATCHES or 10000)")
 	historyBytes := fs.Int64("history-bytes", 0, "history bound in bytes (0: $SMG_KV_EVENT_HISTORY_BYTES or 256 MiB)")
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
@@ -117,8 +124,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	})
 	upstreamDropAuth := fs.Bool("upstream-drop-authorization", false, "do not pass callers' authorization metadata to --upstream")
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --metrics-listen")
+	allowUnknownKeys := fs.Bool("allow-unknown-config-keys", false, "accept --kv-events-config keys this engine does not read (a config shared with other engines); default: refuse them")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay serve: unexpected argument %q\n", fs.Arg(0))
@@ -131,7 +139,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout",
 			"tls-cert", "tls-key", "tls-client-ca", "tls-allow", "reflection", "upstream-tls-ca", "upstream-tls-cert", "upstream-tls-key",
-			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization"} {
+			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization", "allow-unknown-config-keys"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -177,6 +185,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				HistoryBytes: *historyBytes, ReplayTimeout: replayTimeout.String(),
 				TLS: listenTLS, Reflection: *reflectionMode, UpstreamTLS: upstreamTLS,
 				UpstreamServices: upstreamServices, UpstreamDropAuthorization: *upstreamDropAuth,
+				AllowUnknownConfigKeys: *allowUnknownKeys,
 			}},
 		}
 	}
@@ -245,6 +254,13 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: kv-events-config: %w", where, err)
 		}
+		var unknownKeys error
+		if obj, _, err := engines.ParseConfigObject(text); err == nil {
+			unknownKeys = obj.CheckKeys(eng.ConfigKeys)
+		}
+		if unknownKeys != nil && !c.AllowUnknownConfigKeys {
+			return nil, fmt.Errorf("%s: kv-events-config: %w; %s does not read it (allow such keys with --allow-unknown-config-keys, or allow_unknown_config_keys in --config)", where, unknownKeys, eng.Name)
+		}
 		if c.DPSize == 0 {
 			c.DPSize = 1
 		}
@@ -298,19 +314,13 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 			}
 		}
 		if kv.Enabled {
-			// Fail now, not at the first connect, on endpoints no rank can use.
-			for rank := 0; rank < c.DPSize; rank++ {
-				if _, err := engines.ConnectEndpoint(kv.Endpoint, rank); err != nil {
-					return nil, fmt.Errorf("%s: endpoint for rank %d: %w", where, rank, err)
-				}
-				if kv.ReplayEndpoint != "" {
-					if _, err := engines.ConnectEndpoint(kv.ReplayEndpoint, rank); err != nil {
-						return nil, fmt.Errorf("%s: replay_endpoint for rank %d: %w", where, rank, err)
-					}
-				}
+			// Fail now, not at the first connect, on endpoints no rank can
+			// use or that two ranks' sockets would share.
+			if err := engines.CheckEndpoints(kv, c.DPSize); err != nil {
+				return nil, fmt.Errorf("%s: kv-events-config: %w", where, err)
 			}
 		}
-		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS})
+		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS, unknownKeys: unknownKeys})
 	}
 	return out, nil
 }
@@ -342,11 +352,37 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
 
+// logEndpoints says at start where each rank of rc is dialled, and warns
+// about configurations the engine accepts but that leave kvrelay nothing to
+// connect to.
+func logEndpoints(log *slog.Logger, rc resolvedRelay) {
+	if rc.unknownKeys != nil {
+		log.Warn("kv-events-config has a key the engine does not read; accepted (allow_unknown_config_keys)",
+			"relay", rc.Name, "engine", rc.engine.Name, "problem", rc.unknownKeys.Error())
+	}
+	if !engines.PublisherBinds(rc.kv.Endpoint) {
+		log.Warn("the engine will connect its publisher to this endpoint instead of binding it, so nothing listens there for kvrelay: "+
+			"the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://; use tcp://*:PORT",
+			"relay", rc.Name, "endpoint", rc.kv.Endpoint)
+	}
+	eps, err := engines.PublisherEndpoints(rc.kv, rc.DPSize)
+	if err != nil {
+		return // resolveRelays already refused such a configuration
+	}
+	for _, ep := range eps {
+		replay := ep.Replay
+		if replay == "" {
+			replay = "none"
+		}
+		log.Info("rank endpoints", "relay", rc.Name, "rank", ep.Rank, "publisher", ep.Live, "replay", replay)
+	}
+}
+
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
 func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay) error {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	tlsMetrics, err := tlsconfig.NewMetrics(reg)
 	if err != nil {
 		return err
@@ -368,6 +404,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 			all = append(all, running{cfg: rc})
 			continue
 		}
+		logEndpoints(log, rc)
 		r, err := relay.New(relay.Config{
 			Engine:         rc.engine,
 			KV:             rc.kv,
@@ -375,7 +412,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 			HistoryBatches: rc.HistoryBatches,
 			HistoryBytes:   rc.HistoryBytes,
 			ReplayTimeout:  rc.replayTimeout,
-			Logger:         log.With("relay", rc.Name),
+			Logger:         log,     // the relay adds its "relay" key itself
 			Instance:       rc.Name, // the relay label on its metrics
 			Registerer:     reg,
 		})

@@ -41,7 +41,7 @@ func runSim(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "kvrelay sim: "+format+"\n", a...)

@@ -47,7 +47,7 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	var clientTLS tlsconfig.Client
 	tlsconfig.RegisterClientFlags(fs, "tls-", "the relay", &clientTLS)
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExitCode(err)
 	}
 	if *addr == "" {
 		fmt.Fprintln(stderr, "kvrelay tail: --addr is required")
@@ -80,7 +80,8 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	defer cc.Close()
 	stream, err := open(ctx, cc, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: *from})
 	if err != nil {
-		fmt.Fprintf(stderr, "stream ended: %s\n", status.Convert(err).Code())
+		st := status.Convert(err)
+		fmt.Fprintf(stderr, "stream ended: %s: %s\n", st.Code(), st.Message())
 		return 1
 	}
 	n := 0

@@ -14,6 +14,7 @@ var Engine = engines.Engine{
 	ServiceName:      "sglang.grpc.scheduler.SglangScheduler",
 	DisabledMessage:  "KV cache events not enabled. Start SGLang with --kv-events-config '...'",
 	ParseConfig:      ParseConfig,
+	ConfigKeys:       append([]string{"enable_kv_cache_events"}, engines.CommonConfigKeys...),
 	Dialect:          wire.SGLang,
 	ReplayTopicFrame: false,
 	StartupClear:     true,
@@ -24,7 +25,8 @@ var Engine = engines.Engine{
 // iff it is "zmq". SGLang's publisher factory rejects any other name at
 // startup, so that is an error here too; so is a null publisher, which its
 // str-typed field does not accept. An enable_kv_cache_events key (a vLLM
-// habit) and other unknown keys are ignored.
+// habit) and other unknown keys are ignored here; kvrelay serve refuses
+// keys outside Engine.ConfigKeys unless told to allow them.
 func ParseConfig(text string) (engines.Config, error) {
 	cfg := engines.DefaultConfig()
 	obj, empty, err := engines.ParseConfigObject(text)

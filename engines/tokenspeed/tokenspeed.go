@@ -12,6 +12,7 @@ var Engine = engines.Engine{
 	ServiceName:      "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
 	DisabledMessage:  "KV cache events not enabled. Start TokenSpeed with --kv-events-config '...'",
 	ParseConfig:      ParseConfig,
+	ConfigKeys:       append([]string{"enable_kv_cache_events"}, engines.CommonConfigKeys...),
 	Dialect:          wire.TokenSpeed,
 	ReplayTopicFrame: false,
 	StartupClear:     false,
@@ -27,7 +28,8 @@ var Engine = engines.Engine{
 //     a non-string endpoint or topic is an error;
 //   - a replay_endpoint that is not a string is ignored (no replay).
 //
-// Unknown keys are ignored.
+// Unknown keys are ignored here; kvrelay serve refuses keys outside
+// Engine.ConfigKeys unless told to allow them.
 func ParseConfig(text string) (engines.Config, error) {
 	cfg := engines.DefaultConfig()
 	obj, empty, err := engines.ParseConfigObject(text)

@@ -14,6 +14,7 @@ var Engine = engines.Engine{
 	ServiceName:      "vllm.grpc.engine.VllmEngine",
 	DisabledMessage:  "KV cache events not enabled. Start vLLM with --kv-events-config '...'",
 	ParseConfig:      ParseConfig,
+	ConfigKeys:       append([]string{"enable_kv_cache_events"}, engines.CommonConfigKeys...),
 	Dialect:          wire.VLLM,
 	ReplayTopicFrame: true,
 	StartupClear:     false,
@@ -25,8 +26,9 @@ var Engine = engines.Engine{
 // types publisher as Literal["null", "zmq"], and older ones fail at startup
 // on any other name, so another value is an error. Events flow only when
 // both the flag is on and the publisher is zmq (as smg's resolver requires).
-// Unknown keys are accepted and ignored: whether vLLM's config dataclass
-// forbids them could not be confirmed.
+// Unknown keys are ignored here (whether vLLM's config dataclass forbids
+// them could not be confirmed); kvrelay serve refuses keys outside
+// Engine.ConfigKeys unless told to allow them.
 func ParseConfig(text string) (engines.Config, error) {
 	cfg := engines.DefaultConfig()
 	obj, empty, err := engines.ParseConfigObject(text)

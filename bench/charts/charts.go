@@ -1,4 +1,8 @@
-package bench
+// Package charts draws a bench run's curves as PNGs. It is kept out of the
+// bench package so that the kvrelay daemon binary does not link the
+// plotting stack (gonum/plot, golang.org/x/image): cmd/kvrelay-plot draws
+// them from results.json after `kvrelay bench`.
+package charts
 
 import (
 	"fmt"
@@ -6,12 +10,13 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
-	"strings"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/kvrelay/kvrelay/bench"
 )
 
 // series is one named line.
@@ -26,8 +31,9 @@ type chart struct {
 	lines             []series
 }
 
-// drawPlots renders the curves present in res as PNGs under out.
-func drawPlots(out string, res *Results) ([]string, error) {
+// Draw renders the curves present in res as PNGs under out and returns
+// their paths.
+func Draw(out string, res *bench.Results) ([]string, error) {
 	var charts []chart
 	if sb := res.SideBySide; sb != nil {
 		lat := chart{file: "latency.png", title: "Publisher-to-subscriber latency", x: "published batches/s (target)", y: "ms", logX: true, logY: true}
@@ -39,7 +45,7 @@ func drawPlots(out string, res *Results) ([]string, error) {
 				p99 = append(p99, plotter.XY{X: s.Target, Y: s.P99ms})
 				del = append(del, plotter.XY{X: s.Target, Y: s.DeliveredRate})
 			}
-			short := shortName(r.Name)
+			short := bench.ShortName(r.Name)
 			lat.lines = append(lat.lines, series{short + " p50", p50}, series{short + " p99", p99})
 			thr.lines = append(thr.lines, series{short, del})
 		}
@@ -94,7 +100,7 @@ func drawPlots(out string, res *Results) ([]string, error) {
 		path := filepath.Join(out, c.file)
 		ok, err := c.draw(path)
 		if err != nil {
-			return nil, fmt.Errorf("bench: plot %s: %w", c.file, err)
+			return nil, fmt.Errorf("plot %s: %w", c.file, err)
 		}
 		if ok {
 			files = append(files, path)
@@ -144,16 +150,6 @@ func (c chart) draw(path string) (bool, error) {
 	}
 	p.Add(plotter.NewGrid())
 	return true, p.Save(7*vg.Inch, 4.5*vg.Inch, path)
-}
-
-func shortName(name string) string {
-	switch {
-	case strings.HasPrefix(name, "python"):
-		return "python"
-	case strings.HasPrefix(name, "no relay"):
-		return "no relay"
-	}
-	return name
 }
 
 // pointTicks labels every x value that some line has.

@@ -1,0 +1,79 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+func TestHelpExitsZeroForEverySubcommand(t *testing.T) {
+	for name := range commands {
+		for _, flag := range []string{"-h", "--help"} {
+			t.Run(name+" "+flag, func(t *testing.T) {
+				var out, errOut bytes.Buffer
+				code := dispatch(context.Background(), []string{name, flag}, strings.NewReader(""), &out, &errOut)
+				if code != 0 {
+					t.Fatalf("exit %d, want 0; stderr:\n%s", code, errOut.String())
+				}
+				if out.Len()+errOut.Len() == 0 {
+					t.Fatalf("no usage printed")
+				}
+			})
+		}
+	}
+}
+
+func TestBenchHelpNamesNoStrayArgument(t *testing.T) {
+	var errOut bytes.Buffer
+	dispatch(context.Background(), []string{"bench", "--help"}, strings.NewReader(""), &bytes.Buffer{}, &errOut)
+	// The flag package shows a back-quoted word in a usage string as the
+	// flag's argument name.
+	for _, line := range strings.Split(errOut.String(), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "-in-process") && strings.TrimSpace(line) != "-in-process" {
+			t.Fatalf("bench --help shows %q, want a bare boolean flag", line)
+		}
+	}
+}
+
+func TestServeHelpNamesHealthz(t *testing.T) {
+	var errOut bytes.Buffer
+	dispatch(context.Background(), []string{"serve", "--help"}, strings.NewReader(""), &bytes.Buffer{}, &errOut)
+	if !strings.Contains(errOut.String(), "/healthz") {
+		t.Fatalf("serve --help does not mention /healthz:\n%s", errOut.String())
+	}
+}
+
+func TestVersion(t *testing.T) {
+	want := regexp.MustCompile(`^kvrelay \S+( \([^)]*\))? go\S+\n$`)
+	for _, args := range [][]string{{"version"}, {"--version"}, {"-version"}} {
+		var out, errOut bytes.Buffer
+		if code := dispatch(context.Background(), args, strings.NewReader(""), &out, &errOut); code != 0 {
+			t.Fatalf("%v: exit %d; stderr: %s", args, code, errOut.String())
+		}
+		if !want.MatchString(out.String()) {
+			t.Fatalf("%v printed %q, want %s", args, out.String(), want)
+		}
+	}
+}
+
+func TestTailPrintsTheStatusMessage(t *testing.T) {
+	// A port nothing listens on: the stream fails at once with UNAVAILABLE.
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	var errOut bytes.Buffer
+	code := dispatch(context.Background(), []string{"tail", "--addr", addr}, strings.NewReader(""), &bytes.Buffer{}, &errOut)
+	if code != 1 {
+		t.Fatalf("exit %d, want 1; stderr: %s", code, errOut.String())
+	}
+	got := strings.TrimSpace(errOut.String())
+	if !strings.HasPrefix(got, "stream ended: Unavailable: ") || len(got) <= len("stream ended: Unavailable: ") {
+		t.Fatalf("stderr %q, want the code and the status message", got)
+	}
+}
