@@ -23,8 +23,8 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
-	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
+	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
 
 func init() {
