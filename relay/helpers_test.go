@@ -77,14 +77,18 @@ func cleared() []any { return []any{"AllBlocksCleared"} }
 type fakePub struct {
 	rank int32
 
-	mu        sync.Mutex
-	next      uint64
-	ring      []Message
-	ringSize  int
-	live      chan Message
-	down      bool            // the replay ROUTER does not answer
-	truncate  int             // replies per request before the "HWM" cuts the answer (and its end marker)
-	dropOnce  map[uint64]bool // replies lost once in the middle of an answer (send-HWM drops)
+	mu       sync.Mutex
+	next     uint64
+	ring     []Message
+	ringSize int
+	live     chan Message
+	down     bool            // the replay ROUTER does not answer
+	truncate int             // replies per request before the "HWM" cuts the answer (and its end marker)
+	dropOnce map[uint64]bool // replies lost once in the middle of an answer (send-HWM drops)
+	noEnd    bool            // answers lose their end marker (the replay times out waiting for it)
+	// gates holds a replay request from a sequence until its channel is
+	// closed (or the relay gives up on it), to look at the relay mid-replay.
+	gates     map[uint64]chan struct{}
 	asked     []uint64
 	connected atomic.Bool
 }
@@ -160,6 +164,16 @@ type fakeReplayer struct{ p *fakePub }
 func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {
 	p := f.p
 	p.mu.Lock()
+	gate := p.gates[from]
+	p.mu.Unlock()
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		}
+	}
+	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.down {
 		return nil, false, errors.New("connection refused")
@@ -180,7 +194,7 @@ func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 			out = append(out, m)
 		}
 	}
-	return out, complete, nil
+	return out, complete && !p.noEnd, nil
 }
 
 // --- the relay under test ---

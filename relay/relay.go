@@ -132,6 +132,14 @@ type rankState struct {
 	lastSeq  uint64
 	lastHash uint64
 	hasLast  bool
+	// recoveringStart is set while a start recovery (priming, a late join)
+	// runs, with startOrigin the sequence the publisher counts from. The
+	// first batch it relays fixes the rank's start, and unknown_before
+	// with it, under the same lock as the cursor: set afterwards, a status
+	// or snapshot read in between (a resumed replay can take a whole
+	// ReplayTimeout) shows the cursor caught up and unknown_before 0.
+	recoveringStart bool
+	startOrigin     uint64
 }
 
 type feedBox struct{ Feed }
@@ -461,13 +469,21 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
 	r.rec.Apply(b)
 	rk.cursor, rk.hasCursor = seq, true
+	startFixed := false
 	if !rk.hasStart {
 		rk.startedAt, rk.hasStart = seq, true
+		if rk.recoveringStart {
+			rk.unknownBefore, startFixed = seq-rk.startOrigin, true
+		}
 	}
 	r.relayed++
 	relayed := r.relayed
 	r.fanOut(posBatch{pos: pos, batch: b, enc: enc})
 	r.mu.Unlock()
+
+	if startFixed {
+		r.countUnknownBefore(rk, rk.unknownBefore)
+	}
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
@@ -678,12 +694,15 @@ func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 // its first live batch arrived. What the replay cannot reach is unknown.
 func (r *Relay) recoverStart(ctx context.Context, rk *rankState, seq uint64) {
 	rk.replayedFrom = 0
+	rk.recoveringStart, rk.startOrigin = true, 0
 	st := r.fill(ctx, rk, 0, seq-1)
-	unknown := seq
-	if st.recovered > 0 {
-		unknown = st.first
+	rk.recoveringStart = false
+	if st.recovered == 0 {
+		// The live batch seq, relayed next, is the start: unknown_before is
+		// set before the cursor reaches it.
+		r.setUnknownBefore(rk, seq)
 	}
-	r.setUnknownBefore(rk, unknown)
+	unknown := rk.unknownBefore
 	if unknown == 0 {
 		r.log.Info("late join recovered from the publisher's start", "rank", rk.rank, "first_live", seq, "recovered", st.recovered)
 	} else {
@@ -718,6 +737,10 @@ func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {
 	r.mu.Lock()
 	rk.unknownBefore = unknown
 	r.mu.Unlock()
+	r.countUnknownBefore(rk, unknown)
+}
+
+func (r *Relay) countUnknownBefore(rk *rankState, unknown uint64) {
 	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(unknown))
 	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(unknown))
 }
@@ -744,14 +767,14 @@ func (r *Relay) prime(ctx context.Context, rk *rankState) bool {
 		start = 1
 	}
 	rk.replayedFrom = 0
+	rk.recoveringStart, rk.startOrigin = true, start
 	st, _ := r.takeReplies(ctx, rk, start, 0, false, msgs, complete, nil)
-	var unknown uint64
-	if st.recovered > 0 {
-		unknown = st.first - start
+	rk.recoveringStart = false
+	if st.recovered == 0 {
+		r.setUnknownBefore(rk, 0)
 	}
-	r.setUnknownBefore(rk, unknown)
 	r.metrics.primed.WithLabelValues(rk.label).Add(float64(st.recovered))
-	r.log.Info("primed from the publisher's replay", "rank", rk.rank, "batches", st.recovered, "unknown_before", unknown)
+	r.log.Info("primed from the publisher's replay", "rank", rk.rank, "batches", st.recovered, "unknown_before", rk.unknownBefore)
 	return true
 }
 
