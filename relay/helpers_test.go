@@ -77,20 +77,27 @@ func cleared() []any { return []any{"AllBlocksCleared"} }
 type fakePub struct {
 	rank int32
 
-	mu       sync.Mutex
-	next     uint64
-	ring     []Message
-	ringSize int
-	live     chan Message
-	down     bool            // the replay ROUTER does not answer
-	truncate int             // replies per request before the "HWM" cuts the answer (and its end marker)
-	dropOnce map[uint64]bool // replies lost once in the middle of an answer (send-HWM drops)
-	noEnd    bool            // answers lose their end marker (the replay times out waiting for it)
-	// gates holds a replay request from a sequence until its channel is
-	// closed (or the relay gives up on it), to look at the relay mid-replay.
-	gates     map[uint64]chan struct{}
+	mu        sync.Mutex
+	next      uint64
+	ring      []Message
+	ringSize  int
+	live      chan Message
+	down      bool            // the replay ROUTER does not answer
+	truncate  int             // replies per request before the "HWM" cuts the answer (and its end marker)
+	dropOnce  map[uint64]bool // replies lost once in the middle of an answer (send-HWM drops)
 	asked     []uint64
 	connected atomic.Bool
+
+	// noEnd makes answers lose their end marker (the replay times out
+	// waiting for it).
+	noEnd bool
+	// gates holds a replay request from a sequence until its channel is
+	// closed (or the relay gives up on it), to look at the relay mid-replay.
+	gates map[uint64]chan struct{}
+	// unanswered makes the next requests bring nothing: an error (the
+	// connection timed out) or, with silent, no reply before the timeout.
+	unanswered int
+	silent     bool
 }
 
 func newFakePub(rank int32) *fakePub {
@@ -179,6 +186,13 @@ func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 		return nil, false, errors.New("connection refused")
 	}
 	p.asked = append(p.asked, from)
+	if p.unanswered > 0 {
+		p.unanswered--
+		if p.silent {
+			return nil, false, nil
+		}
+		return nil, false, errors.New("connect timed out")
+	}
 	var out []Message
 	complete := true
 	for _, m := range p.ring {

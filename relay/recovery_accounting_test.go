@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -35,4 +37,46 @@ func TestUnknownBeforeIsSetWithTheCursorThatAStartReplayMoves(t *testing.T) {
 	l.counts("unknown/lost", []float64{2, 2}, m.unknownBefore.WithLabelValues("0"), m.lost.WithLabelValues("0"))
 	close(release)
 	l.counts("primed/unknown/lost", []float64{4, 2, 2}, m.primed.WithLabelValues("0"), m.unknownBefore.WithLabelValues("0"), m.lost.WithLabelValues("0"))
+}
+
+// A gap-filling replay that brings nothing (the connection or the first
+// reply missed its deadline on a busy host) says nothing about what the
+// engine holds: it is asked again before the gap is written off, once, so a
+// replay that is down still costs only the batches, not a stalled rank
+// (issue 15.2: "the relay recorded sequences 69..72 as lost, which no fault
+// made unavoidable").
+func TestAReplayThatBroughtNothingIsAskedAgainBeforeTheGapIsLost(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		unanswered int
+		silent     bool
+		stream     string
+		lost       float64
+		asked      []uint64
+	}{
+		{name: "one error", unanswered: 1, stream: "0:1 0:2 0:3", asked: []uint64{0, 1, 1}},
+		{name: "one timeout without a reply", unanswered: 1, silent: true, stream: "0:1 0:2 0:3", asked: []uint64{0, 1, 1}},
+		{name: "two errors in a row", unanswered: 2, stream: "0:3", lost: 2, asked: []uint64{0, 1, 1}},
+		{name: "two timeouts in a row", unanswered: 2, silent: true, stream: "0:3", lost: 2, asked: []uint64{0, 1, 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLab(t, labOpts{})
+			p := l.pubs[0]
+			p.publish(payload(0, stored(-1, 100)))
+			l.cursor(0, 0)
+			s := l.subscribe(0)
+			take(t, s, 1)
+			p.hide(payload(0, stored(-1, 101)))
+			p.hide(payload(0, stored(-1, 102)))
+			p.set(func(p *fakePub) { p.unanswered, p.silent = tc.unanswered, tc.silent })
+			p.publish(payload(0, stored(-1, 103)))
+			if got := take(t, s, strings.Count(tc.stream, " ")+1); got != tc.stream {
+				t.Fatalf("stream: %s, want %s", got, tc.stream)
+			}
+			l.counts("lost", []float64{tc.lost}, l.m().lost.WithLabelValues("0"))
+			if got := p.askedFrom(); !slices.Equal(got, tc.asked) {
+				t.Fatalf("replays asked from %v, want %v", got, tc.asked)
+			}
+		})
+	}
 }

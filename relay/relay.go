@@ -595,10 +595,24 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 	// declared lost only when two answers in a row lack it.
 	var missingAt uint64
 	haveMissing := false
+	// unanswered counts attempts in a row that brought nothing: an error (no
+	// connection within the timeout, a broken one) or no reply before the
+	// timeout. Such an attempt says nothing about what the engine holds (a
+	// busy host can miss one deadline), so it is made again before the rest
+	// is written off: a replay that is down costs one more timeout per gap,
+	// a hiccup no longer costs the batches.
+	unanswered := 0
 	for round := 0; ; round++ {
-		if err != nil {
-			return st, expected
+		if err != nil || (len(msgs) == 0 && !complete) {
+			unanswered++
+			if unanswered >= maxUnansweredReplays || round+1 >= maxReplayRounds || ctx.Err() != nil {
+				return st, expected
+			}
+			r.log.Info("replay brought nothing; asking again", "rank", rk.rank, "from", expected, "err", err)
+			msgs, complete, err = r.askReplay(ctx, rk, expected)
+			continue
 		}
+		unanswered = 0
 		st.answered = true
 		took, jumped := 0, false
 		for _, m := range msgs {
