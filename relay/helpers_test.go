@@ -232,6 +232,13 @@ type labOpts struct {
 	skipPrimed bool // do not wait for the start replay
 }
 
+// patience bounds every wait of these tests for something the relay must
+// do. It only decides how soon a failure is reported: the waits poll and end
+// as soon as the condition holds, and a machine loaded by parallel builds
+// and tests (CI on two cores) can take seconds for what takes milliseconds
+// alone.
+const patience = 30 * time.Second
+
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 func newLab(t *testing.T, o labOpts) *lab {
@@ -296,14 +303,14 @@ func (l *lab) stop() {
 		if err != nil {
 			l.t.Errorf("Run: %v", err)
 		}
-	case <-time.After(5 * time.Second):
+	case <-time.After(patience):
 		l.t.Error("Run did not return")
 	}
 }
 
 func (l *lab) waitFor(what string, cond func() bool) {
 	l.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(patience)
 	for !cond() {
 		if time.Now().After(deadline) {
 			l.t.Fatalf("timed out waiting for %s", what)
@@ -343,7 +350,7 @@ func (l *lab) subscribeErr(req *kvpb.SubscribeKvEventsRequest) error {
 
 func next(t *testing.T, s *Subscription) *kvpb.KvEventBatch {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	b, err := s.Next(ctx)
 	if err != nil {
@@ -414,7 +421,7 @@ func (l *lab) counts(what string, want []float64, cs ...prometheus.Collector) {
 		}
 		return fmt.Sprint(got) == fmt.Sprint(want)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(patience)
 	for !ok() {
 		if time.Now().After(deadline) {
 			l.t.Fatalf("%s: got %v, want %v", what, got, want)
