@@ -98,6 +98,9 @@ type fakePub struct {
 	// connection timed out) or, with silent, no reply before the timeout.
 	unanswered int
 	silent     bool
+	// afterAnswer runs after each replay request is answered, outside the
+	// lock: the engine publishing while the relay is between requests.
+	afterAnswer func(from uint64)
 }
 
 func newFakePub(rank int32) *fakePub {
@@ -169,6 +172,17 @@ func (p *fakePub) Close() error    { return nil }
 type fakeReplayer struct{ p *fakePub }
 
 func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {
+	msgs, complete, err := f.answer(ctx, from)
+	f.p.mu.Lock()
+	after := f.p.afterAnswer
+	f.p.mu.Unlock()
+	if after != nil {
+		after(from)
+	}
+	return msgs, complete, err
+}
+
+func (f fakeReplayer) answer(ctx context.Context, from uint64) ([]Message, bool, error) {
 	p := f.p
 	p.mu.Lock()
 	gate := p.gates[from]
@@ -230,6 +244,7 @@ type labOpts struct {
 	subBuffer  int
 	beforeRun  func(l *lab)
 	skipPrimed bool // do not wait for the start replay
+	noCatchUp  bool // no catch-up replays, to count every request
 }
 
 // patience bounds every wait of these tests for something the relay must
@@ -254,7 +269,13 @@ func newLab(t *testing.T, o labOpts) *lab {
 	if o.noReplay {
 		kv.ReplayEndpoint = ""
 	}
+	catchUp := time.Duration(0) // the defaults
+	if o.noCatchUp {
+		catchUp = -1
+	}
 	r, err := New(Config{
+		CatchUpDelay:     catchUp,
+		IdleProbe:        catchUp,
 		Engine:           engineForTest(),
 		KV:               kv,
 		DPSize:           o.ranks,

@@ -80,3 +80,48 @@ func TestAReplayThatBroughtNothingIsAskedAgainBeforeTheGapIsLost(t *testing.T) {
 		})
 	}
 }
+
+// A gap-filling answer that lacks the first sequence asked for is asked
+// again (a reply can be lost to a send-HWM); if the engine's ring moved on
+// meanwhile, the second answer starts later still. What the first answer
+// gave is not lost: only what neither answer had becomes a hole (issue
+// 15.2: "batches recorded as lost" when the replay buffer moves on between
+// an answer and its resume).
+func TestARingThatMovesOnBetweenTwoAnswersLosesOnlyWhatNeitherHad(t *testing.T) {
+	l := newLab(t, labOpts{noCatchUp: true})
+	p := l.pubs[0]
+	p.publish(payload(0, stored(-1, 100)))
+	l.cursor(0, 0)
+	s := l.subscribe(0)
+	take(t, s, 1)
+	p.set(func(p *fakePub) {
+		p.ringSize = 3
+		asked := 0
+		p.afterAnswer = func(from uint64) {
+			if from == 1 {
+				if asked++; asked == 1 {
+					// The engine publishes 7..9 before the relay asks again:
+					// the ring now holds 7..9 only.
+					for i := 7; i <= 9; i++ {
+						p.hide(payload(0, stored(-1, int64(100+i))))
+					}
+				}
+			}
+		}
+	})
+	for i := 1; i <= 5; i++ {
+		p.hide(payload(0, stored(-1, int64(100+i))))
+	}
+	p.publish(payload(0, stored(-1, 106))) // the ring holds 4..6
+	if got, want := take(t, s, 6), "0:4 0:5 0:6 0:7 0:8 0:9"; got != want {
+		t.Fatalf("stream: %s, want %s", got, want)
+	}
+	l.counts("recovered/lost", []float64{6, 3}, l.m().recovered.WithLabelValues("0"), l.m().lost.WithLabelValues("0"))
+	if got := p.askedFrom(); !slices.Equal(got, []uint64{0, 1, 1}) {
+		t.Fatalf("replays asked from %v, want [0 1 1]", got)
+	}
+	chunk := next(t, l.subscribe(0))
+	if describe(chunk) != "0:9 snap 0/1" || chunk.GetSnapshot().GetBlocks() != 7 {
+		t.Fatalf("snapshot %s %v", describe(chunk), chunk.GetSnapshot())
+	}
+}

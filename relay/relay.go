@@ -1,10 +1,12 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -602,6 +604,10 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 	// is written off: a replay that is down costs one more timeout per gap,
 	// a hiccup no longer costs the batches.
 	unanswered := 0
+	// held keeps what an answer gave past the sequence it lacked. By the
+	// time the engine is asked again its ring may have moved on; what only
+	// the earlier answer still had was received, not lost.
+	var held []Message
 	for round := 0; ; round++ {
 		if err != nil || (len(msgs) == 0 && !complete) {
 			unanswered++
@@ -614,8 +620,11 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 		}
 		unanswered = 0
 		st.answered = true
+		if held != nil {
+			msgs, held = mergeReplies(msgs, held), nil
+		}
 		took, jumped := 0, false
-		for _, m := range msgs {
+		for i, m := range msgs {
 			if m.Seq < expected {
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
@@ -623,6 +632,7 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 			if m.Seq > expected {
 				if !haveMissing || missingAt != expected {
 					missingAt, haveMissing, jumped = expected, true, true
+					held = msgs[i:]
 					break
 				}
 				// Asked again and still not there: the engine's ring no
@@ -655,6 +665,15 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 		r.log.Info("replay cut short; resuming it", "rank", rk.rank, "from", expected)
 		msgs, complete, err = r.askReplay(ctx, rk, expected)
 	}
+}
+
+// mergeReplies joins two answers of one replay into one, in sequence
+// order, each sequence once (newer's copy where both have it).
+func mergeReplies(newer, older []Message) []Message {
+	out := make([]Message, 0, len(newer)+len(older))
+	out = append(append(out, newer...), older...)
+	slices.SortStableFunc(out, func(a, b Message) int { return cmp.Compare(a.Seq, b.Seq) })
+	return slices.CompactFunc(out, func(a, b Message) bool { return a.Seq == b.Seq })
 }
 
 // catchUp asks the replay for what the live stream missed with no later
