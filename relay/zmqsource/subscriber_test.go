@@ -252,8 +252,11 @@ func TestSubscriberFollowsEngineRestart(t *testing.T) {
 	p := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, NoReplay: true})
 	s := newTestSubscriber(t, p.PubEndpoint(0), "", 0)
 	attach(t, p, 0, s)
+	// Well ahead of the new incarnation: after the restart, attach publishes
+	// a probe every 100 ms until one arrives, and a loaded machine can lose
+	// several to the slow joiner before the SUB's subscription lands.
 	var published uint64
-	for i := 0; i < 5; i++ {
+	for i := 0; i < 20; i++ {
 		pub, err := p.Publish(0, probe())
 		if err != nil {
 			t.Fatal(err)
