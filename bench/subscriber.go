@@ -394,3 +394,25 @@ func (s *subscriber) waitFor(ctx context.Context, want uint64, timeout time.Dura
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// waitProgressing waits until want batches of the step have arrived or the
+// stream has ended, for as long as the stream makes progress: it gives up
+// once no batch at all (of this step or an earlier one still queued) has
+// arrived for stall, or after limit. It returns how many of the step
+// arrived.
+func (s *subscriber) waitProgressing(ctx context.Context, want uint64, stall, limit time.Duration) uint64 {
+	deadline := time.Now().Add(limit)
+	total, lastChange := s.total(), time.Now()
+	for {
+		got := s.received()
+		ended, _ := s.status()
+		now := time.Now()
+		if n := s.total(); n != total {
+			total, lastChange = n, now
+		}
+		if got >= want || ended || now.Sub(lastChange) >= stall || now.After(deadline) || ctx.Err() != nil {
+			return got
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

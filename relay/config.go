@@ -45,6 +45,10 @@ const (
 	// truncated or non-contiguous answer. Every round must bring something
 	// new, so this only matters against a pathological replay.
 	maxReplayRounds = 64
+	// maxUnansweredReplays is how many attempts in a row may bring nothing
+	// (an error, or no reply before the timeout) before a gap's remaining
+	// sequences are recorded as lost.
+	maxUnansweredReplays = 2
 	// recvErrorBackoff is the pause after a failed receive.
 	recvErrorBackoff = 100 * time.Millisecond
 	// catchUpTick is how often a rank checks its feed's connection and

@@ -25,8 +25,13 @@
 // A replay is checked for contiguity. An answer cut short (SGLang drops
 // replies beyond its send high-water mark, end marker included) is asked for
 // again from the next missing sequence, and a sequence is declared lost only
-// when two answers in a row lack it. What no replay gives is recorded as a
-// hole, and the cursor moves past it, so a loss never becomes a dead end.
+// when two answers in a row lack it; what the first of them gave past it is
+// kept, in case the engine's ring moved on in between. An attempt that
+// brought nothing (no connection, or no reply, within ReplayTimeout) is made
+// once more before the rest is written off. What no replay gives is recorded
+// as a hole, and the cursor moves past it, so a loss never becomes a dead
+// end. unknown_before is set with the first batch a start recovery relays,
+// under the same lock as the cursor.
 // Replies beyond the live batch are relayed at once; their live copies, still
 // queued on the socket, are recognised by payload hash and skipped.
 //

@@ -87,6 +87,20 @@ type fakePub struct {
 	dropOnce  map[uint64]bool // replies lost once in the middle of an answer (send-HWM drops)
 	asked     []uint64
 	connected atomic.Bool
+
+	// noEnd makes answers lose their end marker (the replay times out
+	// waiting for it).
+	noEnd bool
+	// gates holds a replay request from a sequence until its channel is
+	// closed (or the relay gives up on it), to look at the relay mid-replay.
+	gates map[uint64]chan struct{}
+	// unanswered makes the next requests bring nothing: an error (the
+	// connection timed out) or, with silent, no reply before the timeout.
+	unanswered int
+	silent     bool
+	// afterAnswer runs after each replay request is answered, outside the
+	// lock: the engine publishing while the relay is between requests.
+	afterAnswer func(from uint64)
 }
 
 func newFakePub(rank int32) *fakePub {
@@ -158,13 +172,41 @@ func (p *fakePub) Close() error    { return nil }
 type fakeReplayer struct{ p *fakePub }
 
 func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {
+	msgs, complete, err := f.answer(ctx, from)
+	f.p.mu.Lock()
+	after := f.p.afterAnswer
+	f.p.mu.Unlock()
+	if after != nil {
+		after(from)
+	}
+	return msgs, complete, err
+}
+
+func (f fakeReplayer) answer(ctx context.Context, from uint64) ([]Message, bool, error) {
 	p := f.p
+	p.mu.Lock()
+	gate := p.gates[from]
+	p.mu.Unlock()
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		}
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.down {
 		return nil, false, errors.New("connection refused")
 	}
 	p.asked = append(p.asked, from)
+	if p.unanswered > 0 {
+		p.unanswered--
+		if p.silent {
+			return nil, false, nil
+		}
+		return nil, false, errors.New("connect timed out")
+	}
 	var out []Message
 	complete := true
 	for _, m := range p.ring {
@@ -180,7 +222,7 @@ func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 			out = append(out, m)
 		}
 	}
-	return out, complete, nil
+	return out, complete && !p.noEnd, nil
 }
 
 // --- the relay under test ---
@@ -202,7 +244,15 @@ type labOpts struct {
 	subBuffer  int
 	beforeRun  func(l *lab)
 	skipPrimed bool // do not wait for the start replay
+	noCatchUp  bool // no catch-up replays, to count every request
 }
+
+// patience bounds every wait of these tests for something the relay must
+// do. It only decides how soon a failure is reported: the waits poll and end
+// as soon as the condition holds, and a machine loaded by parallel builds
+// and tests (CI on two cores) can take seconds for what takes milliseconds
+// alone.
+const patience = 30 * time.Second
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
@@ -219,7 +269,13 @@ func newLab(t *testing.T, o labOpts) *lab {
 	if o.noReplay {
 		kv.ReplayEndpoint = ""
 	}
+	catchUp := time.Duration(0) // the defaults
+	if o.noCatchUp {
+		catchUp = -1
+	}
 	r, err := New(Config{
+		CatchUpDelay:     catchUp,
+		IdleProbe:        catchUp,
 		Engine:           engineForTest(),
 		KV:               kv,
 		DPSize:           o.ranks,
@@ -268,14 +324,14 @@ func (l *lab) stop() {
 		if err != nil {
 			l.t.Errorf("Run: %v", err)
 		}
-	case <-time.After(5 * time.Second):
+	case <-time.After(patience):
 		l.t.Error("Run did not return")
 	}
 }
 
 func (l *lab) waitFor(what string, cond func() bool) {
 	l.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(patience)
 	for !cond() {
 		if time.Now().After(deadline) {
 			l.t.Fatalf("timed out waiting for %s", what)
@@ -315,7 +371,7 @@ func (l *lab) subscribeErr(req *kvpb.SubscribeKvEventsRequest) error {
 
 func next(t *testing.T, s *Subscription) *kvpb.KvEventBatch {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	b, err := s.Next(ctx)
 	if err != nil {
@@ -386,7 +442,7 @@ func (l *lab) counts(what string, want []float64, cs ...prometheus.Collector) {
 		}
 		return fmt.Sprint(got) == fmt.Sprint(want)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(patience)
 	for !ok() {
 		if time.Now().After(deadline) {
 			l.t.Fatalf("%s: got %v, want %v", what, got, want)

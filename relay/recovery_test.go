@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -57,7 +56,7 @@ func TestAFirstBatchAtTheCountersStartOrWithAClearIsNotALateJoin(t *testing.T) {
 
 func nextErr(t *testing.T, s *Subscription) error {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	for {
 		if _, err := s.Next(ctx); err != nil {

@@ -1,10 +1,12 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -132,6 +134,14 @@ type rankState struct {
 	lastSeq  uint64
 	lastHash uint64
 	hasLast  bool
+	// recoveringStart is set while a start recovery (priming, a late join)
+	// runs, with startOrigin the sequence the publisher counts from. The
+	// first batch it relays fixes the rank's start, and unknown_before
+	// with it, under the same lock as the cursor: set afterwards, a status
+	// or snapshot read in between (a resumed replay can take a whole
+	// ReplayTimeout) shows the cursor caught up and unknown_before 0.
+	recoveringStart bool
+	startOrigin     uint64
 }
 
 type feedBox struct{ Feed }
@@ -466,13 +476,21 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
 	r.rec.Apply(b)
 	rk.cursor, rk.hasCursor = seq, true
+	startFixed := false
 	if !rk.hasStart {
 		rk.startedAt, rk.hasStart = seq, true
+		if rk.recoveringStart {
+			rk.unknownBefore, startFixed = seq-rk.startOrigin, true
+		}
 	}
 	r.relayed++
 	relayed := r.relayed
 	r.fanOut(posBatch{pos: pos, batch: b, enc: enc})
 	r.mu.Unlock()
+
+	if startFixed {
+		r.countUnknownBefore(rk, rk.unknownBefore)
+	}
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
@@ -584,13 +602,34 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 	// declared lost only when two answers in a row lack it.
 	var missingAt uint64
 	haveMissing := false
+	// unanswered counts attempts in a row that brought nothing: an error (no
+	// connection within the timeout, a broken one) or no reply before the
+	// timeout. Such an attempt says nothing about what the engine holds (a
+	// busy host can miss one deadline), so it is made again before the rest
+	// is written off: a replay that is down costs one more timeout per gap,
+	// a hiccup no longer costs the batches.
+	unanswered := 0
+	// held keeps what an answer gave past the sequence it lacked. By the
+	// time the engine is asked again its ring may have moved on; what only
+	// the earlier answer still had was received, not lost.
+	var held []Message
 	for round := 0; ; round++ {
-		if err != nil {
-			return st, expected
+		if err != nil || (len(msgs) == 0 && !complete) {
+			unanswered++
+			if unanswered >= maxUnansweredReplays || round+1 >= maxReplayRounds || ctx.Err() != nil {
+				return st, expected
+			}
+			r.log.Info("replay brought nothing; asking again", "rank", rk.rank, "from", expected, "err", err)
+			msgs, complete, err = r.askReplay(ctx, rk, expected)
+			continue
 		}
+		unanswered = 0
 		st.answered = true
+		if held != nil {
+			msgs, held = mergeReplies(msgs, held), nil
+		}
 		took, jumped := 0, false
-		for _, m := range msgs {
+		for i, m := range msgs {
 			if m.Seq < expected {
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
@@ -598,6 +637,7 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 			if m.Seq > expected {
 				if !haveMissing || missingAt != expected {
 					missingAt, haveMissing, jumped = expected, true, true
+					held = msgs[i:]
 					break
 				}
 				// Asked again and still not there: the engine's ring no
@@ -630,6 +670,15 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 		r.log.Info("replay cut short; resuming it", "rank", rk.rank, "from", expected)
 		msgs, complete, err = r.askReplay(ctx, rk, expected)
 	}
+}
+
+// mergeReplies joins two answers of one replay into one, in sequence
+// order, each sequence once (newer's copy where both have it).
+func mergeReplies(newer, older []Message) []Message {
+	out := make([]Message, 0, len(newer)+len(older))
+	out = append(append(out, newer...), older...)
+	slices.SortStableFunc(out, func(a, b Message) int { return cmp.Compare(a.Seq, b.Seq) })
+	return slices.CompactFunc(out, func(a, b Message) bool { return a.Seq == b.Seq })
 }
 
 // catchUp asks the replay for what the live stream missed with no later
@@ -683,12 +732,15 @@ func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 // its first live batch arrived. What the replay cannot reach is unknown.
 func (r *Relay) recoverStart(ctx context.Context, rk *rankState, seq uint64) {
 	rk.replayedFrom = 0
+	rk.recoveringStart, rk.startOrigin = true, 0
 	st := r.fill(ctx, rk, 0, seq-1)
-	unknown := seq
-	if st.recovered > 0 {
-		unknown = st.first
+	rk.recoveringStart = false
+	if st.recovered == 0 {
+		// The live batch seq, relayed next, is the start: unknown_before is
+		// set before the cursor reaches it.
+		r.setUnknownBefore(rk, seq)
 	}
-	r.setUnknownBefore(rk, unknown)
+	unknown := rk.unknownBefore
 	if unknown == 0 {
 		r.log.Info("late join recovered from the publisher's start", "rank", rk.rank, "first_live", seq, "recovered", st.recovered)
 	} else {
@@ -723,6 +775,10 @@ func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {
 	r.mu.Lock()
 	rk.unknownBefore = unknown
 	r.mu.Unlock()
+	r.countUnknownBefore(rk, unknown)
+}
+
+func (r *Relay) countUnknownBefore(rk *rankState, unknown uint64) {
 	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(unknown))
 	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(unknown))
 }
@@ -749,14 +805,14 @@ func (r *Relay) prime(ctx context.Context, rk *rankState) bool {
 		start = 1
 	}
 	rk.replayedFrom = 0
+	rk.recoveringStart, rk.startOrigin = true, start
 	st, _ := r.takeReplies(ctx, rk, start, 0, false, msgs, complete, nil)
-	var unknown uint64
-	if st.recovered > 0 {
-		unknown = st.first - start
+	rk.recoveringStart = false
+	if st.recovered == 0 {
+		r.setUnknownBefore(rk, 0)
 	}
-	r.setUnknownBefore(rk, unknown)
 	r.metrics.primed.WithLabelValues(rk.label).Add(float64(st.recovered))
-	r.log.Info("primed from the publisher's replay", "rank", rk.rank, "batches", st.recovered, "unknown_before", unknown)
+	r.log.Info("primed from the publisher's replay", "rank", rk.rank, "batches", st.recovered, "unknown_before", rk.unknownBefore)
 	return true
 }
 

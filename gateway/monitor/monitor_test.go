@@ -25,6 +25,11 @@ func TestAppliesInOrderAndDropsStale(t *testing.T) {
 	c.send(t, batch(-1, 10), batch(-1, 11), batch(-1, 11), batch(-1, 10), batch(-1, 12))
 	r.sink.expect(t, "apply r0 s10", "apply r0 s11", "apply r0 s12")
 	r.sink.quiet(t)
+	// The counters and the lag follow the sink's apply: on a loaded machine
+	// the last batch's may not be in yet.
+	eventually(t, "the last apply's counters", func() bool {
+		return r.histogramCount(t, "kvrelay_gateway_lag_seconds") >= 3
+	})
 	if got := r.counter(t, "batches", "stale"); got != 2 {
 		t.Errorf("stale = %v, want 2", got)
 	}
@@ -272,9 +277,11 @@ func TestOutOfRangeAtZeroBacksOff(t *testing.T) {
 	// hammered: nothing was reset, so the monitor backs off.
 	r := newRig(t, func(o *Options) { o.InitialBackoff = 150 * time.Millisecond; o.MaxBackoff = 150 * time.Millisecond })
 	c := r.srv.next(t)
+	// The backoff cannot start before the refusal: timing from here, a
+	// loaded machine can only make the wait look longer, never shorter.
+	start := time.Now()
 	c.finish(statusErr(codes.OutOfRange, "no"))
 	r.sink.expect(t, "clear")
-	start := time.Now()
 	r.srv.next(t)
 	if d := time.Since(start); d < 150*time.Millisecond {
 		t.Errorf("resubscribed after %v, before the backoff", d)
@@ -320,10 +327,12 @@ func TestUnimplementedDisables(t *testing.T) {
 }
 
 func TestUnansweredSubscribeHitsDeadline(t *testing.T) {
+	// The deadline cannot start before the rig: timing from here, a loaded
+	// machine can only make the wait look longer, never shorter.
+	start := time.Now()
 	r := newRig(t, nil) // deadline 300 ms
 	c := r.srv.next(t)  // never answered
-	start := time.Now()
-	c.waitEnded(t) // the monitor gives up and cancels the call
+	c.waitEnded(t)      // the monitor gives up and cancels the call
 	if d := time.Since(start); d < 250*time.Millisecond {
 		t.Errorf("call abandoned after %v, before the deadline", d)
 	}
@@ -376,8 +385,8 @@ func TestBackoffBounds(t *testing.T) {
 	}
 	// A success resets the delay.
 	c := r.srv.next(t).answer(t)
+	start := time.Now() // before the end the wait follows
 	c.finish(nil)
-	start := time.Now()
 	r.srv.next(t)
 	if d := time.Since(start); d < 40*time.Millisecond {
 		t.Errorf("after a success: waited %v", d)

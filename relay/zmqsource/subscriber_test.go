@@ -252,13 +252,27 @@ func TestSubscriberFollowsEngineRestart(t *testing.T) {
 	p := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, NoReplay: true})
 	s := newTestSubscriber(t, p.PubEndpoint(0), "", 0)
 	attach(t, p, 0, s)
-	for i := 0; i < 5; i++ {
-		if _, err := p.Publish(0, probe()); err != nil {
+	// Well ahead of the new incarnation: after the restart, attach publishes
+	// a probe every 100 ms until one arrives, and a loaded machine can lose
+	// several to the slow joiner before the SUB's subscription lands.
+	var published uint64
+	for i := 0; i < 20; i++ {
+		pub, err := p.Publish(0, probe())
+		if err != nil {
 			t.Fatal(err)
 		}
+		published = pub.Seq
 	}
-	before := drainQueued(t, s, 500*time.Millisecond)
-	last := before[len(before)-1].Seq
+	// Read up to the last one published: on a loaded machine they can
+	// arrive far apart, so wait for it rather than for a quiet spell.
+	var last uint64
+	for last < published {
+		m, ok := recvWithin(t, s, 30*time.Second)
+		if !ok {
+			t.Fatalf("the batches up to seq %d did not arrive (last %d)", published, last)
+		}
+		last = m.Seq
+	}
 	if last < 5 {
 		t.Fatalf("last seq before restart %d, want >= 5", last)
 	}
