@@ -1,0 +1,406 @@
+package zmqsource
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// zmtpFrame encodes one ZMTP 3 frame header and body. size overrides the
+// declared size when body is nil (a header that lies).
+func zmtpFrame(flags byte, body []byte, size uint64) []byte {
+	if body != nil {
+		size = uint64(len(body))
+	}
+	var b []byte
+	if size > 255 || flags&flagLong != 0 {
+		b = append(b, flags|flagLong)
+		b = binary.BigEndian.AppendUint64(b, size)
+	} else {
+		b = append(b, flags, byte(size))
+	}
+	return append(b, body...)
+}
+
+func zmtpGreeting() []byte {
+	g := make([]byte, zmtpGreetingBytes)
+	g[0], g[9], g[10], g[11] = 0xff, 0x7f, 3, 0
+	copy(g[12:], "NULL")
+	return g
+}
+
+// zmtpReady is the READY command announcing socketType.
+func zmtpReady(socketType string) []byte {
+	body := append([]byte{5}, "READY"...)
+	body = append(body, byte(len("Socket-Type")))
+	body = append(body, "Socket-Type"...)
+	body = binary.BigEndian.AppendUint32(body, uint32(len(socketType)))
+	body = append(body, socketType...)
+	return zmtpFrame(flagCommand, body, 0)
+}
+
+func TestZMTPGuard(t *testing.T) {
+	const limit = 1000
+	small := zmtpFrame(flagMore, make([]byte, 300), 0)
+	last := zmtpFrame(0, make([]byte, 300), 0)
+	tests := []struct {
+		name    string
+		stream  []byte
+		refused bool
+	}{
+		{"handshake and messages within the limit", concat(zmtpGreeting(), zmtpReady("PUB"), small, small, last, small, last), false},
+		{"a long frame header of 1 TiB", concat(zmtpGreeting(), zmtpReady("PUB"), zmtpFrame(flagLong, nil, 1<<40)), true},
+		{"a short header is at most 255", concat(zmtpGreeting(), zmtpFrame(0, nil, 255)), false},
+		{"a frame one over", concat(zmtpGreeting(), zmtpFrame(0, make([]byte, limit+1), 0)), true},
+		{"a frame at the limit", concat(zmtpGreeting(), zmtpFrame(0, make([]byte, limit), 0)), false},
+		{"a message of small frames over the limit", concat(zmtpGreeting(), small, small, small, last), true},
+		{"a huge command", concat(zmtpGreeting(), zmtpFrame(flagCommand|flagLong, nil, 1<<62)), true},
+		{"a size with the top bit set", concat(zmtpGreeting(), zmtpFrame(flagLong, nil, 1<<63)), true},
+		{"too many empty frames", concat(zmtpGreeting(), bytes.Repeat(zmtpFrame(flagMore, []byte{}, 0), maxFramesPerMessage+1)), true},
+		{"many empty messages", concat(zmtpGreeting(), bytes.Repeat(zmtpFrame(0, []byte{}, 0), 10*maxFramesPerMessage)), false},
+		{"a greeting that looks like a header", concat(bytes.Repeat([]byte{0xff}, zmtpGreetingBytes), last), false},
+	}
+	for _, tc := range tests {
+		for _, chunk := range []int{1, 3, 64, len(tc.stream)} {
+			var refused atomic.Uint64
+			g := newZMTPGuard("tcp://peer:1", connLimits{maxMessageBytes: limit, refused: &refused})
+			var err error
+			for b := tc.stream; len(b) > 0 && err == nil; {
+				n := min(chunk, len(b))
+				err = g.observe(b[:n])
+				b = b[n:]
+			}
+			if got := err != nil; got != tc.refused || (err != nil && !errors.Is(err, ErrMessageTooLarge)) {
+				t.Errorf("%s, chunks of %d: err %v, want refused %v", tc.name, chunk, err, tc.refused)
+			}
+			if want := map[bool]uint64{true: 1}[tc.refused]; refused.Load() != want {
+				t.Errorf("%s, chunks of %d: counted %d refusals, want %d", tc.name, chunk, refused.Load(), want)
+			}
+			if err != nil && g.observe([]byte{0}) == nil {
+				t.Errorf("%s: the guard accepted bytes after refusing", tc.name)
+			}
+		}
+	}
+}
+
+func concat(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+
+// FuzzZMTPGuard: any stream, in any chunking, gets the same verdict, and a
+// stream it accepts declares no frame over the limit.
+func FuzzZMTPGuard(f *testing.F) {
+	f.Add(concat(zmtpGreeting(), zmtpReady("PUB"), zmtpFrame(0, []byte("x"), 0)), uint8(1))
+	f.Add(concat(zmtpGreeting(), zmtpFrame(flagLong, nil, 1<<40)), uint8(7))
+	f.Fuzz(func(t *testing.T, stream []byte, chunk uint8) {
+		whole := newZMTPGuard("p", connLimits{maxMessageBytes: 512}).observe(stream)
+		g := newZMTPGuard("p", connLimits{maxMessageBytes: 512})
+		step := int(chunk)%16 + 1
+		var err error
+		for b := stream; len(b) > 0 && err == nil; {
+			n := min(step, len(b))
+			err = g.observe(b[:n])
+			b = b[n:]
+		}
+		if (err == nil) != (whole == nil) {
+			t.Fatalf("whole: %v; in chunks of %d: %v", whole, step, err)
+		}
+	})
+}
+
+// rawZMTPPeer is a TCP server that speaks just enough ZMTP 3.0 to pass for
+// an engine's socket of socketType, then lets serve write what it likes. It
+// counts the connections it accepted and those that ended after the
+// handshake.
+type rawZMTPPeer struct {
+	endpoint string
+	accepted atomic.Int32
+	closed   atomic.Int32
+}
+
+func startRawZMTPPeer(t *testing.T, socketType string, serve func(c net.Conn) error) *rawZMTPPeer {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &rawZMTPPeer{endpoint: "tcp://" + l.Addr().String()}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { _ = l.Close(); wg.Wait() })
+	wg.Go(func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			p.accepted.Add(1)
+			wg.Go(func() {
+				defer c.Close()
+				stop := context.AfterFunc(t.Context(), func() { _ = c.Close() })
+				defer stop()
+				if err := handshake(c, socketType); err != nil {
+					return
+				}
+				// A write that fails, or the end of the stream, means the
+				// client hung up (or the test ended).
+				if err := serve(c); err == nil {
+					_, _ = io.Copy(io.Discard, c)
+				}
+				p.closed.Add(1)
+			})
+		}
+	})
+	return p
+}
+
+func handshake(c net.Conn, socketType string) error {
+	if _, err := c.Write(zmtpGreeting()); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(c, make([]byte, zmtpGreetingBytes)); err != nil {
+		return err
+	}
+	if _, err := c.Write(zmtpReady(socketType)); err != nil {
+		return err
+	}
+	_, err := readZMTPFrame(c) // the client's READY
+	return err
+}
+
+func readZMTPFrame(c net.Conn) ([]byte, error) {
+	var hdr [9]byte
+	if _, err := io.ReadFull(c, hdr[:1]); err != nil {
+		return nil, err
+	}
+	var size uint64
+	if hdr[0]&flagLong != 0 {
+		if _, err := io.ReadFull(c, hdr[1:9]); err != nil {
+			return nil, err
+		}
+		size = binary.BigEndian.Uint64(hdr[1:9])
+	} else {
+		if _, err := io.ReadFull(c, hdr[1:2]); err != nil {
+			return nil, err
+		}
+		size = uint64(hdr[1])
+	}
+	body := make([]byte, min(size, 1<<16))
+	_, err := io.ReadFull(c, body)
+	return body, err
+}
+
+// A peer that passes the handshake as an engine's PUB and declares a huge
+// frame: the subscriber refuses it before anything is allocated, counts it,
+// and reconnects.
+func TestSubscriberRefusesOversizedMessages(t *testing.T) {
+	tests := []struct {
+		name  string
+		limit int64 // 0: the default
+		send  []byte
+	}{
+		{"one frame declaring 1 TiB", 0, zmtpFrame(flagLong, nil, 1<<40)},
+		{"three frames of 600 KiB under a 1 MiB limit", 1 << 20, concat(
+			zmtpFrame(flagMore, []byte("kv"), 0), zmtpFrame(flagMore, make([]byte, 8), 0),
+			zmtpFrame(flagMore, make([]byte, 600<<10), 0), zmtpFrame(flagMore, make([]byte, 600<<10), 0),
+			zmtpFrame(0, make([]byte, 600<<10), 0))},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			peer := startRawZMTPPeer(t, "PUB", func(c net.Conn) error {
+				_, err := c.Write(tc.send)
+				return err
+			})
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			s := NewSubscriber(SubscriberOptions{Endpoint: peer.endpoint, MaxMessageBytes: tc.limit, Logger: quietLogger(),
+				MinBackoff: 20 * time.Millisecond, MaxBackoff: 100 * time.Millisecond})
+			defer s.Close()
+			// Refused, the connection closed by the subscriber, and a new
+			// one made: twice, to see the reconnect loop keep going.
+			waitFor(t, "two refusals and a third connection", 30*time.Second, func() bool {
+				return s.Stats().Oversized >= 2 && peer.closed.Load() >= 2 && peer.accepted.Load() >= 3
+			})
+			runtime.ReadMemStats(&after)
+			if grew := after.TotalAlloc - before.TotalAlloc; grew > 32<<20 {
+				t.Errorf("%d bytes allocated while refusing", grew)
+			}
+			if st := s.Stats(); st.Received != 0 || st.QueuedBytes != 0 {
+				t.Errorf("stats %+v: an oversized message got through", st)
+			}
+		})
+	}
+}
+
+// The same from a replay ROUTER answering with a huge frame: the replay
+// fails with an error naming the endpoint and the size, and counts it.
+func TestReplayRefusesOversizedReply(t *testing.T) {
+	peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+		for i := 0; i < 2; i++ { // the request: "" and the start seq
+			if _, err := readZMTPFrame(c); err != nil {
+				return err
+			}
+		}
+		_, err := c.Write(concat(zmtpFrame(flagMore, []byte{}, 0), zmtpFrame(flagLong, nil, 1<<40)))
+		return err
+	})
+	r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	msgs, complete, err := r.Replay(context.Background(), 0)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrMessageTooLarge) || complete || len(msgs) != 0 {
+		t.Fatalf("got %d msgs, complete %v, err %v; want ErrMessageTooLarge", len(msgs), complete, err)
+	}
+	for _, want := range []string{peer.endpoint, "1099511627776 bytes"} {
+		if !bytes.Contains([]byte(err.Error()), []byte(want)) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+	if bytes.Contains([]byte(err.Error()), []byte("kvrelay-")) {
+		t.Errorf("error %q names the internal transport", err)
+	}
+	if st := r.Stats(); st.Oversized != 1 {
+		t.Errorf("stats %+v, want one oversized", st)
+	}
+	if grew := after.TotalAlloc - before.TotalAlloc; grew > 32<<20 {
+		t.Errorf("%d bytes allocated while refusing", grew)
+	}
+}
+
+// zmtpMessage encodes frames as one message.
+func zmtpMessage(frames ...[]byte) []byte {
+	var b []byte
+	for i, f := range frames {
+		flags := byte(flagMore)
+		if i == len(frames)-1 {
+			flags = 0
+		}
+		b = append(b, zmtpFrame(flags, f, 0)...)
+	}
+	return b
+}
+
+func seqFrame(seq uint64) []byte { return binary.BigEndian.AppendUint64(nil, seq) }
+
+// A subscriber whose consumer stalls holds at most QueueBytes of messages
+// and counts the rest as dropped.
+func TestSubscriberQueueBoundedByBytes(t *testing.T) {
+	const n, size = 10, 300 << 10
+	peer := startRawZMTPPeer(t, "PUB", func(c net.Conn) error {
+		for i := uint64(0); i < n; i++ {
+			if _, err := c.Write(zmtpMessage([]byte("kv"), seqFrame(i), make([]byte, size))); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	s := NewSubscriber(SubscriberOptions{Endpoint: peer.endpoint, MaxMessageBytes: 512 << 10, QueueBytes: 1 << 20,
+		Logger: quietLogger(), MinBackoff: 20 * time.Millisecond})
+	defer s.Close()
+	waitFor(t, "every message read off the socket", 30*time.Second, func() bool { return s.Stats().Received == n })
+	st := s.Stats()
+	if st.Dropped != n-3 || st.QueuedBytes != 3*(size+2) {
+		t.Fatalf("stats %+v; want 3 messages (%d bytes) queued within 1 MiB and %d dropped", st, 3*(size+2), n-3)
+	}
+	for i := uint64(0); i < 3; i++ {
+		if m, ok := recvWithin(t, s, 5*time.Second); !ok || m.Seq != i {
+			t.Fatalf("message %d: %+v, %v", i, m.Seq, ok)
+		}
+	}
+	if st := s.Stats(); st.QueuedBytes != 0 {
+		t.Errorf("%d bytes still accounted after the queue emptied", st.QueuedBytes)
+	}
+}
+
+// A replay server that misbehaves is cut off by the replay's bounds.
+func TestReplayBounds(t *testing.T) {
+	reply := func(seq uint64, size int) []byte {
+		return zmtpMessage([]byte{}, seqFrame(seq), bytes.Repeat([]byte{0x93}, size))
+	}
+	// forever answers with increasing sequences until the client hangs up.
+	forever := func(c net.Conn, size int) error {
+		for seq := uint64(10); ; seq++ {
+			if _, err := c.Write(reply(seq, size)); err != nil {
+				return err
+			}
+		}
+	}
+	tests := []struct {
+		name      string
+		bounds    func(r *Replayer)
+		serve     func(c net.Conn) error
+		wantMsgs  int
+		wantErr   error
+		wantStats ReplayerStats
+	}{
+		{"a reply below the start", func(*Replayer) {}, func(c net.Conn) error {
+			_, err := c.Write(concat(reply(10, 1), reply(11, 1), reply(5, 1), reply(12, 1)))
+			return err
+		}, 2, ErrReplayOutOfBounds, ReplayerStats{OutOfRange: 1}},
+		{"a reply not after the previous", func(*Replayer) {}, func(c net.Conn) error {
+			_, err := c.Write(concat(reply(10, 1), reply(12, 1), reply(12, 1)))
+			return err
+		}, 2, ErrReplayOutOfBounds, ReplayerStats{OutOfRange: 1}},
+		{"more replies than any ring", func(r *Replayer) { r.MaxReplies = 100 }, func(c net.Conn) error { return forever(c, 1) },
+			100, ErrReplayOutOfBounds, ReplayerStats{TooMany: 1}},
+		{"more bytes than the bound", func(r *Replayer) { r.MaxBytes = 100 << 10 }, func(c net.Conn) error { return forever(c, 1<<10) },
+			100, nil, ReplayerStats{TooBig: 1}},
+		{"longer than the bound", func(r *Replayer) { r.MaxTime = 300 * time.Millisecond }, func(c net.Conn) error {
+			for seq := uint64(10); ; seq++ {
+				if _, err := c.Write(reply(seq, 1)); err != nil {
+					return err
+				}
+				time.Sleep(20 * time.Millisecond) // within PerReply each time
+			}
+		}, -1, nil, ReplayerStats{TooLong: 1}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+				for i := 0; i < 2; i++ {
+					if _, err := readZMTPFrame(c); err != nil {
+						return err
+					}
+				}
+				return tc.serve(c)
+			})
+			r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+			tc.bounds(r)
+			msgs, complete, err := r.Replay(context.Background(), 10)
+			if complete || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
+				t.Fatalf("complete %v, err %v; want incomplete and %v", complete, err, tc.wantErr)
+			}
+			if tc.wantMsgs >= 0 && len(msgs) != tc.wantMsgs {
+				t.Errorf("%d replies kept, want %d", len(msgs), tc.wantMsgs)
+			}
+			for i, m := range msgs {
+				if m.Seq < 10 || (i > 0 && m.Seq <= msgs[i-1].Seq) {
+					t.Fatalf("reply %d: seq %d kept", i, m.Seq)
+				}
+			}
+			if st := r.Stats(); st != tc.wantStats {
+				t.Errorf("stats %+v, want %+v", st, tc.wantStats)
+			}
+		})
+	}
+}
+
+func TestQueueBoundedByBytes(t *testing.T) {
+	q := newQueue(100, 1000)
+	m := Message{Topic: []byte("kv"), Payload: make([]byte, 398)}
+	if !q.push(m) || !q.push(m) || q.push(m) {
+		t.Fatal("want two 400-byte messages in 1000 bytes and a third refused")
+	}
+	if q.queuedBytes() != 800 {
+		t.Fatalf("%d bytes accounted, want 800", q.queuedBytes())
+	}
+	if _, ok := q.pop(); !ok || !q.push(m) || q.queuedBytes() != 800 {
+		t.Fatalf("after a pop and a push: %d bytes accounted, want 800", q.queuedBytes())
+	}
+}
