@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -105,6 +106,7 @@ type rankState struct {
 	label          string // the rank as a metric label
 	norm           normalizer
 	replay         Replayer
+	replayCounters atomic.Pointer[replayerStatser] // for scrapes: replay is set without the lock
 	feed           atomic.Pointer[feedBox]
 	reprime        chan struct{}
 
@@ -135,6 +137,13 @@ type rankState struct {
 }
 
 type feedBox struct{ Feed }
+
+func (rk *rankState) replayStatser() (replayerStatser, bool) {
+	if p := rk.replayCounters.Load(); p != nil {
+		return *p, true
+	}
+	return nil, false
+}
 
 // New validates cfg and builds a relay. It opens no socket; Run does.
 func New(cfg Config) (*Relay, error) {
@@ -201,7 +210,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	transport := r.cfg.Transport
 	if transport == nil {
-		transport = zmqTransport(r.cfg.KV.Topic, r.cfg.KV.HWM, r.log)
+		transport = zmqTransport(r.cfg.KV.Topic, r.cfg.KV.HWM, r.cfg.zmqLimits(), r.log)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -220,6 +229,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			break
 		}
 		rk.replay = rep
+		if s, ok := rep.(replayerStatser); ok {
+			rk.replayCounters.Store(&s)
+		}
 		rk.feed.Store(&feedBox{feed})
 		wg.Go(func() {
 			defer func() {
@@ -391,7 +403,7 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
 		return
 	}
-	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear)
+	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear, r.cfg.window())
 	if v == restart {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
@@ -590,6 +602,15 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
 			}
+			if m.Seq > expected && m.Seq-expected > r.cfg.window() {
+				// Further ahead than the engine's ring reaches: no engine
+				// answers so, and recording it as a hole would let one reply
+				// put 2^63 lost batches in the counters. The answer ends
+				// here; what it did not give stays missing.
+				r.log.Warn("replay reply beyond the engine's replay window; ignoring the rest of the answer",
+					"rank", rk.rank, "expected", expected, "seq", m.Seq, "window", r.cfg.window())
+				return st, expected
+			}
 			if m.Seq > expected {
 				if !haveMissing || missingAt != expected {
 					missingAt, haveMissing, jumped = expected, true, true
@@ -638,6 +659,9 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 // restarted the rank (the caller then primes it from 0).
 func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 	from := rk.cursor
+	if from == math.MaxUint64 {
+		return false // nothing follows; the next batch is a regression
+	}
 	msgs, complete, err := r.askReplay(ctx, rk, from)
 	if err != nil || ctx.Err() != nil {
 		return false
@@ -677,8 +701,15 @@ func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 // recoverStart fills 0..seq-1 for a publisher that was already counting when
 // its first live batch arrived. What the replay cannot reach is unknown.
 func (r *Relay) recoverStart(ctx context.Context, rk *rankState, seq uint64) {
-	rk.replayedFrom = 0
-	st := r.fill(ctx, rk, 0, seq-1)
+	// No replay reaches further back than the engine's ring, so no hole
+	// wider than it is recorded: a first batch at 2^63 (forged, or a
+	// sequence jump) must not make 2^63 lost batches.
+	var from uint64
+	if w := r.cfg.window(); seq > w {
+		from = seq - w
+	}
+	rk.replayedFrom = from
+	st := r.fill(ctx, rk, from, seq-1)
 	unknown := seq
 	if st.recovered > 0 {
 		unknown = st.first
@@ -719,7 +750,10 @@ func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {
 	rk.unknownBefore = unknown
 	r.mu.Unlock()
 	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(unknown))
-	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(unknown))
+	// The total adds at most one replay window per incarnation: one batch
+	// with a forged sequence must not add 2^63 (the gauge has the exact
+	// value).
+	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(min(unknown, r.cfg.window())))
 }
 
 // prime asks the replay for everything from 0 before any live batch. It
@@ -743,11 +777,18 @@ func (r *Relay) prime(ctx context.Context, rk *rankState) bool {
 	if msgs[0].Seq == 1 && complete {
 		start = 1
 	}
+	base := start
+	if msgs[0].Seq-start > r.cfg.window() {
+		// The ring starts further on than it could ever reach back (an
+		// engine that has run for a while): what precedes it is unknown,
+		// not a hole, and no hole wider than the window is recorded.
+		start = msgs[0].Seq
+	}
 	rk.replayedFrom = 0
 	st, _ := r.takeReplies(ctx, rk, start, 0, false, msgs, complete, nil)
 	var unknown uint64
 	if st.recovered > 0 {
-		unknown = st.first - start
+		unknown = st.first - base
 	}
 	r.setUnknownBefore(rk, unknown)
 	r.metrics.primed.WithLabelValues(rk.label).Add(float64(st.recovered))
