@@ -134,7 +134,23 @@ type rankState struct {
 	lastSeq  uint64
 	lastHash uint64
 	hasLast  bool
+
+	// Owned by the rank goroutine: log throttling. A replay endpoint that
+	// does not answer is warned about once, until it answers again; the
+	// undecodable-batch warning is logged at most once per
+	// undecodableLogEvery, with the count of the ones not logged.
+	replayFailures        uint64
+	undecodableLoggedAt   time.Time
+	undecodableSuppressed uint64
 }
+
+// undecodableLogEvery spaces the per-batch undecodable warnings of a rank:
+// an engine sending only garbage would otherwise log every batch (the
+// metric counts each one).
+const undecodableLogEvery = 10 * time.Second
+
+// maxPrimeRetry caps the doubling wait between start replays that fail.
+const maxPrimeRetry = 30 * time.Second
 
 type feedBox struct{ Feed }
 
@@ -282,6 +298,9 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		}
 	}()
 	retryC := make(chan struct{}, 1)
+	// The start replay is retried with a doubling wait while the engine
+	// does not answer.
+	primeWait := r.cfg.PrimeRetry
 
 	// The catch-up replay runs a while after the feed connects, and when
 	// the rank has been quiet for IdleProbe (see catchUp).
@@ -330,8 +349,13 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			primeC = nil
 			primed := r.prime(ctx, rk)
 			lastActive = time.Now()
+			if primed {
+				primeWait = r.cfg.PrimeRetry
+			}
 			if !primed && ctx.Err() == nil {
-				retry = time.AfterFunc(r.cfg.PrimeRetry, func() {
+				wait := primeWait
+				primeWait = min(2*primeWait, max(maxPrimeRetry, r.cfg.PrimeRetry))
+				retry = time.AfterFunc(wait, func() {
 					select {
 					case retryC <- struct{}{}:
 					default:
@@ -447,7 +471,13 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 		// Relay an empty batch under the sequence so that nobody sees a
 		// gap for it.
 		r.metrics.undecodable.WithLabelValues(rk.label).Inc()
-		r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
+		if now := time.Now(); now.Sub(rk.undecodableLoggedAt) >= undecodableLogEvery {
+			r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err,
+				"not_logged_since_last", rk.undecodableSuppressed)
+			rk.undecodableLoggedAt, rk.undecodableSuppressed = now, 0
+		} else {
+			rk.undecodableSuppressed++
+		}
 		b = &kvpb.KvEventBatch{SequenceNumber: seq}
 	}
 	b.SequenceNumber = seq
@@ -570,10 +600,21 @@ func (r *Relay) askReplay(ctx context.Context, rk *rankState, from uint64) ([]Me
 	case err != nil:
 		result = "error"
 		if ctx.Err() == nil {
-			r.log.Warn("replay failed", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "err", err)
+			// Once per outage: an absent engine is retried with backoff,
+			// and every retry would say the same.
+			rk.replayFailures++
+			if rk.replayFailures == 1 {
+				r.log.Warn("replay failed; retrying quietly until it answers", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "err", err)
+			} else {
+				r.log.Debug("replay failed again", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "failures", rk.replayFailures, "err", err)
+			}
 		}
 	case !complete:
 		result = "truncated"
+	}
+	if err == nil && rk.replayFailures > 0 {
+		r.log.Info("replay answering again", "rank", rk.rank, "endpoint", rk.replayEndpoint, "failures", rk.replayFailures)
+		rk.replayFailures = 0
 	}
 	r.metrics.replays.WithLabelValues(rk.label, result).Inc()
 	return msgs, complete, err
