@@ -69,6 +69,9 @@ func TestAbsurdSequencesAreRestartsNotGaps(t *testing.T) {
 func TestAGapAtTheEdgeOfTheWindowIsFilled(t *testing.T) {
 	l := newLab(t, labOpts{})
 	p := l.pubs[0]
+	// A ring larger than the relay's window (the engine config's
+	// buffer_steps, 10,000 here) holds the whole gap.
+	p.set(func(p *fakePub) { p.ringSize = 20_000 })
 	p.publish(payload(0, stored(-1, 1)))
 	l.cursor(0, 0)
 	for i := 0; i < 10_000; i++ {
