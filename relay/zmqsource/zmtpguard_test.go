@@ -5,9 +5,12 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -126,7 +129,12 @@ type rawZMTPPeer struct {
 
 func startRawZMTPPeer(t *testing.T, socketType string, serve func(c net.Conn) error) *rawZMTPPeer {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	return startRawZMTPPeerOn(t, "127.0.0.1:0", socketType, serve)
+}
+
+func startRawZMTPPeerOn(t *testing.T, addr, socketType string, serve func(c net.Conn) error) *rawZMTPPeer {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -403,4 +411,111 @@ func TestQueueBoundedByBytes(t *testing.T) {
 	if _, ok := q.pop(); !ok || !q.push(m) || q.queuedBytes() != 800 {
 		t.Fatalf("after a pop and a push: %d bytes accounted, want 800", q.queuedBytes())
 	}
+}
+
+// The case at the default bound: 32 MiB messages while the consumer
+// stalls. The queue accounts at most DefaultQueueBytes (one backing array
+// stands for every payload, so the test itself stays small).
+func TestQueueDefaultByteBound(t *testing.T) {
+	q := newQueue(100_000, DefaultQueueBytes)
+	big := make([]byte, 32<<20)
+	pushed := 0
+	for i := 0; i < 24; i++ {
+		if q.push(Message{Payload: big}) {
+			pushed++
+		}
+	}
+	if pushed != 4 || q.queuedBytes() != 4*int64(len(big)) || q.queuedBytes() > DefaultQueueBytes {
+		t.Fatalf("%d of 24 messages of 32 MiB queued, %d bytes accounted; want 4 within %d", pushed, q.queuedBytes(), DefaultQueueBytes)
+	}
+}
+
+// A replay server that never stops answering is cut at the default count.
+func TestReplayDefaultCountBound(t *testing.T) {
+	peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+		for i := 0; i < 2; i++ {
+			if _, err := readZMTPFrame(c); err != nil {
+				return err
+			}
+		}
+		for seq := uint64(0); ; seq++ {
+			if _, err := c.Write(zmtpMessage([]byte{}, seqFrame(seq), []byte{0x93})); err != nil {
+				return err
+			}
+		}
+	})
+	r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+	msgs, complete, err := r.Replay(context.Background(), 0)
+	if !errors.Is(err, ErrReplayOutOfBounds) || complete || len(msgs) != DefaultReplayMaxReplies {
+		t.Fatalf("%d replies, complete %v, err %v; want %d and ErrReplayOutOfBounds", len(msgs), complete, err, DefaultReplayMaxReplies)
+	}
+}
+
+// An engine that is not there is warned about once, after a while, and its
+// arrival is logged.
+func TestSubscriberWarnsOnceWhileThePublisherIsUnreachable(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close() // nothing listens there now
+	rec := &recordingHandler{}
+	s := NewSubscriber(SubscriberOptions{Endpoint: "tcp://" + addr, Logger: slog.New(rec),
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, UnreachableWarnAfter: 100 * time.Millisecond})
+	defer s.Close()
+	waitFor(t, "the warning", 30*time.Second, func() bool { return rec.count(slog.LevelWarn, "engine publisher unreachable") == 1 })
+	// Many more failed dials, still one warning.
+	before := rec.count(slog.LevelDebug, "zmq subscriber dial failed")
+	waitFor(t, "ten more dials", 30*time.Second, func() bool { return rec.count(slog.LevelDebug, "zmq subscriber dial failed") >= before+10 })
+	if n := rec.count(slog.LevelWarn, "engine publisher unreachable"); n != 1 {
+		t.Fatalf("%d warnings for one outage, want 1", n)
+	}
+	for _, r := range rec.all() {
+		if strings.Contains(fmt.Sprint(r), "kvrelay-") {
+			t.Fatalf("a log line names the internal transport: %v", r)
+		}
+	}
+	// The publisher appears.
+	startRawZMTPPeerOn(t, addr, "PUB", func(net.Conn) error { return nil })
+	waitFor(t, "the recovery logged", 30*time.Second, func() bool { return rec.count(slog.LevelInfo, "engine publisher reachable again") == 1 })
+}
+
+// recordingHandler keeps every record, with its attributes as text.
+type recordingHandler struct {
+	mu      sync.Mutex
+	records []string
+	levels  []slog.Level
+	msgs    []string
+}
+
+func (h *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *recordingHandler) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	b.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool { fmt.Fprintf(&b, " %s=%v", a.Key, a.Value); return true })
+	h.mu.Lock()
+	h.records, h.levels, h.msgs = append(h.records, b.String()), append(h.levels, r.Level), append(h.msgs, r.Message)
+	h.mu.Unlock()
+	return nil
+}
+func (h *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *recordingHandler) WithGroup(string) slog.Handler      { return h }
+
+func (h *recordingHandler) count(level slog.Level, prefix string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for i, m := range h.msgs {
+		if h.levels[i] == level && strings.HasPrefix(m, prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+func (h *recordingHandler) all() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]string(nil), h.records...)
 }
