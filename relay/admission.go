@@ -29,20 +29,25 @@ const (
 	// replayMismatch is kvrelay's own: the engine's replay holds a different
 	// batch at the relay's cursor, or nothing at or after it.
 	replayMismatch restartReason = "replay_mismatch"
-	// sequenceJump is kvrelay's own: a batch further ahead of the cursor
-	// than the engine's replay window. No replay can give what lies between,
-	// so it is not a gap to fill; the stream continues from the batch as a
-	// new incarnation, and no hole (nor lost count) is recorded for a
-	// distance a single forged or corrupt sequence can make 2^63 long.
+	// sequenceJump is kvrelay's own: a batch so far ahead of the cursor
+	// that, after the engine's replay ring (window batches) gave all it
+	// can, the hole left would still be wider than the ring. A single
+	// forged or corrupt sequence can make that distance 2^63, and a
+	// subscriber missing that many batches needs a resync anyway: the
+	// stream continues from the batch as a new incarnation (subscribers get
+	// DATA_LOSS and come back through a snapshot), and no such hole, nor
+	// lost count, is recorded.
 	sequenceJump restartReason = "sequence_jump"
 )
 
 // admission is the Rust relay's table (relay-semantics §3.4), checked in
-// order, with one rule of kvrelay's: a gap wider than window (the engine's
-// replay ring, in batches) is a sequenceJump. hasCursor is false before the
-// rank's first batch of an incarnation. The arithmetic never computes
-// last+1, which wraps to 0 after a batch at 2^64-1: everything after such a
-// batch is a regression.
+// order, with one rule of kvrelay's: a gap whose unrecoverable part would be
+// wider than window (the engine's replay ring, in batches), i.e. a gap over
+// 2*window, is a sequenceJump. A burst of live drops a little longer than
+// the ring stays a gap: the ring fills its end and the rest is a hole.
+// hasCursor is false before the rank's first batch of an incarnation. The
+// arithmetic never computes last+1, which wraps to 0 after a batch at
+// 2^64-1: everything after such a batch is a regression.
 func admit(hasCursor bool, last, seq uint64, startupClear bool, window uint64) (verdict, restartReason) {
 	switch {
 	case !hasCursor:
@@ -50,7 +55,7 @@ func admit(hasCursor bool, last, seq uint64, startupClear bool, window uint64) (
 	case seq > last && seq-last == 1:
 		// A clear right after the cursor is a cache flush, not a restart.
 		return accept, notRestart
-	case seq > last && seq-last-1 > window:
+	case seq > last && seq-last-1 > 2*window:
 		return restart, sequenceJump
 	case seq > last:
 		return gap, notRestart

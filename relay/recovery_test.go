@@ -34,10 +34,12 @@ func TestRestartRulesReadTheSameOnEveryWire(t *testing.T) {
 		{true, 1, 1, true, restart, startupClearRestart},
 		{true, 1, 0, false, restart, sequenceRegression},
 		{false, 0, 7, true, accept, notRestart},
-		// kvrelay's own: a gap wider than the replay window (here 10,000)
-		// is a jump, and nothing wraps at 2^64-1.
-		{true, 500, 10_501, false, gap, notRestart},
-		{true, 500, 10_502, false, restart, sequenceJump},
+		// kvrelay's own: a gap that would leave a hole wider than the
+		// replay window (here 10,000) after the ring gave its part is a
+		// jump, and nothing wraps at 2^64-1.
+		{true, 500, 10_502, false, gap, notRestart},
+		{true, 500, 20_501, false, gap, notRestart},
+		{true, 500, 20_502, false, restart, sequenceJump},
 		{true, 19, 1 << 63, false, restart, sequenceJump},
 		{true, 19, math.MaxUint64, false, restart, sequenceJump},
 		{true, math.MaxUint64, 20, false, restart, sequenceRegression},

@@ -17,7 +17,7 @@ func TestAbsurdSequencesAreRestartsNotGaps(t *testing.T) {
 	}{
 		{"the top of the counter, where cursor+1 wraps to 0", math.MaxUint64},
 		{"a jump to 2^63", 1 << 63},
-		{"one past the replay window", 19 + window + 2},
+		{"a hole one wider than the replay window", 19 + 2*window + 2},
 	}
 	for _, tc := range tests {
 		for _, replay := range []bool{true, false} {
