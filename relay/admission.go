@@ -41,21 +41,22 @@ const (
 )
 
 // admission is the Rust relay's table (relay-semantics §3.4), checked in
-// order, with one rule of kvrelay's: a gap whose unrecoverable part would be
-// wider than window (the engine's replay ring, in batches), i.e. a gap over
-// 2*window, is a sequenceJump. A burst of live drops a little longer than
-// the ring stays a gap: the ring fills its end and the rest is a hole.
+// order, with one rule of kvrelay's: a gap longer than maxGap is a
+// sequenceJump. maxGap is what keeps every hole within the engine's replay
+// ring: twice the ring with a replay endpoint (the ring fills the end of the
+// gap, at most a ring's worth is left), the ring without one (nothing is
+// filled). A burst of live drops a little longer than the ring stays a gap.
 // hasCursor is false before the rank's first batch of an incarnation. The
 // arithmetic never computes last+1, which wraps to 0 after a batch at
 // 2^64-1: everything after such a batch is a regression.
-func admit(hasCursor bool, last, seq uint64, startupClear bool, window uint64) (verdict, restartReason) {
+func admit(hasCursor bool, last, seq uint64, startupClear bool, maxGap uint64) (verdict, restartReason) {
 	switch {
 	case !hasCursor:
 		return accept, notRestart
 	case seq > last && seq-last == 1:
 		// A clear right after the cursor is a cache flush, not a restart.
 		return accept, notRestart
-	case seq > last && seq-last-1 > 2*window:
+	case seq > last && seq-last-1 > maxGap:
 		return restart, sequenceJump
 	case seq > last:
 		return gap, notRestart

@@ -427,7 +427,11 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
 		return
 	}
-	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear, r.cfg.window())
+	maxGap := r.cfg.window()
+	if rk.replay != nil {
+		maxGap *= 2
+	}
+	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear, maxGap)
 	if v == restart {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
