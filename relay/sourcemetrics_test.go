@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/zmtppeer"
 )
 
 // Issue 13.11: messages the ZeroMQ subscriber skips before admission (wrong
@@ -85,5 +87,77 @@ kvrelay_zmq_malformed_messages_total{engine="vllm",rank="0",reason="sequence",re
 		if n, err := testutil.GatherAndCount(reg, name); err != nil || n == 0 {
 			t.Errorf("%s: %d series, %v", name, n, err)
 		}
+	}
+}
+
+// Issue 13.2 at the relay: a peer on the engine's ports that passes the
+// handshake as its PUB and as its replay ROUTER and declares a 1 TiB frame
+// is refused on both sockets, counted, and redialed; the relay runs on.
+func TestAPeerDeclaringAHugeFrameIsRefusedAndCounted(t *testing.T) {
+	huge := zmtppeer.Frame(zmtppeer.FlagLong, nil, 1<<40)
+	pub := zmtppeer.Start(t, "PUB", func(c net.Conn) error {
+		_, err := c.Write(huge)
+		return err
+	})
+	router := zmtppeer.Start(t, "ROUTER", func(c net.Conn) error {
+		for i := 0; i < 2; i++ { // the request: "" and the start sequence
+			if _, err := zmtppeer.ReadFrame(c); err != nil {
+				return err
+			}
+		}
+		_, err := c.Write(append(zmtppeer.Frame(zmtppeer.FlagMore, []byte{}, 0), huge...))
+		return err
+	})
+	reg := prometheus.NewRegistry()
+	r, err := New(Config{
+		Engine:     vllm.Engine,
+		KV:         engines.Config{Enabled: true, Endpoint: pub.Endpoint, ReplayEndpoint: router.Endpoint, BufferSteps: 10_000},
+		DPSize:     1,
+		PrimeRetry: 10 * time.Millisecond,
+		Logger:     quietLogger(),
+		Registerer: reg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	value := func(socket string) float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != "kvrelay_zmq_oversized_messages_total" {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == "socket" && lp.GetValue() == socket {
+						return m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+		return 0
+	}
+	// Redials back off, so allow for a loaded machine.
+	for deadline := time.Now().Add(30 * time.Second); !(value("live") >= 2 && value("replay") >= 2 && pub.Accepted() >= 3); {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out: %v live and %v replay refusals, %d connections", value("live"), value("replay"), pub.Accepted())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the relay stopped: %v", err)
+	default:
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"runtime"
@@ -15,61 +14,30 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvrelay/kvrelay/internal/zmtppeer"
 )
-
-// zmtpFrame encodes one ZMTP 3 frame header and body. size overrides the
-// declared size when body is nil (a header that lies).
-func zmtpFrame(flags byte, body []byte, size uint64) []byte {
-	if body != nil {
-		size = uint64(len(body))
-	}
-	var b []byte
-	if size > 255 || flags&flagLong != 0 {
-		b = append(b, flags|flagLong)
-		b = binary.BigEndian.AppendUint64(b, size)
-	} else {
-		b = append(b, flags, byte(size))
-	}
-	return append(b, body...)
-}
-
-func zmtpGreeting() []byte {
-	g := make([]byte, zmtpGreetingBytes)
-	g[0], g[9], g[10], g[11] = 0xff, 0x7f, 3, 0
-	copy(g[12:], "NULL")
-	return g
-}
-
-// zmtpReady is the READY command announcing socketType.
-func zmtpReady(socketType string) []byte {
-	body := append([]byte{5}, "READY"...)
-	body = append(body, byte(len("Socket-Type")))
-	body = append(body, "Socket-Type"...)
-	body = binary.BigEndian.AppendUint32(body, uint32(len(socketType)))
-	body = append(body, socketType...)
-	return zmtpFrame(flagCommand, body, 0)
-}
 
 func TestZMTPGuard(t *testing.T) {
 	const limit = 1000
-	small := zmtpFrame(flagMore, make([]byte, 300), 0)
-	last := zmtpFrame(0, make([]byte, 300), 0)
+	small := zmtppeer.Frame(flagMore, make([]byte, 300), 0)
+	last := zmtppeer.Frame(0, make([]byte, 300), 0)
 	tests := []struct {
 		name    string
 		stream  []byte
 		refused bool
 	}{
-		{"handshake and messages within the limit", concat(zmtpGreeting(), zmtpReady("PUB"), small, small, last, small, last), false},
-		{"a long frame header of 1 TiB", concat(zmtpGreeting(), zmtpReady("PUB"), zmtpFrame(flagLong, nil, 1<<40)), true},
-		{"a short header is at most 255", concat(zmtpGreeting(), zmtpFrame(0, nil, 255)), false},
-		{"a frame one over", concat(zmtpGreeting(), zmtpFrame(0, make([]byte, limit+1), 0)), true},
-		{"a frame at the limit", concat(zmtpGreeting(), zmtpFrame(0, make([]byte, limit), 0)), false},
-		{"a message of small frames over the limit", concat(zmtpGreeting(), small, small, small, last), true},
-		{"a huge command", concat(zmtpGreeting(), zmtpFrame(flagCommand|flagLong, nil, 1<<62)), true},
-		{"a size with the top bit set", concat(zmtpGreeting(), zmtpFrame(flagLong, nil, 1<<63)), true},
-		{"too many empty frames", concat(zmtpGreeting(), bytes.Repeat(zmtpFrame(flagMore, []byte{}, 0), maxFramesPerMessage+1)), true},
-		{"many empty messages", concat(zmtpGreeting(), bytes.Repeat(zmtpFrame(0, []byte{}, 0), 10*maxFramesPerMessage)), false},
-		{"a greeting that looks like a header", concat(bytes.Repeat([]byte{0xff}, zmtpGreetingBytes), last), false},
+		{"handshake and messages within the limit", concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), small, small, last, small, last), false},
+		{"a long frame header of 1 TiB", concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), zmtppeer.Frame(flagLong, nil, 1<<40)), true},
+		{"a short header is at most 255", concat(zmtppeer.Greeting(), zmtppeer.Frame(0, nil, 255)), false},
+		{"a frame one over", concat(zmtppeer.Greeting(), zmtppeer.Frame(0, make([]byte, limit+1), 0)), true},
+		{"a frame at the limit", concat(zmtppeer.Greeting(), zmtppeer.Frame(0, make([]byte, limit), 0)), false},
+		{"a message of small frames over the limit", concat(zmtppeer.Greeting(), small, small, small, last), true},
+		{"a huge command", concat(zmtppeer.Greeting(), zmtppeer.Frame(flagCommand|flagLong, nil, 1<<62)), true},
+		{"a size with the top bit set", concat(zmtppeer.Greeting(), zmtppeer.Frame(flagLong, nil, 1<<63)), true},
+		{"too many empty frames", concat(zmtppeer.Greeting(), bytes.Repeat(zmtppeer.Frame(flagMore, []byte{}, 0), maxFramesPerMessage+1)), true},
+		{"many empty messages", concat(zmtppeer.Greeting(), bytes.Repeat(zmtppeer.Frame(0, []byte{}, 0), 10*maxFramesPerMessage)), false},
+		{"a greeting that looks like a header", concat(bytes.Repeat([]byte{0xff}, zmtppeer.GreetingBytes), last), false},
 	}
 	for _, tc := range tests {
 		for _, chunk := range []int{1, 3, 64, len(tc.stream)} {
@@ -99,8 +67,8 @@ func concat(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
 // FuzzZMTPGuard: any stream, in any chunking, gets the same verdict, and a
 // stream it accepts declares no frame over the limit.
 func FuzzZMTPGuard(f *testing.F) {
-	f.Add(concat(zmtpGreeting(), zmtpReady("PUB"), zmtpFrame(0, []byte("x"), 0)), uint8(1))
-	f.Add(concat(zmtpGreeting(), zmtpFrame(flagLong, nil, 1<<40)), uint8(7))
+	f.Add(concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), zmtppeer.Frame(0, []byte("x"), 0)), uint8(1))
+	f.Add(concat(zmtppeer.Greeting(), zmtppeer.Frame(flagLong, nil, 1<<40)), uint8(7))
 	f.Fuzz(func(t *testing.T, stream []byte, chunk uint8) {
 		whole := newZMTPGuard("p", connLimits{maxMessageBytes: 512}).observe(stream)
 		g := newZMTPGuard("p", connLimits{maxMessageBytes: 512})
@@ -117,92 +85,6 @@ func FuzzZMTPGuard(f *testing.F) {
 	})
 }
 
-// rawZMTPPeer is a TCP server that speaks just enough ZMTP 3.0 to pass for
-// an engine's socket of socketType, then lets serve write what it likes. It
-// counts the connections it accepted and those that ended after the
-// handshake.
-type rawZMTPPeer struct {
-	endpoint string
-	accepted atomic.Int32
-	closed   atomic.Int32
-}
-
-func startRawZMTPPeer(t *testing.T, socketType string, serve func(c net.Conn) error) *rawZMTPPeer {
-	t.Helper()
-	return startRawZMTPPeerOn(t, "127.0.0.1:0", socketType, serve)
-}
-
-func startRawZMTPPeerOn(t *testing.T, addr, socketType string, serve func(c net.Conn) error) *rawZMTPPeer {
-	t.Helper()
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &rawZMTPPeer{endpoint: "tcp://" + l.Addr().String()}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { _ = l.Close(); wg.Wait() })
-	wg.Go(func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			p.accepted.Add(1)
-			wg.Go(func() {
-				defer c.Close()
-				stop := context.AfterFunc(t.Context(), func() { _ = c.Close() })
-				defer stop()
-				if err := handshake(c, socketType); err != nil {
-					return
-				}
-				// A write that fails, or the end of the stream, means the
-				// client hung up (or the test ended).
-				if err := serve(c); err == nil {
-					_, _ = io.Copy(io.Discard, c)
-				}
-				p.closed.Add(1)
-			})
-		}
-	})
-	return p
-}
-
-func handshake(c net.Conn, socketType string) error {
-	if _, err := c.Write(zmtpGreeting()); err != nil {
-		return err
-	}
-	if _, err := io.ReadFull(c, make([]byte, zmtpGreetingBytes)); err != nil {
-		return err
-	}
-	if _, err := c.Write(zmtpReady(socketType)); err != nil {
-		return err
-	}
-	_, err := readZMTPFrame(c) // the client's READY
-	return err
-}
-
-func readZMTPFrame(c net.Conn) ([]byte, error) {
-	var hdr [9]byte
-	if _, err := io.ReadFull(c, hdr[:1]); err != nil {
-		return nil, err
-	}
-	var size uint64
-	if hdr[0]&flagLong != 0 {
-		if _, err := io.ReadFull(c, hdr[1:9]); err != nil {
-			return nil, err
-		}
-		size = binary.BigEndian.Uint64(hdr[1:9])
-	} else {
-		if _, err := io.ReadFull(c, hdr[1:2]); err != nil {
-			return nil, err
-		}
-		size = uint64(hdr[1])
-	}
-	body := make([]byte, min(size, 1<<16))
-	_, err := io.ReadFull(c, body)
-	return body, err
-}
-
 // A peer that passes the handshake as an engine's PUB and declares a huge
 // frame: the subscriber refuses it before anything is allocated, counts it,
 // and reconnects.
@@ -212,27 +94,27 @@ func TestSubscriberRefusesOversizedMessages(t *testing.T) {
 		limit int64 // 0: the default
 		send  []byte
 	}{
-		{"one frame declaring 1 TiB", 0, zmtpFrame(flagLong, nil, 1<<40)},
+		{"one frame declaring 1 TiB", 0, zmtppeer.Frame(flagLong, nil, 1<<40)},
 		{"three frames of 600 KiB under a 1 MiB limit", 1 << 20, concat(
-			zmtpFrame(flagMore, []byte("kv"), 0), zmtpFrame(flagMore, make([]byte, 8), 0),
-			zmtpFrame(flagMore, make([]byte, 600<<10), 0), zmtpFrame(flagMore, make([]byte, 600<<10), 0),
-			zmtpFrame(0, make([]byte, 600<<10), 0))},
+			zmtppeer.Frame(flagMore, []byte("kv"), 0), zmtppeer.Frame(flagMore, make([]byte, 8), 0),
+			zmtppeer.Frame(flagMore, make([]byte, 600<<10), 0), zmtppeer.Frame(flagMore, make([]byte, 600<<10), 0),
+			zmtppeer.Frame(0, make([]byte, 600<<10), 0))},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			peer := startRawZMTPPeer(t, "PUB", func(c net.Conn) error {
+			peer := zmtppeer.Start(t, "PUB", func(c net.Conn) error {
 				_, err := c.Write(tc.send)
 				return err
 			})
 			var before, after runtime.MemStats
 			runtime.ReadMemStats(&before)
-			s := NewSubscriber(SubscriberOptions{Endpoint: peer.endpoint, MaxMessageBytes: tc.limit, Logger: quietLogger(),
+			s := NewSubscriber(SubscriberOptions{Endpoint: peer.Endpoint, MaxMessageBytes: tc.limit, Logger: quietLogger(),
 				MinBackoff: 20 * time.Millisecond, MaxBackoff: 100 * time.Millisecond})
 			defer s.Close()
 			// Refused, the connection closed by the subscriber, and a new
 			// one made: twice, to see the reconnect loop keep going.
 			waitFor(t, "two refusals and a third connection", 30*time.Second, func() bool {
-				return s.Stats().Oversized >= 2 && peer.closed.Load() >= 2 && peer.accepted.Load() >= 3
+				return s.Stats().Oversized >= 2 && peer.Ended() >= 2 && peer.Accepted() >= 3
 			})
 			runtime.ReadMemStats(&after)
 			if grew := after.TotalAlloc - before.TotalAlloc; grew > 32<<20 {
@@ -248,16 +130,16 @@ func TestSubscriberRefusesOversizedMessages(t *testing.T) {
 // The same from a replay ROUTER answering with a huge frame: the replay
 // fails with an error naming the endpoint and the size, and counts it.
 func TestReplayRefusesOversizedReply(t *testing.T) {
-	peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+	peer := zmtppeer.Start(t, "ROUTER", func(c net.Conn) error {
 		for i := 0; i < 2; i++ { // the request: "" and the start seq
-			if _, err := readZMTPFrame(c); err != nil {
+			if _, err := zmtppeer.ReadFrame(c); err != nil {
 				return err
 			}
 		}
-		_, err := c.Write(concat(zmtpFrame(flagMore, []byte{}, 0), zmtpFrame(flagLong, nil, 1<<40)))
+		_, err := c.Write(concat(zmtppeer.Frame(flagMore, []byte{}, 0), zmtppeer.Frame(flagLong, nil, 1<<40)))
 		return err
 	})
-	r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+	r := &Replayer{Endpoint: peer.Endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
 	msgs, complete, err := r.Replay(context.Background(), 0)
@@ -265,7 +147,7 @@ func TestReplayRefusesOversizedReply(t *testing.T) {
 	if !errors.Is(err, ErrMessageTooLarge) || complete || len(msgs) != 0 {
 		t.Fatalf("got %d msgs, complete %v, err %v; want ErrMessageTooLarge", len(msgs), complete, err)
 	}
-	for _, want := range []string{peer.endpoint, "1099511627776 bytes"} {
+	for _, want := range []string{peer.Endpoint, "1099511627776 bytes"} {
 		if !bytes.Contains([]byte(err.Error()), []byte(want)) {
 			t.Errorf("error %q does not name %q", err, want)
 		}
@@ -281,34 +163,21 @@ func TestReplayRefusesOversizedReply(t *testing.T) {
 	}
 }
 
-// zmtpMessage encodes frames as one message.
-func zmtpMessage(frames ...[]byte) []byte {
-	var b []byte
-	for i, f := range frames {
-		flags := byte(flagMore)
-		if i == len(frames)-1 {
-			flags = 0
-		}
-		b = append(b, zmtpFrame(flags, f, 0)...)
-	}
-	return b
-}
-
 func seqFrame(seq uint64) []byte { return binary.BigEndian.AppendUint64(nil, seq) }
 
 // A subscriber whose consumer stalls holds at most QueueBytes of messages
 // and counts the rest as dropped.
 func TestSubscriberQueueBoundedByBytes(t *testing.T) {
 	const n, size = 10, 300 << 10
-	peer := startRawZMTPPeer(t, "PUB", func(c net.Conn) error {
+	peer := zmtppeer.Start(t, "PUB", func(c net.Conn) error {
 		for i := uint64(0); i < n; i++ {
-			if _, err := c.Write(zmtpMessage([]byte("kv"), seqFrame(i), make([]byte, size))); err != nil {
+			if _, err := c.Write(zmtppeer.Message([]byte("kv"), seqFrame(i), make([]byte, size))); err != nil {
 				return err
 			}
 		}
 		return nil
 	})
-	s := NewSubscriber(SubscriberOptions{Endpoint: peer.endpoint, MaxMessageBytes: 512 << 10, QueueBytes: 1 << 20,
+	s := NewSubscriber(SubscriberOptions{Endpoint: peer.Endpoint, MaxMessageBytes: 512 << 10, QueueBytes: 1 << 20,
 		Logger: quietLogger(), MinBackoff: 20 * time.Millisecond})
 	defer s.Close()
 	waitFor(t, "every message read off the socket", 30*time.Second, func() bool { return s.Stats().Received == n })
@@ -329,7 +198,7 @@ func TestSubscriberQueueBoundedByBytes(t *testing.T) {
 // A replay server that misbehaves is cut off by the replay's bounds.
 func TestReplayBounds(t *testing.T) {
 	reply := func(seq uint64, size int) []byte {
-		return zmtpMessage([]byte{}, seqFrame(seq), bytes.Repeat([]byte{0x93}, size))
+		return zmtppeer.Message([]byte{}, seqFrame(seq), bytes.Repeat([]byte{0x93}, size))
 	}
 	// forever answers with increasing sequences until the client hangs up.
 	forever := func(c net.Conn, size int) error {
@@ -370,15 +239,15 @@ func TestReplayBounds(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+			peer := zmtppeer.Start(t, "ROUTER", func(c net.Conn) error {
 				for i := 0; i < 2; i++ {
-					if _, err := readZMTPFrame(c); err != nil {
+					if _, err := zmtppeer.ReadFrame(c); err != nil {
 						return err
 					}
 				}
 				return tc.serve(c)
 			})
-			r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+			r := &Replayer{Endpoint: peer.Endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
 			tc.bounds(r)
 			msgs, complete, err := r.Replay(context.Background(), 10)
 			if complete || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
@@ -432,19 +301,19 @@ func TestQueueDefaultByteBound(t *testing.T) {
 
 // A replay server that never stops answering is cut at the default count.
 func TestReplayDefaultCountBound(t *testing.T) {
-	peer := startRawZMTPPeer(t, "ROUTER", func(c net.Conn) error {
+	peer := zmtppeer.Start(t, "ROUTER", func(c net.Conn) error {
 		for i := 0; i < 2; i++ {
-			if _, err := readZMTPFrame(c); err != nil {
+			if _, err := zmtppeer.ReadFrame(c); err != nil {
 				return err
 			}
 		}
 		for seq := uint64(0); ; seq++ {
-			if _, err := c.Write(zmtpMessage([]byte{}, seqFrame(seq), []byte{0x93})); err != nil {
+			if _, err := c.Write(zmtppeer.Message([]byte{}, seqFrame(seq), []byte{0x93})); err != nil {
 				return err
 			}
 		}
 	})
-	r := &Replayer{Endpoint: peer.endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
+	r := &Replayer{Endpoint: peer.Endpoint, PerReply: 5 * time.Second, Logger: quietLogger()}
 	msgs, complete, err := r.Replay(context.Background(), 0)
 	if !errors.Is(err, ErrReplayOutOfBounds) || complete || len(msgs) != DefaultReplayMaxReplies {
 		t.Fatalf("%d replies, complete %v, err %v; want %d and ErrReplayOutOfBounds", len(msgs), complete, err, DefaultReplayMaxReplies)
@@ -477,7 +346,7 @@ func TestSubscriberWarnsOnceWhileThePublisherIsUnreachable(t *testing.T) {
 		}
 	}
 	// The publisher appears.
-	startRawZMTPPeerOn(t, addr, "PUB", func(net.Conn) error { return nil })
+	zmtppeer.StartOn(t, addr, "PUB", func(net.Conn) error { return nil })
 	waitFor(t, "the recovery logged", 30*time.Second, func() bool { return rec.count(slog.LevelInfo, "engine publisher reachable again") == 1 })
 }
 
