@@ -150,6 +150,12 @@ func (c *Config) resolve() error {
 	if c.QueueBytes < c.MaxMessageBytes {
 		return fmt.Errorf("relay: a queue of %d bytes cannot hold one message of the %d-byte maximum", c.QueueBytes, c.MaxMessageBytes)
 	}
+	if c.ReplayMaxBytes == 0 {
+		c.ReplayMaxBytes = zmqsource.DefaultReplayMaxBytes
+	}
+	if c.ReplayMaxTime == 0 {
+		c.ReplayMaxTime = zmqsource.DefaultReplayMaxTime
+	}
 	if c.ReplayMaxBatches == 0 {
 		c.ReplayMaxBatches = 2 * int(c.window())
 	}
