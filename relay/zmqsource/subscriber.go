@@ -254,7 +254,6 @@ func (s *Subscriber) run() {
 			s.log.Info("engine publisher reachable again", "after", time.Since(downSince).Round(time.Second))
 		}
 		s.log.Info("zmq subscriber connected", "topic", s.opts.Topic, "connection", connections)
-		backoff = s.opts.MinBackoff
 		s.connected.Store(true)
 		err = s.read(sock)
 		s.connected.Store(false)
@@ -266,8 +265,17 @@ func (s *Subscriber) run() {
 		downSince, warned = time.Now(), false
 		s.log.Warn("zmq subscriber connection lost; reconnecting", "err", err)
 		// The engine is probably restarting: a short pause avoids a burst of
-		// refused dials before its new socket binds.
-		if !s.sleep(s.opts.MinBackoff) {
+		// refused dials before its new socket binds. A peer that sent an
+		// oversized message will do it again: its reconnects back off as
+		// failed dials do, instead of looping at the short pause.
+		pause := s.opts.MinBackoff
+		if errors.Is(err, ErrMessageTooLarge) {
+			pause = backoff
+			backoff = min(2*backoff, s.opts.MaxBackoff)
+		} else {
+			backoff = s.opts.MinBackoff
+		}
+		if !s.sleep(pause) {
 			return
 		}
 	}
