@@ -11,23 +11,48 @@ import (
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
 )
 
+// zmqLimits are the bounds on what the engine side may make the relay hold
+// (see Config). Zero fields take zmqsource's defaults.
+type zmqLimits struct {
+	maxMessageBytes  int64
+	queueBytes       int64
+	replayMaxBatches int
+	replayMaxBytes   int64
+	replayMaxTime    time.Duration
+}
+
 // zmqTransport opens ZeroMQ sockets: a SUB per rank and, with a replay
 // endpoint, a DEALER per replay request.
-func zmqTransport(topic string, hwm int, log *slog.Logger) Transport {
+func zmqTransport(topic string, hwm int, lim zmqLimits, log *slog.Logger) Transport {
 	return func(rank int32, endpoint, replayEndpoint string, replayTimeout time.Duration) (Feed, Replayer, error) {
 		feed := zmqFeed{zmqsource.NewSubscriber(zmqsource.SubscriberOptions{
 			Endpoint: endpoint, Topic: topic, RcvHWM: hwm, Logger: log.With("rank", rank),
+			MaxMessageBytes: lim.maxMessageBytes, QueueBytes: lim.queueBytes,
 		})}
 		if replayEndpoint == "" {
 			return feed, nil, nil
 		}
 		return feed, zmqReplayer{&zmqsource.Replayer{
 			Endpoint: replayEndpoint, PerReply: replayTimeout, Logger: log.With("rank", rank),
+			MaxMessageBytes: lim.maxMessageBytes, MaxReplies: lim.replayMaxBatches,
+			MaxBytes: lim.replayMaxBytes, MaxTime: lim.replayMaxTime,
 		}}, nil
 	}
 }
 
 type zmqFeed struct{ s *zmqsource.Subscriber }
+
+func (f zmqFeed) sourceStats() sourceStats {
+	st := f.s.Stats()
+	return sourceStats{received: st.Received, short: st.Short, badSequence: st.BadSequence, dropped: st.Dropped,
+		oversized: st.Oversized, reconnects: st.Reconnects, queuedBytes: st.QueuedBytes}
+}
+
+func (z zmqReplayer) replayStats() replayBoundStats {
+	st := z.r.Stats()
+	return replayBoundStats{oversized: st.Oversized, outOfRange: st.OutOfRange, tooMany: st.TooMany,
+		tooBig: st.TooBig, tooLong: st.TooLong}
+}
 
 func (f zmqFeed) Recv(ctx context.Context) (Message, error) {
 	m, err := f.s.Recv(ctx)

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/relay/zmqsource"
 )
 
 // Defaults, as in the Rust relay (relay-semantics §3.11).
@@ -94,6 +95,38 @@ type Config struct {
 	// Transport opens each rank's sockets. Nil: ZeroMQ (relay/zmqsource).
 	// Tests inject in-memory publishers here.
 	Transport Transport
+
+	// Bounds on what an engine's sockets can make the relay hold. Zero
+	// takes the default.
+	//
+	// MaxMessageBytes is the largest ZeroMQ message (and frame) accepted;
+	// a peer that declares more is disconnected before anything is
+	// allocated (zmqsource.DefaultMaxMessageBytes, 64 MiB).
+	MaxMessageBytes int64
+	// QueueBytes bounds each rank's incoming queue by bytes, besides the
+	// engine config's hwm in messages (zmqsource.DefaultQueueBytes,
+	// 128 MiB); it must hold at least one message of MaxMessageBytes.
+	QueueBytes int64
+	// ReplayMaxBatches, ReplayMaxBytes and ReplayMaxTime bound one replay
+	// answer (defaults: twice the engine's buffer_steps, 256 MiB, 30 s).
+	ReplayMaxBatches int
+	ReplayMaxBytes   int64
+	ReplayMaxTime    time.Duration
+}
+
+// zmqLimits are the bounds the ZeroMQ transport applies.
+func (c *Config) zmqLimits() zmqLimits {
+	return zmqLimits{maxMessageBytes: c.MaxMessageBytes, queueBytes: c.QueueBytes,
+		replayMaxBatches: c.ReplayMaxBatches, replayMaxBytes: c.ReplayMaxBytes, replayMaxTime: c.ReplayMaxTime}
+}
+
+// window is the engine's replay ring in batches: no replay reaches further
+// back, so no gap wider than it can be filled or is recorded as a hole.
+func (c *Config) window() uint64 {
+	if c.KV.BufferSteps > 0 {
+		return uint64(c.KV.BufferSteps)
+	}
+	return engines.DefaultBufferSteps
 }
 
 func (c *Config) resolve() error {
@@ -108,6 +141,27 @@ func (c *Config) resolve() error {
 	}
 	if c.ReplayTimeout < 0 || c.PrimeRetry < 0 || c.SubscriberBuffer < 0 {
 		return errors.New("relay: timeouts and buffer sizes must not be negative")
+	}
+	if c.MaxMessageBytes < 0 || c.QueueBytes < 0 || c.ReplayMaxBatches < 0 || c.ReplayMaxBytes < 0 || c.ReplayMaxTime < 0 {
+		return errors.New("relay: message, queue and replay limits must not be negative")
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = zmqsource.DefaultMaxMessageBytes
+	}
+	if c.QueueBytes == 0 {
+		c.QueueBytes = max(zmqsource.DefaultQueueBytes, c.MaxMessageBytes)
+	}
+	if c.QueueBytes < c.MaxMessageBytes {
+		return fmt.Errorf("relay: a queue of %d bytes cannot hold one message of the %d-byte maximum", c.QueueBytes, c.MaxMessageBytes)
+	}
+	if c.ReplayMaxBytes == 0 {
+		c.ReplayMaxBytes = zmqsource.DefaultReplayMaxBytes
+	}
+	if c.ReplayMaxTime == 0 {
+		c.ReplayMaxTime = zmqsource.DefaultReplayMaxTime
+	}
+	if c.ReplayMaxBatches == 0 {
+		c.ReplayMaxBatches = 2 * int(c.window())
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

@@ -25,12 +25,32 @@ func TestNewValidatesItsConfig(t *testing.T) {
 		{"negative bytes", Config{KV: kv, DPSize: 1, HistoryBytes: -1}, "must not be negative"},
 		{"no endpoint", Config{KV: engines.Config{Enabled: true}, DPSize: 1}, "endpoint is empty"},
 		{"bad rank endpoint", Config{KV: engines.Config{Enabled: true, Endpoint: "ipc:///tmp/kv"}, DPSize: 2}, "rank 1"},
+		{"negative message size", Config{KV: kv, DPSize: 1, MaxMessageBytes: -1}, "must not be negative"},
+		{"queue below one message", Config{KV: kv, DPSize: 1, MaxMessageBytes: 1000, QueueBytes: 999}, "cannot hold one message"},
+		{"negative replay time", Config{KV: kv, DPSize: 1, ReplayMaxTime: -time.Second}, "must not be negative"},
 	}
 	for _, tc := range tests {
 		tc.cfg.Logger = quietLogger()
 		_, err := New(tc.cfg)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error containing %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// The engine-side limits default to what README's Limits table states.
+func TestEngineSideLimitsDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		steps       int
+		wantReplies int
+	}{{0, 20_000}, {10_000, 20_000}, {25, 50}} {
+		cfg := Config{KV: engines.Config{Enabled: true, Endpoint: "tcp://*:5557", BufferSteps: tc.steps}, DPSize: 1, Logger: quietLogger()}
+		if err := cfg.resolve(); err != nil {
+			t.Fatal(err)
+		}
+		if cfg.MaxMessageBytes != 64<<20 || cfg.QueueBytes != 128<<20 || cfg.ReplayMaxBatches != tc.wantReplies ||
+			cfg.ReplayMaxBytes != 256<<20 || cfg.ReplayMaxTime != 30*time.Second {
+			t.Errorf("buffer_steps %d: %+v", tc.steps, cfg.zmqLimits())
 		}
 	}
 }

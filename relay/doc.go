@@ -49,6 +49,15 @@
 // different batch at the cursor, or none at or after it, means the publisher
 // restarted unseen (reason replay_mismatch).
 //
+// A batch so far ahead of the cursor that the hole left after the engine's
+// replay ring (buffer_steps) gave its part would be wider than the ring is
+// not a gap either: one forged or corrupt sequence could make it 2^63 long,
+// and a subscriber missing that much needs a resync anyway. It starts a new
+// incarnation (reason sequence_jump), recovered like a late join from the
+// ring only. No hole or lost count is ever wider than the ring, and nothing
+// computes cursor+1, so a batch at 2^64-1 is followed by a regression, not
+// a wrap.
+//
 // A restart clears that rank's live-block record, normalizer and cursor, and
 // ends every subscriber with ErrDataLoss.
 //

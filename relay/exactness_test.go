@@ -260,7 +260,7 @@ func runExactnessDrill(t *testing.T, c exactnessCase, seed uint64, cov *exactnes
 		PrimeRetry:    50 * time.Millisecond,
 		Logger:        exactnessLogger(t, &d.relayLog),
 		Registerer:    prometheus.NewRegistry(),
-		Transport:     d.inj.wrap(zmqTransport(kv.Topic, kv.HWM, quietLogger())),
+		Transport:     d.inj.wrap(zmqTransport(kv.Topic, kv.HWM, zmqLimits{}, quietLogger())),
 	})
 	if err != nil {
 		t.Fatal(err)

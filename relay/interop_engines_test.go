@@ -97,7 +97,7 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 		PrimeRetry:    50 * time.Millisecond,
 		Logger:        quietLogger(),
 		Registerer:    prometheus.NewRegistry(),
-		Transport:     inj.wrap(zmqTransport(kv.Topic, kv.HWM, quietLogger())),
+		Transport:     inj.wrap(zmqTransport(kv.Topic, kv.HWM, zmqLimits{}, quietLogger())),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -156,6 +156,7 @@ func (m *metrics) registerState(r *Relay, labels prometheus.Labels) error {
 			func() float64 { return f(r.Status()) })
 	}
 	return m.register(
+		newSourceCollector(r, labels),
 		gauge("kvrelay_history_entries", "Entries (batches and hole runs) in the history window.",
 			func(s Status) float64 { return float64(s.History.Entries) }),
 		gauge("kvrelay_history_bytes", "Bytes the history window is charged (encoded size + 96 per entry).",

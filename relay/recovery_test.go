@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -32,9 +33,21 @@ func TestRestartRulesReadTheSameOnEveryWire(t *testing.T) {
 		{true, 1, 1, true, restart, startupClearRestart},
 		{true, 1, 0, false, restart, sequenceRegression},
 		{false, 0, 7, true, accept, notRestart},
+		// kvrelay's own: a gap longer than maxGap (here 20,000: twice a
+		// 10,000-batch ring with a replay) is a jump, and nothing wraps at
+		// 2^64-1.
+		{true, 500, 10_502, false, gap, notRestart},
+		{true, 500, 20_501, false, gap, notRestart},
+		{true, 500, 20_502, false, restart, sequenceJump},
+		{true, 19, 1 << 63, false, restart, sequenceJump},
+		{true, 19, math.MaxUint64, false, restart, sequenceJump},
+		{true, math.MaxUint64, 20, false, restart, sequenceRegression},
+		{true, math.MaxUint64, 0, false, restart, counterRestarted},
+		{true, math.MaxUint64, math.MaxUint64, false, duplicate, notRestart},
+		{true, math.MaxUint64 - 1, math.MaxUint64, false, accept, notRestart},
 	}
 	for _, tc := range tests {
-		v, why := admit(tc.has, tc.last, tc.seq, tc.clear)
+		v, why := admit(tc.has, tc.last, tc.seq, tc.clear, 20_000)
 		if v != tc.want || why != tc.why {
 			t.Errorf("admit(cursor %v/%d, seq %d, clear %v) = %v %q, want %v %q", tc.has, tc.last, tc.seq, tc.clear, v, why, tc.want, tc.why)
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -107,6 +108,7 @@ type rankState struct {
 	label          string // the rank as a metric label
 	norm           normalizer
 	replay         Replayer
+	replayCounters atomic.Pointer[replayerStatser] // for scrapes: replay is set without the lock
 	feed           atomic.Pointer[feedBox]
 	reprime        chan struct{}
 
@@ -142,9 +144,32 @@ type rankState struct {
 	// ReplayTimeout) shows the cursor caught up and unknown_before 0.
 	recoveringStart bool
 	startOrigin     uint64
+
+	// Owned by the rank goroutine: log throttling. A replay endpoint that
+	// does not answer is warned about once, until it answers again; the
+	// undecodable-batch warning is logged at most once per
+	// undecodableLogEvery, with the count of the ones not logged.
+	replayFailures        uint64
+	undecodableLoggedAt   time.Time
+	undecodableSuppressed uint64
 }
 
+// undecodableLogEvery spaces the per-batch undecodable warnings of a rank:
+// an engine sending only garbage would otherwise log every batch (the
+// metric counts each one).
+const undecodableLogEvery = 10 * time.Second
+
+// maxPrimeRetry caps the doubling wait between start replays that fail.
+const maxPrimeRetry = 30 * time.Second
+
 type feedBox struct{ Feed }
+
+func (rk *rankState) replayStatser() (replayerStatser, bool) {
+	if p := rk.replayCounters.Load(); p != nil {
+		return *p, true
+	}
+	return nil, false
+}
 
 // New validates cfg and builds a relay. It opens no socket; Run does.
 func New(cfg Config) (*Relay, error) {
@@ -216,7 +241,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	transport := r.cfg.Transport
 	if transport == nil {
-		transport = zmqTransport(r.cfg.KV.Topic, r.cfg.KV.HWM, r.log)
+		transport = zmqTransport(r.cfg.KV.Topic, r.cfg.KV.HWM, r.cfg.zmqLimits(), r.log)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -235,6 +260,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			break
 		}
 		rk.replay = rep
+		if s, ok := rep.(replayerStatser); ok {
+			rk.replayCounters.Store(&s)
+		}
 		rk.feed.Store(&feedBox{feed})
 		wg.Go(func() {
 			defer func() {
@@ -285,6 +313,9 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		}
 	}()
 	retryC := make(chan struct{}, 1)
+	// The start replay is retried with a doubling wait while the engine
+	// does not answer.
+	primeWait := r.cfg.PrimeRetry
 
 	// The catch-up replay runs a while after the feed connects, and when
 	// the rank has been quiet for IdleProbe (see catchUp).
@@ -333,8 +364,13 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			primeC = nil
 			primed := r.prime(ctx, rk)
 			lastActive = time.Now()
+			if primed {
+				primeWait = r.cfg.PrimeRetry
+			}
 			if !primed && ctx.Err() == nil {
-				retry = time.AfterFunc(r.cfg.PrimeRetry, func() {
+				wait := primeWait
+				primeWait = min(2*primeWait, max(maxPrimeRetry, r.cfg.PrimeRetry))
+				retry = time.AfterFunc(wait, func() {
 					select {
 					case retryC <- struct{}{}:
 					default:
@@ -406,7 +442,11 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
 		return
 	}
-	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear)
+	maxGap := r.cfg.window()
+	if rk.replay != nil {
+		maxGap *= 2
+	}
+	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear, maxGap)
 	if v == restart {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
@@ -450,7 +490,13 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 		// Relay an empty batch under the sequence so that nobody sees a
 		// gap for it.
 		r.metrics.undecodable.WithLabelValues(rk.label).Inc()
-		r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
+		if now := time.Now(); now.Sub(rk.undecodableLoggedAt) >= undecodableLogEvery {
+			r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err,
+				"not_logged_since_last", rk.undecodableSuppressed)
+			rk.undecodableLoggedAt, rk.undecodableSuppressed = now, 0
+		} else {
+			rk.undecodableSuppressed++
+		}
 		b = &kvpb.KvEventBatch{SequenceNumber: seq}
 	}
 	b.SequenceNumber = seq
@@ -581,10 +627,21 @@ func (r *Relay) askReplay(ctx context.Context, rk *rankState, from uint64) ([]Me
 	case err != nil:
 		result = "error"
 		if ctx.Err() == nil {
-			r.log.Warn("replay failed", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "err", err)
+			// Once per outage: an absent engine is retried with backoff,
+			// and every retry would say the same.
+			rk.replayFailures++
+			if rk.replayFailures == 1 {
+				r.log.Warn("replay failed; retrying quietly until it answers", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "err", err)
+			} else {
+				r.log.Debug("replay failed again", "rank", rk.rank, "endpoint", rk.replayEndpoint, "from", from, "failures", rk.replayFailures, "err", err)
+			}
 		}
 	case !complete:
 		result = "truncated"
+	}
+	if err == nil && rk.replayFailures > 0 {
+		r.log.Info("replay answering again", "rank", rk.rank, "endpoint", rk.replayEndpoint, "failures", rk.replayFailures)
+		rk.replayFailures = 0
 	}
 	r.metrics.replays.WithLabelValues(rk.label, result).Inc()
 	return msgs, complete, err
@@ -633,6 +690,15 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 			if m.Seq < expected {
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
+			}
+			if m.Seq > expected && m.Seq-expected > r.cfg.window() {
+				// Further ahead than the engine's ring reaches: no engine
+				// answers so, and recording it as a hole would let one reply
+				// put 2^63 lost batches in the counters. The answer ends
+				// here; what it did not give stays missing.
+				r.log.Warn("replay reply beyond the engine's replay window; ignoring the rest of the answer",
+					"rank", rk.rank, "expected", expected, "seq", m.Seq, "window", r.cfg.window())
+				return st, expected
 			}
 			if m.Seq > expected {
 				if !haveMissing || missingAt != expected {
@@ -692,6 +758,9 @@ func mergeReplies(newer, older []Message) []Message {
 // restarted the rank (the caller then primes it from 0).
 func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 	from := rk.cursor
+	if from == math.MaxUint64 {
+		return false // nothing follows; the next batch is a regression
+	}
 	msgs, complete, err := r.askReplay(ctx, rk, from)
 	if err != nil || ctx.Err() != nil {
 		return false
@@ -731,9 +800,16 @@ func (r *Relay) catchUp(ctx context.Context, rk *rankState) bool {
 // recoverStart fills 0..seq-1 for a publisher that was already counting when
 // its first live batch arrived. What the replay cannot reach is unknown.
 func (r *Relay) recoverStart(ctx context.Context, rk *rankState, seq uint64) {
-	rk.replayedFrom = 0
+	// No replay reaches further back than the engine's ring, so no hole
+	// wider than it is recorded: a first batch at 2^63 (forged, or a
+	// sequence jump) must not make 2^63 lost batches.
+	var from uint64
+	if w := r.cfg.window(); seq > w {
+		from = seq - w
+	}
+	rk.replayedFrom = from
 	rk.recoveringStart, rk.startOrigin = true, 0
-	st := r.fill(ctx, rk, 0, seq-1)
+	st := r.fill(ctx, rk, from, seq-1)
 	rk.recoveringStart = false
 	if st.recovered == 0 {
 		// The live batch seq, relayed next, is the start: unknown_before is
@@ -780,7 +856,10 @@ func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {
 
 func (r *Relay) countUnknownBefore(rk *rankState, unknown uint64) {
 	r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(unknown))
-	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(unknown))
+	// The total adds at most one replay window per incarnation: one batch
+	// with a forged sequence must not add 2^63 (the gauge has the exact
+	// value).
+	r.metrics.unknownBeforeStart.WithLabelValues(rk.label).Add(float64(min(unknown, r.cfg.window())))
 }
 
 // prime asks the replay for everything from 0 before any live batch. It
@@ -804,8 +883,15 @@ func (r *Relay) prime(ctx context.Context, rk *rankState) bool {
 	if msgs[0].Seq == 1 && complete {
 		start = 1
 	}
+	base := start
+	if msgs[0].Seq-start > r.cfg.window() {
+		// The ring starts further on than it could ever reach back (an
+		// engine that has run for a while): what precedes it is unknown,
+		// not a hole, and no hole wider than the window is recorded.
+		start = msgs[0].Seq
+	}
 	rk.replayedFrom = 0
-	rk.recoveringStart, rk.startOrigin = true, start
+	rk.recoveringStart, rk.startOrigin = true, base
 	st, _ := r.takeReplies(ctx, rk, start, 0, false, msgs, complete, nil)
 	rk.recoveringStart = false
 	if st.recovered == 0 {

@@ -28,6 +28,7 @@ import (
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
+	"github.com/kvrelay/kvrelay/relay/zmqsource"
 )
 
 func init() {
@@ -95,6 +96,15 @@ type resolvedRelay struct {
 	// unknownKeys is the refused-key error CheckKeys gave, kept as a start
 	// warning when AllowUnknownConfigKeys is on.
 	unknownKeys error
+	limits      engineLimits
+}
+
+// engineLimits bound what an engine's sockets can make a relay hold; the
+// flags apply to every relay of the process (zero: relay.Config's defaults).
+type engineLimits struct {
+	maxMessageBytes, queueBytes, replayMaxBytes int64
+	replayMaxBatches                            int
+	replayMaxTime                               time.Duration
 }
 
 func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
@@ -110,6 +120,14 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	historyBatches := fs.Int("history-batches", 0, "history bound in batches (0: $SMG_KV_EVENT_HISTORY_BATCHES or 10000)")
 	historyBytes := fs.Int64("history-bytes", 0, "history bound in bytes (0: $SMG_KV_EVENT_HISTORY_BYTES or 256 MiB)")
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
+	var lim engineLimits
+	fs.Int64Var(&lim.maxMessageBytes, "max-message-bytes", zmqsource.DefaultMaxMessageBytes,
+		"largest ZeroMQ message (all frames) or frame accepted from an engine; a peer declaring more is disconnected before anything is allocated")
+	fs.Int64Var(&lim.queueBytes, "zmq-queue-bytes", zmqsource.DefaultQueueBytes,
+		"bytes each rank's incoming queue may hold (besides the engine's hwm in messages); at least --max-message-bytes")
+	fs.IntVar(&lim.replayMaxBatches, "replay-max-batches", 0, "replies one replay may bring (0: twice the engine's buffer_steps)")
+	fs.Int64Var(&lim.replayMaxBytes, "replay-max-bytes", zmqsource.DefaultReplayMaxBytes, "payload bytes one replay may bring")
+	fs.DurationVar(&lim.replayMaxTime, "replay-max-time", zmqsource.DefaultReplayMaxTime, "time one replay may take in all")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var listenTLS tlsconfig.Server
@@ -203,11 +221,34 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
+	if err := lim.check(); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	for i := range relays {
+		relays[i].limits = lim
+	}
 	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
 	return 0
+}
+
+func (l engineLimits) check() error {
+	switch {
+	case l.maxMessageBytes <= 0:
+		return fmt.Errorf("--max-message-bytes %d: want a positive size", l.maxMessageBytes)
+	case l.queueBytes < l.maxMessageBytes:
+		return fmt.Errorf("--zmq-queue-bytes %d: want at least --max-message-bytes (%d), or the largest message never fits", l.queueBytes, l.maxMessageBytes)
+	case l.replayMaxBatches < 0:
+		return fmt.Errorf("--replay-max-batches %d: want 0 (twice buffer_steps) or more", l.replayMaxBatches)
+	case l.replayMaxBytes <= 0:
+		return fmt.Errorf("--replay-max-bytes %d: want a positive size", l.replayMaxBytes)
+	case l.replayMaxTime <= 0:
+		return fmt.Errorf("--replay-max-time %v: want a positive duration", l.replayMaxTime)
+	}
+	return nil
 }
 
 func readServeFile(path string) (serveFile, error) {
@@ -406,15 +447,20 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 		}
 		logEndpoints(log, rc)
 		r, err := relay.New(relay.Config{
-			Engine:         rc.engine,
-			KV:             rc.kv,
-			DPSize:         rc.DPSize,
-			HistoryBatches: rc.HistoryBatches,
-			HistoryBytes:   rc.HistoryBytes,
-			ReplayTimeout:  rc.replayTimeout,
-			Logger:         log,     // the relay adds its "relay" key itself
-			Instance:       rc.Name, // the relay label on its metrics
-			Registerer:     reg,
+			Engine:           rc.engine,
+			KV:               rc.kv,
+			DPSize:           rc.DPSize,
+			HistoryBatches:   rc.HistoryBatches,
+			HistoryBytes:     rc.HistoryBytes,
+			ReplayTimeout:    rc.replayTimeout,
+			MaxMessageBytes:  rc.limits.maxMessageBytes,
+			QueueBytes:       rc.limits.queueBytes,
+			ReplayMaxBatches: rc.limits.replayMaxBatches,
+			ReplayMaxBytes:   rc.limits.replayMaxBytes,
+			ReplayMaxTime:    rc.limits.replayMaxTime,
+			Logger:           log,     // the relay adds its "relay" key itself
+			Instance:         rc.Name, // the relay label on its metrics
+			Registerer:       reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)

@@ -12,8 +12,9 @@
 //
 // Endpoints are connect endpoints (tcp://127.0.0.1:5557, ipc:///path).
 // inproc:// is accepted but only reaches sockets inside this process, so it
-// never reaches an engine. Only dial trusted engines: zmq4 allocates whatever
-// frame size a peer declares.
+// never reaches an engine. zmq4 allocates whatever frame size a peer
+// declares, so every connection goes through a transport that refuses a
+// frame or message over MaxMessageBytes before zmq4 reads its size.
 package zmqsource
 
 import (
@@ -48,7 +49,18 @@ type SubscriberOptions struct {
 	// messages (default 100000, the engines' hwm). When it is full, new
 	// messages are dropped and counted; the consumer sees a seq gap.
 	RcvHWM int
-	Logger *slog.Logger // default slog.Default()
+	// QueueBytes bounds the same queue by the bytes of the messages it
+	// holds (default DefaultQueueBytes; raised to MaxMessageBytes if
+	// smaller, so that one message of the largest size always fits).
+	QueueBytes int64
+	// MaxMessageBytes is the largest message (all frames) and frame
+	// accepted; a peer that declares more is disconnected and redialed
+	// (default DefaultMaxMessageBytes).
+	MaxMessageBytes int64
+	// UnreachableWarnAfter is how long the publisher may stay unreachable
+	// before a warning is logged, once per outage (default 10 s).
+	UnreachableWarnAfter time.Duration
+	Logger               *slog.Logger // default slog.Default()
 
 	// MinBackoff and MaxBackoff bound the wait between connection attempts
 	// (defaults 100 ms and 2 s); it doubles per failure, with jitter.
@@ -66,14 +78,27 @@ type SubscriberStats struct {
 	// Received counts well-formed messages read off the socket, including
 	// those later dropped because the queue was full.
 	Received uint64
-	// Short counts skipped messages: fewer than 3 frames, or a sequence
-	// frame that is empty or wider than 8 bytes with a non-zero high part.
+	// Short counts messages skipped for having fewer than 3 frames.
 	Short uint64
-	// Dropped counts messages discarded because the queue held RcvHWM.
+	// BadSequence counts messages skipped because their sequence frame is
+	// empty or wider than 8 bytes with a non-zero high part.
+	BadSequence uint64
+	// Dropped counts messages discarded because the queue held RcvHWM
+	// messages or had no room for their bytes within QueueBytes.
 	Dropped uint64
+	// Oversized counts connections closed because the peer declared a
+	// frame or message over MaxMessageBytes.
+	Oversized uint64
 	// Reconnects counts connections made after the first one.
 	Reconnects uint64
+	// QueuedBytes is what the queue holds now (payload and topic bytes).
+	QueuedBytes int64
 }
+
+// DefaultQueueBytes bounds a subscriber's queue by bytes: two messages of
+// the largest default size. Real batches are kilobytes, so the 100,000
+// messages of the engines' HWM fit in it at up to 1.3 KiB each.
+const DefaultQueueBytes int64 = 2 * DefaultMaxMessageBytes
 
 // Subscriber keeps one SUB connection to an engine rank alive and queues
 // what arrives. It is safe for concurrent use.
@@ -93,7 +118,9 @@ type Subscriber struct {
 	connected atomic.Bool
 	received  atomic.Uint64
 	short     atomic.Uint64
+	badSeq    atomic.Uint64
 	dropped   atomic.Uint64
+	oversized atomic.Uint64
 	reconns   atomic.Uint64
 }
 
@@ -116,6 +143,16 @@ func NewSubscriber(opts SubscriberOptions) *Subscriber {
 	if opts.DialTimeout <= 0 {
 		opts.DialTimeout = 5 * time.Second
 	}
+	if opts.MaxMessageBytes <= 0 {
+		opts.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if opts.QueueBytes <= 0 {
+		opts.QueueBytes = DefaultQueueBytes
+	}
+	opts.QueueBytes = max(opts.QueueBytes, opts.MaxMessageBytes)
+	if opts.UnreachableWarnAfter <= 0 {
+		opts.UnreachableWarnAfter = 10 * time.Second
+	}
 	log := opts.Logger.With("endpoint", opts.Endpoint)
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Subscriber{
@@ -126,7 +163,7 @@ func NewSubscriber(opts SubscriberOptions) *Subscriber {
 		cancel: cancel,
 		done:   make(chan struct{}),
 		closed: make(chan struct{}),
-		queue:  newQueue(opts.RcvHWM),
+		queue:  newQueue(opts.RcvHWM, opts.QueueBytes),
 	}
 	go s.run()
 	return s
@@ -160,10 +197,13 @@ func (s *Subscriber) Connected() bool { return s.connected.Load() }
 // Stats returns the counters so far.
 func (s *Subscriber) Stats() SubscriberStats {
 	return SubscriberStats{
-		Received:   s.received.Load(),
-		Short:      s.short.Load(),
-		Dropped:    s.dropped.Load(),
-		Reconnects: s.reconns.Load(),
+		Received:    s.received.Load(),
+		Short:       s.short.Load(),
+		BadSequence: s.badSeq.Load(),
+		Dropped:     s.dropped.Load(),
+		Oversized:   s.oversized.Load(),
+		Reconnects:  s.reconns.Load(),
+		QueuedBytes: s.queue.queuedBytes(),
 	}
 }
 
@@ -189,10 +229,17 @@ func (s *Subscriber) run() {
 	s.endpoint = ep
 	backoff := s.opts.MinBackoff
 	connections := 0
+	// An engine that is down is retried quietly (at debug); one warning
+	// per outage says so once it has lasted UnreachableWarnAfter.
+	downSince, warned := time.Now(), false
 	for s.ctx.Err() == nil {
 		sock, cancelSock, err := s.dial()
 		if err != nil {
 			s.log.Debug("zmq subscriber dial failed", "err", err, "retry_in", backoff)
+			if down := time.Since(downSince); !warned && down >= s.opts.UnreachableWarnAfter {
+				warned = true
+				s.log.Warn("engine publisher unreachable; still retrying", "for", down.Round(time.Second), "err", err)
+			}
 			if !s.sleep(backoff) {
 				return
 			}
@@ -203,8 +250,10 @@ func (s *Subscriber) run() {
 		if connections > 1 {
 			s.reconns.Add(1)
 		}
+		if warned {
+			s.log.Info("engine publisher reachable again", "after", time.Since(downSince).Round(time.Second))
+		}
 		s.log.Info("zmq subscriber connected", "topic", s.opts.Topic, "connection", connections)
-		backoff = s.opts.MinBackoff
 		s.connected.Store(true)
 		err = s.read(sock)
 		s.connected.Store(false)
@@ -213,10 +262,20 @@ func (s *Subscriber) run() {
 		if s.ctx.Err() != nil {
 			return
 		}
+		downSince, warned = time.Now(), false
 		s.log.Warn("zmq subscriber connection lost; reconnecting", "err", err)
 		// The engine is probably restarting: a short pause avoids a burst of
-		// refused dials before its new socket binds.
-		if !s.sleep(s.opts.MinBackoff) {
+		// refused dials before its new socket binds. A peer that sent an
+		// oversized message will do it again: its reconnects back off as
+		// failed dials do, instead of looping at the short pause.
+		pause := s.opts.MinBackoff
+		if errors.Is(err, ErrMessageTooLarge) {
+			pause = backoff
+			backoff = min(2*backoff, s.opts.MaxBackoff)
+		} else {
+			backoff = s.opts.MinBackoff
+		}
+		if !s.sleep(pause) {
 			return
 		}
 	}
@@ -225,7 +284,8 @@ func (s *Subscriber) run() {
 // dial makes one connection attempt on a fresh socket. A socket is never
 // reused: after EOF zmq4's Recv would block forever.
 func (s *Subscriber) dial() (zmq4.Socket, context.CancelFunc, error) {
-	ctx, cancel := context.WithCancel(s.ctx)
+	ctx, cancel := context.WithCancel(withConnLimits(s.ctx,
+		connLimits{maxMessageBytes: s.opts.MaxMessageBytes, refused: &s.oversized}))
 	sock := zmq4.NewSub(ctx, s.zlog,
 		zmq4.WithDialerMaxRetries(0), // we retry ourselves, with backoff and cancellation
 		zmq4.WithDialerTimeout(s.opts.DialTimeout))
@@ -236,7 +296,7 @@ func (s *Subscriber) dial() (zmq4.Socket, context.CancelFunc, error) {
 		cancel()
 		return nil, nil, fmt.Errorf("subscribe %q: %w", s.opts.Topic, err)
 	}
-	if err := dialBounded(s.ctx, cancel, sock, s.endpoint, s.opts.DialTimeout); err != nil {
+	if err := dialBounded(s.ctx, cancel, sock, s.endpoint, s.opts.Endpoint, s.opts.DialTimeout); err != nil {
 		closeAndDrain(sock)
 		cancel()
 		return nil, nil, fmt.Errorf("dial %s: %w", s.opts.Endpoint, err)
@@ -262,7 +322,7 @@ func (s *Subscriber) read(sock zmq4.Socket) error {
 		}
 		seq, ok := parseSeq(msg.Frames[1])
 		if !ok {
-			s.short.Add(1)
+			s.badSeq.Add(1)
 			continue
 		}
 		// libzmq's PUB filters by prefix already; this guards against a
@@ -334,24 +394,37 @@ func closeAndDrain(sock zmq4.Socket) {
 // queue is an unbounded-until-limit FIFO: memory grows with the backlog, not
 // with the limit, so a 100000-message HWM costs nothing while idle.
 type queue struct {
-	mu    sync.Mutex
-	buf   []Message // ring
-	head  int
-	n     int
-	limit int
-	ready chan struct{} // a push happened; capacity 1
+	mu         sync.Mutex
+	buf        []Message // ring
+	head       int
+	n          int
+	limit      int
+	bytes      int64 // payload and topic bytes held
+	limitBytes int64
+	ready      chan struct{} // a push happened; capacity 1
 }
 
-func newQueue(limit int) *queue {
-	return &queue{limit: limit, buf: make([]Message, min(limit, 64)), ready: make(chan struct{}, 1)}
+func newQueue(limit int, limitBytes int64) *queue {
+	return &queue{limit: limit, limitBytes: limitBytes, buf: make([]Message, min(limit, 64)), ready: make(chan struct{}, 1)}
+}
+
+// messageBytes is what a queued message is charged: the frames it keeps.
+func messageBytes(m Message) int64 { return int64(len(m.Payload) + len(m.Topic)) }
+
+func (q *queue) queuedBytes() int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.bytes
 }
 
 func (q *queue) push(m Message) bool {
+	size := messageBytes(m)
 	q.mu.Lock()
-	if q.n == q.limit {
+	if q.n == q.limit || q.bytes+size > q.limitBytes {
 		q.mu.Unlock()
 		return false
 	}
+	q.bytes += size
 	if q.n == len(q.buf) {
 		grown := make([]Message, min(2*len(q.buf), q.limit))
 		copied := copy(grown, q.buf[q.head:])
@@ -376,6 +449,7 @@ func (q *queue) pop() (Message, bool) {
 		return Message{}, false
 	}
 	m := q.buf[q.head]
+	q.bytes -= messageBytes(m)
 	q.buf[q.head] = Message{} // let the payload be collected
 	q.head = (q.head + 1) % len(q.buf)
 	q.n--

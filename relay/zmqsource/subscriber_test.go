@@ -57,7 +57,7 @@ func FuzzParseSeq(f *testing.F) {
 }
 
 func TestQueue(t *testing.T) {
-	q := newQueue(100)
+	q := newQueue(100, 1<<20)
 	// Interleave pushes and pops so the ring wraps and grows while wrapped.
 	next, want := uint64(0), uint64(0)
 	for round := 0; round < 49; round++ {
@@ -224,8 +224,8 @@ func TestSubscriberSkipsMalformedMessages(t *testing.T) {
 	if len(got) != 2 || got[0].Seq != 0 || got[1].Seq != pub.Seq {
 		t.Fatalf("received %+v; want the 9-byte seq 0 message then seq %d", got, pub.Seq)
 	}
-	if st := s.Stats(); st.Short != 4 {
-		t.Errorf("Short = %d, want 4 (stats %+v)", st.Short, st)
+	if st := s.Stats(); st.Short != 2 || st.BadSequence != 2 {
+		t.Errorf("Short = %d, BadSequence = %d, want 2 and 2 (stats %+v)", st.Short, st.BadSequence, st)
 	}
 }
 

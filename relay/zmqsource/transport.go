@@ -41,7 +41,7 @@ func registerTransports() error {
 	registerOnce.Do(func() {
 		for scheme, byBuffered := range wrappedSchemes {
 			for buffered, name := range byBuffered {
-				t := guardedTransport{inner: transport.New(netOf[scheme]), buffered: buffered}
+				t := guardedTransport{inner: transport.New(netOf[scheme]), scheme: scheme, buffered: buffered}
 				if err := zmq4.RegisterTransport(name, t); err != nil {
 					registerErr = fmt.Errorf("register zmq4 transport %s: %w", name, err)
 					return
@@ -72,6 +72,7 @@ func dialEndpoint(endpoint string, buffered bool) (string, error) {
 
 type guardedTransport struct {
 	inner    transport.Transport
+	scheme   string // the caller's: tcp or ipc
 	buffered bool
 }
 
@@ -80,7 +81,9 @@ func (t guardedTransport) Dial(ctx context.Context, d transport.Dialer, addr str
 	if err != nil {
 		return nil, err
 	}
-	gc := &guardedConn{Conn: c}
+	// The limits come with the socket's context (see connLimits); every
+	// connection is guarded, with the default when the socket set none.
+	gc := &guardedConn{Conn: c, guard: newZMTPGuard(t.scheme+"://"+addr, connLimitsFrom(ctx))}
 	if t.buffered {
 		gc.r = bufio.NewReaderSize(c, readBufferSize)
 	}
@@ -96,15 +99,30 @@ func (t guardedTransport) Addr(ep string) (string, error) { return t.inner.Addr(
 
 type guardedConn struct {
 	net.Conn
-	r    *bufio.Reader // nil: read the connection directly
-	stop func() bool
+	r     *bufio.Reader // nil: read the connection directly
+	guard *zmtpGuard    // only zmq4's reader goroutine calls Read
+	stop  func() bool
 }
 
+// Read hands zmq4 the peer's bytes once the guard has seen them. A frame
+// header over the size limit fails the read that completes it, before zmq4
+// has the size, and closes the connection: zmq4 then reports the error to
+// the socket's reader, which reconnects as for any dropped connection.
 func (c *guardedConn) Read(p []byte) (int, error) {
+	var (
+		n   int
+		err error
+	)
 	if c.r == nil {
-		return c.Conn.Read(p)
+		n, err = c.Conn.Read(p)
+	} else {
+		n, err = c.r.Read(p)
 	}
-	return c.r.Read(p)
+	if gerr := c.guard.observe(p[:n]); gerr != nil {
+		_ = c.Conn.Close()
+		return 0, gerr
+	}
+	return n, err
 }
 
 func (c *guardedConn) Close() error {
@@ -116,14 +134,18 @@ func (c *guardedConn) Close() error {
 // the ZMTP handshake, which zmq4 does not bound. On timeout or when ctx ends
 // it calls cancelSock, the cancel of the context sock was made with: the
 // guarded transport then closes the half-open connection and Dial returns.
-func dialBounded(ctx context.Context, cancelSock context.CancelFunc, sock zmq4.Socket, ep string, timeout time.Duration) error {
+// Errors name endpoint, the caller's, never ep, the internal scheme.
+func dialBounded(ctx context.Context, cancelSock context.CancelFunc, sock zmq4.Socket, ep, endpoint string, timeout time.Duration) error {
 	dialed := make(chan error, 1)
 	go func() { dialed <- sock.Dial(ep) }()
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	select {
 	case err := <-dialed:
-		return err
+		if err != nil {
+			return renamedError{err: err, msg: strings.ReplaceAll(err.Error(), ep, endpoint)}
+		}
+		return nil
 	case <-timer.C:
 		cancelSock()
 		<-dialed
@@ -134,3 +156,14 @@ func dialBounded(ctx context.Context, cancelSock context.CancelFunc, sock zmq4.S
 		return ctx.Err()
 	}
 }
+
+// renamedError is err with its message rewritten (zmq4 quotes the internal
+// endpoint it dialed; operators know the engine's); errors.Is and As still
+// see err.
+type renamedError struct {
+	err error
+	msg string
+}
+
+func (e renamedError) Error() string { return e.msg }
+func (e renamedError) Unwrap() error { return e.err }
