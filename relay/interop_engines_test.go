@@ -41,7 +41,35 @@ func TestRelayFollowsEveryEnginesRealPublisher(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.engine+"/"+tc.wire, func(t *testing.T) {
-			interopEngineDrill(t, tc.engine, tc.wire, tc.topic, tc.hash)
+			interopEngineDrill(t, enginepeer.Options{Engine: tc.engine, Wire: tc.wire, Topic: tc.topic}, tc.hash)
+		})
+	}
+}
+
+// The same drill with each engine release's own publisher module (its
+// EventPublisherFactory, ZmqEventPublisher, KVEventBatch and event structs,
+// loaded from the release's wheel by testdata/engines/release_peer.py) in
+// place of our imitation: the framing, replay ROUTER, msgspec encoding and
+// rank port offsets are the engine's. Three DP ranks, priming from the
+// replay (the relay joins late), live drops filled from the replay, a
+// truncated replay, a burned sequence, a publisher restart; the record is
+// compared with what the publisher stored after every phase. The newest
+// release of each engine runs here; older ones with KVRELAY_ENGINE_TIER=long.
+func TestRelayFollowsEachEngineReleasesOwnPublisher(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	releases, err := enginepeer.Releases()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rel := range releases {
+		hash := func(v int64) enginepeer.Hash { return enginepeer.U64(uint64(v)) }
+		if rel.Engine == enginepeer.SGLang {
+			hash = enginepeer.I64
+		}
+		t.Run(rel.Name, func(t *testing.T) {
+			interopEngineDrill(t, enginepeer.Options{Engine: rel.Engine, Topic: "kv@" + rel.Name, Release: &rel}, hash)
 		})
 	}
 }
@@ -49,9 +77,11 @@ func TestRelayFollowsEveryEnginesRealPublisher(t *testing.T) {
 // interopModel is what a rank's publisher has stored: hash → copies.
 type interopModel map[int32]map[exactKey]int
 
-func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int64) enginepeer.Hash) {
+func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) enginepeer.Hash) {
 	const dp = 3
-	peer := enginepeer.Start(t, enginepeer.Options{Engine: engine, DPSize: dp, Wire: wire, Topic: topic})
+	opts.DPSize = dp
+	engine, topic := opts.Engine, opts.Topic
+	peer := enginepeer.Start(t, opts)
 	model := interopModel{}
 	stores := make([]int64, dp)
 	var last [dp]uint64
