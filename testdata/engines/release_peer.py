@@ -122,6 +122,20 @@ class BaseModel:
         return {name: getattr(self, name) for name in self._fields()}
 
 
+@dataclasses.dataclass
+class VLLMKVEventsConfig:
+    """vllm.config.KVEventsConfig of releases before 0.11."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+
 STUBS = {
     "vllm.config.utils": {"config": dataclasses.dataclass},
     "vllm.logger": {"init_logger": logging.getLogger},
@@ -173,9 +187,17 @@ def load_engine(engine, release_dir):
     install_stubs(release_dir)
     config = None
     if engine == "vllm":
-        # The release's own KVEventsConfig dataclass; its @config decorator
-        # is the stub above.
-        config = load_file(release_dir, "vllm/config/kv_events.py")
+        if os.path.exists(os.path.join(release_dir, "vllm/config/kv_events.py")):
+            # The release's own KVEventsConfig dataclass (0.11+); its
+            # @config decorator is the stub above.
+            config = load_file(release_dir, "vllm/config/kv_events.py")
+        else:
+            # Older releases keep it in vllm/config.py, which imports torch:
+            # a dataclass with the same fields and defaults stands in.
+            config = types.ModuleType("vllm.config")
+            config.__path__ = []
+            config.KVEventsConfig = VLLMKVEventsConfig
+            sys.modules["vllm.config"] = config
     return load_file(release_dir, ENGINE_FILES[engine]), config
 
 
