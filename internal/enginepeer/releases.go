@@ -1,6 +1,7 @@
 package enginepeer
 
 import (
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -63,4 +64,41 @@ func (r *Release) dir() (string, error) {
 		return "", fmt.Errorf("release %s is not fetched (%v): run `make engines` (or `make engines-long`)", r.Name, err)
 	}
 	return d, nil
+}
+
+// RingPayload is the payload the publisher encoded for rank's batch seq, read
+// from its replay ring (release peers only): what went on the wire.
+func (p *Peer) RingPayload(rank int, seq uint64) ([]byte, error) {
+	var out struct {
+		Payload string `json:"payload"`
+	}
+	if err := p.call(map[string]any{"op": "ring_payload", "rank": rank, "seq": seq}, &out); err != nil {
+		return nil, err
+	}
+	return hex.DecodeString(out.Payload)
+}
+
+// NamespacedHash is the block hash SGLang publishes for hash h under an
+// extra_key and a cache_salt (nil: absent), computed by the release's own
+// kv_event_namespace_seed and namespaced_block_hash (SGLang 0.5.23 peers only).
+func (p *Peer) NamespacedHash(h int64, extraKey, cacheSalt *string) (int64, error) {
+	var out struct {
+		Hash int64 `json:"hash"`
+	}
+	err := p.call(map[string]any{"op": "namespaced_hash", "hash": h, "extra_key": extraKey, "cache_salt": cacheSalt}, &out)
+	return out.Hash, err
+}
+
+// ReleaseOf returns the newest-tier release of engine from the matrix.
+func ReleaseOf(engine string) (*Release, error) {
+	rs, err := Releases()
+	if err != nil {
+		return nil, err
+	}
+	for i := range rs {
+		if rs[i].Engine == engine && rs[i].Tier == TierNewest {
+			return &rs[i], nil
+		}
+	}
+	return nil, fmt.Errorf("no newest release of %s in the matrix", engine)
 }

@@ -18,6 +18,10 @@ both, with these differences:
                   script picks a free base port so ranks use base + rank and
                   a restart binds the same ports again
   publish_raw and send_raw are refused: the engine encodes its own batches.
+  ring_payload {"rank", "seq"} -> {"payload": hex}: the bytes the engine
+                encoded for that batch, read from its replay ring
+  namespaced_hash {"hash", "extra_key"?, "cache_salt"?} -> {"hash"}: SGLang's
+                own kv_event_namespace_seed + namespaced_block_hash
   Faults are injected around the engine's sockets, not in its code:
     drop_next   the engine's PUB send succeeds without sending (what
                 libzmq does at the PUB high-water mark): the batch keeps its
@@ -524,6 +528,18 @@ def main():
                 out = engine.endpoints(rank)
             elif op == "status":
                 out = {"ranks": engine.status()}
+            elif op == "ring_payload":
+                # The bytes the engine encoded for a batch, from its own ring.
+                found = [buf for seq, buf in list(engine.pubs[rank]._buffer) if seq == cmd["seq"]]
+                if not found:
+                    raise ValueError(f"seq {cmd['seq']} is not in rank {rank}'s ring")
+                out = {"payload": found[0].hex()}
+            elif op == "namespaced_hash":
+                # SGLang's own namespacing of a block hash by extra_key and
+                # cache_salt (the "dynamo" format, 0.5.23).
+                seed = engine.mod.kv_event_namespace_seed(extra_key=cmd.get("extra_key"),
+                                                          cache_salt=cmd.get("cache_salt"))
+                out = {"hash": engine.mod.namespaced_block_hash(cmd["hash"], namespace_seed=seed)}
             elif op == "endpoints":
                 out = {"ranks": [engine.endpoints(r) for r in range(args.dp_size)]}
             else:
