@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 
@@ -317,4 +318,63 @@ func TestEngineReleaseVLLM033Fields(t *testing.T) {
 	g.expectRecord("partial page promoted", map[exactKey]int{
 		{tierDevice, 1<<63 + 5}: 1, {tierDevice, 6}: 1, {tierHost, 12}: 1, {tierHost, 13}: 1, {tierDevice, 31}: 1,
 	})
+}
+
+// vLLM 0.33+ binds tcp://*:0 to a port the OS picks for each rank (#55844)
+// and reports the bound endpoints only in its process
+// (get_publisher_config). The fact behind kvrelay refusing port 0: the
+// ranks' ports are not base + rank, and the relay reaches a rank at the
+// endpoint the engine reported.
+func TestEngineReleaseVLLMOSAssignedPorts(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	rel, err := enginepeer.ReleaseOf(enginepeer.VLLM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, Release: rel, DPSize: 2, OSPorts: true,
+		Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://*:0"})
+	ranks := peer.Ranks()
+	ports := map[string]bool{}
+	for _, rk := range ranks {
+		rep := rk.Reported
+		if rep == nil || !strings.HasPrefix(rep.Pub, "tcp://127.0.0.1:") || strings.HasSuffix(rep.Pub, ":0") ||
+			!strings.HasPrefix(rep.Replay, "tcp://127.0.0.1:") || strings.HasSuffix(rep.Replay, ":0") {
+			t.Fatalf("rank %d: vLLM reported %+v, want OS-assigned loopback ports", rk.Rank, rep)
+		}
+		ports[rep.Pub], ports[rep.Replay] = true, true
+	}
+	if len(ports) != 4 {
+		t.Fatalf("the two ranks' four sockets share ports: %+v", ranks)
+	}
+	if _, err := engines.ConnectEndpoint("tcp://*:0", 1); err == nil {
+		t.Fatal("kvrelay would dial port 0 for rank 1")
+	}
+	// Rank 1 followed at the endpoints vLLM reported for it.
+	kv := engines.Config{Enabled: true, Endpoint: ranks[1].Reported.Pub, ReplayEndpoint: ranks[1].Reported.Replay, HWM: engines.DefaultHWM}
+	r, err := New(Config{Engine: exactnessEngines[enginepeer.VLLM], KV: kv, DPSize: 1, ReplayTimeout: 300 * time.Millisecond,
+		PrimeRetry: 50 * time.Millisecond, Logger: quietLogger(), Registerer: prometheus.NewRegistry(),
+		Transport: zmqTransport(kv.Topic, kv.HWM, quietLogger())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	pub, err := peer.Publish(1, enginepeer.Stored(nil, []int64{1, 2}, enginepeer.U64(77)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &lab{t: t, r: r}
+	l.cursor(0, pub.Seq)
+	if got := snapshotLiveSet(r.Snapshot())[0]; !maps.Equal(got, map[exactKey]int{{tierDevice, 77}: 1}) {
+		t.Fatalf("record %v, want rank 1's block 77", got)
+	}
 }
