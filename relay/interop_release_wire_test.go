@@ -45,7 +45,7 @@ func startReleaseRig(t *testing.T, engine string) *releaseRig {
 		Engine:        exactnessEngines[engine],
 		KV:            kv,
 		DPSize:        1,
-		ReplayTimeout: 300 * time.Millisecond,
+		ReplayTimeout: time.Second, // see interopEngineDrill
 		PrimeRetry:    50 * time.Millisecond,
 		Logger:        quietLogger(),
 		Registerer:    reg,
@@ -353,7 +353,7 @@ func TestEngineReleaseVLLMOSAssignedPorts(t *testing.T) {
 	}
 	// Rank 1 followed at the endpoints vLLM reported for it.
 	kv := engines.Config{Enabled: true, Endpoint: ranks[1].Reported.Pub, ReplayEndpoint: ranks[1].Reported.Replay, HWM: engines.DefaultHWM}
-	r, err := New(Config{Engine: exactnessEngines[enginepeer.VLLM], KV: kv, DPSize: 1, ReplayTimeout: 300 * time.Millisecond,
+	r, err := New(Config{Engine: exactnessEngines[enginepeer.VLLM], KV: kv, DPSize: 1, ReplayTimeout: time.Second,
 		PrimeRetry: 50 * time.Millisecond, Logger: quietLogger(), Registerer: prometheus.NewRegistry(),
 		Transport: zmqTransport(kv.Topic, kv.HWM, quietLogger())})
 	if err != nil {
