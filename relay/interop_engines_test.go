@@ -3,7 +3,9 @@ package relay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
+	"strconv"
 	"testing"
 	"time"
 
@@ -68,8 +70,12 @@ func TestRelayFollowsEachEngineReleasesOwnPublisher(t *testing.T) {
 		if rel.Engine == enginepeer.SGLang {
 			hash = enginepeer.I64
 		}
+		dp := 3
+		if rel.NoDPRanks {
+			dp = 1
+		}
 		t.Run(rel.Name, func(t *testing.T) {
-			interopEngineDrill(t, enginepeer.Options{Engine: rel.Engine, Topic: "kv@" + rel.Name, Release: &rel}, hash)
+			interopEngineDrill(t, enginepeer.Options{Engine: rel.Engine, Topic: "kv@" + rel.Name, Release: &rel, DPSize: dp}, hash)
 		})
 	}
 }
@@ -78,13 +84,20 @@ func TestRelayFollowsEachEngineReleasesOwnPublisher(t *testing.T) {
 type interopModel map[int32]map[exactKey]int
 
 func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) enginepeer.Hash) {
-	const dp = 3
+	// Three ranks, or one for releases that published no DP rank. The
+	// phases name two ranks besides 0: ra (drops) and rb (drops and a
+	// truncated replay); with one rank they all fall on rank 0.
+	dp := 3
+	if opts.DPSize == 1 {
+		dp = 1
+	}
 	opts.DPSize = dp
+	ra, rb := 1%dp, 2%dp
 	engine, topic := opts.Engine, opts.Topic
 	peer := enginepeer.Start(t, opts)
 	model := interopModel{}
 	stores := make([]int64, dp)
-	var last [dp]uint64
+	last := make([]uint64, dp)
 	device := uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
 	// publish stores a new block on rank, and every third batch also
 	// removes the rank's oldest live block: the record must follow both.
@@ -167,7 +180,7 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 			}
 		}
 		got := snapshotLiveSet(r.Snapshot())
-		for rank := int32(0); rank < dp; rank++ {
+		for rank := int32(0); rank < int32(dp); rank++ {
 			if !maps.Equal(got[rank], model[rank]) {
 				t.Fatalf("%s: rank %d: the record differs from what the publisher stored: %s", phase, rank,
 					describeDiff(got[rank], model[rank]))
@@ -181,15 +194,17 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 			publish(rank)
 		}
 	}
-	// Rank 1 loses three batches live; rank 2 loses five and its replay is
+	// Rank ra loses three batches live; rank rb loses five and its replay is
 	// cut after two replies, with no end marker, until the gap is covered.
-	if err := peer.DropNext(1, 3); err != nil {
+	if ra != rb { // with one rank, rb's five drops are ra's too (and 8 would outlast the 7 rounds below)
+		if err := peer.DropNext(ra, 3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := peer.DropNext(rb, 5); err != nil {
 		t.Fatal(err)
 	}
-	if err := peer.DropNext(2, 5); err != nil {
-		t.Fatal(err)
-	}
-	if err := peer.TruncateReplay(2, 2); err != nil {
+	if err := peer.TruncateReplay(rb, 2); err != nil {
 		t.Fatal(err)
 	}
 	for i := 0; i < 7; i++ {
@@ -200,21 +215,21 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 	for rank := 0; rank < dp; rank++ {
 		l.cursor(int32(rank), last[rank])
 	}
-	if err := peer.TruncateReplay(2, -1); err != nil {
+	if err := peer.TruncateReplay(rb, -1); err != nil {
 		t.Fatal(err)
 	}
 	expectExact("drops filled", []uint64{0, 0, 0})
-	if got := counter(r.metrics.replays.WithLabelValues("2", "truncated")); got < 1 {
-		t.Errorf("rank 2's truncated replays %v, want at least one", got)
+	if got := counter(r.metrics.replays.WithLabelValues(strconv.Itoa(rb), "truncated")); got < 1 {
+		t.Errorf("rank %d's truncated replays %v, want at least one", rb, got)
 	}
-	if got := counter(r.metrics.recovered.WithLabelValues("1")); got < 3 {
-		t.Errorf("rank 1 recovered %v batches from the replay, want at least 3", got)
+	if got := counter(r.metrics.recovered.WithLabelValues(strconv.Itoa(ra))); got < 3 {
+		t.Errorf("rank %d recovered %v batches from the replay, want at least 3", ra, got)
 	}
 
 	// Every rank is whole in the history from its first sequence: cursor 0
 	// gets the whole log, each rank contiguous from 0.
 	s := l.subscribe(0)
-	want := [dp]uint64{}
+	want := make([]uint64, dp)
 	total := 0
 	for rank := 0; rank < dp; rank++ {
 		total += int(last[rank]) + 1
@@ -247,22 +262,22 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 		t.Fatalf("after the burn: %s, want 0:%d", describe(b), burned+1)
 	}
 
-	// Rank 1's publisher restarts: live subscribers end with DATA_LOSS,
+	// Rank ra's publisher restarts: live subscribers end with DATA_LOSS,
 	// and the new incarnation is relayed from its own start.
-	old := last[1]
-	reconnects := inj.reconnects(1)
-	if err := peer.Restart(1); err != nil {
+	old := last[ra]
+	reconnects := inj.reconnects(int32(ra))
+	if err := peer.Restart(ra); err != nil {
 		t.Fatal(err)
 	}
-	model[1] = map[exactKey]int{}
-	last[1] = 0 // SGLang's startup clear is 0; the others have published nothing yet
-	l.waitFor("rank 1's SUB to reconnect", func() bool { return inj.reconnects(1) > reconnects })
+	model[int32(ra)] = map[exactKey]int{}
+	last[ra] = 0 // SGLang's startup clear is 0; the others have published nothing yet
+	l.waitFor(fmt.Sprintf("rank %d's SUB to reconnect", ra), func() bool { return inj.reconnects(int32(ra)) > reconnects })
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		if time.Now().After(deadline) || last[1]+2 >= old {
-			t.Fatalf("no data loss after rank 1's restart (new sequence %d, old %d): %+v", last[1], old, r.Status().Ranks[1])
+		if time.Now().After(deadline) || last[ra]+2 >= old {
+			t.Fatalf("no data loss after rank %d's restart (new sequence %d, old %d): %+v", ra, last[ra], old, r.Status().Ranks[ra])
 		}
-		publish(1)
+		publish(ra)
 		nctx, ncancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
 		_, err := s.Next(nctx)
 		ncancel()
@@ -270,19 +285,27 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 			break
 		}
 		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
-			t.Fatalf("after rank 1's restart: %v", err)
+			t.Fatalf("after rank %d's restart: %v", ra, err)
 		}
 	}
-	publish(1)
-	l.cursor(1, last[1])
+	publish(ra)
+	l.cursor(int32(ra), last[ra])
 	// The restart cleared the history window, and with it rank 0's hole.
 	expectExact("restarted", []uint64{0, 0, 0})
-	if rs := r.Status().Ranks[1]; rs.Restarts != 1 || rs.StartedAt == nil || *rs.StartedAt != 0 {
-		t.Fatalf("rank 1 after its restart: %+v", rs)
+	if rs := r.Status().Ranks[ra]; rs.Restarts != 1 || rs.StartedAt == nil || *rs.StartedAt != 0 {
+		t.Fatalf("rank %d after its restart: %+v", ra, rs)
 	}
-	// A fresh subscriber gets a snapshot at every rank's cursor.
+	// A fresh subscriber gets a snapshot at every rank's cursor: the other
+	// ranks' histories no longer start at their first batch. With one rank,
+	// the history is whole from the new incarnation's 0, and is sent as is.
 	fresh := l.subscribe(0)
 	chunk := next(t, fresh)
+	if dp == 1 {
+		if chunk.GetSnapshot() != nil || chunk.GetSequenceNumber() != 0 {
+			t.Fatalf("after the restart of the only rank, cursor 0 got %s, want its history from 0", describe(chunk))
+		}
+		return
+	}
 	if chunk.GetSnapshot() == nil {
 		t.Fatalf("after the restart, cursor 0 got %s, want a snapshot", describe(chunk))
 	}

@@ -16,6 +16,9 @@ type Release struct {
 	Name   string `json:"name"`   // e.g. "vllm-0.33.0"; its folder under the engines dir
 	Engine string `json:"engine"` // VLLM, SGLang or TokenSpeed
 	Tier   string `json:"tier"`   // "newest" (make test) or "long" (make test-long)
+	// NoDPRanks: the release predates DP support (one publisher, batches
+	// without a rank), so it runs with one rank.
+	NoDPRanks bool `json:"no_dp_ranks"`
 }
 
 // The tiers of the release matrix.

@@ -36,6 +36,7 @@ both, with these differences:
 
 import argparse
 import dataclasses
+import inspect
 import importlib.util
 import json
 import logging
@@ -349,14 +350,23 @@ class Engine:
         config an operator would give it."""
         cfg = {"publisher": "zmq", "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                "buffer_steps": self.args.buffer_steps, "hwm": self.args.hwm, "topic": self.args.topic}
+        create = self.mod.EventPublisherFactory.create
         if self.name == "vllm":
-            pub = self.mod.EventPublisherFactory.create(
-                self.config_mod.KVEventsConfig(enable_kv_cache_events=True, **cfg), data_parallel_rank=rank)
+            config = self.config_mod.KVEventsConfig(enable_kv_cache_events=True, **cfg)
         elif self.name == "tokenspeed":
-            pub = self.mod.EventPublisherFactory.create(
-                json.dumps({"enable_kv_cache_events": True, **cfg}), attn_dp_rank=rank)
+            config = json.dumps({"enable_kv_cache_events": True, **cfg})
         else:
-            pub = self.mod.EventPublisherFactory.create(json.dumps(cfg), attn_dp_rank=rank)
+            config = json.dumps(cfg)
+        params = inspect.signature(create).parameters
+        rank_param = next((p for p in ("data_parallel_rank", "attn_dp_rank") if p in params), None)
+        if rank_param is not None:
+            pub = create(config, **{rank_param: rank})
+        elif rank == 0:
+            # Releases before DP support (vLLM 0.9, SGLang 0.4.6) have one
+            # publisher and no rank in their batches.
+            pub = create(config)
+        else:
+            raise ValueError("this release's publisher has no DP rank: run it with one rank")
         if not isinstance(pub, self.mod.ZmqEventPublisher):
             raise RuntimeError(f"the factory made a {type(pub).__name__}, not a ZmqEventPublisher")
         faults = self.faults[rank]
