@@ -12,8 +12,11 @@ BIN     := $(CURDIR)/.bin
 # these variables.
 export KVRELAY_PYTHON := $(VPY)
 export KVRELAY_BIN := $(BIN)/kvrelay
+# The engines' own publisher modules, extracted from their pinned wheels.
+ENGINES := $(VENV)/engines
+export KVRELAY_ENGINES := $(ENGINES)
 
-.PHONY: release image golden bench-smoke all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
+.PHONY: release image golden bench-smoke engines engines-long test-long all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
 
 all: build
 
@@ -43,6 +46,16 @@ $(VENV)/.stamp: testdata/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r testdata/requirements.txt
 	touch $@
+
+# Each engine release's own kv_events module (testdata/engines/releases.json:
+# the wheel pinned by hash, downloaded without dependencies, only the module
+# kept). engines: the newest release of each engine, for make test;
+# engines-long: every release in the matrix, for make test-long.
+engines: venv
+	$(VPY) testdata/engines/fetch.py $(ENGINES) --tier newest
+
+engines-long: venv
+	$(VPY) testdata/engines/fetch.py $(ENGINES) --tier all
 
 # The compiler (bufbuild/protocompile, driven by proto/generate) and the
 # plugins are Go modules pinned in go.mod: no protoc needed.
@@ -75,9 +88,14 @@ fmt-check:
 # The race tests take minutes per package: testprogress prints slow and
 # failing tests, the packages still running every 30 s, and go test's own
 # "ok pkg" / "FAIL pkg" summary lines.
-test-go: venv build
+test-go: venv engines build
 	$(GO) build -o $(BIN)/testprogress ./internal/testprogress
 	bash -o pipefail -c '$(GO) test -race -count=1 -timeout 20m -json ./... | $(BIN)/testprogress'
+
+# The longer tier (not run by .ci/run): the interop tests against every
+# engine release in the matrix, the oldest ones whose wire we decode too.
+test-long: engines-long build
+	KVRELAY_ENGINE_TIER=long $(GO) test -race -count=1 -timeout 30m -run 'EngineRelease' ./relay/ ./cmd/kvrelay/
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s

@@ -55,7 +55,8 @@ type Engine struct {
 
 // OffsetEndpointPort applies the engines' per-rank endpoint rule: rank 0 and
 // empty endpoints are unchanged; inproc endpoints get a "_dp<rank>" suffix;
-// tcp endpoints get port+rank with the host kept verbatim; anything else at
+// tcp endpoints get port+rank with the host kept verbatim, except port 0,
+// which vLLM 0.33 leaves for the OS at every rank (#55844); anything else at
 // rank > 0 is an error, as it is in the engines.
 func OffsetEndpointPort(endpoint string, rank int) (string, error) {
 	if endpoint == "" || rank == 0 {
@@ -73,6 +74,9 @@ func OffsetEndpointPort(endpoint string, rank int) (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("endpoint %q: port is not a number: %w", endpoint, err)
 		}
+		if port == 0 {
+			return endpoint, nil
+		}
 		return endpoint[:i+1] + strconv.Itoa(port+rank), nil
 	}
 	return "", fmt.Errorf("endpoint %q: cannot offset a non-tcp, non-inproc endpoint for DP rank %d", endpoint, rank)
@@ -80,7 +84,8 @@ func OffsetEndpointPort(endpoint string, rank int) (string, error) {
 
 // ConnectEndpoint is where a subscriber on the same host dials rank's
 // publisher: the engine's offset endpoint with the bind wildcards "*" and
-// "0.0.0.0" replaced by 127.0.0.1.
+// "0.0.0.0" replaced by 127.0.0.1. A tcp port of 0 is an error: the engine
+// binds a port the OS picks, which only the engine's process knows.
 func ConnectEndpoint(endpoint string, rank int) (string, error) {
 	ep, err := OffsetEndpointPort(endpoint, rank)
 	if err != nil {
@@ -88,6 +93,10 @@ func ConnectEndpoint(endpoint string, rank int) (string, error) {
 	}
 	if rest, ok := strings.CutPrefix(ep, "tcp://"); ok {
 		i := strings.LastIndex(rest, ":")
+		if i >= 0 && rest[i+1:] == "0" {
+			return "", fmt.Errorf("endpoint %q: port 0 makes the engine bind a port the OS picks for each rank (vLLM #55844), "+
+				"which a subscriber cannot know; give the engine explicit ports in its --kv-events-config", endpoint)
+		}
 		if i >= 0 {
 			host := rest[:i]
 			if host == "*" || host == "0.0.0.0" {

@@ -47,6 +47,25 @@ func TestOffsetAndConnectEndpoints(t *testing.T) {
 	}
 }
 
+// vLLM 0.33 binds tcp://*:0 to an OS-assigned port at every rank (#55844):
+// the offset leaves port 0 alone, and a subscriber refuses to dial it
+// (it used to dial ports 0 and 1 forever, logging refused connections).
+func TestConnectEndpointRefusesOSAssignedPorts(t *testing.T) {
+	for rank := 0; rank < 3; rank++ {
+		if got, err := engines.OffsetEndpointPort("tcp://*:0", rank); err != nil || got != "tcp://*:0" {
+			t.Errorf("OffsetEndpointPort(tcp://*:0, %d) = %q, %v; want it unchanged", rank, got, err)
+		}
+		if got, err := engines.ConnectEndpoint("tcp://*:0", rank); err == nil || !strings.Contains(err.Error(), "explicit ports") {
+			t.Errorf("ConnectEndpoint(tcp://*:0, %d) = %q, %v; want an error asking for explicit ports", rank, got, err)
+		}
+	}
+	cfg := engines.DefaultConfig()
+	cfg.Endpoint, cfg.ReplayEndpoint = "tcp://*:5557", "tcp://*:0"
+	if _, err := engines.PublisherEndpoints(cfg, 2); err == nil || !strings.Contains(err.Error(), "rank 0 replay endpoint") {
+		t.Errorf("replay on port 0: %v", err)
+	}
+}
+
 func TestPublisherEndpoints(t *testing.T) {
 	cfg := engines.DefaultConfig()
 	cfg.ReplayEndpoint = "tcp://*:5600"

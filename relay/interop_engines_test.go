@@ -3,7 +3,9 @@ package relay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
+	"strconv"
 	"testing"
 	"time"
 
@@ -41,7 +43,39 @@ func TestRelayFollowsEveryEnginesRealPublisher(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.engine+"/"+tc.wire, func(t *testing.T) {
-			interopEngineDrill(t, tc.engine, tc.wire, tc.topic, tc.hash)
+			interopEngineDrill(t, enginepeer.Options{Engine: tc.engine, Wire: tc.wire, Topic: tc.topic}, tc.hash)
+		})
+	}
+}
+
+// The same drill with each engine release's own publisher module (its
+// EventPublisherFactory, ZmqEventPublisher, KVEventBatch and event structs,
+// loaded from the release's wheel by testdata/engines/release_peer.py) in
+// place of our imitation: the framing, replay ROUTER, msgspec encoding and
+// rank port offsets are the engine's. Three DP ranks, priming from the
+// replay (the relay joins late), live drops filled from the replay, a
+// truncated replay, a burned sequence, a publisher restart; the record is
+// compared with what the publisher stored after every phase. The newest
+// release of each engine runs here; older ones with KVRELAY_ENGINE_TIER=long.
+func TestRelayFollowsEachEngineReleasesOwnPublisher(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	releases, err := enginepeer.Releases()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rel := range releases {
+		hash := func(v int64) enginepeer.Hash { return enginepeer.U64(uint64(v)) }
+		if rel.Engine == enginepeer.SGLang {
+			hash = enginepeer.I64
+		}
+		dp := 3
+		if rel.NoDPRanks {
+			dp = 1
+		}
+		t.Run(rel.Name, func(t *testing.T) {
+			interopEngineDrill(t, enginepeer.Options{Engine: rel.Engine, Topic: "kv@" + rel.Name, Release: &rel, DPSize: dp}, hash)
 		})
 	}
 }
@@ -49,12 +83,21 @@ func TestRelayFollowsEveryEnginesRealPublisher(t *testing.T) {
 // interopModel is what a rank's publisher has stored: hash → copies.
 type interopModel map[int32]map[exactKey]int
 
-func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int64) enginepeer.Hash) {
-	const dp = 3
-	peer := enginepeer.Start(t, enginepeer.Options{Engine: engine, DPSize: dp, Wire: wire, Topic: topic})
+func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) enginepeer.Hash) {
+	// Three ranks, or one for releases that published no DP rank. The
+	// phases name two ranks besides 0: ra (drops) and rb (drops and a
+	// truncated replay); with one rank they all fall on rank 0.
+	dp := 3
+	if opts.DPSize == 1 {
+		dp = 1
+	}
+	opts.DPSize = dp
+	ra, rb := 1%dp, 2%dp
+	engine, topic := opts.Engine, opts.Topic
+	peer := enginepeer.Start(t, opts)
 	model := interopModel{}
 	stores := make([]int64, dp)
-	var last [dp]uint64
+	last := make([]uint64, dp)
 	device := uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
 	// publish stores a new block on rank, and every third batch also
 	// removes the rank's oldest live block: the record must follow both.
@@ -87,13 +130,21 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 	}
 
 	dialect := exactnessEngines[engine]
+	// A replay that stays unanswered for the timeout is a hole, rightly.
+	// The engines' own publishers serve replays on their publishing thread,
+	// between 100 ms queue polls, so on a loaded machine their answer can
+	// take longer than the imitation's; 300 ms once cost 3 holes there.
+	replayTimeout := 300 * time.Millisecond
+	if opts.Release != nil {
+		replayTimeout = time.Second
+	}
 	inj := &dupInjector{} // no duplicates: only to watch the SUB reconnect
 	kv := engines.Config{Enabled: true, Endpoint: peer.PubEndpoint(0), ReplayEndpoint: peer.ReplayEndpoint(0), Topic: topic, HWM: engines.DefaultHWM}
 	r, err := New(Config{
 		Engine:        dialect,
 		KV:            kv,
 		DPSize:        dp,
-		ReplayTimeout: 300 * time.Millisecond,
+		ReplayTimeout: replayTimeout,
 		PrimeRetry:    50 * time.Millisecond,
 		Logger:        quietLogger(),
 		Registerer:    prometheus.NewRegistry(),
@@ -129,7 +180,7 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 			}
 		}
 		got := snapshotLiveSet(r.Snapshot())
-		for rank := int32(0); rank < dp; rank++ {
+		for rank := int32(0); rank < int32(dp); rank++ {
 			if !maps.Equal(got[rank], model[rank]) {
 				t.Fatalf("%s: rank %d: the record differs from what the publisher stored: %s", phase, rank,
 					describeDiff(got[rank], model[rank]))
@@ -143,15 +194,17 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 			publish(rank)
 		}
 	}
-	// Rank 1 loses three batches live; rank 2 loses five and its replay is
+	// Rank ra loses three batches live; rank rb loses five and its replay is
 	// cut after two replies, with no end marker, until the gap is covered.
-	if err := peer.DropNext(1, 3); err != nil {
+	if ra != rb { // with one rank, rb's five drops are ra's too (and 8 would outlast the 7 rounds below)
+		if err := peer.DropNext(ra, 3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := peer.DropNext(rb, 5); err != nil {
 		t.Fatal(err)
 	}
-	if err := peer.DropNext(2, 5); err != nil {
-		t.Fatal(err)
-	}
-	if err := peer.TruncateReplay(2, 2); err != nil {
+	if err := peer.TruncateReplay(rb, 2); err != nil {
 		t.Fatal(err)
 	}
 	for i := 0; i < 7; i++ {
@@ -162,21 +215,21 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 	for rank := 0; rank < dp; rank++ {
 		l.cursor(int32(rank), last[rank])
 	}
-	if err := peer.TruncateReplay(2, -1); err != nil {
+	if err := peer.TruncateReplay(rb, -1); err != nil {
 		t.Fatal(err)
 	}
 	expectExact("drops filled", []uint64{0, 0, 0})
-	if got := counter(r.metrics.replays.WithLabelValues("2", "truncated")); got < 1 {
-		t.Errorf("rank 2's truncated replays %v, want at least one", got)
+	if got := counter(r.metrics.replays.WithLabelValues(strconv.Itoa(rb), "truncated")); got < 1 {
+		t.Errorf("rank %d's truncated replays %v, want at least one", rb, got)
 	}
-	if got := counter(r.metrics.recovered.WithLabelValues("1")); got < 3 {
-		t.Errorf("rank 1 recovered %v batches from the replay, want at least 3", got)
+	if got := counter(r.metrics.recovered.WithLabelValues(strconv.Itoa(ra))); got < 3 {
+		t.Errorf("rank %d recovered %v batches from the replay, want at least 3", ra, got)
 	}
 
 	// Every rank is whole in the history from its first sequence: cursor 0
 	// gets the whole log, each rank contiguous from 0.
 	s := l.subscribe(0)
-	want := [dp]uint64{}
+	want := make([]uint64, dp)
 	total := 0
 	for rank := 0; rank < dp; rank++ {
 		total += int(last[rank]) + 1
@@ -209,16 +262,16 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 		t.Fatalf("after the burn: %s, want 0:%d", describe(b), burned+1)
 	}
 
-	// Rank 1's publisher restarts: live subscribers end with DATA_LOSS,
+	// Rank ra's publisher restarts: live subscribers end with DATA_LOSS,
 	// and the new incarnation is relayed from its own start.
-	old := last[1]
-	reconnects := inj.reconnects(1)
-	if err := peer.Restart(1); err != nil {
+	old := last[ra]
+	reconnects := inj.reconnects(int32(ra))
+	if err := peer.Restart(ra); err != nil {
 		t.Fatal(err)
 	}
-	model[1] = map[exactKey]int{}
-	last[1] = 0 // SGLang's startup clear is 0; the others have published nothing yet
-	l.waitFor("rank 1's SUB to reconnect", func() bool { return inj.reconnects(1) > reconnects })
+	model[int32(ra)] = map[exactKey]int{}
+	last[ra] = 0 // SGLang's startup clear is 0; the others have published nothing yet
+	l.waitFor(fmt.Sprintf("rank %d's SUB to reconnect", ra), func() bool { return inj.reconnects(int32(ra)) > reconnects })
 	// Publish only while the new sequences stay below the old cursor (one
 	// the relay reads as the next of the old incarnation is no restart to
 	// anyone); if the relay saw none of them, its catch-up replay finds the
@@ -226,10 +279,10 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if time.Now().After(deadline) {
-			t.Fatalf("no data loss after rank 1's restart (new sequence %d, old %d): %+v", last[1], old, r.Status().Ranks[1])
+			t.Fatalf("no data loss after rank %d's restart (new sequence %d, old %d): %+v", ra, last[ra], old, r.Status().Ranks[ra])
 		}
-		if last[1]+3 < old {
-			publish(1)
+		if last[ra]+3 < old {
+			publish(ra)
 		}
 		nctx, ncancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
 		_, err := s.Next(nctx)
@@ -238,19 +291,27 @@ func interopEngineDrill(t *testing.T, engine, wire, topic string, hash func(int6
 			break
 		}
 		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
-			t.Fatalf("after rank 1's restart: %v", err)
+			t.Fatalf("after rank %d's restart: %v", ra, err)
 		}
 	}
-	publish(1)
-	l.cursor(1, last[1])
+	publish(ra)
+	l.cursor(int32(ra), last[ra])
 	// The restart cleared the history window, and with it rank 0's hole.
 	expectExact("restarted", []uint64{0, 0, 0})
-	if rs := r.Status().Ranks[1]; rs.Restarts != 1 || rs.StartedAt == nil || *rs.StartedAt != 0 {
-		t.Fatalf("rank 1 after its restart: %+v", rs)
+	if rs := r.Status().Ranks[ra]; rs.Restarts != 1 || rs.StartedAt == nil || *rs.StartedAt != 0 {
+		t.Fatalf("rank %d after its restart: %+v", ra, rs)
 	}
-	// A fresh subscriber gets a snapshot at every rank's cursor.
+	// A fresh subscriber gets a snapshot at every rank's cursor: the other
+	// ranks' histories no longer start at their first batch. With one rank,
+	// the history is whole from the new incarnation's 0, and is sent as is.
 	fresh := l.subscribe(0)
 	chunk := next(t, fresh)
+	if dp == 1 {
+		if chunk.GetSnapshot() != nil || chunk.GetSequenceNumber() != 0 {
+			t.Fatalf("after the restart of the only rank, cursor 0 got %s, want its history from 0", describe(chunk))
+		}
+		return
+	}
 	if chunk.GetSnapshot() == nil {
 		t.Fatalf("after the restart, cursor 0 got %s, want a snapshot", describe(chunk))
 	}

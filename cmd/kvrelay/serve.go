@@ -112,7 +112,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	fs.SetOutput(stderr)
 	configPath := fs.String("config", "", "JSON file describing several relays (see README); excludes the single-relay flags")
 	engineName := fs.String("engine", "", "engine: vllm, sglang or tokenspeed")
-	kvConfig := fs.String("kv-events-config", "", "the --kv-events-config JSON the engine was started with")
+	kvConfig := fs.String("kv-events-config", "", "the --kv-events-config JSON the engine was started with (SGLang, TokenSpeed: learned from --upstream when omitted)")
 	dpSize := fs.Int("dp-size", 1, "data-parallel ranks the engine runs (one publisher each)")
 	listen := fs.String("listen", "127.0.0.1:50061", "gRPC listen address (not 50051: that is the engines' usual gRPC port, often the --upstream)")
 	upstream := fs.String("upstream", "", "the engine's own gRPC servicer HOST:PORT; other RPCs are forwarded there")
@@ -190,8 +190,28 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			fmt.Fprintf(stderr, "kvrelay serve: --dp-size %d: want at least 1\n", *dpSize)
 			return 2
 		}
+		if *kvConfig == "" && *upstream != "" {
+			// The engine's servicer tells its config and rank count.
+			pubs, err := discoverPublishers(ctx, *engineName, *upstream, discoverTimeout, stderr)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvrelay serve: no --kv-events-config, and the engine's servicer did not give one: %v\n", err)
+				return 2
+			}
+			if pubs.KVEventsConfig == "" {
+				fmt.Fprintf(stderr, "kvrelay serve: the engine at %s publishes no KV events (its kv_events_config is unset)\n", *upstream)
+				return 2
+			}
+			set := map[string]bool{}
+			fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+			if set["dp-size"] && *dpSize != pubs.DPSize {
+				fmt.Fprintf(stderr, "kvrelay serve: --dp-size %d, but the engine at %s runs %d publishers\n", *dpSize, *upstream, pubs.DPSize)
+				return 2
+			}
+			*kvConfig, *dpSize = pubs.KVEventsConfig, pubs.DPSize
+			fmt.Fprintf(stderr, "kvrelay serve: learned from %s: --kv-events-config '%s' --dp-size %d\n", *upstream, *kvConfig, *dpSize)
+		}
 		if *kvConfig == "" {
-			fmt.Fprintln(stderr, "kvrelay serve: --kv-events-config is required (the JSON the engine was started with)")
+			fmt.Fprintln(stderr, "kvrelay serve: --kv-events-config is required (the JSON the engine was started with), or --upstream of an SGLang or TokenSpeed servicer that advertises it")
 			return 2
 		}
 		raw, _ := json.Marshal(*kvConfig)

@@ -11,7 +11,7 @@ import (
 func FuzzNormalize(f *testing.F) {
 	for _, h := range []string{hexF1Batch1, hexF1Batch2, hexF2, hexF5, hexF6Legacy, hexF8, hexF9,
 		hexVLLMMap, hexVLLMArray12, hexVLLM16750, hexSGLangMap, hexSGLangArray7, hexSGLangArraySalted,
-		hexSGLangOldest, hexTokenSpeed} {
+		hexSGLangOldest, hexTokenSpeed, hexVLLM034Batch, hexSGLang0523Batch} {
 		for d := VLLM; d <= TokenSpeed; d++ {
 			f.Add(uint8(d), unhex(f, h))
 		}

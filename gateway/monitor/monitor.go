@@ -137,8 +137,9 @@ type Options struct {
 	// stream (rank is the batch's dp_rank, 0 when absent).
 	OnLoad func(worker string, rank int32, load *kvpb.EngineLoad)
 	// OnBlockSize, if set, is called when a worker's stream reveals the
-	// model's block size (the first stored block with block_size > 0, once
-	// per subscription goroutine).
+	// model's block size: the largest block_size of its stored blocks, so
+	// called again only when a larger one appears (a partial-page store,
+	// at vLLM's hash block size, can come first).
 	OnBlockSize func(model string, blockSize int)
 }
 
@@ -345,20 +346,27 @@ func (m *Monitor) BlockSize(model string) int {
 	return m.blockSizes[model]
 }
 
-// learnBlockSize records a model's block size; the last writer wins, as in
-// SMG, but a disagreement between workers is logged because it makes one of
-// them unmatchable.
+// learnBlockSize records a model's block size: the largest any of its
+// workers revealed (see subscription.learnBlockSize: a smaller one is a
+// partial page). SMG's gateway lets the last writer win; a worker whose
+// partial-page store arrived first would then set every request's hashing
+// to the hash block size. A disagreement between workers' page sizes is
+// logged because it makes one of them unmatchable.
 func (m *Monitor) learnBlockSize(w Worker, n int) {
 	m.mu.Lock()
 	prev := m.blockSizes[w.Model]
-	m.blockSizes[w.Model] = n
-	m.mu.Unlock()
-	if prev != 0 && prev != n {
-		m.log.Warn("workers of one model disagree on the block size", "model", w.Model, "worker", w.ID, "block_size", n, "previous", prev)
-	} else if prev == 0 {
-		m.log.Info("learned block size", "model", w.Model, "worker", w.ID, "block_size", n)
+	if n > prev {
+		m.blockSizes[w.Model] = n
 	}
-	if m.opts.OnBlockSize != nil {
+	m.mu.Unlock()
+	switch {
+	case prev == 0:
+		m.log.Info("learned block size", "model", w.Model, "worker", w.ID, "block_size", n)
+	case n != prev:
+		m.log.Warn("block sizes differ: a partial page, or workers of one model with different page sizes",
+			"model", w.Model, "worker", w.ID, "block_size", n, "previous", prev)
+	}
+	if n > prev && m.opts.OnBlockSize != nil {
 		m.opts.OnBlockSize(w.Model, n)
 	}
 }

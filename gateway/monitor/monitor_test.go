@@ -436,7 +436,7 @@ func TestBlockSizeLearned(t *testing.T) {
 	c.send(t, batch(0, 1, clearedEvent()), batch(0, 2, stored(32, 7)), batch(0, 3, stored(16, 8)))
 	r.sink.expect(t, "apply r0 s1", "apply r0 s2", "apply r0 s3")
 	if got := r.mon.BlockSize("m"); got != 32 {
-		t.Errorf("BlockSize = %d, want 32 (the first stored block)", got)
+		t.Errorf("BlockSize = %d, want 32 (the largest stored block)", got)
 	}
 	if st := r.status(t); st.BlockSize != 32 {
 		t.Errorf("status block size %d", st.BlockSize)
@@ -445,6 +445,33 @@ func TestBlockSizeLearned(t *testing.T) {
 	defer mu.Unlock()
 	if learned["m"] != 32 || len(learned) != 1 {
 		t.Errorf("OnBlockSize saw %v", learned)
+	}
+}
+
+// vLLM at KV-group granularity (hash_block_size 4 under 16-token pages)
+// stores a partial page as one 4-token block (block_pool.py,
+// _get_partial_block_parent_hash_and_start) and full pages at 16. A worker
+// whose first store is a partial page must not set the model's block size
+// to 4, whichever worker speaks first; nor may a later partial page lower it.
+func TestBlockSizeNotPoisonedByPartialPages(t *testing.T) {
+	var mu sync.Mutex
+	var calls []int
+	r := newRig(t, func(o *Options) {
+		o.OnBlockSize = func(model string, n int) { mu.Lock(); calls = append(calls, n); mu.Unlock() }
+	})
+	c := r.srv.next(t).answer(t)
+	c.send(t, batch(0, 1, stored(4, 70)), batch(0, 2, stored(16, 71, 72)), batch(0, 3, stored(4, 73)))
+	r.sink.expect(t, "apply r0 s1", "apply r0 s2", "apply r0 s3")
+	if got := r.mon.BlockSize("m"); got != 16 {
+		t.Errorf("BlockSize = %d after a partial page (4), two full pages (16) and a partial page, want 16", got)
+	}
+	if st := r.status(t); st.BlockSize != 16 {
+		t.Errorf("status block size %d, want 16", st.BlockSize)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(calls) == 0 || calls[len(calls)-1] != 16 {
+		t.Errorf("OnBlockSize calls %v, want the last to be 16", calls)
 	}
 }
 

@@ -49,7 +49,7 @@ type subscription struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 
-	learnedBlockSize bool   // owned by the goroutine
+	learnedBlockSize int    // the largest block size seen; owned by the goroutine
 	liveApplied      uint64 // live batches applied; owned by the goroutine
 	hot              hotMetrics
 
@@ -499,27 +499,29 @@ func (s *subscription) observeLag(b *kvpb.KvEventBatch, applied time.Time) {
 	}
 }
 
-// learnBlockSize takes the model's block size from the first stored block
-// that states one, once per subscription goroutine.
+// learnBlockSize takes the model's block size from the stored blocks: the
+// largest block_size seen on this subscription. vLLM at KV-group granularity
+// (hash_block_size smaller than the page, #51614) also stores partial-page
+// entries whose block_size is the hash block size; only full pages carry the
+// page size, which is what requests must be hashed at. The first store can be
+// a partial one (a prompt shorter than a page), so a smaller size never
+// replaces a larger one. Only the first block of each stored event is read:
+// one event's blocks share a size.
 func (s *subscription) learnBlockSize(b *kvpb.KvEventBatch) {
-	if s.learnedBlockSize {
-		return
-	}
 	for _, ev := range b.GetEvents() {
 		blocks := ev.GetStored().GetBlocks()
 		if len(blocks) == 0 {
 			continue
 		}
 		n := int(blocks[0].GetBlockSize())
-		if n <= 0 {
+		if n <= s.learnedBlockSize {
 			continue
 		}
-		s.learnedBlockSize = true
+		s.learnedBlockSize = n
 		s.mu.Lock()
 		s.blockSize = n
 		s.mu.Unlock()
 		s.m.learnBlockSize(s.w, n)
-		return
 	}
 }
 

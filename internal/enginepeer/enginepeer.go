@@ -62,6 +62,13 @@ type Options struct {
 	StartupClear string
 	// Timeout bounds each command's answer; default 30 s.
 	Timeout time.Duration
+	// Release, when set, runs that engine release's own publisher module
+	// (testdata/engines/release_peer.py over the files fetch.py extracted)
+	// instead of the imitation; see Releases. Wire is then the release's.
+	Release *Release
+	// OSPorts keeps a tcp://*:0 endpoint for the release's publisher to bind
+	// (vLLM 0.33+ lets the OS assign each rank's port); only with Release.
+	OSPorts bool
 }
 
 // RankEndpoints are the connect endpoints of one rank.
@@ -69,6 +76,16 @@ type RankEndpoints struct {
 	Rank   int    `json:"rank"`
 	Pub    string `json:"pub"`
 	Replay string `json:"replay"` // empty without a ROUTER
+	// Reported is what a release's own publisher says its endpoints are
+	// (vLLM's get_publisher_config, SGLang's describe_local_source); nil
+	// for the imitation and for releases that report nothing.
+	Reported *ReportedEndpoints `json:"reported"`
+}
+
+// ReportedEndpoints are a publisher's own account of where it listens.
+type ReportedEndpoints struct {
+	Pub    string `json:"pub"`
+	Replay string `json:"replay"`
 }
 
 // Peer is a running engine_peer.py process.
@@ -134,7 +151,19 @@ func start(t testing.TB, opts Options) (*Peer, error) {
 	if opts.StartupClear != "" {
 		args = append(args, "--startup-clear", opts.StartupClear)
 	}
-	cmd := pyenv.Command(t, pyenv.Script("peer", "engine_peer.py"), args...)
+	script := pyenv.Script("peer", "engine_peer.py")
+	if opts.Release != nil {
+		dir, err := opts.Release.dir()
+		if err != nil {
+			return nil, err
+		}
+		script = pyenv.Script("engines", "release_peer.py")
+		args = append(args, "--release", dir)
+		if opts.OSPorts {
+			args = append(args, "--os-ports")
+		}
+	}
+	cmd := pyenv.Command(t, script, args...)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, fmt.Errorf("stdin pipe: %w", err)

@@ -1,0 +1,162 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/emptypb"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/kvrelay/kvrelay/internal/enginepeer"
+)
+
+// fakeSGLangServicer answers SglangScheduler.GetServerInfo on loopback as
+// SMG's servicer does for SGLang: server_args (field 1) is the engine's
+// ServerArgs as a Struct, with kv_events_config and dp_size among them.
+func fakeSGLangServicer(t *testing.T, serverArgs map[string]any) string {
+	t.Helper()
+	s, err := structpb.NewStruct(serverArgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := proto.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), raw)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	srv.RegisterService(&grpc.ServiceDesc{
+		ServiceName: "sglang.grpc.scheduler.SglangScheduler",
+		HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{
+			MethodName: "GetServerInfo",
+			Handler: func(_ any, _ context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+				if err := dec(&emptypb.Empty{}); err != nil {
+					return nil, err
+				}
+				out := &emptypb.Empty{}
+				out.ProtoReflect().SetUnknown(resp)
+				return out, nil
+			},
+		}},
+	}, struct{}{})
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String()
+}
+
+// kvrelay serve without --kv-events-config learns the publishers of SGLang
+// 0.5.23's own publisher module (two DP ranks) from the engine's servicer
+// (--upstream), and relays both ranks.
+func TestServeLearnsEngineReleasePublishersFromUpstream(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	verifyNoLeaks(t)
+	rel, err := enginepeer.ReleaseOf(enginepeer.SGLang)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, DPSize: 2, Release: rel})
+	cfg, _ := json.Marshal(map[string]any{
+		"publisher": "zmq",
+		"endpoint":  strings.Replace(peer.PubEndpoint(0), "127.0.0.1", "*", 1),
+		// SGLang binds its ROUTER on any host spelling; advertise the wildcard.
+		"replay_endpoint": strings.Replace(peer.ReplayEndpoint(0), "127.0.0.1", "*", 1),
+	})
+	upstream := fakeSGLangServicer(t, map[string]any{"kv_events_config": string(cfg), "dp_size": 2, "model_path": "m"})
+
+	grpcAddr := freeAddr(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var serveErr syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- dispatch(ctx, []string{"serve", "--engine", "sglang", "--upstream", upstream,
+			"--listen", grpcAddr, "--metrics-listen", "", "--replay-timeout", "2s"}, strings.NewReader(""), io.Discard, &serveErr)
+	}()
+	// The peer's startup clears (seq 0 of each rank) plus one store each.
+	for rank := 0; rank < 2; rank++ {
+		if _, err := peer.Publish(rank, enginepeer.Stored(nil, []int64{1, 2, 3, 4}, enginepeer.I64(int64(rank+1)))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out, errOut syncBuffer
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, errOut = syncBuffer{}, syncBuffer{}
+		tctx, tcancel := context.WithTimeout(ctx, 10*time.Second)
+		code := dispatch(tctx, []string{"tail", "--addr", grpcAddr, "--service", "sglang", "--json", "-n", "4"}, strings.NewReader(""), &out, &errOut)
+		tcancel()
+		if code == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("tail never succeeded: %s; serve stderr:\n%s", errOut.String(), serveErr.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	ranks := map[float64]int{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var b map[string]any
+		if err := json.Unmarshal([]byte(line), &b); err != nil {
+			t.Fatalf("tail line is not JSON: %q", line)
+		}
+		rank, _ := b["dpRank"].(float64)
+		ranks[rank]++
+	}
+	if ranks[0] != 2 || ranks[1] != 2 {
+		t.Fatalf("want each rank's clear and store, got %v:\n%s", ranks, out.String())
+	}
+	if want := fmt.Sprintf("learned from %s", upstream); !strings.Contains(serveErr.String(), want) || !strings.Contains(serveErr.String(), "--dp-size 2") {
+		t.Errorf("serve did not say what it learned; stderr:\n%s", serveErr.String())
+	}
+	cancel()
+	select {
+	case code := <-done:
+		if code != 0 {
+			t.Fatalf("serve exit %d after shutdown; stderr:\n%s", code, serveErr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("serve did not shut down")
+	}
+}
+
+// Where the engine does not tell (vLLM), or contradicts --dp-size, serve
+// stops with an error naming what to pass.
+func TestServeDiscoveryErrors(t *testing.T) {
+	cfg := `{"publisher": "zmq", "endpoint": "tcp://*:5557"}`
+	cases := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"vllm advertises nothing", []string{"--engine", "vllm", "--upstream", "127.0.0.1:1"}, "--kv-events-config"},
+		{"dp-size contradicts", []string{"--engine", "sglang", "--dp-size", "3", "--upstream",
+			fakeSGLangServicer(t, map[string]any{"kv_events_config": cfg, "dp_size": 2})}, "runs 2 publishers"},
+		{"events off", []string{"--engine", "sglang", "--upstream",
+			fakeSGLangServicer(t, map[string]any{"kv_events_config": nil})}, "publishes no KV events"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var stderr syncBuffer
+			code := dispatch(context.Background(), append([]string{"serve", "--metrics-listen", ""}, tc.args...), strings.NewReader(""), io.Discard, &stderr)
+			if code == 0 || !strings.Contains(stderr.String(), tc.want) {
+				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)
+			}
+		})
+	}
+}
