@@ -178,6 +178,15 @@ func (h *history) rankBounds(rank int32) (first, last uint64, ok bool) {
 	return s[0].first, s[len(s)-1].last, true
 }
 
+// rankFirstPos is the position of rank's oldest entry in the window.
+func (h *history) rankFirstPos(rank int32) (uint64, bool) {
+	w := h.ranks[rank]
+	if w == nil || len(w.live()) == 0 {
+		return 0, false
+	}
+	return w.live()[0].pos, true
+}
+
 // rankPos is the position of the entry of rank that covers seq, which must
 // lie inside the rank's bounds.
 func (h *history) rankPos(rank int32, seq uint64) uint64 {

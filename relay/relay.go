@@ -115,6 +115,13 @@ type rankState struct {
 	startedAt     uint64
 	unknownBefore uint64
 	restarts      uint64
+	// liveFrom is the sequence of the first batch of this incarnation the
+	// rank's live socket delivered. Such a batch was published after this
+	// relay subscribed, so no relay that ran before this one can have sent
+	// it, nor any later batch of the rank: a cursor at or past it was read
+	// from this relay's log (see resumeRank0).
+	hasLiveFrom bool
+	liveFrom    uint64
 
 	// Owned by the rank goroutine. A replay usually runs past the live
 	// stream: the live copies of what it gave are still queued on the
@@ -396,6 +403,11 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
 	}
+	if !rk.hasLiveFrom {
+		r.mu.Lock()
+		rk.liveFrom, rk.hasLiveFrom = m.Seq, true
+		r.mu.Unlock()
+	}
 	switch v {
 	case duplicate:
 		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
@@ -509,6 +521,7 @@ func (r *Relay) restartRank(rk *rankState, reason restartReason, seq uint64) {
 	r.rec.ClearRank(rk.rank)
 	rk.hasCursor, rk.cursor = false, 0
 	rk.hasStart, rk.startedAt = false, 0
+	rk.hasLiveFrom, rk.liveFrom = false, 0
 	rk.unknownBefore = 0
 	rk.restarts++
 	err := fmt.Errorf("%w: publisher of rank %d at %s restarted (%s, incarnation %d); resubscribe from zero",

@@ -69,8 +69,9 @@ type Subscription struct {
 //     history when it holds every rank's batches from sequence 0, else a
 //     snapshot of the live-block record cut at every rank's cursor, else
 //     (nothing relayed yet) live batches only. Non-zero gets the batches after
-//     that batch's position in the interleaved log, so no other rank loses a
-//     batch (at worst another rank repeats batches its cursor already covers).
+//     that batch's position in the interleaved log where that provably loses
+//     no batch of another rank (at worst another rank repeats batches its
+//     cursor already covers), else ErrOutOfRange (see provenAfterRank0).
 //   - rank_cursors, when set, resumes every rank exactly after its own
 //     cursor; an unlisted rank counts as cursor 0, which can be served only if
 //     the history holds that rank from its first batch (or the rank has
@@ -252,14 +253,64 @@ func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
 	return r.hist.rankPos(rank, c), nil
 }
 
-// resumeRank0 serves an SMG-style cursor: rank 0's last applied batch.
+// resumeRank0 serves an SMG-style cursor: rank 0's last applied batch,
+// and nothing about the other ranks. Serving what follows that batch's
+// place in the log is exact for the other ranks only where the relay can
+// prove that every one of their batches the client lacks lies after that
+// place; otherwise the cursor is refused, and the client comes back from
+// zero for a snapshot (see provenAfterRank0).
 func (r *Relay) resumeRank0(c uint64) ([]posBatch, error) {
 	pos, err := r.rankWindowCheck(0, c)
 	if err != nil {
 		return nil, err
 	}
+	if err := r.provenAfterRank0(c, pos); err != nil {
+		return nil, err
+	}
 	out, _ := r.hist.batchesAfter(nil, pos, 0, nil)
 	return out, nil
+}
+
+// provenAfterRank0 checks that resuming after log position pos, where rank
+// 0's cursor c resolved, loses no batch of another rank. It holds for a rank
+// k when either
+//
+//   - the client read this relay's log up to rank 0's batch c: every batch
+//     before that place was then delivered to it, and the window still holds
+//     every one after it. The relay knows it when batch c is in the window
+//     and this relay's live socket delivered rank 0's batch liveFrom <= c:
+//     batch c was published after this relay subscribed, so no earlier
+//     relay (one killed before this one started on the same ports) can have
+//     sent it. Batches of rank k the client got after c come again, and a
+//     gateway with per-rank cursors drops them as stale (SMG's does);
+//   - or the log holds rank k complete from its first batch, every one of
+//     them after pos: the client gets all of them and drops what its own
+//     cursor covers.
+//
+// Anything else, typically a cursor into batches this relay primed from
+// the engines' replays after a restart (it primes the ranks in whatever
+// order their replays answer, so another rank's batches published after
+// batch c can sit before it in the new log), is ErrOutOfRange.
+func (r *Relay) provenAfterRank0(c, pos uint64) error {
+	rk0 := r.ranks[0]
+	readHere := rk0.hasLiveFrom && c >= rk0.liveFrom && pos >= r.hist.firstPos() &&
+		!r.hist.at(pos).hole() && r.hist.at(pos).first == c
+	if readHere {
+		return nil
+	}
+	for _, rk := range r.ranks[1:] {
+		if !rk.hasCursor {
+			continue // nothing relayed yet: all of it comes after pos
+		}
+		first, ok := r.hist.rankFirstPos(rk.rank)
+		if ok && first > pos && r.hist.completeFrom0(rk.rank) {
+			continue
+		}
+		return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and the relay for %s cannot tell which batches of rank %d the client lacks "+
+			"(rank 0's batch %d came from the engine's replay when this relay started, not from a stream this relay served); "+
+			"resubscribe from zero for a state snapshot, or resume with rank_cursors", c, rk0.endpoint, rk.rank, c)
+	}
+	return nil
 }
 
 // resumeRanks serves a kvrelay client's per-rank cursors.
