@@ -178,13 +178,14 @@ func (h *history) rankBounds(rank int32) (first, last uint64, ok bool) {
 	return s[0].first, s[len(s)-1].last, true
 }
 
-// rankFirstPos is the position of rank's oldest entry in the window.
-func (h *history) rankFirstPos(rank int32) (uint64, bool) {
+// rankEntriesAfter counts rank's entries at positions after pos.
+func (h *history) rankEntriesAfter(rank int32, pos uint64) int {
 	w := h.ranks[rank]
-	if w == nil || len(w.live()) == 0 {
-		return 0, false
+	if w == nil {
+		return 0
 	}
-	return w.live()[0].pos, true
+	s := w.live()
+	return len(s) - sort.Search(len(s), func(i int) bool { return s[i].pos > pos })
 }
 
 // rankPos is the position of the entry of rank that covers seq, which must

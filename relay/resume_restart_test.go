@@ -15,16 +15,20 @@ import (
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
-// rankCursorClient is a subscriber that keeps state as SMG's gateway does:
-// a cursor per rank, a batch at or below its rank's cursor dropped as stale,
-// a clear resetting the batch's rank, and on OUT_OF_RANGE everything reset
-// and a new subscription from zero. blocks counts the stored copies of each
-// rank's hashes.
+// rankCursorClient is a subscriber that keeps state as SMG's gateway does
+// (gateway-side.md §1.4): a cursor per rank; a batch at or below its rank's
+// cursor is stale, except that the first batch of a rank on a new
+// connection below the cursor, or a sequence 0 or 1 below it, reads as a
+// restarted publisher and clears every rank's state; on OUT_OF_RANGE
+// everything is reset and it subscribes from zero. blocks counts the stored
+// copies of each rank's hashes.
 type rankCursorClient struct {
-	cursor map[int32]uint64
-	seen   map[int32]bool
-	blocks map[int32]map[int64]int
-	stale  int
+	cursor   map[int32]uint64
+	seen     map[int32]bool
+	fresh    map[int32]bool
+	blocks   map[int32]map[int64]int
+	stale    int
+	restarts int
 }
 
 func newRankCursorClient() *rankCursorClient {
@@ -34,16 +38,29 @@ func newRankCursorClient() *rankCursorClient {
 }
 
 func (c *rankCursorClient) reset() {
-	c.cursor, c.seen, c.blocks = map[int32]uint64{}, map[int32]bool{}, map[int32]map[int64]int{}
+	c.cursor, c.seen, c.fresh, c.blocks = map[int32]uint64{}, map[int32]bool{}, map[int32]bool{}, map[int32]map[int64]int{}
+}
+
+// connected marks every rank fresh, as a new subscription does.
+func (c *rankCursorClient) connected() {
+	for rank := range c.seen {
+		c.fresh[rank] = true
+	}
 }
 
 func (c *rankCursorClient) apply(b *kvpb.KvEventBatch) {
-	rank := b.GetDpRank()
-	if c.seen[rank] && b.GetSequenceNumber() <= c.cursor[rank] {
-		c.stale++
-		return
+	rank, seq := b.GetDpRank(), b.GetSequenceNumber()
+	fresh := c.fresh[rank]
+	c.fresh[rank] = false
+	if c.seen[rank] && seq <= c.cursor[rank] {
+		if seq == c.cursor[rank] || !(fresh || seq <= 1) {
+			c.stale++
+			return
+		}
+		c.restarts++
+		c.cursor, c.seen, c.blocks = map[int32]uint64{}, map[int32]bool{}, map[int32]map[int64]int{}
 	}
-	c.seen[rank], c.cursor[rank] = true, b.GetSequenceNumber()
+	c.seen[rank], c.cursor[rank] = true, seq
 	if c.blocks[rank] == nil {
 		c.blocks[rank] = map[int64]int{}
 	}
@@ -63,6 +80,27 @@ func (c *rankCursorClient) apply(b *kvpb.KvEventBatch) {
 			}
 		}
 	}
+}
+
+// resume subscribes with rank 0's cursor alone, as SMG's gateway does, and
+// on ErrOutOfRange resets and subscribes from zero. It reports whether the
+// cursor was refused.
+func (c *rankCursorClient) resume(t *testing.T, r *Relay) (*Subscription, bool) {
+	t.Helper()
+	s, err := r.Subscribe(context.Background(), &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: c.cursor[0]})
+	refused := errors.Is(err, ErrOutOfRange)
+	switch {
+	case refused:
+		c.reset()
+		s, err = r.Subscribe(context.Background(), &kvpb.SubscribeKvEventsRequest{})
+	case err == nil:
+		c.connected()
+	}
+	if err != nil {
+		t.Fatalf("resume at rank 0's cursor %d: %v", c.cursor[0], err)
+	}
+	t.Cleanup(s.Close)
+	return s, refused
 }
 
 // readUntil applies s's batches until every rank's cursor reached last.
@@ -167,25 +205,18 @@ func startRelayOn(t *testing.T, peer *enginepeer.Peer, later int32, gate <-chan 
 // and started again on the same sockets while the engine moves on to 449;
 // the new relay primes both ranks from their replays, one before the
 // other; the reader resumes with rank 0's cursor alone, as SMG's gateway
-// does. With rank 1 primed first, its batches 375..449 sit before rank 0's
-// batch 374 in the new log, and serving what follows 374 skipped them: the
-// cursor must be refused instead (the reader then comes back from zero).
-// With rank 0 primed first, every rank-1 batch follows 374 and the cursor
-// is served. Either way the reader ends with the exact live set. On the
-// relay that served it, the same cursor is honoured and repeats only rank-1
-// batches the reader drops as stale.
-func TestARank0CursorAfterARelayRestartNeverSkipsAnotherRanksBatches(t *testing.T) {
+// does. With rank 1 primed first, its batches 375..449 sat before rank 0's
+// batch 374 in the new log, and serving what follows 374 skipped them; with
+// rank 0 primed first, rank 1 came again from 0, which SMG's gateway reads
+// as a restart. The new relay cannot know what the reader holds of rank 1:
+// it refuses the cursor in both orders, and the reader ends exact from zero.
+func TestARank0CursorAfterARelayRestartIsRefusedWhicheverRankPrimesFirst(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a Python peer")
 	}
-	for _, tc := range []struct {
-		first, later int32
-		wantRefused  bool
-	}{
-		{first: 1, later: 0, wantRefused: true},
-		{first: 0, later: 1, wantRefused: false},
-	} {
-		t.Run(fmt.Sprintf("rank %d primes first", tc.first), func(t *testing.T) {
+	for _, first := range []int32{1, 0} {
+		later := 1 - first
+		t.Run(fmt.Sprintf("rank %d primes first", first), func(t *testing.T) {
 			peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 2})
 			publish := func(count int) map[int32]uint64 {
 				t.Helper()
@@ -208,46 +239,82 @@ func TestARank0CursorAfterARelayRestartNeverSkipsAnotherRanksBatches(t *testing.
 			s := l1.subscribe(0)
 			reader.readUntil(t, s, at374)
 			s.Close()
-
-			// On the same relay, rank 0's cursor is honoured: the rank-1
-			// batches after rank 0's 374 in the log come again, and a
-			// reader with per-rank cursors drops them as stale.
-			same := newRankCursorClient()
-			sameSub := l1.subscribe(0)
-			same.readUntil(t, sameSub, at374)
-			sameSub.Close()
-			resumed := l1.subscribe(at374[0])
-			more := publish(10)
-			same.readUntil(t, resumed, more)
-			resumed.Close()
-			same.exactAgainst(t, more)
-			if same.stale == 0 {
-				t.Fatalf("the same-relay resume repeated no rank-1 batch; this test's log order was to make it repeat some")
-			}
 			stop1()
 
 			// kill: the engine moves on while no relay runs.
 			last := publish(75)
 			gate := make(chan struct{})
-			r2, _ := startRelayOn(t, peer, tc.later, gate)
+			r2, _ := startRelayOn(t, peer, later, gate)
 			l2 := &lab{t: t, r: r2}
-			l2.cursor(tc.first, last[tc.first])
+			l2.cursor(first, last[first])
 			close(gate)
-			l2.cursor(tc.later, last[tc.later])
+			l2.cursor(later, last[later])
 
-			s2, err := r2.Subscribe(context.Background(), &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: reader.cursor[0]})
-			switch {
-			case tc.wantRefused && !errors.Is(err, ErrOutOfRange):
-				t.Fatalf("rank 0's cursor %d after rank 1 primed first: got %v, want ErrOutOfRange", reader.cursor[0], err)
-			case !tc.wantRefused && err != nil:
-				t.Fatalf("rank 0's cursor %d after rank 0 primed first: %v", reader.cursor[0], err)
-			case err != nil:
-				reader.reset()
-				s2 = l2.subscribe(0)
+			s2, refused := reader.resume(t, r2)
+			if !refused {
+				t.Errorf("rank 0's cursor %d after the restart was served; want ErrOutOfRange", at374[0])
 			}
-			t.Cleanup(s2.Close)
 			reader.readUntil(t, s2, last)
 			reader.exactAgainst(t, last)
 		})
 	}
+}
+
+// On the relay that served it, a rank-0 cursor is honoured when at most one
+// batch of every other rank follows it in the log (the reader then holds it
+// as its cursor, a stale repeat, or lacks it), and refused when more do
+// (the reader may have applied several, and would read their repeat as a
+// restart).
+func TestARank0CursorOnTheSameRelayIsHonouredOnlyWhereNoOtherRankRepeats(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a Python peer")
+	}
+	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 2})
+	r, _ := startRelayOn(t, peer, -1, nil)
+	l := &lab{t: t, r: r}
+	l.waitFor("both ranks connected", r.Ready)
+	last := map[int32]uint64{}
+	step := func(rank int32) { // one batch, in the relay's log before the next
+		t.Helper()
+		_, seq, err := peer.PublishMany(int(rank), 1, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		last[rank] = seq
+		l.cursor(rank, seq)
+	}
+	for i := 0; i < 20; i++ { // the ranks step together
+		step(0)
+		step(1)
+	}
+	lockstep := newRankCursorClient()
+	s := l.subscribe(0)
+	lockstep.readUntil(t, s, last)
+	s.Close()
+	// lockstep stopped at rank 0's 19 and rank 1's 19, one entry after
+	// rank 0's.
+	s, refused := lockstep.resume(t, r)
+	if refused {
+		t.Fatalf("the cursor of a reader at one rank-1 batch past rank 0's was refused")
+	}
+	step(0)
+	lockstep.readUntil(t, s, last)
+	lockstep.exactAgainst(t, last)
+	if lockstep.restarts != 0 || lockstep.stale != 1 {
+		t.Fatalf("lockstep resume: %d restarts, %d stale repeats; want 0 and 1 (rank 1's cursor)", lockstep.restarts, lockstep.stale)
+	}
+
+	// ahead stops at rank 0's 20 and rank 1's 21, two entries after rank 0's.
+	ahead := newRankCursorClient()
+	step(1)
+	step(1)
+	s = l.subscribe(0)
+	ahead.readUntil(t, s, last)
+	s.Close()
+	s, refused = ahead.resume(t, r)
+	if !refused {
+		t.Fatalf("the cursor of a reader two rank-1 batches past rank 0's was served")
+	}
+	ahead.readUntil(t, s, last)
+	ahead.exactAgainst(t, last)
 }

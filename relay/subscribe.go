@@ -69,9 +69,9 @@ type Subscription struct {
 //     history when it holds every rank's batches from sequence 0, else a
 //     snapshot of the live-block record cut at every rank's cursor, else
 //     (nothing relayed yet) live batches only. Non-zero gets the batches after
-//     that batch's position in the interleaved log where that provably loses
-//     no batch of another rank (at worst another rank repeats batches its
-//     cursor already covers), else ErrOutOfRange (see provenAfterRank0).
+//     that batch's position in the interleaved log where that is provably
+//     exact for every other rank (at worst another rank repeats the batch at
+//     its own cursor), else ErrOutOfRange (see provenAfterRank0).
 //   - rank_cursors, when set, resumes every rank exactly after its own
 //     cursor; an unlisted rank counts as cursor 0, which can be served only if
 //     the history holds that rank from its first batch (or the rank has
@@ -272,43 +272,45 @@ func (r *Relay) resumeRank0(c uint64) ([]posBatch, error) {
 }
 
 // provenAfterRank0 checks that resuming after log position pos, where rank
-// 0's cursor c resolved, loses no batch of another rank. It holds for a rank
-// k when either
+// 0's cursor c resolved, is exact for every other rank, for a gateway that
+// keeps a cursor per rank as SMG's does. That gateway reads a rank's first
+// batch on a new connection below its cursor as a restarted publisher, and
+// clears the worker's whole index (SMG 1.13, measured by
+// TestSMGGatewayResumeOnTheSameKvrelay): so no rank may be served a batch
+// the client applied, except the one at its cursor, which is dropped as
+// stale. Two things must hold:
 //
-//   - the client read this relay's log up to rank 0's batch c: every batch
-//     before that place was then delivered to it, and the window still holds
-//     every one after it. The relay knows it when batch c is in the window
-//     and this relay's live socket delivered rank 0's batch liveFrom <= c:
-//     batch c was published after this relay subscribed, so no earlier
-//     relay (one killed before this one started on the same ports) can have
-//     sent it. Batches of rank k the client got after c come again, and a
-//     gateway with per-rank cursors drops them as stale (SMG's does);
-//   - or the log holds rank k complete from its first batch, every one of
-//     them after pos: the client gets all of them and drops what its own
-//     cursor covers.
+//   - the client read this relay's log up to rank 0's batch c, so it holds
+//     every batch before that place. The relay knows it when batch c is in
+//     the window and this relay's live socket delivered rank 0's batch
+//     liveFrom <= c: batch c was published after this relay subscribed, so
+//     no earlier relay (one killed before this one started on the same
+//     ports) can have sent it. A relay that primed the ranks from the
+//     engines' replays after a restart primes them in whatever order the
+//     replays answer, and another rank's later batches can sit before c;
+//   - every other rank has at most one entry after that place: the client
+//     then either lacks it or holds it as its cursor. With more, it may
+//     have applied several of them, and no cursor of its own says which.
 //
-// Anything else, typically a cursor into batches this relay primed from
-// the engines' replays after a restart (it primes the ranks in whatever
-// order their replays answer, so another rank's batches published after
-// batch c can sit before it in the new log), is ErrOutOfRange.
+// Anything else is ErrOutOfRange: the gateway comes back from zero for a
+// snapshot. A client that sends rank_cursors is resumed exactly instead.
 func (r *Relay) provenAfterRank0(c, pos uint64) error {
+	if len(r.ranks) == 1 {
+		return nil // the cursor is the only rank's own
+	}
 	rk0 := r.ranks[0]
 	readHere := rk0.hasLiveFrom && c >= rk0.liveFrom && pos >= r.hist.firstPos() &&
 		!r.hist.at(pos).hole() && r.hist.at(pos).first == c
-	if readHere {
-		return nil
+	if !readHere {
+		return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and this relay for %s did not serve it (it came from the engine's replay when the relay started), "+
+			"so which batches of the other %d ranks the client lacks is unknown; resubscribe from zero for a state snapshot, or resume with rank_cursors",
+			c, rk0.endpoint, len(r.ranks)-1)
 	}
 	for _, rk := range r.ranks[1:] {
-		if !rk.hasCursor {
-			continue // nothing relayed yet: all of it comes after pos
+		if n := r.hist.rankEntriesAfter(rk.rank, pos); n > 1 {
+			return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and rank %d relayed %d batches after it at %s, some of which the client may have applied; "+
+				"resubscribe from zero for a state snapshot, or resume with rank_cursors", c, rk.rank, n, rk0.endpoint)
 		}
-		first, ok := r.hist.rankFirstPos(rk.rank)
-		if ok && first > pos && r.hist.completeFrom0(rk.rank) {
-			continue
-		}
-		return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and the relay for %s cannot tell which batches of rank %d the client lacks "+
-			"(rank 0's batch %d came from the engine's replay when this relay started, not from a stream this relay served); "+
-			"resubscribe from zero for a state snapshot, or resume with rank_cursors", c, rk0.endpoint, rk.rank, c)
 	}
 	return nil
 }
