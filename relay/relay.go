@@ -59,7 +59,9 @@ type dropCount struct {
 
 // liveRecord is the live-block record (relay/record).
 type liveRecord interface {
-	Apply(b *kvpb.KvEventBatch)
+	// Apply returns the indexes of the stored events it took for
+	// report-mode re-announcements.
+	Apply(b *kvpb.KvEventBatch) (reannounced []int)
 	ClearRank(rank int32)
 	// cut captures the record for ranks, cheaply, under the relay's lock.
 	cut(ranks []int32) recordCut
@@ -182,7 +184,7 @@ func New(cfg Config) (*Relay, error) {
 		ranks:   ranks,
 		hist:    newHistory(cfg.HistoryBatches, cfg.HistoryBytes),
 		subs:    map[*Subscription]struct{}{},
-		rec:     newRecordAdapter(),
+		rec:     newRecordAdapter(cfg.ReportModeFull),
 	}
 	if err := m.registerState(r, labels); err != nil {
 		m.unregister()
@@ -470,8 +472,11 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 
 	r.mu.Lock()
+	reannounced := r.rec.Apply(b)
+	if len(reannounced) > 0 && r.cfg.SuppressReannounced {
+		b, enc = withoutEvents(b, reannounced)
+	}
 	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
-	r.rec.Apply(b)
 	rk.cursor, rk.hasCursor = seq, true
 	if !rk.hasStart {
 		rk.startedAt, rk.hasStart = seq, true
@@ -482,6 +487,9 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	r.mu.Unlock()
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
+	if len(reannounced) > 0 {
+		r.metrics.reannounced.WithLabelValues(rk.label, fmt.Sprint(r.cfg.SuppressReannounced)).Add(float64(len(reannounced)))
+	}
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
 	r.metrics.events.WithLabelValues(rk.label).Add(float64(len(b.Events)))
 	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(blocks))
@@ -491,6 +499,32 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	if relayed%summaryEvery == 0 {
 		r.logSummary("relay summary")
 	}
+}
+
+// withoutEvents is b without the events at the indexes drop (ascending),
+// and its encoding: the stage that keeps report-mode re-announcements out of
+// the stream (Config.SuppressReannounced). The batch keeps its sequence, so
+// a batch left empty still closes its place in the rank's sequence.
+func withoutEvents(b *kvpb.KvEventBatch, drop []int) (*kvpb.KvEventBatch, []byte) {
+	out := proto.CloneOf(b)
+	kept := out.Events[:0]
+	for i, ev := range out.Events {
+		if len(drop) > 0 && drop[0] == i {
+			drop = drop[1:]
+			continue
+		}
+		kept = append(kept, ev)
+	}
+	clear(out.Events[len(kept):])
+	out.Events = kept
+	enc, err := proto.Marshal(out)
+	if err != nil {
+		// Cannot happen for a message that encoded a moment ago; keep the
+		// engine's batch rather than lose its sequence.
+		enc, _ = proto.Marshal(b)
+		return b, enc
+	}
+	return out, enc
 }
 
 // lose records rank's sequences from..to as a hole: nothing will ever

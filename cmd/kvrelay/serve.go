@@ -65,6 +65,10 @@ type relayConfig struct {
 	HistoryBatches int             `json:"history_batches"`
 	HistoryBytes   int64           `json:"history_bytes"`
 	ReplayTimeout  string          `json:"replay_timeout"`
+	// ReportModeFull and SuppressReannounced: see --report-mode-full and
+	// --suppress-reannounced-stores.
+	ReportModeFull      bool `json:"report_mode_full"`
+	SuppressReannounced bool `json:"suppress_reannounced_stores"`
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -88,6 +92,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	historyBatches := fs.Int("history-batches", 0, "history bound in batches (0: $SMG_KV_EVENT_HISTORY_BATCHES or 10000)")
 	historyBytes := fs.Int64("history-bytes", 0, "history bound in bytes (0: $SMG_KV_EVENT_HISTORY_BYTES or 256 MiB)")
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
+	reportModeFull := fs.Bool("report-mode-full", false,
+		"the engine's requests may ask for vLLM's kv_cache_report_mode \"full\": the record takes their re-announced prefix-cache hits for no change (see README)")
+	suppressReannounced := fs.Bool("suppress-reannounced-stores", false,
+		"leave vLLM's report-mode \"full\" re-announcements of prefix-cache hits out of the stream, for gateways that count copies per store (SMG's); off: the stream is the engine's, batch for batch")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	if err := fs.Parse(args); err != nil {
@@ -102,7 +110,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	if *configPath != "" {
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout"} {
+		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout", "report-mode-full", "suppress-reannounced-stores"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -143,6 +151,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				Name: *engineName, Engine: *engineName, KVEventsConfig: raw, DPSize: *dpSize,
 				Listen: *listen, Upstream: *upstream, HistoryBatches: *historyBatches,
 				HistoryBytes: *historyBytes, ReplayTimeout: replayTimeout.String(),
+				ReportModeFull: *reportModeFull, SuppressReannounced: *suppressReannounced,
 			}},
 		}
 	}
@@ -230,6 +239,9 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if c.HistoryBytes < 0 {
 			return nil, fmt.Errorf("%s: history-bytes %d is negative", where, c.HistoryBytes)
 		}
+		if c.SuppressReannounced && !c.ReportModeFull {
+			return nil, fmt.Errorf("%s: suppress-reannounced-stores needs report-mode-full (the record tells re-announcements apart)", where)
+		}
 		timeout := 5 * time.Second
 		if c.ReplayTimeout != "" {
 			timeout, err = time.ParseDuration(c.ReplayTimeout)
@@ -304,15 +316,17 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			continue
 		}
 		r, err := relay.New(relay.Config{
-			Engine:         rc.engine,
-			KV:             rc.kv,
-			DPSize:         rc.DPSize,
-			HistoryBatches: rc.HistoryBatches,
-			HistoryBytes:   rc.HistoryBytes,
-			ReplayTimeout:  rc.replayTimeout,
-			Logger:         log.With("relay", rc.Name),
-			Instance:       rc.Name, // the relay label on its metrics
-			Registerer:     reg,
+			Engine:              rc.engine,
+			KV:                  rc.kv,
+			DPSize:              rc.DPSize,
+			HistoryBatches:      rc.HistoryBatches,
+			HistoryBytes:        rc.HistoryBytes,
+			ReplayTimeout:       rc.replayTimeout,
+			ReportModeFull:      rc.ReportModeFull,
+			SuppressReannounced: rc.SuppressReannounced,
+			Logger:              log.With("relay", rc.Name),
+			Instance:            rc.Name, // the relay label on its metrics
+			Registerer:          reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)
