@@ -202,6 +202,9 @@ type labOpts struct {
 	subBuffer  int
 	beforeRun  func(l *lab)
 	skipPrimed bool // do not wait for the start replay
+	// reportModeFull and suppress set Config.ReportModeFull and
+	// Config.SuppressReannounced.
+	reportModeFull, suppress bool
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -220,16 +223,18 @@ func newLab(t *testing.T, o labOpts) *lab {
 		kv.ReplayEndpoint = ""
 	}
 	r, err := New(Config{
-		Engine:           engineForTest(),
-		KV:               kv,
-		DPSize:           o.ranks,
-		HistoryBatches:   o.history,
-		HistoryBytes:     o.histBytes,
-		ReplayTimeout:    200 * time.Millisecond,
-		PrimeRetry:       20 * time.Millisecond,
-		SubscriberBuffer: o.subBuffer,
-		Logger:           quietLogger(),
-		Registerer:       l.reg,
+		Engine:              engineForTest(),
+		KV:                  kv,
+		DPSize:              o.ranks,
+		HistoryBatches:      o.history,
+		HistoryBytes:        o.histBytes,
+		ReplayTimeout:       200 * time.Millisecond,
+		PrimeRetry:          20 * time.Millisecond,
+		SubscriberBuffer:    o.subBuffer,
+		ReportModeFull:      o.reportModeFull,
+		SuppressReannounced: o.suppress,
+		Logger:              quietLogger(),
+		Registerer:          l.reg,
 		Transport: func(rank int32, endpoint, replay string, _ time.Duration) (Feed, Replayer, error) {
 			p := l.pubs[rank]
 			if replay == "" {
