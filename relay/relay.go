@@ -63,6 +63,8 @@ type liveRecord interface {
 	// report-mode re-announcements.
 	Apply(b *kvpb.KvEventBatch) (reannounced []int)
 	ClearRank(rank int32)
+	// LiveDigest is rank's anti-entropy digest and the copies it covers.
+	LiveDigest(rank int32) (digest, blocks uint64)
 	// cut captures the record for ranks, cheaply, under the relay's lock.
 	cut(ranks []int32) recordCut
 	// blocks and entries per rank, and in total.
@@ -476,14 +478,16 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	if len(reannounced) > 0 && r.cfg.SuppressReannounced {
 		b, enc = withoutEvents(b, reannounced)
 	}
-	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
+	sum, n := r.rec.LiveDigest(rk.rank)
+	digest := liveDigest{sum: sum, blocks: n, set: true}
+	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)), digest)
 	rk.cursor, rk.hasCursor = seq, true
 	if !rk.hasStart {
 		rk.startedAt, rk.hasStart = seq, true
 	}
 	r.relayed++
 	relayed := r.relayed
-	r.fanOut(posBatch{pos: pos, batch: b, enc: enc})
+	r.fanOut(posBatch{pos: pos, batch: b, enc: enc, digest: digest})
 	r.mu.Unlock()
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true

@@ -2,12 +2,14 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -52,6 +54,9 @@ type Subscription struct {
 	r       *Relay
 	pending []posBatch                      // snapshot chunks, then history: sent first
 	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks the first Next builds
+	// digests: the subscriber asked for every relayed batch's live digest
+	// (SubscribeKvEventsRequest.live_digests).
+	digests bool
 
 	mu      sync.Mutex
 	queue   []posBatch
@@ -86,7 +91,7 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	s := &Subscription{r: r, notify: make(chan struct{}, 1)}
+	s := &Subscription{r: r, notify: make(chan struct{}, 1), digests: req.GetLiveDigests()}
 	begin := time.Now()
 
 	r.mu.Lock()
@@ -423,7 +428,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			pb := s.pending[0]
 			s.pending[0] = posBatch{}
 			s.pending = s.pending[1:]
-			return pb.batch, pb.enc, nil
+			return s.out(pb)
 		}
 		s.mu.Lock()
 		if s.qhead < len(s.queue) {
@@ -449,7 +454,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 				continue
 			}
 			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
-			return pb.batch, pb.enc, nil
+			return s.out(pb)
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed
 		s.mu.Unlock()
@@ -471,6 +476,37 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 		}
 	}
 }
+
+// out is what NextEncoded returns for pb: the shared batch and bytes, or,
+// for a subscriber that asked for live digests, a copy of the bytes with the
+// batch's digest fields appended (a protobuf decoder merges appended fields
+// into the message, so this is the batch with live_digest and live_blocks
+// set; the shared message is left untouched).
+func (s *Subscription) out(pb posBatch) (*kvpb.KvEventBatch, []byte, error) {
+	if !s.digests || !pb.digest.set {
+		return pb.batch, pb.enc, nil
+	}
+	enc := pb.enc
+	if enc == nil {
+		var err error
+		if enc, err = proto.Marshal(pb.batch); err != nil {
+			return nil, nil, fmt.Errorf("relay: encoding a batch: %w", err)
+		}
+	}
+	out := make([]byte, len(enc), len(enc)+2*(1+binary.MaxVarintLen64))
+	copy(out, enc)
+	out = protowire.AppendTag(out, liveDigestField, protowire.Fixed64Type)
+	out = protowire.AppendFixed64(out, pb.digest.sum)
+	out = protowire.AppendTag(out, liveBlocksField, protowire.VarintType)
+	out = protowire.AppendVarint(out, pb.digest.blocks)
+	return nil, out, nil
+}
+
+// The field numbers of KvEventBatch.live_digest and live_blocks.
+var (
+	liveDigestField = (&kvpb.KvEventBatch{}).ProtoReflect().Descriptor().Fields().ByName("live_digest").Number()
+	liveBlocksField = (&kvpb.KvEventBatch{}).ProtoReflect().Descriptor().Fields().ByName("live_blocks").Number()
+)
 
 // refill takes a lagged subscriber's next batches from the history, by log
 // position, or ends it if the history no longer reaches back.

@@ -203,6 +203,16 @@ func (r *Record) Stats() Stats {
 	return s
 }
 
+// LiveDigest is rank's anti-entropy digest (internal/livedigest) and the
+// live copies it covers: what a gateway that applied the same batches holds.
+func (r *Record) LiveDigest(rank int32) (digest, blocks uint64) {
+	rs := r.ranks[rank]
+	if rs == nil {
+		return 0, 0
+	}
+	return rs.digest, rs.digestBlocks
+}
+
 // tierOf resolves the tier a store or removal applies to: its tier when set, else its cache level.
 // Tier values the proto does not define count as external, like unknown cache levels.
 func tierOf(t *kvpb.KvCacheTier, level *int32) uint8 {
@@ -282,6 +292,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 			} else {
 				r.writable(rs, slot).copies++
 				rs.blocks++
+				rs.count(h, tier, 1)
 			}
 		} else {
 			key.setBlock(blk)
@@ -326,6 +337,7 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	rs.entries++
 	rs.tiers[tier]++
 	rs.blocks++
+	rs.count(blk.BlockHash, tier, 1)
 }
 
 func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
@@ -344,6 +356,7 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 		}
 		r.removed++
 		rs.blocks--
+		rs.count(h, tier, -1)
 		e := r.writable(rs, slot)
 		e.copies--
 		if e.copies > 0 {
