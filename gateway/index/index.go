@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/livedigest"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -791,6 +792,25 @@ type LiveBlock struct {
 	Tier       Tier
 	EngineHash uint64
 	Copies     int
+}
+
+// LiveDigest is w's rank's anti-entropy digest (internal/livedigest) and
+// the copies it covers, to compare with the relay's live digest. It is
+// computed from LiveSet on demand, O(the worker's blocks), not kept
+// incrementally: the monitor asks at most about once a second.
+func (ix *Index) LiveDigest(w WorkerID, rank int32) (digest, blocks uint64) {
+	for _, b := range ix.LiveSet(w) {
+		if b.Rank != rank {
+			continue
+		}
+		tier := uint8(livedigest.TierDevice)
+		if b.Tier == TierHost {
+			tier = livedigest.TierHost
+		}
+		digest += uint64(b.Copies) * livedigest.Block(b.EngineHash, tier)
+		blocks += uint64(b.Copies)
+	}
+	return digest, blocks
 }
 
 // LiveSet returns what the index holds for w, one row per (rank, tier,
