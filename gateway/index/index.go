@@ -796,19 +796,34 @@ type LiveBlock struct {
 
 // LiveDigest is w's rank's anti-entropy digest (internal/livedigest) and
 // the copies it covers, to compare with the relay's live digest. It is
-// computed from LiveSet on demand, O(the worker's blocks), not kept
-// incrementally: the monitor asks at most about once a second.
+// computed on demand from the rank's reverse table (which pruning does not
+// touch), O(the rank's blocks) under the worker's lock without allocating,
+// not kept incrementally: the monitor asks at most about once a second.
 func (ix *Index) LiveDigest(w WorkerID, rank int32) (digest, blocks uint64) {
-	for _, b := range ix.LiveSet(w) {
-		if b.Rank != rank {
+	ws := ix.existingWorker(w)
+	if ws == nil {
+		return 0, 0
+	}
+	defer ws.mu.Unlock()
+	rt := ws.ranks[rank]
+	if rt == nil {
+		return 0, 0
+	}
+	for i := range rt.slots {
+		c := rt.counts(i)
+		if c == 0 {
 			continue
 		}
-		tier := uint8(livedigest.TierDevice)
-		if b.Tier == TierHost {
-			tier = livedigest.TierHost
+		for _, t := range []Tier{TierDevice, TierHost} {
+			if n := uint64(tierCount(c, t)); n > 0 {
+				tier := uint8(livedigest.TierDevice)
+				if t == TierHost {
+					tier = livedigest.TierHost
+				}
+				digest += n * livedigest.Block(rt.slots[i].key, tier)
+				blocks += n
+			}
 		}
-		digest += uint64(b.Copies) * livedigest.Block(b.EngineHash, tier)
-		blocks += uint64(b.Copies)
 	}
 	return digest, blocks
 }
