@@ -33,3 +33,26 @@ func TestLiveDigestSumsTheRanksLiveCopies(t *testing.T) {
 		t.Fatalf("an unknown worker: %x over %d", d, n)
 	}
 }
+
+// BenchmarkLiveDigest: what the monitor's once-a-second comparison costs
+// the worker's lock, for a rank holding 100,000 blocks.
+func BenchmarkLiveDigest(b *testing.B) {
+	ix := New(Options{BlockSize: 2})
+	const n = 100_000
+	blocks := make([]*kvpb.KvBlock, 0, 100)
+	for i := 0; i < n; i += 100 {
+		blocks = blocks[:0]
+		for j := 0; j < 100; j++ {
+			blocks = append(blocks, blk(int64(i+j+1), uint32(2*(i+j)), uint32(2*(i+j)+1)))
+		}
+		ix.Apply("w", batch(0, stored(blocks)))
+	}
+	if _, got := ix.LiveDigest("w", 0); got != n {
+		b.Fatalf("%d blocks indexed, want %d", got, n)
+	}
+	b.ResetTimer()
+	for b.Loop() {
+		ix.LiveDigest("w", 0)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/n, "ns/block")
+}
