@@ -56,3 +56,51 @@ func BenchmarkLiveDigest(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/n, "ns/block")
 }
+
+// With ReportModeFull, vLLM's re-announced hit chains add no copies while
+// genuine second copies do; without it, the re-announced blocks stay as
+// phantom copies after their one eviction.
+func TestReportModeFullReannouncementsAddNoCopiesInTheIndex(t *testing.T) {
+	b1, b2, b3, b4 := blk(1, 1, 2), blk(2, 3, 4), blk(3, 5, 6), blk(4, 7, 8)
+	life := []*kvpb.KvEventBatch{
+		batch(0, stored([]*kvpb.KvBlock{b1, b2, b3})),        // A caches its prompt
+		batch(0, stored([]*kvpb.KvBlock{b1, b2})),            // B's hit, re-announced
+		batch(0, stored([]*kvpb.KvBlock{b4}, withParent(2))), // B's own block
+		batch(0, stored([]*kvpb.KvBlock{b3}, withParent(2))), // C's second copy of 3
+		batch(0, stored([]*kvpb.KvBlock{b1, b2, b3})),        // D's hit, re-announced
+		batch(0, removed(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE, 3)),
+		batch(0, stored([]*kvpb.KvBlock{b1})), // E's hit, re-announced
+		batch(0, removed(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE, 4, 2, 1)),
+	}
+	for _, rule := range []bool{true, false} {
+		ix := New(Options{BlockSize: 2, ReportModeFull: rule})
+		for _, b := range life {
+			ix.Apply("w", b)
+		}
+		got := ix.LiveSet("w")
+		want := []LiveBlock{{Rank: 0, Tier: TierDevice, EngineHash: 3, Copies: 1}}
+		exact := len(got) == 1 && got[0] == want[0]
+		if rule && !exact {
+			t.Fatalf("with the rule: %v, want %v", got, want)
+		}
+		if !rule && exact {
+			t.Fatalf("without the rule the re-announced blocks should stay as phantoms: %v", got)
+		}
+		if st := ix.Stats().Workers["w"].Counters; rule && st.ReannouncedStores != 3 {
+			t.Fatalf("ReannouncedStores %d, want 3", st.ReannouncedStores)
+		}
+	}
+}
+
+// A snapshot lists one store per physical copy: two copies of a root block
+// are two parent-less stores of it, which the rule must not take for a
+// re-announcement.
+func TestReportModeFullLeavesSnapshotCopiesAlone(t *testing.T) {
+	ix := New(Options{BlockSize: 2, ReportModeFull: true})
+	chunk := batch(0, stored([]*kvpb.KvBlock{blk(1, 1, 2)}), stored([]*kvpb.KvBlock{blk(1, 1, 2)}))
+	chunk.Snapshot = &kvpb.KvSnapshotChunk{Index: 0, Count: 1, Blocks: 2}
+	ix.Apply("w", chunk)
+	if got := ix.LiveSet("w"); len(got) != 1 || got[0].Copies != 2 {
+		t.Fatalf("after a snapshot with two copies of block 1: %v", got)
+	}
+}

@@ -67,6 +67,17 @@ type Options struct {
 	ShardBits int
 	// Logger receives prune summaries; nil = slog.Default().
 	Logger *slog.Logger
+	// ReportModeFull: the workers' requests may ask for vLLM's
+	// kv_cache_report_mode "full", which re-announces prefix-cache hits as
+	// stores that no removal ever matches. A store with no parent whose every
+	// block the worker's rank already holds on that tier, in the same chain
+	// (the prefix hashes its tokens give from the root are the ones filed),
+	// is then applied as no change, the rule kvrelay's record uses (see the
+	// README). Off: every store adds copies, capped at 8 as in SMG. The rule
+	// takes a genuine second copy of a whole chain from block 0 for a
+	// re-announcement; a relay with --suppress-reannounced-stores makes it
+	// unnecessary.
+	ReportModeFull bool
 }
 
 // Index is one model's prefix index: which workers hold which block prefixes.
@@ -143,6 +154,9 @@ type WorkerCounters struct {
 	SkippedRemote    uint64 // remote-locality events
 	SkippedGroup     uint64 // events of non-main-attention cache groups
 	SkippedTier      uint64 // disk / external tier events
+	// Stores taken for report-mode "full" re-announcements and applied as no
+	// change (Options.ReportModeFull), and the blocks they listed.
+	ReannouncedStores, ReannouncedBlocks uint64
 }
 
 // New returns an empty index.
@@ -366,7 +380,7 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 			if i < len(content) {
 				hs = content[i]
 			}
-			ix.applyStored(ws, rank, e.Stored, hs, stamp)
+			ix.applyStored(ws, rank, e.Stored, hs, stamp, b.Snapshot != nil)
 		case *kvpb.KvCacheEvent_Removed:
 			ix.applyRemoved(ws, rank, e.Removed)
 		case *kvpb.KvCacheEvent_Cleared:
@@ -382,7 +396,9 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 
 // applyStored files s's blocks; content holds their content hashes when the
 // batch was prepared (nil: hash the tokens here).
-func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64, stamp uint32) {
+// A snapshot chunk's stores are one per physical copy, synthesized by the
+// relay: never re-announcements, whatever their shape.
+func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64, stamp uint32, snapshot bool) {
 	if s == nil || len(s.Blocks) == 0 {
 		return
 	}
@@ -440,6 +456,11 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	chained := false
 	lk := newShardLocks(ix)
 	defer lk.release()
+	if ix.opts.ReportModeFull && !snapshot && s.ParentBlockHash == nil && ix.reannounced(&lk, rt, s, tier, content, seed) {
+		ws.c.ReannouncedStores++
+		ws.c.ReannouncedBlocks += uint64(len(s.Blocks))
+		return
+	}
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
 			prevLoc, chained = loc(rt.slots[i].loc), true
@@ -492,6 +513,38 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		chained = true
 		prev, prevLoc = p, l
 	}
+}
+
+// reannounced reports whether a parent-less store lists blocks rt already
+// holds on tier, each filed at the prefix hash its tokens give along the
+// store's chain from the root: a report-mode "full" re-announcement of hits
+// (Options.ReportModeFull).
+func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStored, tier Tier, content []uint64, seed uint64) bool {
+	var prev uint64
+	for j, blk := range s.Blocks {
+		if blk == nil {
+			return false
+		}
+		i := rt.find(uint64(blk.BlockHash))
+		if i < 0 || tierCount(rt.counts(i), tier) == 0 {
+			return false
+		}
+		p := content
+		var h uint64
+		if p != nil {
+			h = p[j]
+		} else {
+			h = ContentHash(blk.TokenIds, seed)
+		}
+		if j > 0 {
+			h = ChainHash(prev, h)
+		}
+		if ix.hashAt(lk, loc(rt.slots[i].loc)) != h {
+			return false
+		}
+		prev = h
+	}
+	return true
 }
 
 // hashAt is the prefix hash at l, read under l's shard lock (a run's
