@@ -450,10 +450,6 @@ func runDifferential(t *testing.T, c diffCase, golden []goldenSet) {
 	if err := subscribeErr(t, kv.addr, c.engine, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: ahead}); status.Code(err) != codes.OutOfRange {
 		t.Errorf("kvrelay with cursor %d beyond the publisher: %v, want OUT_OF_RANGE on the call", ahead, err)
 	}
-	// A resume is served from the interleaved log: exactly what followed
-	// rank 0's batch `mid` there, so the resumed stream is the tail of the
-	// full history after that batch (other ranks' batches that preceded it
-	// in the log are not repeated).
 	at := -1
 	for i, b := range kvLateBatches {
 		if b.GetDpRank() == 0 && b.GetSequenceNumber() == mid {
@@ -463,8 +459,34 @@ func runDifferential(t *testing.T, c diffCase, golden []goldenSet) {
 	if at < 0 {
 		t.Fatalf("kvrelay's history lacks rank 0 seq %d", mid)
 	}
+	// Rank 0's cursor alone is served only where no other rank has two
+	// batches after rank 0's batch `mid` in the log: a client may hold any
+	// number of them, and SMG's gateway would read their repeat as a
+	// restart (issue 14.1). Otherwise it is refused on the call.
+	after := map[int32]int{}
+	for _, b := range kvLateBatches[at+1:] {
+		if b.GetDpRank() != 0 {
+			after[b.GetDpRank()]++
+		}
+	}
+	wantRefused := false
+	for _, n := range after {
+		wantRefused = wantRefused || n >= 2
+	}
+	err := subscribeErr(t, kv.addr, c.engine, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: mid})
+	if refused := status.Code(err) == codes.OutOfRange; refused != wantRefused || (!refused && err != nil) {
+		t.Errorf("kvrelay with rank 0's cursor %d alone (other ranks' batches after it: %v): %v, want refused=%v", mid, after, err, wantRefused)
+	}
+	// With every rank's cursor as of rank 0's batch `mid` in the log, the
+	// resume is served from the interleaved log: exactly what followed that
+	// batch there, the tail of the full history (nothing before it is
+	// repeated).
+	cursors := map[int32]uint64{}
+	for _, b := range kvLateBatches[:at+1] {
+		cursors[b.GetDpRank()] = b.GetSequenceNumber()
+	}
 	wantResumed := kvLateBatches[at+1:]
-	kvResume := subscribeKv(t, "kvrelay (resume)", kv.addr, c.engine, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: mid})
+	kvResume := subscribeKv(t, "kvrelay (resume)", kv.addr, c.engine, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: mid, RankCursors: cursors})
 	resumed := kvResume.waitBatches(t, fmt.Sprintf("the %d batches after rank 0 seq %d", len(wantResumed), mid),
 		func(bs []*kvpb.KvEventBatch) bool { return len(bs) >= len(wantResumed) }, logs...)
 	if diff := cmp.Diff(wantResumed, resumed, protocmp.Transform()); diff != "" {

@@ -29,6 +29,15 @@ import (
 // SMG does not declare it and must carry it as an unknown field.
 const rankCursors protoreflect.FullName = "smg.grpc.common.SubscribeKvEventsRequest.rank_cursors"
 
+// liveDigest and liveBlocks are kvrelay's anti-entropy extension to
+// KvEventBatch (fields 16 and 17), unknown to SMG as well.
+const (
+	liveDigest protoreflect.FullName = "smg.grpc.common.KvEventBatch.live_digest"
+	liveBlocks protoreflect.FullName = "smg.grpc.common.KvEventBatch.live_blocks"
+	// liveDigests is the request's switch for them (field 17).
+	liveDigests protoreflect.FullName = "smg.grpc.common.SubscribeKvEventsRequest.live_digests"
+)
+
 func runPeer(t *testing.T, stdin []byte, mode string) []byte {
 	t.Helper()
 	cmd := pyenv.Command(t, pyenv.Script("protocompat", "roundtrip.py"), mode)
@@ -239,7 +248,7 @@ func TestPythonEncodedMessagesDecodeInGo(t *testing.T) {
 		md := msgs.Get(i)
 		for j := 0; j < md.Fields().Len(); j++ {
 			fd := md.Fields().Get(j)
-			if fd.FullName() == rankCursors {
+			if fd.FullName() == rankCursors || fd.FullName() == liveDigest || fd.FullName() == liveBlocks || fd.FullName() == liveDigests {
 				continue
 			}
 			if !seen[fd.FullName()] {
@@ -255,8 +264,13 @@ func TestGoEncodedMessagesDecodeInPython(t *testing.T) {
 		StartSequenceNumber:         5,
 		LoadRecordsBeforeFirstBatch: true,
 		RankCursors:                 map[int32]uint64{0: 5, 1: 9, 7: math.MaxUint64},
+		LiveDigests:                 true,
 	}
 	samples["request_rank_cursors"] = withCursors
+	samples["batch_live_digest"] = &kvpb.KvEventBatch{
+		SequenceNumber: 7, DpRank: proto.Int32(1),
+		LiveDigest: proto.Uint64(0xfedcba9876543210), LiveBlocks: proto.Uint64(42),
+	}
 
 	request := map[string]peerItem{}
 	for name, m := range samples {
@@ -286,9 +300,15 @@ func TestGoEncodedMessagesDecodeInPython(t *testing.T) {
 		// message, except the extension it does not declare.
 		understood := proto.Clone(original)
 		wantUnknown := []int{}
-		if name == "request_rank_cursors" {
+		switch name {
+		case "request_rank_cursors":
 			understood.(*kvpb.SubscribeKvEventsRequest).RankCursors = nil
-			wantUnknown = []int{16}
+			understood.(*kvpb.SubscribeKvEventsRequest).LiveDigests = false
+			wantUnknown = []int{16, 17}
+		case "batch_live_digest":
+			b := understood.(*kvpb.KvEventBatch)
+			b.LiveDigest, b.LiveBlocks = nil, nil
+			wantUnknown = []int{16, 17}
 		}
 		fromJSON := original.ProtoReflect().New().Interface()
 		if err := protojson.Unmarshal(d.JSON, fromJSON); err != nil {
@@ -438,8 +458,8 @@ func compareMessages(t *testing.T, ours, py protoreflect.MessageDescriptor) {
 	for i := 0; i < ours.Fields().Len(); i++ {
 		fd := ours.Fields().Get(i)
 		pfd := py.Fields().ByNumber(fd.Number())
-		if fd.FullName() == rankCursors {
-			// The extension must not collide with anything SMG declares.
+		if fd.FullName() == rankCursors || fd.FullName() == liveDigest || fd.FullName() == liveBlocks || fd.FullName() == liveDigests {
+			// An extension must not collide with anything SMG declares.
 			if pfd != nil || py.Fields().ByName(fd.Name()) != nil {
 				t.Errorf("%s collides with python's field %v", fd.FullName(), pfd)
 			}

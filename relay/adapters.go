@@ -96,7 +96,13 @@ func (w wireNormalizer) reset() { w.n.Reset() }
 // recordAdapter adapts relay/record.
 type recordAdapter struct{ *record.Record }
 
-func newRecordAdapter() liveRecord { return recordAdapter{record.New()} }
+func newRecordAdapter(reportModeFull bool) liveRecord {
+	rec := record.New()
+	if reportModeFull {
+		rec.DetectReannouncements()
+	}
+	return recordAdapter{rec}
+}
 
 func (a recordAdapter) cut(ranks []int32) recordCut { return a.Cut(ranks) }
 

@@ -85,7 +85,20 @@ type Config struct {
 	// SubscriberBuffer is each subscriber's live queue. Zero:
 	// DefaultSubscriberBuffer.
 	SubscriberBuffer int
-	Logger           *slog.Logger
+	// ReportModeFull: the engine's requests may ask for vLLM's
+	// kv_cache_report_mode "full", which re-announces prefix-cache hits as
+	// stores without removals. The record then takes stores that match
+	// record.IsReannouncement for re-announcements, not new copies, so it
+	// and its snapshots keep the exact live set. Off by default: the rule
+	// would take a genuine second copy of a whole chain from block 0 for one.
+	ReportModeFull bool
+	// SuppressReannounced (needs ReportModeFull) leaves the stores the record
+	// took for re-announcements out of the stream and the history. Off by
+	// default: the stream stays the engine's, batch for batch. On, for a
+	// gateway that counts physical copies per store (SMG's, kvrelay's): there
+	// every re-announcement is one more copy that no removal ever takes.
+	SuppressReannounced bool
+	Logger              *slog.Logger
 	// Instance names this relay in its metrics (label "relay"), so several
 	// relays, even of one engine, can share a registry. Default: the
 	// engine's name.
@@ -138,6 +151,9 @@ func (c *Config) resolve() error {
 	}
 	if c.HistoryBytes < 0 {
 		return fmt.Errorf("relay: history of %d bytes: must not be negative", c.HistoryBytes)
+	}
+	if c.SuppressReannounced && !c.ReportModeFull {
+		return errors.New("relay: suppressing re-announced stores needs report mode full (the record tells them apart)")
 	}
 	if c.ReplayTimeout < 0 || c.PrimeRetry < 0 || c.SubscriberBuffer < 0 {
 		return errors.New("relay: timeouts and buffer sizes must not be negative")

@@ -78,4 +78,12 @@
 // back from zero, and a client still holding an old-incarnation cursor must
 // not be served entries of the new incarnation that happen to carry the same
 // numbers.
+//
+// A client's cursor names a place in that log only if the client read this
+// relay's log: an SMG-style cursor (rank 0's alone) is served only where the
+// relay can prove that is exact for every rank, and refused otherwise (see
+// provenAfterRank0). Each entry also keeps its rank's live digest after it,
+// sent to subscribers that ask (an anti-entropy check for gateways); and
+// with report mode "full" one optional stage between the record and the log
+// leaves the record's re-announced stores out (Config.SuppressReannounced).
 package relay

@@ -245,6 +245,9 @@ type labOpts struct {
 	beforeRun  func(l *lab)
 	skipPrimed bool // do not wait for the start replay
 	noCatchUp  bool // no catch-up replays, to count every request
+	// reportModeFull and suppress set Config.ReportModeFull and
+	// Config.SuppressReannounced.
+	reportModeFull, suppress bool
 }
 
 // patience bounds every wait of these tests for something the relay must
@@ -274,18 +277,20 @@ func newLab(t *testing.T, o labOpts) *lab {
 		catchUp = -1
 	}
 	r, err := New(Config{
-		CatchUpDelay:     catchUp,
-		IdleProbe:        catchUp,
-		Engine:           engineForTest(),
-		KV:               kv,
-		DPSize:           o.ranks,
-		HistoryBatches:   o.history,
-		HistoryBytes:     o.histBytes,
-		ReplayTimeout:    200 * time.Millisecond,
-		PrimeRetry:       20 * time.Millisecond,
-		SubscriberBuffer: o.subBuffer,
-		Logger:           quietLogger(),
-		Registerer:       l.reg,
+		CatchUpDelay:        catchUp,
+		IdleProbe:           catchUp,
+		Engine:              engineForTest(),
+		KV:                  kv,
+		DPSize:              o.ranks,
+		HistoryBatches:      o.history,
+		HistoryBytes:        o.histBytes,
+		ReplayTimeout:       200 * time.Millisecond,
+		PrimeRetry:          20 * time.Millisecond,
+		SubscriberBuffer:    o.subBuffer,
+		ReportModeFull:      o.reportModeFull,
+		SuppressReannounced: o.suppress,
+		Logger:              quietLogger(),
+		Registerer:          l.reg,
 		Transport: func(rank int32, endpoint, replay string, _ time.Duration) (Feed, Replayer, error) {
 			p := l.pubs[rank]
 			if replay == "" {

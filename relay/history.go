@@ -25,6 +25,15 @@ type entry struct {
 	// the memory the message would. nil for a hole.
 	enc  []byte
 	size int64
+	// digest is the rank's live digest right after this batch (see
+	// KvEventBatch.live_digest), sent to subscribers that ask for it.
+	digest liveDigest
+}
+
+// liveDigest is a rank's anti-entropy digest and the copies it covers.
+type liveDigest struct {
+	sum, blocks uint64
+	set         bool
 }
 
 func (e *entry) hole() bool { return e.enc == nil }
@@ -95,11 +104,11 @@ func (h *history) rank(r int32) *rankWindow {
 
 // pushBatch appends a relayed batch and returns its position.
 // size is what it is charged, its encoded size.
-func (h *history) pushBatch(rank int32, seq uint64, enc []byte, size int64) uint64 {
+func (h *history) pushBatch(rank int32, seq uint64, enc []byte, size int64, digest liveDigest) uint64 {
 	if enc == nil {
 		enc = []byte{} // an empty encoding is still a batch, not a hole
 	}
-	return h.push(entry{rank: rank, first: seq, last: seq, enc: enc, size: size + entryOverhead})
+	return h.push(entry{rank: rank, first: seq, last: seq, enc: enc, size: size + entryOverhead, digest: digest})
 }
 
 // pushHole records that rank's sequences from..to passed without a batch.
@@ -178,6 +187,16 @@ func (h *history) rankBounds(rank int32) (first, last uint64, ok bool) {
 	return s[0].first, s[len(s)-1].last, true
 }
 
+// rankEntriesAfter counts rank's entries at positions after pos.
+func (h *history) rankEntriesAfter(rank int32, pos uint64) int {
+	w := h.ranks[rank]
+	if w == nil {
+		return 0
+	}
+	s := w.live()
+	return len(s) - sort.Search(len(s), func(i int) bool { return s[i].pos > pos })
+}
+
 // rankPos is the position of the entry of rank that covers seq, which must
 // lie inside the rank's bounds.
 func (h *history) rankPos(rank int32, seq uint64) uint64 {
@@ -212,7 +231,7 @@ func (h *history) batchesAfter(out []posBatch, pos uint64, limit int, keep func(
 		if e.hole() || (keep != nil && !keep(e)) {
 			continue
 		}
-		out = append(out, posBatch{pos: p, enc: e.enc})
+		out = append(out, posBatch{pos: p, enc: e.enc, digest: e.digest})
 	}
 	return out, last
 }
@@ -221,7 +240,8 @@ func (h *history) batchesAfter(out []posBatch, pos uint64, limit int, keep func(
 // encoding always, and the message too when it was just relayed (a batch
 // from the history is decoded only for a caller that asks for the message).
 type posBatch struct {
-	pos   uint64
-	batch *kvpb.KvEventBatch
-	enc   []byte
+	pos    uint64
+	batch  *kvpb.KvEventBatch
+	enc    []byte
+	digest liveDigest
 }

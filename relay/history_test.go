@@ -36,7 +36,7 @@ func seqsAfter(h *history, pos uint64, keep func(*entry) bool) string {
 func TestHistoryEvictsByCountAndByBytesKeepingOneEntry(t *testing.T) {
 	h := newHistory(3, 1<<20)
 	for seq := uint64(0); seq < 5; seq++ {
-		h.pushBatch(0, seq, hb(0, seq), 10)
+		h.pushBatch(0, seq, hb(0, seq), 10, liveDigest{})
 	}
 	if first, last, _ := h.rankBounds(0); first != 2 || last != 4 || h.len() != 3 {
 		t.Fatalf("count cap: window %d..%d, %d entries", first, last, h.len())
@@ -46,13 +46,13 @@ func TestHistoryEvictsByCountAndByBytesKeepingOneEntry(t *testing.T) {
 	}
 	small := newHistory(100, 250)
 	for seq := uint64(0); seq < 4; seq++ {
-		small.pushBatch(0, seq, hb(0, seq), 50) // 146 bytes each
+		small.pushBatch(0, seq, hb(0, seq), 50, liveDigest{}) // 146 bytes each
 	}
 	if small.len() != 1 {
 		t.Fatalf("byte cap keeps %d entries, want 1", small.len())
 	}
 	huge := newHistory(100, 10)
-	huge.pushBatch(0, 0, hb(0, 0), 1000)
+	huge.pushBatch(0, 0, hb(0, 0), 1000, liveDigest{})
 	if huge.len() != 1 {
 		t.Fatal("an entry larger than the byte cap must still be kept")
 	}
@@ -60,10 +60,10 @@ func TestHistoryEvictsByCountAndByBytesKeepingOneEntry(t *testing.T) {
 
 func TestHistoryHolesKeepTheirPlaceAndAreSkippedOnResume(t *testing.T) {
 	h := newHistory(10, 1<<20)
-	h.pushBatch(0, 0, hb(0, 0), 1)
+	h.pushBatch(0, 0, hb(0, 0), 1, liveDigest{})
 	h.pushHole(0, 1, 5)
-	h.pushBatch(1, 0, hb(1, 0), 1)
-	h.pushBatch(0, 6, hb(0, 6), 1)
+	h.pushBatch(1, 0, hb(1, 0), 1, liveDigest{})
+	h.pushBatch(0, 6, hb(0, 6), 1, liveDigest{})
 	if h.holes != 1 || h.ranks[0].holeSeqs != 5 || h.completeFrom0(0) || !h.completeFrom0(1) {
 		t.Fatalf("holes %d/%d complete %v/%v", h.holes, h.ranks[0].holeSeqs, h.completeFrom0(0), h.completeFrom0(1))
 	}
@@ -84,7 +84,7 @@ func TestHistoryHolesKeepTheirPlaceAndAreSkippedOnResume(t *testing.T) {
 func TestHistoryPositionsSurviveClearAndCompaction(t *testing.T) {
 	h := newHistory(5, 1<<30)
 	for seq := uint64(0); seq < 5000; seq++ {
-		h.pushBatch(int32(seq%2), seq/2, hb(int32(seq%2), seq/2), 1)
+		h.pushBatch(int32(seq%2), seq/2, hb(int32(seq%2), seq/2), 1, liveDigest{})
 	}
 	if h.tip() != 5000 || h.firstPos() != 4996 || h.len() != 5 {
 		t.Fatalf("tip %d first %d len %d", h.tip(), h.firstPos(), h.len())
@@ -105,7 +105,7 @@ func TestHistoryPositionsSurviveClearAndCompaction(t *testing.T) {
 	if h.len() != 0 || h.tip() != 5000 || h.firstPos() != 5001 {
 		t.Fatalf("after clear: len %d tip %d first %d", h.len(), h.tip(), h.firstPos())
 	}
-	if pos := h.pushBatch(0, 0, hb(0, 0), 1); pos != 5001 {
+	if pos := h.pushBatch(0, 0, hb(0, 0), 1, liveDigest{}); pos != 5001 {
 		t.Fatalf("position after clear %d", pos)
 	}
 }
@@ -113,7 +113,7 @@ func TestHistoryPositionsSurviveClearAndCompaction(t *testing.T) {
 func TestHistoryBatchesAfterHonoursItsLimit(t *testing.T) {
 	h := newHistory(100, 1<<30)
 	for seq := uint64(0); seq < 10; seq++ {
-		h.pushBatch(0, seq, hb(0, seq), 1)
+		h.pushBatch(0, seq, hb(0, seq), 1, liveDigest{})
 	}
 	pbs, looked := h.batchesAfter(nil, 2, 3, nil)
 	var got []string

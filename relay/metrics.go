@@ -18,6 +18,7 @@ type metrics struct {
 	drops                   *prometheus.CounterVec // reason
 	undecodable             *prometheus.CounterVec // rank
 	duplicates              *prometheus.CounterVec // rank
+	reannounced             *prometheus.CounterVec // rank, suppressed
 	gaps                    *prometheus.CounterVec // rank
 	replays                 *prometheus.CounterVec // rank, result
 	replayStale             *prometheus.CounterVec // rank
@@ -58,6 +59,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 		recovered:   counter("kvrelay_batches_recovered_total", "Batches obtained from a replay (gaps, late joins and priming).", "rank"),
 		primed:      counter("kvrelay_batches_primed_total", "Batches obtained by the start replay.", "rank"),
 		lost:        counter("kvrelay_batches_lost_total", "Publisher sequences no replay could give, recorded as holes.", "rank"),
+		reannounced: counter("kvrelay_record_reannounced_stores_total", "Stored events the record took for report-mode re-announcements of prefix-cache hits (no new copy), by whether the stream left them out.", "rank", "suppressed"),
 		unknownBefore: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_unknown_before",
 			Help: "Publisher sequences before the relay's record that it never obtained, for the current incarnation.", ConstLabels: labels}, []string{"rank"}),
 		unknownBeforeStart: counter("kvrelay_unknown_before_total", "unknown_before summed over every incarnation.", "rank"),
@@ -83,7 +85,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 		reg: reg,
 	}
 	m.collectors = []prometheus.Collector{m.batches, m.events, m.blocks, m.drops, m.undecodable, m.duplicates, m.gaps,
-		m.replays, m.replayStale, m.recovered, m.primed, m.lost, m.unknownBefore, m.unknownBeforeStart, m.restarts,
+		m.replays, m.replayStale, m.recovered, m.primed, m.lost, m.reannounced, m.unknownBefore, m.unknownBeforeStart, m.restarts,
 		m.served, m.subscribers, m.lagged, m.refilled, m.ended, m.lag, m.snapshotLock, m.snapshotTotal}
 	if err := m.register(m.collectors...); err != nil {
 		return nil, err

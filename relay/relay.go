@@ -62,8 +62,12 @@ type dropCount struct {
 
 // liveRecord is the live-block record (relay/record).
 type liveRecord interface {
-	Apply(b *kvpb.KvEventBatch)
+	// Apply returns the indexes of the stored events it took for
+	// report-mode re-announcements.
+	Apply(b *kvpb.KvEventBatch) (reannounced []int)
 	ClearRank(rank int32)
+	// LiveDigest is rank's anti-entropy digest and the copies it covers.
+	LiveDigest(rank int32) (digest, blocks uint64)
 	// cut captures the record for ranks, cheaply, under the relay's lock.
 	cut(ranks []int32) recordCut
 	// blocks and entries per rank, and in total.
@@ -119,6 +123,13 @@ type rankState struct {
 	startedAt     uint64
 	unknownBefore uint64
 	restarts      uint64
+	// liveFrom is the sequence of the first batch of this incarnation the
+	// rank's live socket delivered. Such a batch was published after this
+	// relay subscribed, so no relay that ran before this one can have sent
+	// it, nor any later batch of the rank: a cursor at or past it was read
+	// from this relay's log (see resumeRank0).
+	hasLiveFrom bool
+	liveFrom    uint64
 
 	// Owned by the rank goroutine. A replay usually runs past the live
 	// stream: the live copies of what it gave are still queued on the
@@ -215,7 +226,7 @@ func New(cfg Config) (*Relay, error) {
 		ranks:   ranks,
 		hist:    newHistory(cfg.HistoryBatches, cfg.HistoryBytes),
 		subs:    map[*Subscription]struct{}{},
-		rec:     newRecordAdapter(),
+		rec:     newRecordAdapter(cfg.ReportModeFull),
 	}
 	if err := m.registerState(r, labels); err != nil {
 		m.unregister()
@@ -451,6 +462,11 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
 	}
+	if !rk.hasLiveFrom {
+		r.mu.Lock()
+		rk.liveFrom, rk.hasLiveFrom = m.Seq, true
+		r.mu.Unlock()
+	}
 	switch v {
 	case duplicate:
 		r.metrics.duplicates.WithLabelValues(rk.label).Inc()
@@ -519,8 +535,13 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 
 	r.mu.Lock()
-	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
-	r.rec.Apply(b)
+	reannounced := r.rec.Apply(b)
+	if len(reannounced) > 0 && r.cfg.SuppressReannounced {
+		b, enc = withoutEvents(b, reannounced)
+	}
+	sum, n := r.rec.LiveDigest(rk.rank)
+	digest := liveDigest{sum: sum, blocks: n, set: true}
+	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)), digest)
 	rk.cursor, rk.hasCursor = seq, true
 	startFixed := false
 	if !rk.hasStart {
@@ -531,7 +552,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 	r.relayed++
 	relayed := r.relayed
-	r.fanOut(posBatch{pos: pos, batch: b, enc: enc})
+	r.fanOut(posBatch{pos: pos, batch: b, enc: enc, digest: digest})
 	r.mu.Unlock()
 
 	if startFixed {
@@ -539,6 +560,9 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
+	if len(reannounced) > 0 {
+		r.metrics.reannounced.WithLabelValues(rk.label, fmt.Sprint(r.cfg.SuppressReannounced)).Add(float64(len(reannounced)))
+	}
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
 	r.metrics.events.WithLabelValues(rk.label).Add(float64(len(b.Events)))
 	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(blocks))
@@ -548,6 +572,32 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	if relayed%summaryEvery == 0 {
 		r.logSummary("relay summary")
 	}
+}
+
+// withoutEvents is b without the events at the indexes drop (ascending),
+// and its encoding: the stage that keeps report-mode re-announcements out of
+// the stream (Config.SuppressReannounced). The batch keeps its sequence, so
+// a batch left empty still closes its place in the rank's sequence.
+func withoutEvents(b *kvpb.KvEventBatch, drop []int) (*kvpb.KvEventBatch, []byte) {
+	out := proto.CloneOf(b)
+	kept := out.Events[:0]
+	for i, ev := range out.Events {
+		if len(drop) > 0 && drop[0] == i {
+			drop = drop[1:]
+			continue
+		}
+		kept = append(kept, ev)
+	}
+	clear(out.Events[len(kept):])
+	out.Events = kept
+	enc, err := proto.Marshal(out)
+	if err != nil {
+		// Cannot happen for a message that encoded a moment ago; keep the
+		// engine's batch rather than lose its sequence.
+		enc, _ = proto.Marshal(b)
+		return b, enc
+	}
+	return out, enc
 }
 
 // lose records rank's sequences from..to as a hole: nothing will ever
@@ -578,6 +628,7 @@ func (r *Relay) restartRank(rk *rankState, reason restartReason, seq uint64) {
 	r.rec.ClearRank(rk.rank)
 	rk.hasCursor, rk.cursor = false, 0
 	rk.hasStart, rk.startedAt = false, 0
+	rk.hasLiveFrom, rk.liveFrom = false, 0
 	rk.unknownBefore = 0
 	rk.restarts++
 	err := fmt.Errorf("%w: publisher of rank %d at %s restarted (%s, incarnation %d); resubscribe from zero",

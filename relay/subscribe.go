@@ -2,12 +2,14 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -52,6 +54,9 @@ type Subscription struct {
 	r       *Relay
 	pending []posBatch                      // snapshot chunks, then history: sent first
 	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks the first Next builds
+	// digests: the subscriber asked for every relayed batch's live digest
+	// (SubscribeKvEventsRequest.live_digests).
+	digests bool
 
 	mu      sync.Mutex
 	queue   []posBatch
@@ -69,8 +74,9 @@ type Subscription struct {
 //     history when it holds every rank's batches from sequence 0, else a
 //     snapshot of the live-block record cut at every rank's cursor, else
 //     (nothing relayed yet) live batches only. Non-zero gets the batches after
-//     that batch's position in the interleaved log, so no other rank loses a
-//     batch (at worst another rank repeats batches its cursor already covers).
+//     that batch's position in the interleaved log where that is provably
+//     exact for every other rank (at worst another rank repeats the batch at
+//     its own cursor), else ErrOutOfRange (see provenAfterRank0).
 //   - rank_cursors, when set, resumes every rank exactly after its own
 //     cursor; an unlisted rank counts as cursor 0, which can be served only if
 //     the history holds that rank from its first batch (or the rank has
@@ -85,7 +91,7 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	s := &Subscription{r: r, notify: make(chan struct{}, 1)}
+	s := &Subscription{r: r, notify: make(chan struct{}, 1), digests: req.GetLiveDigests()}
 	begin := time.Now()
 
 	r.mu.Lock()
@@ -254,14 +260,66 @@ func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
 	return r.hist.rankPos(rank, c), nil
 }
 
-// resumeRank0 serves an SMG-style cursor: rank 0's last applied batch.
+// resumeRank0 serves an SMG-style cursor: rank 0's last applied batch,
+// and nothing about the other ranks. Serving what follows that batch's
+// place in the log is exact for the other ranks only where the relay can
+// prove that every one of their batches the client lacks lies after that
+// place; otherwise the cursor is refused, and the client comes back from
+// zero for a snapshot (see provenAfterRank0).
 func (r *Relay) resumeRank0(c uint64) ([]posBatch, error) {
 	pos, err := r.rankWindowCheck(0, c)
 	if err != nil {
 		return nil, err
 	}
+	if err := r.provenAfterRank0(c, pos); err != nil {
+		return nil, err
+	}
 	out, _ := r.hist.batchesAfter(nil, pos, 0, nil)
 	return out, nil
+}
+
+// provenAfterRank0 checks that resuming after log position pos, where rank
+// 0's cursor c resolved, is exact for every other rank, for a gateway that
+// keeps a cursor per rank as SMG's does. That gateway reads a rank's first
+// batch on a new connection below its cursor as a restarted publisher, and
+// clears the worker's whole index (SMG 1.13, measured by
+// TestSMGGatewayResumeOnTheSameKvrelay): so no rank may be served a batch
+// the client applied, except the one at its cursor, which is dropped as
+// stale. Two things must hold:
+//
+//   - the client read this relay's log up to rank 0's batch c, so it holds
+//     every batch before that place. The relay knows it when batch c is in
+//     the window and this relay's live socket delivered rank 0's batch
+//     liveFrom <= c: batch c was published after this relay subscribed, so
+//     no earlier relay (one killed before this one started on the same
+//     ports) can have sent it. A relay that primed the ranks from the
+//     engines' replays after a restart primes them in whatever order the
+//     replays answer, and another rank's later batches can sit before c;
+//   - every other rank has at most one entry after that place: the client
+//     then either lacks it or holds it as its cursor. With more, it may
+//     have applied several of them, and no cursor of its own says which.
+//
+// Anything else is ErrOutOfRange: the gateway comes back from zero for a
+// snapshot. A client that sends rank_cursors is resumed exactly instead.
+func (r *Relay) provenAfterRank0(c, pos uint64) error {
+	if len(r.ranks) == 1 {
+		return nil // the cursor is the only rank's own
+	}
+	rk0 := r.ranks[0]
+	readHere := rk0.hasLiveFrom && c >= rk0.liveFrom && pos >= r.hist.firstPos() &&
+		!r.hist.at(pos).hole() && r.hist.at(pos).first == c
+	if !readHere {
+		return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and this relay for %s did not serve it (it came from the engine's replay when the relay started), "+
+			"so which batches of the other %d ranks the client lacks is unknown; resubscribe from zero for a state snapshot, or resume with rank_cursors",
+			c, rk0.endpoint, len(r.ranks)-1)
+	}
+	for _, rk := range r.ranks[1:] {
+		if n := r.hist.rankEntriesAfter(rk.rank, pos); n > 1 {
+			return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and rank %d relayed %d batches after it at %s, some of which the client may have applied; "+
+				"resubscribe from zero for a state snapshot, or resume with rank_cursors", c, rk.rank, n, rk0.endpoint)
+		}
+	}
+	return nil
 }
 
 // resumeRanks serves a kvrelay client's per-rank cursors.
@@ -372,7 +430,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			pb := s.pending[0]
 			s.pending[0] = posBatch{}
 			s.pending = s.pending[1:]
-			return pb.batch, pb.enc, nil
+			return s.out(pb)
 		}
 		s.mu.Lock()
 		if s.qhead < len(s.queue) {
@@ -398,7 +456,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 				continue
 			}
 			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
-			return pb.batch, pb.enc, nil
+			return s.out(pb)
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed
 		s.mu.Unlock()
@@ -420,6 +478,37 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 		}
 	}
 }
+
+// out is what NextEncoded returns for pb: the shared batch and bytes, or,
+// for a subscriber that asked for live digests, a copy of the bytes with the
+// batch's digest fields appended (a protobuf decoder merges appended fields
+// into the message, so this is the batch with live_digest and live_blocks
+// set; the shared message is left untouched).
+func (s *Subscription) out(pb posBatch) (*kvpb.KvEventBatch, []byte, error) {
+	if !s.digests || !pb.digest.set {
+		return pb.batch, pb.enc, nil
+	}
+	enc := pb.enc
+	if enc == nil {
+		var err error
+		if enc, err = proto.Marshal(pb.batch); err != nil {
+			return nil, nil, fmt.Errorf("relay: encoding a batch: %w", err)
+		}
+	}
+	out := make([]byte, len(enc), len(enc)+2*(1+binary.MaxVarintLen64))
+	copy(out, enc)
+	out = protowire.AppendTag(out, liveDigestField, protowire.Fixed64Type)
+	out = protowire.AppendFixed64(out, pb.digest.sum)
+	out = protowire.AppendTag(out, liveBlocksField, protowire.VarintType)
+	out = protowire.AppendVarint(out, pb.digest.blocks)
+	return nil, out, nil
+}
+
+// The field numbers of KvEventBatch.live_digest and live_blocks.
+var (
+	liveDigestField = (&kvpb.KvEventBatch{}).ProtoReflect().Descriptor().Fields().ByName("live_digest").Number()
+	liveBlocksField = (&kvpb.KvEventBatch{}).ProtoReflect().Descriptor().Fields().ByName("live_blocks").Number()
+)
 
 // refill takes a lagged subscriber's next batches from the history, by log
 // position, or ends it if the history no longer reaches back.

@@ -83,6 +83,10 @@ type relayConfig struct {
 	// AllowUnknownConfigKeys accepts kv_events_config keys the engine does
 	// not read (a config shared with other engines), with a warning.
 	AllowUnknownConfigKeys bool `json:"allow_unknown_config_keys"`
+	// ReportModeFull and SuppressReannounced: see --report-mode-full and
+	// --suppress-reannounced-stores.
+	ReportModeFull      bool `json:"report_mode_full"`
+	SuppressReannounced bool `json:"suppress_reannounced_stores"`
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -128,6 +132,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	fs.IntVar(&lim.replayMaxBatches, "replay-max-batches", 0, "replies one replay may bring (0: twice the engine's buffer_steps)")
 	fs.Int64Var(&lim.replayMaxBytes, "replay-max-bytes", zmqsource.DefaultReplayMaxBytes, "payload bytes one replay may bring")
 	fs.DurationVar(&lim.replayMaxTime, "replay-max-time", zmqsource.DefaultReplayMaxTime, "time one replay may take in all")
+	reportModeFull := fs.Bool("report-mode-full", false,
+		"the engine's requests may ask for vLLM's kv_cache_report_mode \"full\": the record takes their re-announced prefix-cache hits for no change (see README)")
+	suppressReannounced := fs.Bool("suppress-reannounced-stores", false,
+		"leave vLLM's report-mode \"full\" re-announcements of prefix-cache hits out of the stream, for gateways that count copies per store (SMG's); off: the stream is the engine's, batch for batch")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var listenTLS tlsconfig.Server
@@ -157,7 +165,8 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout",
 			"tls-cert", "tls-key", "tls-client-ca", "tls-allow", "reflection", "upstream-tls-ca", "upstream-tls-cert", "upstream-tls-key",
-			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization", "allow-unknown-config-keys"} {
+			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization", "allow-unknown-config-keys",
+			"report-mode-full", "suppress-reannounced-stores"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -224,6 +233,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				TLS: listenTLS, Reflection: *reflectionMode, UpstreamTLS: upstreamTLS,
 				UpstreamServices: upstreamServices, UpstreamDropAuthorization: *upstreamDropAuth,
 				AllowUnknownConfigKeys: *allowUnknownKeys,
+				ReportModeFull:         *reportModeFull, SuppressReannounced: *suppressReannounced,
 			}},
 		}
 	}
@@ -367,6 +377,9 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if c.HistoryBytes < 0 {
 			return nil, fmt.Errorf("%s: history-bytes %d is negative", where, c.HistoryBytes)
 		}
+		if c.SuppressReannounced && !c.ReportModeFull {
+			return nil, fmt.Errorf("%s: suppress-reannounced-stores needs report-mode-full (the record tells re-announcements apart)", where)
+		}
 		timeout := 5 * time.Second
 		if c.ReplayTimeout != "" {
 			timeout, err = time.ParseDuration(c.ReplayTimeout)
@@ -467,20 +480,22 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 		}
 		logEndpoints(log, rc)
 		r, err := relay.New(relay.Config{
-			Engine:           rc.engine,
-			KV:               rc.kv,
-			DPSize:           rc.DPSize,
-			HistoryBatches:   rc.HistoryBatches,
-			HistoryBytes:     rc.HistoryBytes,
-			ReplayTimeout:    rc.replayTimeout,
-			MaxMessageBytes:  rc.limits.maxMessageBytes,
-			QueueBytes:       rc.limits.queueBytes,
-			ReplayMaxBatches: rc.limits.replayMaxBatches,
-			ReplayMaxBytes:   rc.limits.replayMaxBytes,
-			ReplayMaxTime:    rc.limits.replayMaxTime,
-			Logger:           log,     // the relay adds its "relay" key itself
-			Instance:         rc.Name, // the relay label on its metrics
-			Registerer:       reg,
+			Engine:              rc.engine,
+			KV:                  rc.kv,
+			DPSize:              rc.DPSize,
+			HistoryBatches:      rc.HistoryBatches,
+			HistoryBytes:        rc.HistoryBytes,
+			ReplayTimeout:       rc.replayTimeout,
+			MaxMessageBytes:     rc.limits.maxMessageBytes,
+			QueueBytes:          rc.limits.queueBytes,
+			ReplayMaxBatches:    rc.limits.replayMaxBatches,
+			ReplayMaxBytes:      rc.limits.replayMaxBytes,
+			ReplayMaxTime:       rc.limits.replayMaxTime,
+			ReportModeFull:      rc.ReportModeFull,
+			SuppressReannounced: rc.SuppressReannounced,
+			Logger:              log,     // the relay adds its "relay" key itself
+			Instance:            rc.Name, // the relay label on its metrics
+			Registerer:          reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)

@@ -40,6 +40,8 @@ func TestServeBadFlagsNameTheFlag(t *testing.T) {
 		{"bad listen", []string{"--engine", "vllm", "--kv-events-config", enabled, "--listen", "nowhere"}, "listen"},
 		{"bad upstream", []string{"--engine", "vllm", "--kv-events-config", enabled, "--upstream", "nohost"}, "upstream"},
 		{"negative history", []string{"--engine", "vllm", "--kv-events-config", enabled, "--history-batches", "-1"}, "history-batches"},
+		{"suppression without report mode full", []string{"--engine", "vllm", "--kv-events-config", enabled, "--suppress-reannounced-stores"}, "suppress-reannounced-stores needs report-mode-full"},
+		{"report mode flag with config", []string{"--config", write("e.json", `{"relays": []}`), "--report-mode-full"}, "--report-mode-full cannot be combined"},
 		{"bad log level", []string{"--engine", "vllm", "--kv-events-config", enabled, "--log-level", "loud"}, "--log-level"},
 		{"zero message size", []string{"--engine", "vllm", "--kv-events-config", enabled, "--max-message-bytes", "0"}, "--max-message-bytes"},
 		{"queue below one message", []string{"--engine", "vllm", "--kv-events-config", enabled, "--max-message-bytes", "1000", "--zmq-queue-bytes", "999"}, "--zmq-queue-bytes"},

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/livedigest"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -66,6 +67,17 @@ type Options struct {
 	ShardBits int
 	// Logger receives prune summaries; nil = slog.Default().
 	Logger *slog.Logger
+	// ReportModeFull: the workers' requests may ask for vLLM's
+	// kv_cache_report_mode "full", which re-announces prefix-cache hits as
+	// stores that no removal ever matches. A store with no parent whose every
+	// block the worker's rank already holds on that tier, in the same chain
+	// (the prefix hashes its tokens give from the root are the ones filed),
+	// is then applied as no change, the rule kvrelay's record uses (see the
+	// README). Off: every store adds copies, capped at 8 as in SMG. The rule
+	// takes a genuine second copy of a whole chain from block 0 for a
+	// re-announcement; a relay with --suppress-reannounced-stores makes it
+	// unnecessary.
+	ReportModeFull bool
 }
 
 // Index is one model's prefix index: which workers hold which block prefixes.
@@ -142,6 +154,9 @@ type WorkerCounters struct {
 	SkippedRemote    uint64 // remote-locality events
 	SkippedGroup     uint64 // events of non-main-attention cache groups
 	SkippedTier      uint64 // disk / external tier events
+	// Stores taken for report-mode "full" re-announcements and applied as no
+	// change (Options.ReportModeFull), and the blocks they listed.
+	ReannouncedStores, ReannouncedBlocks uint64
 }
 
 // New returns an empty index.
@@ -365,7 +380,7 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 			if i < len(content) {
 				hs = content[i]
 			}
-			ix.applyStored(ws, rank, e.Stored, hs, stamp)
+			ix.applyStored(ws, rank, e.Stored, hs, stamp, b.Snapshot != nil)
 		case *kvpb.KvCacheEvent_Removed:
 			ix.applyRemoved(ws, rank, e.Removed)
 		case *kvpb.KvCacheEvent_Cleared:
@@ -381,7 +396,9 @@ func (ix *Index) apply(w WorkerID, b *kvpb.KvEventBatch, content [][]uint64) {
 
 // applyStored files s's blocks; content holds their content hashes when the
 // batch was prepared (nil: hash the tokens here).
-func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64, stamp uint32) {
+// A snapshot chunk's stores are one per physical copy, synthesized by the
+// relay: never re-announcements, whatever their shape.
+func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored, content []uint64, stamp uint32, snapshot bool) {
 	if s == nil || len(s.Blocks) == 0 {
 		return
 	}
@@ -439,6 +456,11 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	chained := false
 	lk := newShardLocks(ix)
 	defer lk.release()
+	if ix.opts.ReportModeFull && !snapshot && s.ParentBlockHash == nil && ix.reannounced(&lk, rt, s, tier, content, seed) {
+		ws.c.ReannouncedStores++
+		ws.c.ReannouncedBlocks += uint64(len(s.Blocks))
+		return
+	}
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
 			prevLoc, chained = loc(rt.slots[i].loc), true
@@ -491,6 +513,38 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		chained = true
 		prev, prevLoc = p, l
 	}
+}
+
+// reannounced reports whether a parent-less store lists blocks rt already
+// holds on tier, each filed at the prefix hash its tokens give along the
+// store's chain from the root: a report-mode "full" re-announcement of hits
+// (Options.ReportModeFull).
+func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStored, tier Tier, content []uint64, seed uint64) bool {
+	var prev uint64
+	for j, blk := range s.Blocks {
+		if blk == nil {
+			return false
+		}
+		i := rt.find(uint64(blk.BlockHash))
+		if i < 0 || tierCount(rt.counts(i), tier) == 0 {
+			return false
+		}
+		p := content
+		var h uint64
+		if p != nil {
+			h = p[j]
+		} else {
+			h = ContentHash(blk.TokenIds, seed)
+		}
+		if j > 0 {
+			h = ChainHash(prev, h)
+		}
+		if ix.hashAt(lk, loc(rt.slots[i].loc)) != h {
+			return false
+		}
+		prev = h
+	}
+	return true
 }
 
 // hashAt is the prefix hash at l, read under l's shard lock (a run's
@@ -791,6 +845,40 @@ type LiveBlock struct {
 	Tier       Tier
 	EngineHash uint64
 	Copies     int
+}
+
+// LiveDigest is w's rank's anti-entropy digest (internal/livedigest) and
+// the copies it covers, to compare with the relay's live digest. It is
+// computed on demand from the rank's reverse table (which pruning does not
+// touch), O(the rank's blocks) under the worker's lock without allocating,
+// not kept incrementally: the monitor asks at most about once a second.
+func (ix *Index) LiveDigest(w WorkerID, rank int32) (digest, blocks uint64) {
+	ws := ix.existingWorker(w)
+	if ws == nil {
+		return 0, 0
+	}
+	defer ws.mu.Unlock()
+	rt := ws.ranks[rank]
+	if rt == nil {
+		return 0, 0
+	}
+	for i := range rt.slots {
+		c := rt.counts(i)
+		if c == 0 {
+			continue
+		}
+		for _, t := range []Tier{TierDevice, TierHost} {
+			if n := uint64(tierCount(c, t)); n > 0 {
+				tier := uint8(livedigest.TierDevice)
+				if t == TierHost {
+					tier = livedigest.TierHost
+				}
+				digest += n * livedigest.Block(rt.slots[i].key, tier)
+				blocks += n
+			}
+		}
+	}
+	return digest, blocks
 }
 
 // LiveSet returns what the index holds for w, one row per (rank, tier,

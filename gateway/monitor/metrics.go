@@ -15,6 +15,7 @@ type metrics struct {
 	batches       *prometheus.CounterVec   // worker, disposition
 	gaps          *prometheus.CounterVec   // worker, outcome
 	missed        *prometheus.CounterVec   // worker
+	diverged      *prometheus.CounterVec   // worker, rank
 	resyncs       *prometheus.CounterVec   // worker, reason
 	lag           *prometheus.HistogramVec // worker
 	apply         *prometheus.HistogramVec // worker
@@ -40,13 +41,17 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvrelay_gateway_gaps_total",
 			Help: "Sequence gaps, by outcome (replay_requested, unrecovered_kept, unrecovered_cleared).",
 		}, []string{"worker", "outcome"}),
+		diverged: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_digest_divergences_total",
+			Help: "Times a rank's index digest differed from the relay's live digest at a batch both had applied.",
+		}, []string{"worker", "rank"}),
 		missed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_missed_batches_total",
 			Help: "Batches lost in gaps that no replay recovered.",
 		}, []string{"worker"}),
 		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_resyncs_total",
-			Help: "Times the worker's index state was reset, by reason (out_of_range, data_loss, publisher_restart, gap_cleared, snapshot, snapshot_abandoned).",
+			Help: "Times the worker's index state was reset, by reason (out_of_range, data_loss, publisher_restart, gap_cleared, snapshot, snapshot_abandoned, digest).",
 		}, []string{"worker", "reason"}),
 		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_lag_seconds",
@@ -71,7 +76,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.subscriptions, m.failures, m.batches, m.gaps, m.missed,
-		m.resyncs, m.lag, m.apply, m.degraded, m.streaming} {
+		m.resyncs, m.lag, m.apply, m.degraded, m.streaming, m.diverged} {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if errors.As(err, &already) {
@@ -92,6 +97,7 @@ func (m *metrics) forget(worker string) {
 	m.gaps.DeletePartialMatch(l)
 	m.missed.DeletePartialMatch(l)
 	m.resyncs.DeletePartialMatch(l)
+	m.diverged.DeletePartialMatch(l)
 	m.lag.DeletePartialMatch(l)
 	m.apply.DeletePartialMatch(l)
 	m.degraded.DeletePartialMatch(l)

@@ -141,6 +141,21 @@ type Options struct {
 	// called again only when a larger one appears (a partial-page store,
 	// at vLLM's hash block size, can come first).
 	OnBlockSize func(model string, blockSize int)
+	// DigestEvery is how often at most a worker's index is compared with
+	// the relay's live digest, for a sink that is a Digester (default 1 s:
+	// the sink may compute its digest from the whole worker's state).
+	// DigestResyncEvery is how often at most a divergence resyncs the worker
+	// from a snapshot (default 1 min); one that comes back sooner is counted
+	// and logged only, so that a lasting cause (an event kind the index does
+	// not apply as the relay does) cannot turn into a snapshot every second.
+	DigestEvery, DigestResyncEvery time.Duration
+}
+
+// Digester is a Sink that can tell its live digest of a worker's rank
+// (internal/livedigest), to compare with the relay's. A subscription to a
+// Digester asks the relay for live digests.
+type Digester interface {
+	LiveDigest(worker string, rank int32) (digest, blocks uint64)
 }
 
 func (o Options) withDefaults() Options {
@@ -161,6 +176,12 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.DigestEvery <= 0 {
+		o.DigestEvery = time.Second
+	}
+	if o.DigestResyncEvery <= 0 {
+		o.DigestResyncEvery = time.Minute
 	}
 	return o
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,7 +52,10 @@ type subscription struct {
 
 	learnedBlockSize int    // the largest block size seen; owned by the goroutine
 	liveApplied      uint64 // live batches applied; owned by the goroutine
-	hot              hotMetrics
+	// lastDigest and lastDigestResync: when the sink's digest was last
+	// compared, and last resynced for a divergence; owned by the goroutine.
+	lastDigest, lastDigestResync time.Time
+	hot                          hotMetrics
 
 	mu            sync.Mutex // guards the fields below, read by status()
 	cur           cursors
@@ -250,7 +254,8 @@ func (s *subscription) attempt(ctx context.Context, subscribe subscribeFunc) (ou
 	s.mu.Lock()
 	start, perRank := s.cur.resume()
 	s.mu.Unlock()
-	req := &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: start, RankCursors: perRank}
+	_, digests := s.sink.(Digester)
+	req := &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: start, RankCursors: perRank, LiveDigests: digests}
 
 	callCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -279,7 +284,7 @@ func (s *subscription) attempt(ctx context.Context, subscribe subscribeFunc) (ou
 		return outcomeStopped, true, nil
 	}
 	s.abandonSnapshot()
-	if out == outcomeReconnect {
+	if out == outcomeReconnect || out == outcomeResync {
 		return out, true, nil
 	}
 	if err == nil {
@@ -387,8 +392,8 @@ func (s *subscription) read(stream grpc.ServerStreamingClient[kvpb.KvEventBatch]
 		if err != nil {
 			return outcomeRetry, err
 		}
-		if s.handle(b) == outcomeReconnect {
-			return outcomeReconnect, nil
+		if out := s.handle(b); out == outcomeReconnect || out == outcomeResync {
+			return out, nil
 		}
 	}
 }
@@ -441,7 +446,43 @@ func (s *subscription) handle(b *kvpb.KvEventBatch) outcome {
 	}
 	s.liveApplied++
 	s.observeLag(b, s.apply(b, s.hot.applied))
-	return outcomeRetry
+	return s.checkDigest(b, rank)
+}
+
+// checkDigest compares the sink's digest of rank, right after it applied b,
+// with the relay's digest after the same batch. A divergence is counted and
+// logged with its rank; at most once per DigestResyncEvery it also clears
+// the worker and resubscribes from zero, so that a snapshot heals it.
+func (s *subscription) checkDigest(b *kvpb.KvEventBatch, rank int32) outcome {
+	d, ok := s.sink.(Digester)
+	if !ok || b.LiveDigest == nil {
+		return outcomeRetry
+	}
+	now := time.Now()
+	if now.Sub(s.lastDigest) < s.m.opts.DigestEvery {
+		return outcomeRetry
+	}
+	s.lastDigest = now
+	got, blocks := d.LiveDigest(s.w.ID, rank)
+	if got == b.GetLiveDigest() && blocks == b.GetLiveBlocks() {
+		return outcomeRetry
+	}
+	s.m.metrics.diverged.WithLabelValues(s.w.ID, strconv.Itoa(int(rank))).Inc()
+	resync := s.lastDigestResync.IsZero() || now.Sub(s.lastDigestResync) >= s.m.opts.DigestResyncEvery
+	s.log.Warn("index diverged from the relay's live digest", "rank", rank, "sequence", b.GetSequenceNumber(),
+		"relay_blocks", b.GetLiveBlocks(), "index_blocks", blocks, "resync", resync)
+	if !resync {
+		return outcomeRetry
+	}
+	s.lastDigestResync = now
+	s.mu.Lock()
+	s.cur.resetAll()
+	s.snap = nil
+	s.mu.Unlock()
+	s.sink.ClearWorker(s.w.ID)
+	s.updateDegraded()
+	s.m.metrics.resyncs.WithLabelValues(s.w.ID, "digest").Inc()
+	return outcomeResync
 }
 
 // handleSnapshot applies one relay snapshot chunk. Chunks bypass admission:

@@ -148,7 +148,11 @@ type SubscribeKvEventsRequest struct {
 	// cursor were 0. Relays that predate the field ignore it and read
 	// start_sequence_number, so a client should still set that to rank 0's
 	// cursor. Field 16 is unused by SMG.
-	RankCursors   map[int32]uint64 `protobuf:"bytes,16,rep,name=rank_cursors,json=rankCursors,proto3" json:"rank_cursors,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	RankCursors map[int32]uint64 `protobuf:"bytes,16,rep,name=rank_cursors,json=rankCursors,proto3" json:"rank_cursors,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// kvrelay extension: set every relayed batch's live_digest and
+	// live_blocks on this stream (an anti-entropy check; see KvEventBatch).
+	// Field 17 is unused by SMG; relays that predate it send none.
+	LiveDigests   bool `protobuf:"varint,17,opt,name=live_digests,json=liveDigests,proto3" json:"live_digests,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -204,6 +208,13 @@ func (x *SubscribeKvEventsRequest) GetRankCursors() map[int32]uint64 {
 	return nil
 }
 
+func (x *SubscribeKvEventsRequest) GetLiveDigests() bool {
+	if x != nil {
+		return x.LiveDigests
+	}
+	return false
+}
+
 type KvEventBatch struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The publisher's own sequence number for this batch, per DP rank.
@@ -217,7 +228,16 @@ type KvEventBatch struct {
 	// Set on every chunk of a state snapshot.
 	Snapshot *KvSnapshotChunk `protobuf:"bytes,7,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
 	// The engine's load as the relay knows it; absent when unknown.
-	Load          *EngineLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
+	Load *EngineLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
+	// kvrelay's anti-entropy digest of the batch's rank after this batch:
+	// the sum, over every live physical copy on the device and host tiers, of
+	// a 64-bit mix of (engine block hash, tier) (internal/livedigest), and the
+	// number of those copies. A gateway that applied the same batches holds
+	// the same sum. Set on relayed batches, not on snapshot chunks, for a
+	// subscriber that asked (SubscribeKvEventsRequest.live_digests). SMG does
+	// not declare these fields and skips them as unknown.
+	LiveDigest    *uint64 `protobuf:"fixed64,16,opt,name=live_digest,json=liveDigest,proto3,oneof" json:"live_digest,omitempty"`
+	LiveBlocks    *uint64 `protobuf:"varint,17,opt,name=live_blocks,json=liveBlocks,proto3,oneof" json:"live_blocks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -292,6 +312,20 @@ func (x *KvEventBatch) GetLoad() *EngineLoad {
 		return x.Load
 	}
 	return nil
+}
+
+func (x *KvEventBatch) GetLiveDigest() uint64 {
+	if x != nil && x.LiveDigest != nil {
+		return *x.LiveDigest
+	}
+	return 0
+}
+
+func (x *KvEventBatch) GetLiveBlocks() uint64 {
+	if x != nil && x.LiveBlocks != nil {
+		return *x.LiveBlocks
+	}
+	return 0
 }
 
 type EngineLoad struct {
@@ -1556,23 +1590,30 @@ var File_smg_common_proto protoreflect.FileDescriptor
 
 const file_smg_common_proto_rawDesc = "" +
 	"\n" +
-	"\x10smg/common.proto\x12\x0fsmg.grpc.common\"\xb3\x02\n" +
+	"\x10smg/common.proto\x12\x0fsmg.grpc.common\"\xd6\x02\n" +
 	"\x18SubscribeKvEventsRequest\x122\n" +
 	"\x15start_sequence_number\x18\x01 \x01(\x04R\x13startSequenceNumber\x12D\n" +
 	"\x1fload_records_before_first_batch\x18\x02 \x01(\bR\x1bloadRecordsBeforeFirstBatch\x12]\n" +
-	"\frank_cursors\x18\x10 \x03(\v2:.smg.grpc.common.SubscribeKvEventsRequest.RankCursorsEntryR\vrankCursors\x1a>\n" +
+	"\frank_cursors\x18\x10 \x03(\v2:.smg.grpc.common.SubscribeKvEventsRequest.RankCursorsEntryR\vrankCursors\x12!\n" +
+	"\flive_digests\x18\x11 \x01(\bR\vliveDigests\x1a>\n" +
 	"\x10RankCursorsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x05R\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xb1\x02\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x9d\x03\n" +
 	"\fKvEventBatch\x12'\n" +
 	"\x0fsequence_number\x18\x01 \x01(\x04R\x0esequenceNumber\x12\x1c\n" +
 	"\ttimestamp\x18\x02 \x01(\x01R\ttimestamp\x125\n" +
 	"\x06events\x18\x03 \x03(\v2\x1d.smg.grpc.common.KvCacheEventR\x06events\x12\x1c\n" +
 	"\adp_rank\x18\x04 \x01(\x05H\x00R\x06dpRank\x88\x01\x01\x12<\n" +
 	"\bsnapshot\x18\a \x01(\v2 .smg.grpc.common.KvSnapshotChunkR\bsnapshot\x12/\n" +
-	"\x04load\x18\b \x01(\v2\x1b.smg.grpc.common.EngineLoadR\x04loadB\n" +
+	"\x04load\x18\b \x01(\v2\x1b.smg.grpc.common.EngineLoadR\x04load\x12$\n" +
+	"\vlive_digest\x18\x10 \x01(\x06H\x01R\n" +
+	"liveDigest\x88\x01\x01\x12$\n" +
+	"\vlive_blocks\x18\x11 \x01(\x04H\x02R\n" +
+	"liveBlocks\x88\x01\x01B\n" +
 	"\n" +
-	"\b_dp_rankJ\x04\b\x05\x10\x06J\x04\b\x06\x10\a\"\x95\n" +
+	"\b_dp_rankB\x0e\n" +
+	"\f_live_digestB\x0e\n" +
+	"\f_live_blocksJ\x04\b\x05\x10\x06J\x04\b\x06\x10\a\"\x95\n" +
 	"\n" +
 	"\n" +
 	"EngineLoad\x12)\n" +

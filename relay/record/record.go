@@ -44,6 +44,10 @@ type Stats struct {
 	// DuplicateStores are stored events whose every block the record
 	// already held: a second physical copy, or a batch delivered twice.
 	DuplicateStores uint64
+	// Reannounced are stored events taken for vLLM's report-mode "full"
+	// re-announcement of prefix-cache hits (see IsReannouncement) and
+	// applied as no change; ReannouncedBlocks the blocks they listed.
+	Reannounced, ReannouncedBlocks uint64
 }
 
 // RankStats is one non-empty rank's share of Stats.
@@ -56,6 +60,7 @@ type RankStats struct {
 type counters struct {
 	stored, removed, removedUnknown, capped, cleared uint64
 	duplicateStores                                  uint64
+	reannounced, reannouncedBlocks                   uint64
 }
 
 // Record is the live-block record of all ranks. The zero value is not usable; call New.
@@ -66,6 +71,8 @@ type Record struct {
 	// epoch advances at every Cut: a segment whose epoch is older may be shared with a Cut.
 	epoch    uint64
 	liveCuts atomic.Int64
+	// reportModeFull turns on IsReannouncement's rule (DetectReannouncements).
+	reportModeFull bool
 	counters
 }
 
@@ -74,13 +81,24 @@ func New() *Record {
 	return &Record{ranks: map[int32]*rankState{}, tails: newTailTable(), extras: &extraTable{}, epoch: 1}
 }
 
+// DetectReannouncements makes Apply take stores that match
+// IsReannouncement for vLLM's report-mode "full" re-announcements and apply
+// them as no change. Off (the default), every store adds copies: the rule
+// would take a genuine second copy of a whole chain from block 0 for a
+// re-announcement, so it is for engines whose requests may ask for report
+// mode "full".
+func (r *Record) DetectReannouncements() { r.reportModeFull = true }
+
 // shared reports whether a Cut may still read segments of older epochs.
 func (r *Record) shared() bool { return r.liveCuts.Load() > 0 }
 
-// Apply folds one normalized batch into the record.
-func (r *Record) Apply(b *kvpb.KvEventBatch) {
+// Apply folds one normalized batch into the record. It returns the indexes
+// of the batch's stored events it took for report-mode re-announcements
+// (nil almost always), so that a caller can leave them out of what it
+// forwards.
+func (r *Record) Apply(b *kvpb.KvEventBatch) (reannounced []int) {
 	if b == nil {
-		return
+		return nil
 	}
 	if !r.shared() {
 		r.tails.settle()
@@ -90,9 +108,15 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) {
 	if b.DpRank != nil {
 		rank = *b.DpRank
 	}
-	for _, ev := range b.GetEvents() {
+	for i, ev := range b.GetEvents() {
 		switch d := ev.GetData().(type) {
 		case *kvpb.KvCacheEvent_Stored:
+			if r.reportModeFull && r.IsReannouncement(rank, d.Stored) {
+				r.reannounced++
+				r.reannouncedBlocks += uint64(len(d.Stored.GetBlocks()))
+				reannounced = append(reannounced, i)
+				continue
+			}
 			r.store(rank, d.Stored)
 		case *kvpb.KvCacheEvent_Removed:
 			r.remove(rank, d.Removed)
@@ -101,6 +125,53 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) {
 			r.cleared++
 		}
 	}
+	return reannounced
+}
+
+// IsReannouncement reports whether a store is, by the rule read from vLLM's
+// code, a re-announcement of prefix-cache hits rather than new physical
+// copies. With a request's kv_cache_report_mode "full", vLLM's
+// BlockPool.emit_cached_block_events publishes the request's hit chain as a
+// BlockStored: parent None, the blocks from block 0 on, each one cached at
+// that moment, and no state change (so no removal will ever match it). A
+// genuine store has parent None only when it starts at a request's block 0
+// (cache_full_blocks with nothing cached before), and is a second copy of
+// every block only when that whole prefix was computed again while cached.
+//
+// The rule: no parent, and every block already live on the rank and tier,
+// in the same chain (the first without a parent, each next one with the
+// previous as its parent). A store carries no physical block id, so this is
+// a rule, not a proof: a genuine second copy of a whole chain from block 0
+// (a block-aligned prompt of one block recomputed while cached) is taken
+// for a re-announcement, and the record then holds one copy fewer than the
+// engine: the block leaves the record at its first removal while the engine
+// still holds it (a missing block, never a phantom).
+func (r *Record) IsReannouncement(rank int32, s *kvpb.KvBlocksStored) bool {
+	blocks := s.GetBlocks()
+	if s.ParentBlockHash != nil || len(blocks) == 0 {
+		return false
+	}
+	rs := r.ranks[rank]
+	if rs == nil {
+		return false
+	}
+	var prev int64
+	for i, blk := range blocks {
+		if blk == nil {
+			return false
+		}
+		slot, ok := rs.index.find(rs, blk.BlockHash, tierOf(s.Tier, blocks[0].CacheLevel))
+		if !ok {
+			return false
+		}
+		e := rs.entry(slot)
+		hasParent := e.flags&flagParent != 0
+		if (i == 0 && hasParent) || (i > 0 && (!hasParent || e.parent != prev)) {
+			return false
+		}
+		prev = blk.BlockHash
+	}
+	return true
 }
 
 // ClearRank forgets one rank (its publisher restarted). Counters are kept and nothing is counted.
@@ -118,6 +189,7 @@ func (r *Record) Stats() Stats {
 	s := Stats{
 		Stored: r.stored, Removed: r.removed, RemovedUnknown: r.removedUnknown,
 		Capped: r.capped, Cleared: r.cleared, DuplicateStores: r.duplicateStores,
+		Reannounced: r.reannounced, ReannouncedBlocks: r.reannouncedBlocks,
 	}
 	for rank, rs := range r.ranks {
 		if rs.entries == 0 {
@@ -129,6 +201,16 @@ func (r *Record) Stats() Stats {
 	}
 	slices.SortFunc(s.Ranks, func(a, b RankStats) int { return int(int64(a.Rank) - int64(b.Rank)) })
 	return s
+}
+
+// LiveDigest is rank's anti-entropy digest (internal/livedigest) and the
+// live copies it covers: what a gateway that applied the same batches holds.
+func (r *Record) LiveDigest(rank int32) (digest, blocks uint64) {
+	rs := r.ranks[rank]
+	if rs == nil {
+		return 0, 0
+	}
+	return rs.digest, rs.digestBlocks
 }
 
 // tierOf resolves the tier a store or removal applies to: its tier when set, else its cache level.
@@ -210,6 +292,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 			} else {
 				r.writable(rs, slot).copies++
 				rs.blocks++
+				rs.count(h, tier, 1)
 			}
 		} else {
 			key.setBlock(blk)
@@ -254,6 +337,7 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	rs.entries++
 	rs.tiers[tier]++
 	rs.blocks++
+	rs.count(blk.BlockHash, tier, 1)
 }
 
 func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
@@ -272,6 +356,7 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 		}
 		r.removed++
 		rs.blocks--
+		rs.count(h, tier, -1)
 		e := r.writable(rs, slot)
 		e.copies--
 		if e.copies > 0 {

@@ -3,6 +3,8 @@ package record
 import (
 	"math"
 	"slices"
+
+	"github.com/kvrelay/kvrelay/internal/livedigest"
 )
 
 const (
@@ -123,6 +125,25 @@ type rankState struct {
 	blocks    uint64
 	tiers     [8]uint64 // entries per tier
 	nextOrder uint32
+	// digest and digestBlocks: the rank's live digest (internal/livedigest)
+	// and the copies it covers, kept at every copy stored or removed.
+	digest, digestBlocks uint64
+}
+
+// count adds (n = 1) or takes (n = -1) one copy of hash on tier to the
+// rank's digest.
+func (rs *rankState) count(hash int64, tier uint8, n int) {
+	if !livedigest.Covered(tier) {
+		return
+	}
+	d := livedigest.Block(uint64(hash), tier)
+	if n > 0 {
+		rs.digest += d
+		rs.digestBlocks++
+	} else {
+		rs.digest -= d
+		rs.digestBlocks--
+	}
 }
 
 func (rs *rankState) entry(slot uint32) *entry {

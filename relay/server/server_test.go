@@ -176,12 +176,12 @@ func keys(bs []*kvpb.KvEventBatch) []key {
 
 func TestTwoRanksFromZeroAndResumeByRank0Cursor(t *testing.T) {
 	s := startStack(t, stackOptions{dpSize: 2})
-	for i := 0; i < 3; i++ {
+	for i := 0; i < 3; i++ { // in this log order: 0:0 1:0 0:1 1:1 0:2 1:2
 		s.publish(t, 0, uint64(100+i))
+		s.relayed(t, 0, uint64(i))
 		s.publish(t, 1, uint64(200+i))
+		s.relayed(t, 1, uint64(i))
 	}
-	s.relayed(t, 0, 2)
-	s.relayed(t, 1, 2)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -210,22 +210,32 @@ func TestTwoRanksFromZeroAndResumeByRank0Cursor(t *testing.T) {
 		}
 	}
 
-	// Resume after rank 0's seq 1: everything logged after that batch, of
+	// Rank 0's seq 1 alone cannot resume: rank 1 relayed two batches after
+	// it, and the client may hold either (the relay's rules, issue 14.1).
+	// It is refused on the call.
+	refused, err := s.client.SubscribeKvEvents(ctx, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: 1})
+	if err == nil {
+		_, err = refused.Recv()
+	}
+	if status.Code(err) != codes.OutOfRange {
+		t.Fatalf("resume after rank 0 seq 1: %v, want OUT_OF_RANGE", err)
+	}
+	// Resume after rank 0's seq 2: everything logged after that batch, of
 	// both ranks, and nothing before it.
 	var pos int
 	for i, k := range keys(all) {
-		if k == (key{0, 1}) {
+		if k == (key{0, 2}) {
 			pos = i
 		}
 	}
 	want := keys(all)[pos+1:]
-	st2, err := s.client.SubscribeKvEvents(ctx, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: 1})
+	st2, err := s.client.SubscribeKvEvents(ctx, &kvpb.SubscribeKvEventsRequest{StartSequenceNumber: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := keys(recvN(t, st2, len(want)))
 	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Fatalf("resume after rank 0 seq 1: got %v, want %v", got, want)
+		t.Fatalf("resume after rank 0 seq 2: got %v, want %v", got, want)
 	}
 
 	// Both streams continue live with the next batch, once.
