@@ -90,6 +90,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	replayTimeout := fs.Duration("replay-timeout", 5*time.Second, "wait for each replay reply from the engine")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
+	limits := addServerLimitFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -156,7 +157,11 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	if err := serve(ctx, log, file.MetricsListen, relays); err != nil {
+	if err := limits.validate(); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	if err := serve(ctx, log, file.MetricsListen, relays, limits.Limits); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
@@ -284,7 +289,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
-func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay) error {
+func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay, limits server.Limits) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
@@ -368,7 +373,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 		if len(order) > 1 {
 			srvReg = prometheus.WrapRegistererWith(prometheus.Labels{"listener": addr}, reg)
 		}
-		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg})
+		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg, Limits: limits})
 		if err != nil {
 			closeAll()
 			return fmt.Errorf("listener %s: %w", addr, err)
