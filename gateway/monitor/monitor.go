@@ -103,6 +103,11 @@ const (
 	DefaultSubscribeDeadline = 2 * time.Second
 	DefaultInitialBackoff    = 100 * time.Millisecond
 	DefaultMaxBackoff        = 5 * time.Second
+	// DefaultMaxRecvMsgBytes is what a relay may send by default (kvrelay
+	// serve --max-send-msg-bytes). gRPC's own 4 MiB default is below one
+	// real batch of 131,072 blocks (6.5 MB), which a relay never splits:
+	// such a batch would fail the stream again at every resubscribe.
+	DefaultMaxRecvMsgBytes = 1 << 30
 )
 
 // DefaultKeepalive pings an open stream every 30 s and gives the answer 10 s.
@@ -122,6 +127,9 @@ type Options struct {
 	MaxBackoff        time.Duration
 	// Keepalive overrides DefaultKeepalive when Time is non-zero.
 	Keepalive keepalive.ClientParameters
+	// MaxRecvMsgBytes is the largest message accepted from a worker
+	// (default DefaultMaxRecvMsgBytes). Only what arrives is allocated.
+	MaxRecvMsgBytes int
 	// DialOptions are added to the monitor's own (insecure transport,
 	// keepalive, connect backoff).
 	DialOptions []grpc.DialOption
@@ -153,6 +161,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Keepalive.Time == 0 {
 		o.Keepalive = DefaultKeepalive
+	}
+	if o.MaxRecvMsgBytes <= 0 {
+		o.MaxRecvMsgBytes = DefaultMaxRecvMsgBytes
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

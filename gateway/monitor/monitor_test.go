@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -629,5 +630,36 @@ func TestRepeatedResyncsBackOff(t *testing.T) {
 	}
 	if got := r.counter(t, "resyncs", "data_loss"); got != 4 {
 		t.Errorf("data_loss resyncs = %v", got)
+	}
+}
+
+func TestABatchOver4MiBIsApplied(t *testing.T) {
+	// 131,072 blocks of 16 tokens: about 6.5 MB, one real engine batch that
+	// a relay never splits. gRPC's default receive limit (4 MiB) failed
+	// the stream at every resubscribe.
+	tests := []struct {
+		name   string
+		blocks int
+	}{
+		{"131,072 blocks", 131072},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			hashes := make([]int64, tt.blocks)
+			for i := range hashes {
+				hashes[i] = int64(i + 1)
+			}
+			b := batch(-1, 10, stored(16, hashes...))
+			if size := proto.Size(b); size <= 4<<20 {
+				t.Fatalf("the batch is %d bytes, not over 4 MiB", size)
+			}
+			// Decoding 6.5 MB under -race on a loaded machine takes a while.
+			r := newRig(t, func(o *Options) { o.SubscribeDeadline = waitFor })
+			r.srv.next(t).answer(t).send(t, b)
+			r.sink.expect(t, "apply r0 s10")
+			if got := r.counter(t, "failures", "error"); got != 0 {
+				t.Fatalf("failures{error} = %v", got)
+			}
+		})
 	}
 }
