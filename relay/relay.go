@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/record"
 )
 
 // Message is one publisher batch as a transport delivers it: the
@@ -70,6 +71,8 @@ type liveRecord interface {
 // recordCut orders and encodes a captured record off the lock.
 type recordCut interface {
 	Chunks(cursors, unknownBefore map[int32]uint64, ts float64) []*kvpb.KvEventBatch
+	// Stream is Chunks one chunk at a time, each encoded when asked for.
+	Stream(cursors, unknownBefore map[int32]uint64, ts float64) *record.ChunkStream
 	Release()
 }
 

@@ -458,3 +458,49 @@ func TestDuplicateStoresCountStoresWhoseEveryBlockWasHeld(t *testing.T) {
 		t.Fatalf("DuplicateStores = %d, want 1", got)
 	}
 }
+
+func TestSnapshotChunksStayUnderFourMiBWhateverTheCursor(t *testing.T) {
+	// A rank holding many blocks at a small cursor: the chunk size used to
+	// double until the chunks fit in cursor+1 sequences, so cursor 0 made
+	// one chunk of every block (tens of MB), over the 4 MiB a gRPC client
+	// accepts by default.
+	tests := []struct {
+		name   string
+		blocks int
+		cursor uint64
+	}{
+		{"cursor 0", 300_000, 0},
+		{"cursor 3", 300_000, 3},
+		{"cursor past the chunk count", 300_000, 1_000},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, want := New(), model{}
+			const perBatch = 4096
+			for from := 1; from <= tt.blocks; from += perBatch {
+				b := batchOf(0, storedEv(chain(int64(from), min(perBatch, tt.blocks-from+1))))
+				r.Apply(b)
+				want.apply(b, &modelCounts{})
+			}
+			c := r.Cut(nil)
+			defer c.Release()
+			cursors := map[int32]uint64{0: tt.cursor}
+			st := c.Stream(cursors, nil, 1)
+			var chunks []*kvpb.KvEventBatch
+			for b := st.Next(); b != nil; b = st.Next() {
+				chunks = append(chunks, b)
+			}
+			if uint64(len(chunks)) != st.Count() {
+				t.Fatalf("%d chunks streamed, Count says %d", len(chunks), st.Count())
+			}
+			// checkChunks asserts every chunk's encoded size is at most MaxChunkBytes.
+			checkChunks(t, chunks, chunkRule{cursors: cursors, maxUnits: -1})
+			if len(chunks) < 2 {
+				t.Fatalf("%d blocks in %d chunk(s)", tt.blocks, len(chunks))
+			}
+			if d := diffModels(want, replayChunks(t, chunks)); d != "" {
+				t.Fatalf("the streamed snapshot differs from the record: %s", d)
+			}
+		})
+	}
+}
