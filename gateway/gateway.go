@@ -163,8 +163,13 @@ type Gateway struct {
 	workerOf map[string]string // worker ID → model
 	inflight map[string]int
 	engine   map[string]EngineLoad
-	runCtx   context.Context
-	wg       sync.WaitGroup
+	// unreachable holds the workers whose last subscribe attempt failed
+	// (in backoff until a stream opens again). Its own lock: the monitor
+	// reports states from its goroutines, some while g.mu is held.
+	reachMu     sync.Mutex
+	unreachable map[string]bool
+	runCtx      context.Context
+	wg          sync.WaitGroup
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -184,12 +189,15 @@ func New(cfg Config) (*Gateway, error) {
 		workerOf: map[string]string{},
 		inflight: map[string]int{},
 		engine:   map[string]EngineLoad{},
+
+		unreachable: map[string]bool{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
 	mopts.Logger = cfg.Logger.With("component", "monitor")
 	mopts.OnLoad = g.onEngineLoad
 	mopts.OnBlockSize = g.onBlockSize
+	mopts.OnState = g.onState
 	if g.mon, err = monitor.New(mopts); err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
 	}
@@ -315,7 +323,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	// m.list is replaced, never modified in place, so it may be read
 	// after the lock is released. Workers with nothing in flight need no
 	// entry: the picker reads a missing one as 0.
-	eligible := m.list
+	eligible := g.reachable(m.list)
 	var loads picker.Loads // nil until a worker has something in flight
 	for _, w := range eligible {
 		if n := g.inflight[w]; n > 0 {
@@ -421,6 +429,42 @@ func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
 		TokenUsage:      l.GetTokenUsage(),
 		At:              time.Now(),
 	}
+}
+
+// onState tracks which workers are unreachable: a failed subscribe puts the
+// stream in backoff, and a worker whose relay cannot be reached is likely
+// down for inference too. Connecting leaves the mark as it is (a retry has
+// not succeeded yet); streaming clears it; a worker whose events are off
+// (disabled) may serve requests all the same, so it is not marked.
+func (g *Gateway) onState(worker string, st monitor.State) {
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	switch st {
+	case monitor.StateBackoff:
+		g.unreachable[worker] = true
+	case monitor.StateStreaming, monitor.StateDisabled, monitor.StateStopped:
+		delete(g.unreachable, worker)
+	}
+}
+
+// reachable filters out unreachable workers, unless that would leave none
+// (then routing by cache still beats refusing the request).
+func (g *Gateway) reachable(workers []string) []string {
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	if len(g.unreachable) == 0 {
+		return workers
+	}
+	out := make([]string, 0, len(workers))
+	for _, w := range workers {
+		if !g.unreachable[w] {
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return workers
+	}
+	return out
 }
 
 func (g *Gateway) onBlockSize(name string, n int) {

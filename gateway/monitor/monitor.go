@@ -140,6 +140,9 @@ type Options struct {
 	// OnLoad, if set, receives every load record a worker pushes on its
 	// stream (rank is the batch's dp_rank, 0 when absent).
 	OnLoad func(worker string, rank int32, load *kvpb.EngineLoad)
+	// OnState, if set, is called after every change of a worker's state
+	// (not under the monitor's locks).
+	OnState func(worker string, state State)
 	// OnBlockSize, if set, is called when a worker's stream reveals the
 	// model's block size (the first stored block with block_size > 0, once
 	// per subscription goroutine).
