@@ -20,6 +20,11 @@ const (
 	DefaultHistoryBatches = 10_000
 	// DefaultHistoryBytes is 256 MiB.
 	DefaultHistoryBytes int64 = 256 << 20
+	// DefaultRecordMaxEntries caps each rank's live-block record: about
+	// 512 MiB at the ~255 bytes an entry costs, far above a GPU pool's
+	// blocks, so only offload tiers of millions of blocks or removals the
+	// relay never saw (a leak) reach it.
+	DefaultRecordMaxEntries = 2 << 20
 	// DefaultReplayTimeout bounds the wait for each replay reply.
 	DefaultReplayTimeout = 5 * time.Second
 	// DefaultPrimeRetry is how often the start replay is asked again until
@@ -67,6 +72,11 @@ type Config struct {
 	// the environment (EnvHistoryBatches, EnvHistoryBytes) or the defaults.
 	HistoryBatches int
 	HistoryBytes   int64
+	// RecordMaxEntries caps each rank's live (tier, hash) entries in the
+	// record that snapshots are cut from; past it the oldest-stored go
+	// (record.SetMaxEntries) and the rank's snapshots say they are
+	// incomplete. Zero: DefaultRecordMaxEntries; negative: no cap.
+	RecordMaxEntries int
 	// ReplayTimeout bounds the wait for each replay reply (priming gets
 	// twice this overall). Zero: DefaultReplayTimeout.
 	ReplayTimeout time.Duration
@@ -131,6 +141,9 @@ func (c *Config) resolve() error {
 	}
 	if c.SubscriberBuffer == 0 {
 		c.SubscriberBuffer = DefaultSubscriberBuffer
+	}
+	if c.RecordMaxEntries == 0 {
+		c.RecordMaxEntries = DefaultRecordMaxEntries
 	}
 	if c.KV.Enabled && c.KV.Endpoint == "" {
 		return errors.New("relay: events are enabled but the endpoint is empty")

@@ -66,6 +66,9 @@ type liveRecord interface {
 	cut(ranks []int32) recordCut
 	// blocks and entries per rank, and in total.
 	stats() (perRank map[int32]uint64, blocks, entries uint64)
+	// evictedFrom counts the rank's entries dropped at the cap since the
+	// rank last started empty.
+	evictedFrom(rank int32) uint64
 }
 
 // recordCut orders and encodes a captured record off the lock.
@@ -117,6 +120,10 @@ type rankState struct {
 	hasStart      bool
 	startedAt     uint64
 	unknownBefore uint64
+	// recordEvicted is the record's eviction count for the rank last seen.
+	recordEvicted    uint64
+	warnedEviction   bool
+	lastEvictionWarn time.Time
 	restarts      uint64
 
 	// Owned by the rank goroutine. A replay usually runs past the live
@@ -178,7 +185,7 @@ func New(cfg Config) (*Relay, error) {
 		ranks:   ranks,
 		hist:    newHistory(cfg.HistoryBatches, cfg.HistoryBytes),
 		subs:    map[*Subscription]struct{}{},
-		rec:     newRecordAdapter(),
+		rec:     newRecordAdapter(cfg.RecordMaxEntries),
 	}
 	if err := m.registerState(r, labels); err != nil {
 		m.unregister()
@@ -463,6 +470,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	r.mu.Lock()
 	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)))
 	r.rec.Apply(b)
+	r.noteEvictions(rk, seq)
 	rk.cursor, rk.hasCursor = seq, true
 	if !rk.hasStart {
 		rk.startedAt, rk.hasStart = seq, true
@@ -715,6 +723,29 @@ func (r *Relay) recoverZero(ctx context.Context, rk *rankState) {
 		}
 		// An answer cut short may have lost 0 itself: ask once more.
 	}
+}
+
+// noteEvictions marks the rank's snapshots incomplete once its record hit
+// the cap: entries stored before seq may be missing, as after a late join.
+// Called with r.mu held.
+func (r *Relay) noteEvictions(rk *rankState, seq uint64) {
+	n := r.rec.evictedFrom(rk.rank)
+	if n == rk.recordEvicted {
+		return
+	}
+	if n > rk.recordEvicted {
+		r.metrics.recordEvicted.WithLabelValues(rk.label).Add(float64(n - rk.recordEvicted))
+		if !rk.warnedEviction || time.Since(rk.lastEvictionWarn) > time.Minute {
+			r.log.Warn("live-block record at its cap: evicted the oldest-stored blocks; snapshots of this rank are marked incomplete",
+				"rank", rk.rank, "evicted_total", n, "cap_entries", r.cfg.RecordMaxEntries)
+			rk.warnedEviction, rk.lastEvictionWarn = true, time.Now()
+		}
+		if seq > rk.unknownBefore {
+			rk.unknownBefore = seq
+			r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(seq))
+		}
+	}
+	rk.recordEvicted = n
 }
 
 func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {

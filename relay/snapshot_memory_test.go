@@ -4,6 +4,9 @@ import (
 	"context"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -63,5 +66,44 @@ func TestASnapshotIsEncodedOneChunkAtATime(t *testing.T) {
 	}
 	if s.snap.Load() != nil {
 		t.Fatal("the cut is still held after the last chunk")
+	}
+}
+
+func TestARankPastTheRecordCapServesAnIncompleteSnapshot(t *testing.T) {
+	// Blocks never removed (a leak, or a huge offload tier) used to grow
+	// the record without bound (1.57 M blocks: 401 MiB).
+	reg := prometheus.NewRegistry()
+	r, err := New(Config{
+		Engine: engineForTest(), DPSize: 1, HistoryBatches: 16, Logger: quietLogger(), Registerer: reg,
+		RecordMaxEntries: 1000,
+		KV:               engines.Config{Enabled: true, Endpoint: "tcp://*:5557"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rk := r.ranks[0]
+	const batches, per = 40, 64
+	for i := 0; i < batches; i++ {
+		r.relay(rk, uint64(i), storeBatch(int64(i)*per+1, per))
+	}
+	_, blocks, entries := r.rec.stats()
+	if entries > 1000 || blocks > 1000 {
+		t.Fatalf("the record holds %d entries (%d blocks), over the cap of 1000", entries, blocks)
+	}
+	evicted := testutil.ToFloat64(r.metrics.recordEvicted.WithLabelValues(rk.label))
+	if evicted != float64(batches*per)-float64(entries) {
+		t.Fatalf("kvrelay_record_evicted_total = %v, want %d", evicted, batches*per-int(entries))
+	}
+	s, err := r.Subscribe(context.Background(), &kvpb.SubscribeKvEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	b, err := s.Next(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.GetSnapshot() == nil || b.GetSnapshot().GetUnknownBefore() == 0 {
+		t.Fatalf("the first batch %v does not mark the snapshot incomplete", b.GetSnapshot())
 	}
 }

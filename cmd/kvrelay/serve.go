@@ -161,7 +161,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	if err := serve(ctx, log, file.MetricsListen, relays, limits.Limits); err != nil {
+	if err := serve(ctx, log, file.MetricsListen, relays, *limits); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
@@ -289,7 +289,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
-func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay, limits server.Limits) error {
+func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays []resolvedRelay, limits serverLimitFlags) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
@@ -315,9 +315,11 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 			HistoryBatches: rc.HistoryBatches,
 			HistoryBytes:   rc.HistoryBytes,
 			ReplayTimeout:  rc.replayTimeout,
-			Logger:         log.With("relay", rc.Name),
-			Instance:       rc.Name, // the relay label on its metrics
-			Registerer:     reg,
+			// Negative: no cap, which relay.Config spells the same way.
+			RecordMaxEntries: limits.RecordMaxEntries,
+			Logger:           log.With("relay", rc.Name),
+			Instance:         rc.Name, // the relay label on its metrics
+			Registerer:       reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)
@@ -373,7 +375,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen string, relays [
 		if len(order) > 1 {
 			srvReg = prometheus.WrapRegistererWith(prometheus.Labels{"listener": addr}, reg)
 		}
-		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg, Limits: limits})
+		srv, err := server.New(server.Options{Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg, Limits: limits.Limits})
 		if err != nil {
 			closeAll()
 			return fmt.Errorf("listener %s: %w", addr, err)

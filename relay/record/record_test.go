@@ -3,6 +3,7 @@ package record
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -500,6 +501,65 @@ func TestSnapshotChunksStayUnderFourMiBWhateverTheCursor(t *testing.T) {
 			}
 			if d := diffModels(want, replayChunks(t, chunks)); d != "" {
 				t.Fatalf("the streamed snapshot differs from the record: %s", d)
+			}
+		})
+	}
+}
+
+func TestTheRecordEvictsTheOldestStoredAtItsCap(t *testing.T) {
+	tests := []struct {
+		name   string
+		cap    uint64
+		stores int
+	}{
+		{"under the cap", 1000, 800},
+		{"five times the cap", 1000, 5000},
+		{"with a cut held (copy on write)", 1000, 3000},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := New()
+			r.SetMaxEntries(tt.cap)
+			var held *Cut
+			for from := 1; from <= tt.stores; from += 100 {
+				r.Apply(batchOf(0, storedEv(chain(int64(from), 100))))
+				if s := r.Stats(); s.Entries > tt.cap {
+					t.Fatalf("after %d stores the rank holds %d entries, over the cap %d", from+99, s.Entries, tt.cap)
+				}
+				if held == nil && strings.Contains(tt.name, "cut") && from > 1500 {
+					held = r.Cut(nil)
+				}
+			}
+			if held != nil {
+				held.Release()
+			}
+			s := r.Stats()
+			wantEvicted := uint64(0)
+			if uint64(tt.stores) > tt.cap {
+				wantEvicted = uint64(tt.stores) - s.Entries
+			}
+			if s.Evicted != wantEvicted || r.EvictedFrom(0) != wantEvicted {
+				t.Fatalf("evicted %d (rank %d), want %d", s.Evicted, r.EvictedFrom(0), wantEvicted)
+			}
+			// What is left is the newest stores, every one of them.
+			c := r.Cut(nil)
+			defer c.Release()
+			chunks := c.Chunks(map[int32]uint64{0: 100}, nil, 1)
+			checkChunks(t, chunks, chunkRule{cursors: map[int32]uint64{0: 100}, maxUnits: -1})
+			oldestKept := int64(tt.stores) - int64(s.Entries) + 1
+			n := 0
+			for _, b := range chunks {
+				for _, ev := range b.Events {
+					for _, blk := range ev.GetStored().GetBlocks() {
+						if blk.BlockHash < oldestKept {
+							t.Fatalf("block %d kept while newer ones went (oldest kept should be %d)", blk.BlockHash, oldestKept)
+						}
+						n++
+					}
+				}
+			}
+			if uint64(n) != s.Entries {
+				t.Fatalf("the snapshot holds %d blocks, the stats %d", n, s.Entries)
 			}
 		})
 	}

@@ -123,6 +123,7 @@ type rankState struct {
 	blocks    uint64
 	tiers     [8]uint64 // entries per tier
 	nextOrder uint32
+	evicted   uint64 // entries dropped at the cap
 }
 
 func (rs *rankState) entry(slot uint32) *entry {
