@@ -124,7 +124,7 @@ type rankState struct {
 	recordEvicted    uint64
 	warnedEviction   bool
 	lastEvictionWarn time.Time
-	restarts      uint64
+	restarts         uint64
 
 	// Owned by the rank goroutine. A replay usually runs past the live
 	// stream: the live copies of what it gave are still queued on the
