@@ -40,6 +40,10 @@ const (
 	// DefaultSubscriberBuffer is how many live batches a subscriber may fall
 	// behind before it is refilled from the history.
 	DefaultSubscriberBuffer = 4096
+	// DefaultSubscriberBufferBytes bounds the encoded bytes a subscriber's
+	// live queue holds: the batches are shared with the history, but a
+	// queue keeps the ones the history dropped alive.
+	DefaultSubscriberBufferBytes = 64 << 20
 
 	// EnvHistoryBatches and EnvHistoryBytes override the history caps when
 	// the configuration leaves them zero (SMG's variables).
@@ -90,6 +94,10 @@ type Config struct {
 	// SubscriberBuffer is each subscriber's live queue. Zero:
 	// DefaultSubscriberBuffer.
 	SubscriberBuffer int
+	// SubscriberBufferBytes bounds the encoded bytes of that queue; past
+	// either bound the subscriber is refilled from the history later.
+	// Zero: DefaultSubscriberBufferBytes.
+	SubscriberBufferBytes int
 	Logger           *slog.Logger
 	// Instance names this relay in its metrics (label "relay"), so several
 	// relays, even of one engine, can share a registry. Default: the
@@ -141,6 +149,9 @@ func (c *Config) resolve() error {
 	}
 	if c.SubscriberBuffer == 0 {
 		c.SubscriberBuffer = DefaultSubscriberBuffer
+	}
+	if c.SubscriberBufferBytes <= 0 {
+		c.SubscriberBufferBytes = DefaultSubscriberBufferBytes
 	}
 	if c.RecordMaxEntries == 0 {
 		c.RecordMaxEntries = DefaultRecordMaxEntries

@@ -107,3 +107,56 @@ func TestARankPastTheRecordCapServesAnIncompleteSnapshot(t *testing.T) {
 		t.Fatalf("the first batch %v does not mark the snapshot incomplete", b.GetSnapshot())
 	}
 }
+
+func TestASubscribersQueueIsBoundedInBytes(t *testing.T) {
+	tests := []struct {
+		name   string
+		bytes  int
+		blocks int // per batch
+	}{
+		{"small batches", 16 << 10, 16},
+		{"large batches", 256 << 10, 1024},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			reg := prometheus.NewRegistry()
+			r, err := New(Config{
+				Engine: engineForTest(), DPSize: 1, HistoryBatches: 10_000, Logger: quietLogger(), Registerer: reg,
+				SubscriberBufferBytes: tt.bytes,
+				KV:                    engines.Config{Enabled: true, Endpoint: "tcp://*:5557"},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rk := r.ranks[0]
+			s, err := r.Subscribe(context.Background(), &kvpb.SubscribeKvEventsRequest{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			const batches = 200 // far under the 4,096-batch count bound
+			for i := 0; i < batches; i++ {
+				r.relay(rk, uint64(i), storeBatch(int64(i)*int64(tt.blocks)+1, tt.blocks))
+				s.mu.Lock()
+				held := s.qbytes
+				s.mu.Unlock()
+				if held > tt.bytes {
+					t.Fatalf("after batch %d the queue holds %d encoded bytes, over its bound %d", i, held, tt.bytes)
+				}
+			}
+			if got := testutil.ToFloat64(r.metrics.lagged); got != 1 {
+				t.Fatalf("kvrelay_subscribers_lagged_total = %v, want 1", got)
+			}
+			// Refilled from the history, the subscriber still sees every batch.
+			for i := 0; i < batches; i++ {
+				b, err := s.Next(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if b.GetSequenceNumber() != uint64(i) {
+					t.Fatalf("batch %d has sequence %d", i, b.GetSequenceNumber())
+				}
+			}
+		})
+	}
+}

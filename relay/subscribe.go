@@ -57,6 +57,7 @@ type Subscription struct {
 	mu      sync.Mutex
 	queue   []posBatch
 	qhead   int
+	qbytes  int // encoded bytes from qhead on
 	lagged  bool
 	err     error
 	closed  bool
@@ -317,8 +318,9 @@ func (r *Relay) fanOut(pb posBatch) {
 	for s := range r.subs {
 		s.mu.Lock()
 		if s.err == nil && !s.closed && !s.lagged {
-			if len(s.queue)-s.qhead < r.cfg.SubscriberBuffer {
+			if len(s.queue)-s.qhead < r.cfg.SubscriberBuffer && s.qbytes+len(pb.enc) <= r.cfg.SubscriberBufferBytes {
 				s.queue = append(s.queue, pb)
+				s.qbytes += len(pb.enc)
 			} else {
 				s.lagged = true
 				r.metrics.lagged.Inc()
@@ -393,6 +395,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			pb := s.queue[s.qhead]
 			s.queue[s.qhead] = posBatch{}
 			s.qhead++
+			s.qbytes -= len(pb.enc)
 			switch {
 			case s.qhead == len(s.queue):
 				s.queue, s.qhead = s.queue[:0], 0
@@ -457,6 +460,10 @@ func (s *Subscription) refill() error {
 	s.mu.Lock()
 	s.queue = append(s.queue[:0], batches...)
 	s.qhead = 0
+	s.qbytes = 0
+	for _, pb := range batches {
+		s.qbytes += len(pb.enc)
+	}
 	if looked >= r.hist.tip() {
 		s.lagged = false
 	}
@@ -478,7 +485,7 @@ func (s *Subscription) Close() {
 	r.mu.Unlock()
 	s.mu.Lock()
 	s.closed = true
-	s.queue, s.qhead = nil, 0
+	s.queue, s.qhead, s.qbytes = nil, 0, 0
 	s.mu.Unlock()
 	if p := s.snap.Swap(nil); p != nil {
 		p.cut.Release()
