@@ -98,7 +98,7 @@ type Config struct {
 	// either bound the subscriber is refilled from the history later.
 	// Zero: DefaultSubscriberBufferBytes.
 	SubscriberBufferBytes int
-	Logger           *slog.Logger
+	Logger                *slog.Logger
 	// Instance names this relay in its metrics (label "relay"), so several
 	// relays, even of one engine, can share a registry. Default: the
 	// engine's name.
