@@ -185,6 +185,11 @@ type Gateway struct {
 	// now is the clock load records are stamped and aged with, and tracked
 	// requests expired by; tests replace it.
 	now func() time.Time
+	// unreachable holds the workers whose last subscribe attempt failed
+	// (in backoff until a stream opens again). Its own lock: the monitor
+	// reports states from its goroutines, some while g.mu is held.
+	reachMu     sync.Mutex
+	unreachable map[string]bool
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -203,23 +208,25 @@ func New(cfg Config) (*Gateway, error) {
 		return nil, fmt.Errorf("gateway: %w", err)
 	}
 	g := &Gateway{
-		cfg:      cfg,
-		log:      cfg.Logger,
-		picker:   p,
-		models:   map[string]*model{},
-		workerOf: map[string]string{},
-		inflight: map[string]int{},
-		routed:   map[string]int{},
-		pending:  map[uint64]tracked{},
-		engine:   map[string]map[int32]EngineLoad{},
-		lastRank: map[string]int32{},
-		now:      time.Now,
+		cfg:         cfg,
+		log:         cfg.Logger,
+		picker:      p,
+		models:      map[string]*model{},
+		workerOf:    map[string]string{},
+		inflight:    map[string]int{},
+		routed:      map[string]int{},
+		pending:     map[uint64]tracked{},
+		engine:      map[string]map[int32]EngineLoad{},
+		lastRank:    map[string]int32{},
+		now:         time.Now,
+		unreachable: map[string]bool{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
 	mopts.Logger = cfg.Logger.With("component", "monitor")
 	mopts.OnLoad = g.onEngineLoad
 	mopts.OnBlockSize = g.onBlockSize
+	mopts.OnState = g.onState
 	if g.mon, err = monitor.New(mopts); err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
 	}
@@ -358,7 +365,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	}
 	// m.list is replaced, never modified in place, so it may be read
 	// after the lock is released.
-	eligible := m.list
+	eligible := g.reachable(m.list)
 	var loads picker.Loads
 	var engine map[string]picker.EngineSignal
 	if !req.Track {
@@ -521,6 +528,42 @@ func (g *Gateway) Models() []string {
 		out = append(out, name)
 	}
 	sort.Strings(out)
+	return out
+}
+
+// onState tracks which workers are unreachable: a failed subscribe puts the
+// stream in backoff, and a worker whose relay cannot be reached is likely
+// down for inference too. Connecting leaves the mark as it is (a retry has
+// not succeeded yet); streaming clears it; a worker whose events are off
+// (disabled) may serve requests all the same, so it is not marked.
+func (g *Gateway) onState(worker string, st monitor.State) {
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	switch st {
+	case monitor.StateBackoff:
+		g.unreachable[worker] = true
+	case monitor.StateStreaming, monitor.StateDisabled, monitor.StateStopped:
+		delete(g.unreachable, worker)
+	}
+}
+
+// reachable filters out unreachable workers, unless that would leave none
+// (then routing by cache still beats refusing the request).
+func (g *Gateway) reachable(workers []string) []string {
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	if len(g.unreachable) == 0 {
+		return workers
+	}
+	out := make([]string, 0, len(workers))
+	for _, w := range workers {
+		if !g.unreachable[w] {
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return workers
+	}
 	return out
 }
 

@@ -297,3 +297,41 @@ func TestNewValidates(t *testing.T) {
 		t.Error("bad picker config accepted")
 	}
 }
+
+func TestNoRouteToAnUnreachableWorkerWhileAHealthyOneExists(t *testing.T) {
+	healthy := startEngine(t)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := lis.Addr().String()
+	_ = lis.Close() // nothing listens there: every subscribe fails
+	g := runGateway(t, Config{
+		Workers: []Worker{{ID: "up", Addr: healthy.addr}, {ID: "down", Addr: down}},
+		Monitor: monitor.Options{InitialBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
+	})
+	eventually(t, "the down worker to back off and the other to stream", func() bool {
+		states := map[string]monitor.State{}
+		for _, w := range g.Workers() {
+			states[w.ID] = w.State
+		}
+		return states["down"] == monitor.StateBackoff && states["up"] == monitor.StateStreaming
+	})
+	// The healthy worker is busy, so load alone would pick the other.
+	for i := 0; i < 20; i++ {
+		d, err := g.Route(RouteRequest{TokenIDs: tokens(i*100, 64), Loads: map[string]int{"up": 50, "down": 0}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker != "up" {
+			t.Fatalf("routed to %q, whose stream is in backoff, while %q streams", d.Worker, "up")
+		}
+	}
+	// With no reachable worker left, routing still answers.
+	if err := g.RemoveWorker("up"); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := g.Route(RouteRequest{TokenIDs: tokens(0, 64)}); err != nil || d.Worker != "down" {
+		t.Fatalf("only an unreachable worker left: %+v %v", d, err)
+	}
+}

@@ -96,13 +96,18 @@ func (w wireNormalizer) reset() { w.n.Reset() }
 // recordAdapter adapts relay/record.
 type recordAdapter struct{ *record.Record }
 
-func newRecordAdapter(reportModeFull bool) liveRecord {
+func newRecordAdapter(reportModeFull bool, maxEntries int) liveRecord {
 	rec := record.New()
 	if reportModeFull {
 		rec.DetectReannouncements()
 	}
+	if maxEntries > 0 {
+		rec.SetMaxEntries(uint64(maxEntries))
+	}
 	return recordAdapter{rec}
 }
+
+func (a recordAdapter) evictedFrom(rank int32) uint64 { return a.EvictedFrom(rank) }
 
 func (a recordAdapter) cut(ranks []int32) recordCut { return a.Cut(ranks) }
 

@@ -89,8 +89,10 @@ func BenchmarkSnapshotSubscribe(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				s.buildSnapshot() // what the first Next does
-				chunks = len(s.pending)
+				chunks = 0
+				for s.nextSnapshotChunk() != nil { // what Next does, chunk by chunk
+					chunks++
+				}
 				s.Close()
 			}
 			var lock, total dto.Metric

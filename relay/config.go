@@ -21,6 +21,11 @@ const (
 	DefaultHistoryBatches = 10_000
 	// DefaultHistoryBytes is 256 MiB.
 	DefaultHistoryBytes int64 = 256 << 20
+	// DefaultRecordMaxEntries caps each rank's live-block record: about
+	// 512 MiB at the ~255 bytes an entry costs, far above a GPU pool's
+	// blocks, so only offload tiers of millions of blocks or removals the
+	// relay never saw (a leak) reach it.
+	DefaultRecordMaxEntries = 2 << 20
 	// DefaultReplayTimeout bounds the wait for each replay reply.
 	DefaultReplayTimeout = 5 * time.Second
 	// DefaultPrimeRetry is how often the start replay is asked again until
@@ -36,6 +41,10 @@ const (
 	// DefaultSubscriberBuffer is how many live batches a subscriber may fall
 	// behind before it is refilled from the history.
 	DefaultSubscriberBuffer = 4096
+	// DefaultSubscriberBufferBytes bounds the encoded bytes a subscriber's
+	// live queue holds: the batches are shared with the history, but a
+	// queue keeps the ones the history dropped alive.
+	DefaultSubscriberBufferBytes = 64 << 20
 
 	// EnvHistoryBatches and EnvHistoryBytes override the history caps when
 	// the configuration leaves them zero (SMG's variables).
@@ -72,6 +81,11 @@ type Config struct {
 	// the environment (EnvHistoryBatches, EnvHistoryBytes) or the defaults.
 	HistoryBatches int
 	HistoryBytes   int64
+	// RecordMaxEntries caps each rank's live (tier, hash) entries in the
+	// record that snapshots are cut from; past it the oldest-stored go
+	// (record.SetMaxEntries) and the rank's snapshots say they are
+	// incomplete. Zero: DefaultRecordMaxEntries; negative: no cap.
+	RecordMaxEntries int
 	// ReplayTimeout bounds the wait for each replay reply (priming gets
 	// twice this overall). Zero: DefaultReplayTimeout.
 	ReplayTimeout time.Duration
@@ -98,7 +112,11 @@ type Config struct {
 	// gateway that counts physical copies per store (SMG's, kvrelay's): there
 	// every re-announcement is one more copy that no removal ever takes.
 	SuppressReannounced bool
-	Logger              *slog.Logger
+	// SubscriberBufferBytes bounds the encoded bytes of that queue; past
+	// either bound the subscriber is refilled from the history later.
+	// Zero: DefaultSubscriberBufferBytes.
+	SubscriberBufferBytes int
+	Logger                *slog.Logger
 	// Instance names this relay in its metrics (label "relay"), so several
 	// relays, even of one engine, can share a registry. Default: the
 	// engine's name.
@@ -213,6 +231,12 @@ func (c *Config) resolve() error {
 	}
 	if c.SubscriberBuffer == 0 {
 		c.SubscriberBuffer = DefaultSubscriberBuffer
+	}
+	if c.SubscriberBufferBytes <= 0 {
+		c.SubscriberBufferBytes = DefaultSubscriberBufferBytes
+	}
+	if c.RecordMaxEntries == 0 {
+		c.RecordMaxEntries = DefaultRecordMaxEntries
 	}
 	if c.KV.Enabled && c.KV.Endpoint == "" {
 		return errors.New("relay: events are enabled but the endpoint is empty")

@@ -28,6 +28,7 @@ type metrics struct {
 	unknownBefore           *prometheus.GaugeVec   // rank
 	unknownBeforeStart      *prometheus.CounterVec // rank
 	restarts                *prometheus.CounterVec // rank, reason
+	recordEvicted           *prometheus.CounterVec // rank
 
 	served        *prometheus.CounterVec // how: history, snapshot, live, out_of_range
 	subscribers   prometheus.Gauge
@@ -64,6 +65,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 			Help: "Publisher sequences before the relay's record that it never obtained, for the current incarnation.", ConstLabels: labels}, []string{"rank"}),
 		unknownBeforeStart: counter("kvrelay_unknown_before_total", "unknown_before summed over every incarnation.", "rank"),
 		restarts:           counter("kvrelay_publisher_restarts_total", "Publisher restarts detected, by reason.", "rank", "reason"),
+		recordEvicted:      counter("kvrelay_record_evicted_total", "Live-block record entries evicted (oldest-stored first) to keep a rank within --record-max-entries.", "rank"),
 
 		served: counter("kvrelay_subscriptions_total", "Subscriptions, by what they were served first (history, snapshot, live, out_of_range).", "served"),
 		subscribers: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_subscribers",
@@ -86,7 +88,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 	}
 	m.collectors = []prometheus.Collector{m.batches, m.events, m.blocks, m.drops, m.undecodable, m.duplicates, m.gaps,
 		m.replays, m.replayStale, m.recovered, m.primed, m.lost, m.reannounced, m.unknownBefore, m.unknownBeforeStart, m.restarts,
-		m.served, m.subscribers, m.lagged, m.refilled, m.ended, m.lag, m.snapshotLock, m.snapshotTotal}
+		m.recordEvicted, m.served, m.subscribers, m.lagged, m.refilled, m.ended, m.lag, m.snapshotLock, m.snapshotTotal}
 	if err := m.register(m.collectors...); err != nil {
 		return nil, err
 	}

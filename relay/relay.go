@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/record"
 )
 
 // Message is one publisher batch as a transport delivers it: the
@@ -72,11 +73,16 @@ type liveRecord interface {
 	cut(ranks []int32) recordCut
 	// blocks and entries per rank, and in total.
 	stats() (perRank map[int32]uint64, blocks, entries uint64)
+	// evictedFrom counts the rank's entries dropped at the cap since the
+	// rank last started empty.
+	evictedFrom(rank int32) uint64
 }
 
 // recordCut orders and encodes a captured record off the lock.
 type recordCut interface {
 	Chunks(cursors, unknownBefore map[int32]uint64, ts float64) []*kvpb.KvEventBatch
+	// Stream is Chunks one chunk at a time, each encoded when asked for.
+	Stream(cursors, unknownBefore map[int32]uint64, ts float64) *record.ChunkStream
 	Release()
 }
 
@@ -122,7 +128,11 @@ type rankState struct {
 	hasStart      bool
 	startedAt     uint64
 	unknownBefore uint64
-	restarts      uint64
+	// recordEvicted is the record's eviction count for the rank last seen.
+	recordEvicted    uint64
+	warnedEviction   bool
+	lastEvictionWarn time.Time
+	restarts         uint64
 	// liveFrom is the sequence of the first batch of this incarnation the
 	// rank's live socket delivered. Such a batch was published after this
 	// relay subscribed, so no relay that ran before this one can have sent
@@ -226,7 +236,7 @@ func New(cfg Config) (*Relay, error) {
 		ranks:   ranks,
 		hist:    newHistory(cfg.HistoryBatches, cfg.HistoryBytes),
 		subs:    map[*Subscription]struct{}{},
-		rec:     newRecordAdapter(cfg.ReportModeFull),
+		rec:     newRecordAdapter(cfg.ReportModeFull, cfg.RecordMaxEntries),
 	}
 	if err := m.registerState(r, labels); err != nil {
 		m.unregister()
@@ -542,6 +552,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	sum, n := r.rec.LiveDigest(rk.rank)
 	digest := liveDigest{sum: sum, blocks: n, set: true}
 	pos := r.hist.pushBatch(rk.rank, seq, enc, int64(len(enc)), digest)
+	r.noteEvictions(rk, seq)
 	rk.cursor, rk.hasCursor = seq, true
 	startFixed := false
 	if !rk.hasStart {
@@ -896,6 +907,29 @@ func (r *Relay) recoverZero(ctx context.Context, rk *rankState) {
 		}
 		// An answer cut short may have lost 0 itself: ask once more.
 	}
+}
+
+// noteEvictions marks the rank's snapshots incomplete once its record hit
+// the cap: entries stored before seq may be missing, as after a late join.
+// Called with r.mu held.
+func (r *Relay) noteEvictions(rk *rankState, seq uint64) {
+	n := r.rec.evictedFrom(rk.rank)
+	if n == rk.recordEvicted {
+		return
+	}
+	if n > rk.recordEvicted {
+		r.metrics.recordEvicted.WithLabelValues(rk.label).Add(float64(n - rk.recordEvicted))
+		if !rk.warnedEviction || time.Since(rk.lastEvictionWarn) > time.Minute {
+			r.log.Warn("live-block record at its cap: evicted the oldest-stored blocks; snapshots of this rank are marked incomplete",
+				"rank", rk.rank, "evicted_total", n, "cap_entries", r.cfg.RecordMaxEntries)
+			rk.warnedEviction, rk.lastEvictionWarn = true, time.Now()
+		}
+		if seq > rk.unknownBefore {
+			rk.unknownBefore = seq
+			r.metrics.unknownBefore.WithLabelValues(rk.label).Set(float64(seq))
+		}
+	}
+	rk.recordEvicted = n
 }
 
 func (r *Relay) setUnknownBefore(rk *rankState, unknown uint64) {

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/record"
 )
 
 // The errors Subscribe and Next end with. Each is wrapped in an error whose
@@ -52,8 +53,8 @@ func newError(kind error, format string, args ...any) error {
 // treat them as read-only (clone before changing one).
 type Subscription struct {
 	r       *Relay
-	pending []posBatch                      // snapshot chunks, then history: sent first
-	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks the first Next builds
+	snap    atomic.Pointer[pendingSnapshot] // a cut whose chunks are sent first, one at a time
+	pending []posBatch                      // history: sent after the snapshot
 	// digests: the subscriber asked for every relayed batch's live digest
 	// (SubscribeKvEventsRequest.live_digests).
 	digests bool
@@ -61,6 +62,7 @@ type Subscription struct {
 	mu      sync.Mutex
 	queue   []posBatch
 	qhead   int
+	qbytes  int // encoded bytes from qhead on
 	lagged  bool
 	err     error
 	closed  bool
@@ -149,43 +151,56 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 		r.triggerReprime()
 	}
 	if cut != nil {
-		// The chunks are ordered and encoded on the first Next, not here:
-		// the server sends the response headers once Subscribe returns, and
-		// a gateway gives the headers only a short deadline (SMG: 2 s),
-		// while ordering a million-block state takes a few hundred ms.
+		// The chunks are ordered on the first Next, not here: the server
+		// sends the response headers once Subscribe returns, and a gateway
+		// gives the headers only a short deadline (SMG: 2 s), while
+		// ordering a million-block state takes a few hundred ms. Each chunk
+		// is encoded only when the subscriber is ready for it, so one that
+		// never reads holds one chunk, not the whole snapshot (a
+		// million-block snapshot is hundreds of MB encoded).
 		r.metrics.snapshotLock.Observe(locked.Seconds())
 		s.snap.Store(&pendingSnapshot{cut: cut, cursors: cursors, unknown: unknown, begin: begin, locked: locked})
 	}
 	return s, nil
 }
 
-// pendingSnapshot is a cut taken under the admission lock whose chunks are
-// still to be built.
+// pendingSnapshot is a cut taken under the admission lock, and the stream
+// of its chunks once the first Next planned it.
 type pendingSnapshot struct {
 	cut     recordCut
 	cursors map[int32]uint64
 	unknown map[int32]uint64
 	begin   time.Time
 	locked  time.Duration
+	stream  *record.ChunkStream
 }
 
-// buildSnapshot turns the pending cut into the chunks sent first. Whoever
-// swaps the cut out (this, or Close) releases it, exactly once.
-func (s *Subscription) buildSnapshot() {
-	p := s.snap.Swap(nil)
+// nextSnapshotChunk is the next chunk of the pending snapshot, encoded now;
+// nil when there is none (left). Only Next calls it; whoever swaps the
+// snapshot out (this at its end, or Close) releases the cut, exactly once.
+func (s *Subscription) nextSnapshotChunk() *kvpb.KvEventBatch {
+	p := s.snap.Load()
 	if p == nil {
-		return
+		return nil
 	}
-	chunks := p.cut.Chunks(p.cursors, p.unknown, unixSeconds(time.Now()))
-	p.cut.Release()
-	out := make([]posBatch, 0, len(chunks)+len(s.pending))
-	for _, c := range chunks {
-		out = append(out, posBatch{batch: c})
+	if p.stream == nil {
+		p.stream = p.cut.Stream(p.cursors, p.unknown, unixSeconds(time.Now()))
+		if p.stream != nil {
+			s.r.log.Info("serving a snapshot", "chunks", p.stream.Count(), "ranks", len(p.cursors),
+				"lock", p.locked, "planned", time.Since(p.begin))
+		}
 	}
-	s.pending = append(out, s.pending...)
-	s.r.metrics.snapshotTotal.Observe(time.Since(p.begin).Seconds())
-	s.r.log.Info("serving a snapshot", "chunks", len(chunks), "ranks", len(p.cursors),
-		"lock", p.locked, "total", time.Since(p.begin))
+	var b *kvpb.KvEventBatch
+	if p.stream != nil {
+		b = p.stream.Next()
+	}
+	if (b == nil || p.stream.Left() == 0) && s.snap.CompareAndSwap(p, nil) {
+		// The last chunk is out (or Close released the cut under us, and
+		// Next then sees closed): let the record write in place again.
+		p.cut.Release()
+		s.r.metrics.snapshotTotal.Observe(time.Since(p.begin).Seconds())
+	}
+	return b
 }
 
 // cutLocked captures the record of ranks at their cursors. Called with r.mu
@@ -363,8 +378,9 @@ func (r *Relay) fanOut(pb posBatch) {
 	for s := range r.subs {
 		s.mu.Lock()
 		if s.err == nil && !s.closed && !s.lagged {
-			if len(s.queue)-s.qhead < r.cfg.SubscriberBuffer {
+			if len(s.queue)-s.qhead < r.cfg.SubscriberBuffer && s.qbytes+len(pb.enc) <= r.cfg.SubscriberBufferBytes {
 				s.queue = append(s.queue, pb)
+				s.qbytes += len(pb.enc)
 			} else {
 				s.lagged = true
 				r.metrics.lagged.Inc()
@@ -425,7 +441,9 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 		if closed {
 			return nil, nil, ErrClosed
 		}
-		s.buildSnapshot()
+		if b := s.nextSnapshotChunk(); b != nil {
+			return b, nil, nil
+		}
 		if len(s.pending) > 0 {
 			pb := s.pending[0]
 			s.pending[0] = posBatch{}
@@ -437,6 +455,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			pb := s.queue[s.qhead]
 			s.queue[s.qhead] = posBatch{}
 			s.qhead++
+			s.qbytes -= len(pb.enc)
 			switch {
 			case s.qhead == len(s.queue):
 				s.queue, s.qhead = s.queue[:0], 0
@@ -532,6 +551,10 @@ func (s *Subscription) refill() error {
 	s.mu.Lock()
 	s.queue = append(s.queue[:0], batches...)
 	s.qhead = 0
+	s.qbytes = 0
+	for _, pb := range batches {
+		s.qbytes += len(pb.enc)
+	}
 	if looked >= r.hist.tip() {
 		s.lagged = false
 	}
@@ -553,7 +576,7 @@ func (s *Subscription) Close() {
 	r.mu.Unlock()
 	s.mu.Lock()
 	s.closed = true
-	s.queue, s.qhead = nil, 0
+	s.queue, s.qhead, s.qbytes = nil, 0, 0
 	s.mu.Unlock()
 	if p := s.snap.Swap(nil); p != nil {
 		p.cut.Release()

@@ -12,6 +12,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"reflect"
+	"sort"
 	"strings"
 	"time"
 
@@ -109,6 +111,11 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	overloadUsage := fs.Float64("overload-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while the hottest engine's KV token usage is above this (1.0: off)")
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
+	maxRecv := fs.Int("max-recv-msg-bytes", monitor.DefaultMaxRecvMsgBytes, "largest gRPC message accepted from a worker; at least the relay's --max-send-msg-bytes")
+	var lim httpLimits
+	fs.IntVar(&lim.MaxTokens, "max-request-tokens", defaultHTTPLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
+	fs.IntVar(&lim.MaxInFlight, "max-inflight-requests", defaultHTTPLimits.MaxInFlight, "/v1/route and /v1/load requests handled at once; more get 503 with Retry-After")
+	fs.DurationVar(&lim.ReadTimeout, "http-read-timeout", defaultHTTPLimits.ReadTimeout, "time to read a whole request, body included")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var workerTLS tlsconfig.Client
@@ -150,6 +157,14 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--balance-token-usage-threshold must be in (0, 1], got %v", *balanceUsage)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
+	case *maxRecv < 4<<20:
+		return fail("--max-recv-msg-bytes must be at least 4194304 (gRPC's default), got %d", *maxRecv)
+	case lim.MaxTokens < 1 || lim.MaxTokens > maxRequestTokensCap:
+		return fail("--max-request-tokens must be 1..%d, got %d", maxRequestTokensCap, lim.MaxTokens)
+	case lim.MaxInFlight < 1:
+		return fail("--max-inflight-requests must be at least 1, got %d", lim.MaxInFlight)
+	case lim.ReadTimeout <= 0:
+		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
 	}
 	log, err := newLogger(stderr, *logLevel, *logFormat)
 	if err != nil {
@@ -178,11 +193,15 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	if err := checkWebConfig(*webConfig); err != nil {
 		return fail("%v", err)
 	}
+	named, err := nameWorkers(workers)
+	if err != nil {
+		return fail("--worker: %v", err)
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	g, err := gateway.New(gateway.Config{
-		Workers: workers,
-		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff},
+		Workers: named,
+		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv},
 		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax},
 		Picker: picker.Config{
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
@@ -205,7 +224,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	hupCtx, hupCancel := context.WithCancel(ctx)
 	hupDone := reloadOnHangup(hupCtx, log, reloaders)
 	defer func() { hupCancel(); <-hupDone }()
-	if err := serveGateway(ctx, log, g, reg, ln, *webConfig); err != nil {
+	if err := serveGateway(ctx, log, g, reg, ln, *webConfig, lim); err != nil {
 		log.Error("gateway failed", "err", err)
 		return 1
 	}
@@ -214,16 +233,20 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 
 // serveGateway runs g and its HTTP API on ln until ctx ends, then shuts the
 // HTTP server down gracefully and waits for the subscriptions to stop.
-func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string) error {
+func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string, lim httpLimits) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	runDone := make(chan error, 1)
 	go func() { runDone <- g.Run(runCtx) }()
 
 	srv := &http.Server{
-		Handler:           newGatewayHandler(g, reg, log),
+		Handler:           newGatewayHandlerWith(g, reg, log, lim),
 		ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		// A body trickled in byte by byte holds its request (and its share
+		// of the in-flight cap) no longer than this.
+		ReadTimeout: lim.ReadTimeout,
+		IdleTimeout: 2 * time.Minute,
+		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	serveDone := make(chan error, 1)
 	go func() { serveDone <- serveHTTP(srv, ln, webConfig, log) }()
@@ -253,9 +276,57 @@ func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg
 	return nil
 }
 
-// maxRouteBody bounds a /v1/route body: a million-token prompt as JSON is
-// under 8 MiB.
-const maxRouteBody = 32 << 20
+// httpLimits bound what HTTP clients can make the gateway hold.
+type httpLimits struct {
+	// MaxTokens bounds the token ids of one request, and through them the
+	// body: each id takes at most 11 bytes of JSON ("4294967295,").
+	MaxTokens int
+	// MaxInFlight bounds the POST requests handled at once, so bodies and
+	// decoded token arrays take at most MaxInFlight × the body bound.
+	MaxInFlight int
+	// ReadTimeout bounds reading a whole request.
+	ReadTimeout time.Duration
+}
+
+// defaultHTTPLimits: a million-token prompt (the longest contexts served
+// today) is routable; 64 bodies of that size are under 1 GiB, and routing
+// takes microseconds, so 64 at once is far above what two cores get through
+// anyway.
+var defaultHTTPLimits = httpLimits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second}
+
+// maxRequestTokensCap keeps the body bound within an int on any platform.
+const maxRequestTokensCap = 1 << 26
+
+// bodyLimit is the largest body accepted: the token array at its bound plus
+// room for the other fields (a loads map naming many workers).
+func (l httpLimits) bodyLimit() int64 { return int64(l.MaxTokens)*11 + 256<<10 }
+
+// nameWorkers gives each worker its name. A worker is grpc://HOST:PORT; when
+// several --worker entries share an address (one relay listener serving
+// several engines' services, as the README's shared-listener setup does),
+// each is named grpc://HOST:PORT/SERVICE so routing answers tell them apart.
+// The same address and service twice is an error.
+func nameWorkers(in []gateway.Worker) ([]gateway.Worker, error) {
+	perAddr := map[string]int{}
+	seen := map[string]bool{}
+	for _, w := range in {
+		key := w.Addr + "|" + string(w.Service)
+		if seen[key] {
+			return nil, fmt.Errorf("grpc://%s with service %s is given twice", w.Addr, w.Service)
+		}
+		seen[key] = true
+		perAddr[w.Addr]++
+	}
+	out := make([]gateway.Worker, len(in))
+	for i, w := range in {
+		if perAddr[w.Addr] > 1 {
+			scheme, _, _ := strings.Cut(w.ID, "://") // grpc or grpcs, as given
+			w.ID = scheme + "://" + w.Addr + "/" + string(w.Service)
+		}
+		out[i] = w
+	}
+	return out, nil
+}
 
 // routeRequest is the /v1/route body. Pointers tell a missing field from a
 // zero one.
@@ -291,15 +362,38 @@ type loadRequest struct {
 }
 
 func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger) http.Handler {
+	return newGatewayHandlerWith(g, reg, log, defaultHTTPLimits)
+}
+
+func newGatewayHandlerWith(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, lim httpLimits) http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/route", func(w http.ResponseWriter, r *http.Request) {
+	inflight := make(chan struct{}, lim.MaxInFlight)
+	// bounded admits a POST only while fewer than MaxInFlight are handled;
+	// a refused client is told when to come back.
+	bounded := func(h http.HandlerFunc) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case inflight <- struct{}{}:
+				defer func() { <-inflight }()
+				h(w, r)
+			default:
+				w.Header().Set("Retry-After", "1")
+				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("the gateway is handling %d requests already (--max-inflight-requests); retry shortly", lim.MaxInFlight))
+			}
+		}
+	}
+	mux.HandleFunc("POST /v1/route", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req routeRequest
-		if err := decodeBody(w, r, &req); err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
+		if code, err := decodeBody(w, r, &req, lim); err != nil {
+			writeError(w, code, err.Error())
 			return
 		}
 		if req.TokenIDs == nil {
 			writeError(w, http.StatusBadRequest, `"token_ids" is required (an array of token ids)`)
+			return
+		}
+		if n := len(*req.TokenIDs); n > lim.MaxTokens {
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf(`"token_ids" holds %d tokens; this gateway takes at most %d (--max-request-tokens)`, n, lim.MaxTokens))
 			return
 		}
 		loads, err := checkLoads(req.Loads)
@@ -330,11 +424,11 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 			Worker: d.Worker, Model: d.Model, Reason: string(d.Reason), MatchedBlocks: d.MatchedBlocks,
 			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks, RequestID: d.RequestID,
 		})
-	})
-	mux.HandleFunc("POST /v1/done", func(w http.ResponseWriter, r *http.Request) {
+	}))
+	mux.HandleFunc("POST /v1/done", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req doneRequest
-		if err := decodeBody(w, r, &req); err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
+		if code, err := decodeBody(w, r, &req, lim); err != nil {
+			writeError(w, code, err.Error())
 			return
 		}
 		if req.RequestID == nil {
@@ -346,11 +440,11 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"completed": true})
-	})
-	mux.HandleFunc("POST /v1/load", func(w http.ResponseWriter, r *http.Request) {
+	}))
+	mux.HandleFunc("POST /v1/load", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req loadRequest
-		if err := decodeBody(w, r, &req); err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
+		if code, err := decodeBody(w, r, &req, lim); err != nil {
+			writeError(w, code, err.Error())
 			return
 		}
 		if len(req.Loads) == 0 {
@@ -367,6 +461,30 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]int{"accepted": len(loads)})
+	}))
+	// Liveness: the process serves HTTP.
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	})
+	// Readiness: every model that has workers has one whose stream is
+	// open, so its routing rests on a live index.
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		streaming := map[string]bool{}
+		for _, ws := range g.Workers() {
+			streaming[ws.Model] = streaming[ws.Model] || ws.State == monitor.StateStreaming
+		}
+		waiting := []string{}
+		for m, ok := range streaming {
+			if !ok {
+				waiting = append(waiting, m)
+			}
+		}
+		sort.Strings(waiting)
+		if len(waiting) > 0 {
+			writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "models_without_a_stream": waiting})
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 	})
 	mux.HandleFunc("GET /v1/workers", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{"workers": g.Workers()})
@@ -390,19 +508,62 @@ func checkLoads(in map[string]*int) (map[string]int, error) {
 	return out, nil
 }
 
-// decodeBody reads one JSON object from a bounded body.
-func decodeBody(w http.ResponseWriter, r *http.Request, v any) error {
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxRouteBody))
+// decodeBody reads one JSON object from a bounded body; on failure, the
+// status to answer and a message in the API's terms (no Go type names).
+func decodeBody(w http.ResponseWriter, r *http.Request, v any, lim httpLimits) (int, error) {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, lim.bodyLimit()))
 	if err := dec.Decode(v); err != nil {
-		if errors.Is(err, io.EOF) {
-			return errors.New("empty body: want a JSON object")
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return http.StatusRequestEntityTooLarge, fmt.Errorf("body over %d bytes; this gateway takes at most %d tokens per request (--max-request-tokens)", tooBig.Limit, lim.MaxTokens)
 		}
-		return fmt.Errorf("bad JSON body: %w", err)
+		if errors.Is(err, io.EOF) {
+			return http.StatusBadRequest, errors.New("empty body: want a JSON object")
+		}
+		return http.StatusBadRequest, fmt.Errorf("bad JSON body: %s", describeJSONError(err))
 	}
 	if dec.More() {
-		return errors.New("bad JSON body: trailing data after the object")
+		return http.StatusBadRequest, errors.New("bad JSON body: trailing data after the object")
 	}
-	return nil
+	return 0, nil
+}
+
+// describeJSONError says what is wrong with a body in JSON terms:
+// encoding/json's own messages name Go types and struct fields.
+func describeJSONError(err error) string {
+	var syntax *json.SyntaxError
+	var typ *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &syntax):
+		return fmt.Sprintf("%s (at byte %d)", strings.TrimPrefix(syntax.Error(), "json: "), syntax.Offset)
+	case errors.As(err, &typ):
+		if typ.Field == "" {
+			return fmt.Sprintf("want a JSON object, got %s", typ.Value)
+		}
+		return fmt.Sprintf("%q: want %s, got %s", typ.Field, jsonKind(typ.Type), typ.Value)
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return "the body ends in the middle of a value"
+	}
+	return "not a valid JSON object"
+}
+
+// jsonKind names what a field of type t takes, in JSON words.
+func jsonKind(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.Uint32:
+		return "an integer 0..4294967295"
+	case reflect.Int, reflect.Int64, reflect.Int32:
+		return "an integer"
+	case reflect.String:
+		return "a string"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Map, reflect.Struct:
+		return "an object"
+	case reflect.Pointer:
+		return jsonKind(t.Elem())
+	}
+	return "another type"
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {

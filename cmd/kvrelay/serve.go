@@ -151,6 +151,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	upstreamDropAuth := fs.Bool("upstream-drop-authorization", false, "do not pass callers' authorization metadata to --upstream")
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --metrics-listen")
 	allowUnknownKeys := fs.Bool("allow-unknown-config-keys", false, "accept --kv-events-config keys this engine does not read (a config shared with other engines); default: refuse them")
+	limits := addServerLimitFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return flagExitCode(err)
 	}
@@ -258,7 +259,11 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	for i := range relays {
 		relays[i].limits = lim
 	}
-	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays); err != nil {
+	if err := limits.validate(); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays, *limits); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
@@ -454,7 +459,7 @@ func logEndpoints(log *slog.Logger, rc resolvedRelay) {
 
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
-func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay) error {
+func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay, limits serverLimitFlags) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	tlsMetrics, err := tlsconfig.NewMetrics(reg)
@@ -493,9 +498,11 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 			ReplayMaxTime:       rc.limits.replayMaxTime,
 			ReportModeFull:      rc.ReportModeFull,
 			SuppressReannounced: rc.SuppressReannounced,
-			Logger:              log,     // the relay adds its "relay" key itself
-			Instance:            rc.Name, // the relay label on its metrics
-			Registerer:          reg,
+			// Negative: no cap, which relay.Config spells the same way.
+			RecordMaxEntries: limits.RecordMaxEntries,
+			Logger:           log,     // the relay adds its "relay" key itself
+			Instance:         rc.Name, // the relay label on its metrics
+			Registerer:       reg,
 		})
 		if err != nil {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)
@@ -564,6 +571,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 		srv, err := server.New(server.Options{
 			Services: services, Upstreams: upstreams, Logger: log, Registerer: srvReg,
 			Proxy: security.proxy, ServerOptions: security.serverOptions, Reflection: security.reflection,
+			Limits: limits.Limits,
 		})
 		if err != nil {
 			closeAll()

@@ -107,6 +107,11 @@ const (
 	DefaultSubscribeDeadline = 2 * time.Second
 	DefaultInitialBackoff    = 100 * time.Millisecond
 	DefaultMaxBackoff        = 5 * time.Second
+	// DefaultMaxRecvMsgBytes is what a relay may send by default (kvrelay
+	// serve --max-send-msg-bytes). gRPC's own 4 MiB default is below one
+	// real batch of 131,072 blocks (6.5 MB), which a relay never splits:
+	// such a batch would fail the stream again at every resubscribe.
+	DefaultMaxRecvMsgBytes = 1 << 30
 )
 
 // DefaultKeepalive pings an open stream every 30 s and gives the answer 10 s.
@@ -126,6 +131,9 @@ type Options struct {
 	MaxBackoff        time.Duration
 	// Keepalive overrides DefaultKeepalive when Time is non-zero.
 	Keepalive keepalive.ClientParameters
+	// MaxRecvMsgBytes is the largest message accepted from a worker
+	// (default DefaultMaxRecvMsgBytes). Only what arrives is allocated.
+	MaxRecvMsgBytes int
 	// DialOptions are added to the monitor's own (insecure transport,
 	// keepalive, connect backoff).
 	DialOptions []grpc.DialOption
@@ -136,6 +144,9 @@ type Options struct {
 	// OnLoad, if set, receives every load record a worker pushes on its
 	// stream (rank is the batch's dp_rank, 0 when absent).
 	OnLoad func(worker string, rank int32, load *kvpb.EngineLoad)
+	// OnState, if set, is called after every change of a worker's state
+	// (not under the monitor's locks).
+	OnState func(worker string, state State)
 	// OnBlockSize, if set, is called when a worker's stream reveals the
 	// model's block size: the largest block_size of its stored blocks, so
 	// called again only when a larger one appears (a partial-page store,
@@ -173,6 +184,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Keepalive.Time == 0 {
 		o.Keepalive = DefaultKeepalive
+	}
+	if o.MaxRecvMsgBytes <= 0 {
+		o.MaxRecvMsgBytes = DefaultMaxRecvMsgBytes
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

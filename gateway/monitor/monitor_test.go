@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -666,4 +667,63 @@ func TestRepeatedResyncsBackOff(t *testing.T) {
 	if got := r.counter(t, "resyncs", "data_loss"); got != 4 {
 		t.Errorf("data_loss resyncs = %v", got)
 	}
+}
+
+func TestABatchOver4MiBIsApplied(t *testing.T) {
+	// 131,072 blocks of 16 tokens: about 6.5 MB, one real engine batch that
+	// a relay never splits. gRPC's default receive limit (4 MiB) failed
+	// the stream at every resubscribe.
+	tests := []struct {
+		name   string
+		blocks int
+	}{
+		{"131,072 blocks", 131072},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			hashes := make([]int64, tt.blocks)
+			for i := range hashes {
+				hashes[i] = int64(i + 1)
+			}
+			b := batch(-1, 10, stored(16, hashes...))
+			if size := proto.Size(b); size <= 4<<20 {
+				t.Fatalf("the batch is %d bytes, not over 4 MiB", size)
+			}
+			// Decoding 6.5 MB under -race on a loaded machine takes a while.
+			r := newRig(t, func(o *Options) { o.SubscribeDeadline = 6 * waitFor })
+			r.srv.next(t).answer(t).send(t, b)
+			// Encoding, sending and decoding 6.5 MB under -race, with other
+			// packages' tests on the same two cores, can outlast waitFor.
+			select {
+			case got := <-r.sink.ch:
+				if got != "apply r0 s10" {
+					t.Fatalf("sink got %q, want the batch applied", got)
+				}
+			case <-time.After(6 * waitFor):
+				t.Fatalf("the batch was not applied; failures: %v", r.failureCounts())
+			}
+			if f := r.failureCounts(); len(f) != 0 {
+				t.Fatalf("subscription failures %v", f)
+			}
+		})
+	}
+}
+
+// failureCounts lists the rig worker's subscription failures by reason.
+func (r *rig) failureCounts() map[string]float64 {
+	out := map[string]float64{}
+	mfs, _ := r.reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "kvrelay_gateway_subscription_failures_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "reason" && m.GetCounter().GetValue() > 0 {
+					out[l.GetValue()] = m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return out
 }

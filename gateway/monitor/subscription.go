@@ -129,6 +129,9 @@ func (s *subscription) setState(st State, err error) {
 		v = 1
 	}
 	s.m.metrics.streaming.WithLabelValues(s.w.ID).Set(v)
+	if s.m.opts.OnState != nil {
+		s.m.opts.OnState(s.w.ID, st)
+	}
 }
 
 // outcome is how one subscription attempt ended, and so what comes next.
@@ -157,6 +160,7 @@ func (s *subscription) run(ctx context.Context) {
 	dial := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithKeepaliveParams(opts.Keepalive),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(opts.MaxRecvMsgBytes)),
 		// grpc's own reconnect backoff (1 s doubling to 120 s by default)
 		// would keep a restarted worker unreachable long after it is back;
 		// bound it like the subscription loop's.

@@ -105,79 +105,185 @@ func (c *Cut) Ranks() []int32 {
 	return ranks
 }
 
+// MaxChunkBytes bounds the encoded size of a snapshot chunk: under gRPC's default 4 MiB receive
+// limit (tonic's too), with room for framing, so that any gateway can take every chunk.
+const MaxChunkBytes = 4<<20 - 64<<10
+
 // Chunks orders and encodes the Cut as snapshot batches, ranks in ascending order. Exactly one
 // chunk (the first) starts with AllBlocksCleared, since the gateway clears the whole worker on
 // chunk index 0; index and count span all ranks. A rank's chunks carry its dp_rank (none for
 // NoRank) and consecutive sequences ending at cursors[rank] (0 when absent); its chunk size
-// doubles from ChunkBlocks until the chunks fit in cursor+1 sequences. A rank without live blocks
-// gets no chunk: the gateway then holds no cursor for it and applies its next batch as the first.
-// An empty Cut yields one chunk holding only the clear, attributed to the first rank passed to Cut,
-// else to the lowest rank in cursors, else to no rank at sequence 0.
+// doubles from ChunkBlocks until the chunks fit in cursor+1 sequences, but never past what keeps
+// a chunk under MaxChunkBytes: where that leaves more chunks than sequences, the first ones are
+// stamped 0 (a gateway sets its cursor from every chunk's stamp; only one that ignores the
+// snapshot marker would drop those as stale). A rank without live blocks gets no chunk: the
+// gateway then holds no cursor for it and applies its next batch as the first. An empty Cut
+// yields one chunk holding only the clear, attributed to the first rank passed to Cut, else to
+// the lowest rank in cursors, else to no rank at sequence 0.
 func (c *Cut) Chunks(cursors map[int32]uint64, unknownBefore map[int32]uint64, timestamp float64) []*kvpb.KvEventBatch {
+	st := c.Stream(cursors, unknownBefore, timestamp)
+	if st == nil {
+		return nil
+	}
+	out := make([]*kvpb.KvEventBatch, 0, st.Count())
+	for b := st.Next(); b != nil; b = st.Next() {
+		out = append(out, b)
+	}
+	return out
+}
+
+// ChunkStream hands out a Cut's snapshot chunks (as Chunks describes them) one at a time, each
+// encoded only when asked for, so a subscriber that reads slowly holds one chunk, not the whole
+// snapshot. It reads the Cut: Release the Cut only after the last Next.
+type ChunkStream struct {
+	c              *Cut
+	plans          []chunkPlan
+	cursors        map[int32]uint64
+	unknownBefore  map[int32]uint64
+	timestamp      float64
+	total, emitted uint64
+	// Where the next chunk starts: the plan, its chunk, the position in the plan's order, the
+	// copy of that slot and the units done.
+	plan           int
+	chunk          uint64
+	pos            int
+	slotCopy, done uint64
+}
+
+type chunkPlan struct {
+	cr     *cutRank
+	order  []uint32
+	size   uint64 // units per chunk
+	chunks uint64
+}
+
+// Stream plans the Cut's chunks (ordering every rank) and returns a stream of them; nil after
+// Release.
+func (c *Cut) Stream(cursors map[int32]uint64, unknownBefore map[int32]uint64, timestamp float64) *ChunkStream {
 	if c.released.Load() {
 		return nil
 	}
-	type plan struct {
-		cr     *cutRank
-		order  []uint32
-		size   uint64 // units per chunk
-		chunks uint64
-	}
-	plans := make([]plan, 0, len(c.ranks))
-	var total uint64
+	st := &ChunkStream{c: c, cursors: cursors, unknownBefore: unknownBefore, timestamp: timestamp}
+	st.plans = make([]chunkPlan, 0, len(c.ranks))
 	for i := range c.ranks {
 		cr := &c.ranks[i]
-		p := plan{cr: cr, order: c.orderRank(cr), size: ChunkBlocks}
+		p := chunkPlan{cr: cr, order: c.orderRank(cr), size: ChunkBlocks}
+		limit := uint64(max(1, MaxChunkBytes/c.maxUnitBytes(cr, p.order)))
 		cursor := cursors[cr.rank]
 		p.chunks = ceilDiv(cr.blocks, p.size)
-		for cursor != math.MaxUint64 && p.chunks > cursor+1 && p.size < cr.blocks {
+		for cursor != math.MaxUint64 && p.chunks > cursor+1 && p.size < cr.blocks && p.size*2 <= limit {
 			p.size *= 2
 			p.chunks = ceilDiv(cr.blocks, p.size)
 		}
-		total += p.chunks
-		plans = append(plans, p)
+		if p.size > limit {
+			p.size = limit
+			p.chunks = ceilDiv(cr.blocks, p.size)
+		}
+		st.total += p.chunks
+		st.plans = append(st.plans, p)
 	}
-	if total == 0 {
-		return []*kvpb.KvEventBatch{c.emptyChunk(cursors, unknownBefore, timestamp)}
+	return st
+}
+
+// Count is the number of chunks the stream hands out.
+func (st *ChunkStream) Count() uint64 { return max(st.total, 1) }
+
+// Left is the number of chunks Next has yet to hand out.
+func (st *ChunkStream) Left() uint64 { return st.Count() - st.emitted }
+
+// Next encodes the next chunk; nil once all were handed out, or once the Cut was released.
+func (st *ChunkStream) Next() *kvpb.KvEventBatch {
+	c := st.c
+	if c.released.Load() {
+		return nil
 	}
-	out := make([]*kvpb.KvEventBatch, 0, total)
-	for _, p := range plans {
-		cursor := cursors[p.cr.rank]
-		w := chunkWriter{cut: c, cr: p.cr}
-		var slotCopy, done uint64
-		pos := 0
-		for i := uint64(0); i < p.chunks; i++ {
-			w.reset(min(p.size, p.cr.blocks-done))
-			if len(out) == 0 {
-				w.events = append(w.events, clearEvent())
-			}
-			for n := uint64(0); n < p.size && pos < len(p.order); n++ {
-				slot := p.order[pos]
-				w.add(slot, slotCopy)
-				done++
-				slotCopy++
-				if slotCopy == uint64(p.cr.entry(slot).copies) {
-					pos++
-					slotCopy = 0
-				}
-			}
-			w.close()
-			b := &kvpb.KvEventBatch{
-				SequenceNumber: cursor - (p.chunks - 1) + i,
-				Timestamp:      timestamp,
-				Events:         w.events,
-				Snapshot: &kvpb.KvSnapshotChunk{
-					Index: uint32(len(out)), Count: uint32(total),
-					Blocks: c.blocks, UnknownBefore: unknownBefore[p.cr.rank],
-				},
-			}
-			if p.cr.rank != NoRank {
-				b.DpRank = proto.Int32(p.cr.rank)
-			}
-			out = append(out, b)
+	if st.total == 0 {
+		if st.emitted > 0 {
+			return nil
+		}
+		st.emitted++
+		return c.emptyChunk(st.cursors, st.unknownBefore, st.timestamp)
+	}
+	for st.plan < len(st.plans) && st.chunk == st.plans[st.plan].chunks {
+		st.plan++
+		st.chunk, st.pos, st.slotCopy, st.done = 0, 0, 0, 0
+	}
+	if st.plan == len(st.plans) {
+		return nil
+	}
+	p := &st.plans[st.plan]
+	cursor := st.cursors[p.cr.rank]
+	w := chunkWriter{cut: c, cr: p.cr}
+	w.reset(min(p.size, p.cr.blocks-st.done))
+	if st.emitted == 0 {
+		w.events = append(w.events, clearEvent())
+	}
+	for n := uint64(0); n < p.size && st.pos < len(p.order); n++ {
+		slot := p.order[st.pos]
+		w.add(slot, st.slotCopy)
+		st.done++
+		st.slotCopy++
+		if st.slotCopy == uint64(p.cr.entry(slot).copies) {
+			st.pos++
+			st.slotCopy = 0
 		}
 	}
-	return out
+	w.close()
+	// Chunk i of n ends at the cursor: cursor-(n-1-i), saturating at 0.
+	seq := uint64(0)
+	if back := p.chunks - 1 - st.chunk; back <= cursor {
+		seq = cursor - back
+	}
+	b := &kvpb.KvEventBatch{
+		SequenceNumber: seq,
+		Timestamp:      st.timestamp,
+		Events:         w.events,
+		Snapshot: &kvpb.KvSnapshotChunk{
+			Index: uint32(st.emitted), Count: uint32(st.total),
+			Blocks: c.blocks, UnknownBefore: st.unknownBefore[p.cr.rank],
+		},
+	}
+	if p.cr.rank != NoRank {
+		b.DpRank = proto.Int32(p.cr.rank)
+	}
+	st.chunk++
+	st.emitted++
+	if st.chunk == p.chunks {
+		p.order = nil // done with this rank's order
+	}
+	return b
+}
+
+// maxUnitBytes bounds the encoding of any one unit of the rank, as if it were an event of its own
+// (a unit that chains onto the previous one costs less): the event and store framing with the
+// tail's fields, the parent hash, and the block with its tokens, optionals and extra keys.
+func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
+	tailBytes := map[uint32]int{}
+	extraBytes := map[uint32]int{}
+	largest := 1
+	for _, slot := range order {
+		e := cr.entry(slot)
+		tb, ok := tailBytes[e.tail]
+		if !ok {
+			tb = proto.Size(c.tails[e.tail].storedEvent())
+			tailBytes[e.tail] = tb
+		}
+		var xb int
+		if e.extra != 0 {
+			if xb, ok = extraBytes[e.extra]; !ok {
+				for _, k := range c.extras[e.extra-1] {
+					xb += proto.Size(k) + 6
+				}
+				extraBytes[e.extra] = xb
+			}
+		}
+		// 6 per length-delimited header, 11 per varint field with its tag, 5 per token.
+		n := 3*6 + tb + 11 + // event, stored, block list framing; the parent hash
+			6 + 11 + 6 + 11 + 6 + // block framing; hash, block size, lora id, cache level
+			6 + 5*int(e.tokLen) + xb
+		largest = max(largest, n)
+	}
+	return largest
 }
 
 func ceilDiv(a, b uint64) uint64 { return (a + b - 1) / b }

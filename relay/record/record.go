@@ -41,6 +41,8 @@ type Stats struct {
 	RemovedUnknown uint64 // removals of a hash the record does not hold
 	Capped         uint64 // stores that found the entry already at CopiesCap
 	Cleared        uint64 // AllBlocksCleared events applied
+	// Evicted counts entries dropped to keep a rank within MaxEntries.
+	Evicted uint64
 	// DuplicateStores are stored events whose every block the record
 	// already held: a second physical copy, or a batch delivered twice.
 	DuplicateStores uint64
@@ -59,7 +61,7 @@ type RankStats struct {
 
 type counters struct {
 	stored, removed, removedUnknown, capped, cleared uint64
-	duplicateStores                                  uint64
+	duplicateStores, evicted                         uint64
 	reannounced, reannouncedBlocks                   uint64
 }
 
@@ -73,7 +75,27 @@ type Record struct {
 	liveCuts atomic.Int64
 	// reportModeFull turns on IsReannouncement's rule (DetectReannouncements).
 	reportModeFull bool
+	// maxEntries caps each rank's entries (0: no cap); see SetMaxEntries.
+	maxEntries uint64
 	counters
+}
+
+// SetMaxEntries caps the live (tier, hash) entries of each rank at n (0: no cap).
+//
+// Policy: when a store takes a rank past n, its oldest-stored entries are evicted until it holds
+// nine tenths of n, in one pass (so the cost is amortized over a tenth of the cap). Oldest first
+// because an engine evicts its least recently used blocks, so the oldest stores are the likeliest
+// to be gone already, and because blocks whose removal the relay never saw (a leak) then age out
+// instead of crowding out every new store for ever. The snapshot no longer knows every live block
+// of the rank: the caller should mark it incomplete (EvictedFrom tells it when).
+func (r *Record) SetMaxEntries(n uint64) { r.maxEntries = n }
+
+// EvictedFrom counts the entries of rank evicted at the cap since the rank last started empty.
+func (r *Record) EvictedFrom(rank int32) uint64 {
+	if rs := r.ranks[rank]; rs != nil {
+		return rs.evicted
+	}
+	return 0
 }
 
 // New returns an empty record.
@@ -188,7 +210,7 @@ func (r *Record) Reset() {
 func (r *Record) Stats() Stats {
 	s := Stats{
 		Stored: r.stored, Removed: r.removed, RemovedUnknown: r.removedUnknown,
-		Capped: r.capped, Cleared: r.cleared, DuplicateStores: r.duplicateStores,
+		Capped: r.capped, Cleared: r.cleared, DuplicateStores: r.duplicateStores, Evicted: r.evicted,
 		Reannounced: r.reannounced, ReannouncedBlocks: r.reannouncedBlocks,
 	}
 	for rank, rs := range r.ranks {
@@ -304,8 +326,44 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 				r.tails.ref(id)
 			}
 			r.insert(rs, blk, tier, id, parent, hasParent)
+			if r.maxEntries > 0 && rs.entries > r.maxEntries {
+				r.evictOldest(rs, r.maxEntries-r.maxEntries/10)
+			}
 		}
 		parent, hasParent = h, true
+	}
+}
+
+// evictOldest drops the rank's oldest-stored entries, every copy, until it holds keep entries.
+func (r *Record) evictOldest(rs *rankState, keep uint64) {
+	if rs.entries <= keep {
+		return
+	}
+	orders := make([]uint32, 0, rs.entries)
+	for slot := uint32(0); slot < rs.used; slot++ {
+		if e := rs.entry(slot); e.flags&flagLive != 0 {
+			orders = append(orders, e.order)
+		}
+	}
+	slices.Sort(orders)
+	threshold := orders[rs.entries-keep] // entries stored before it go
+	for slot := uint32(0); slot < rs.used; slot++ {
+		if e := rs.entry(slot); e.flags&flagLive == 0 || e.order >= threshold {
+			continue
+		}
+		e := r.writable(rs, slot)
+		rs.blocks -= uint64(e.copies)
+		for range e.copies {
+			rs.count(e.hash, e.tier, -1) // the digest describes what the record holds
+		}
+		rs.index.remove(rs, e.hash, e.tier)
+		r.release(e)
+		rs.tiers[e.tier]--
+		e.flags, e.copies = 0, 0
+		rs.free = append(rs.free, slot)
+		rs.entries--
+		rs.evicted++
+		r.evicted++
 	}
 }
 

@@ -3,6 +3,7 @@ package record
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -456,5 +457,110 @@ func TestDuplicateStoresCountStoresWhoseEveryBlockWasHeld(t *testing.T) {
 	r.Apply(batchOf(1, storedEv([]int64{1})))    // another rank holds nothing yet
 	if got := r.Stats().DuplicateStores; got != 1 {
 		t.Fatalf("DuplicateStores = %d, want 1", got)
+	}
+}
+
+func TestSnapshotChunksStayUnderFourMiBWhateverTheCursor(t *testing.T) {
+	// A rank holding many blocks at a small cursor: the chunk size used to
+	// double until the chunks fit in cursor+1 sequences, so cursor 0 made
+	// one chunk of every block (tens of MB), over the 4 MiB a gRPC client
+	// accepts by default.
+	tests := []struct {
+		name   string
+		blocks int
+		cursor uint64
+	}{
+		{"cursor 0", 300_000, 0},
+		{"cursor 3", 300_000, 3},
+		{"cursor past the chunk count", 300_000, 1_000},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, want := New(), model{}
+			const perBatch = 4096
+			for from := 1; from <= tt.blocks; from += perBatch {
+				b := batchOf(0, storedEv(chain(int64(from), min(perBatch, tt.blocks-from+1))))
+				r.Apply(b)
+				want.apply(b, &modelCounts{})
+			}
+			c := r.Cut(nil)
+			defer c.Release()
+			cursors := map[int32]uint64{0: tt.cursor}
+			st := c.Stream(cursors, nil, 1)
+			var chunks []*kvpb.KvEventBatch
+			for b := st.Next(); b != nil; b = st.Next() {
+				chunks = append(chunks, b)
+			}
+			if uint64(len(chunks)) != st.Count() {
+				t.Fatalf("%d chunks streamed, Count says %d", len(chunks), st.Count())
+			}
+			// checkChunks asserts every chunk's encoded size is at most MaxChunkBytes.
+			checkChunks(t, chunks, chunkRule{cursors: cursors, maxUnits: -1})
+			if len(chunks) < 2 {
+				t.Fatalf("%d blocks in %d chunk(s)", tt.blocks, len(chunks))
+			}
+			if d := diffModels(want, replayChunks(t, chunks)); d != "" {
+				t.Fatalf("the streamed snapshot differs from the record: %s", d)
+			}
+		})
+	}
+}
+
+func TestTheRecordEvictsTheOldestStoredAtItsCap(t *testing.T) {
+	tests := []struct {
+		name   string
+		cap    uint64
+		stores int
+	}{
+		{"under the cap", 1000, 800},
+		{"five times the cap", 1000, 5000},
+		{"with a cut held (copy on write)", 1000, 3000},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := New()
+			r.SetMaxEntries(tt.cap)
+			var held *Cut
+			for from := 1; from <= tt.stores; from += 100 {
+				r.Apply(batchOf(0, storedEv(chain(int64(from), 100))))
+				if s := r.Stats(); s.Entries > tt.cap {
+					t.Fatalf("after %d stores the rank holds %d entries, over the cap %d", from+99, s.Entries, tt.cap)
+				}
+				if held == nil && strings.Contains(tt.name, "cut") && from > 1500 {
+					held = r.Cut(nil)
+				}
+			}
+			if held != nil {
+				held.Release()
+			}
+			s := r.Stats()
+			wantEvicted := uint64(0)
+			if uint64(tt.stores) > tt.cap {
+				wantEvicted = uint64(tt.stores) - s.Entries
+			}
+			if s.Evicted != wantEvicted || r.EvictedFrom(0) != wantEvicted {
+				t.Fatalf("evicted %d (rank %d), want %d", s.Evicted, r.EvictedFrom(0), wantEvicted)
+			}
+			// What is left is the newest stores, every one of them.
+			c := r.Cut(nil)
+			defer c.Release()
+			chunks := c.Chunks(map[int32]uint64{0: 100}, nil, 1)
+			checkChunks(t, chunks, chunkRule{cursors: map[int32]uint64{0: 100}, maxUnits: -1})
+			oldestKept := int64(tt.stores) - int64(s.Entries) + 1
+			n := 0
+			for _, b := range chunks {
+				for _, ev := range b.Events {
+					for _, blk := range ev.GetStored().GetBlocks() {
+						if blk.BlockHash < oldestKept {
+							t.Fatalf("block %d kept while newer ones went (oldest kept should be %d)", blk.BlockHash, oldestKept)
+						}
+						n++
+					}
+				}
+			}
+			if uint64(n) != s.Entries {
+				t.Fatalf("the snapshot holds %d blocks, the stats %d", n, s.Entries)
+			}
+		})
 	}
 }

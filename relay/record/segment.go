@@ -128,6 +128,7 @@ type rankState struct {
 	// digest and digestBlocks: the rank's live digest (internal/livedigest)
 	// and the copies it covers, kept at every copy stored or removed.
 	digest, digestBlocks uint64
+	evicted              uint64 // entries dropped at the cap
 }
 
 // count adds (n = 1) or takes (n = -1) one copy of hash on tier to the

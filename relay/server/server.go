@@ -28,6 +28,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 
@@ -74,6 +75,69 @@ type Options struct {
 	Registerer prometheus.Registerer
 	// ShutdownGrace bounds how long Stop waits for in-flight sends.
 	ShutdownGrace time.Duration
+	// Limits bound what subscribers may hold; zero fields take the
+	// defaults (DefaultLimits).
+	Limits Limits
+}
+
+// Limits bound the resources subscribers can take. Every field's zero value
+// means its default.
+type Limits struct {
+	// MaxStreamsPerConn is HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS: every
+	// concurrent call on one connection, proxied ones included. A
+	// well-behaved client waits for a free stream; one that ignores the
+	// setting gets its stream refused by the transport.
+	MaxStreamsPerConn uint32
+	// MaxSubscribersPerPeer caps the SubscribeKvEvents streams open from one
+	// remote IP address across all its connections; more are refused with
+	// RESOURCE_EXHAUSTED.
+	MaxSubscribersPerPeer int
+	// MaxSubscribers caps the SubscribeKvEvents streams open on this
+	// listener; more are refused with RESOURCE_EXHAUSTED.
+	MaxSubscribers int
+	// SendStall ends a stream whose one pending message has not gone out
+	// for this long (the client stopped reading and its flow-control window
+	// is full), with RESOURCE_EXHAUSTED. The subscriber's slot is freed once
+	// the transport lets go of the blocked send.
+	SendStall time.Duration
+	// MaxSendMsgBytes is the largest message sent; a batch above it ends
+	// that subscriber's stream with RESOURCE_EXHAUSTED. Gateways must
+	// accept at least this much.
+	MaxSendMsgBytes int
+}
+
+// DefaultLimits are the limits a zero Limits field takes.
+var DefaultLimits = Limits{
+	// Proxied inference calls share the gateway's connection, so this is
+	// well above the few subscriptions one gateway opens.
+	MaxStreamsPerConn:     1024,
+	MaxSubscribersPerPeer: 64,
+	MaxSubscribers:        256,
+	SendStall:             30 * time.Second,
+	// A batch is never split (a gateway drops a repeated sequence as
+	// stale), so the cap must fit the largest batch an engine publishes;
+	// gateway/monitor accepts the same by default.
+	MaxSendMsgBytes: 1 << 30,
+}
+
+func (l Limits) withDefaults() Limits {
+	d := DefaultLimits
+	if l.MaxStreamsPerConn == 0 {
+		l.MaxStreamsPerConn = d.MaxStreamsPerConn
+	}
+	if l.MaxSubscribersPerPeer == 0 {
+		l.MaxSubscribersPerPeer = d.MaxSubscribersPerPeer
+	}
+	if l.MaxSubscribers == 0 {
+		l.MaxSubscribers = d.MaxSubscribers
+	}
+	if l.SendStall == 0 {
+		l.SendStall = d.SendStall
+	}
+	if l.MaxSendMsgBytes == 0 {
+		l.MaxSendMsgBytes = d.MaxSendMsgBytes
+	}
+	return l
 }
 
 // Server is one gRPC listener's worth of relays.
@@ -85,6 +149,8 @@ type Server struct {
 	grace    time.Duration
 	conns    []*grpc.ClientConn
 	metrics  *serverMetrics
+	limits   Limits
+	slots    *subscriberSlots
 
 	// shutdown ends every open stream with UNAVAILABLE, so GracefulStop does
 	// not wait forever on server streams that never finish by themselves.
@@ -124,7 +190,14 @@ func New(opts Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{services: opts.Services, log: log, grace: grace, metrics: metrics, healthDone: make(chan struct{})}
+	limits := opts.Limits.withDefaults()
+	if limits.MaxSubscribers < 0 || limits.MaxSubscribersPerPeer < 0 || limits.SendStall < 0 || limits.MaxSendMsgBytes < 0 {
+		return nil, fmt.Errorf("server: negative limit in %+v", opts.Limits)
+	}
+	s := &Server{
+		services: opts.Services, log: log, grace: grace, metrics: metrics, healthDone: make(chan struct{}),
+		limits: limits, slots: newSubscriberSlots(limits.MaxSubscribers, limits.MaxSubscribersPerPeer),
+	}
 	s.shutdownCtx, s.shutdown = context.WithCancel(context.Background())
 
 	serverOpts := []grpc.ServerOption{
@@ -133,8 +206,10 @@ func New(opts Options) (*Server, error) {
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 500 * time.Millisecond, PermitWithoutStream: true}),
 		// Find gateways that vanished without closing their connection.
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
-		// Snapshot chunks of large states exceed the 4 MiB default.
-		grpc.MaxSendMsgSize(1 << 30),
+		// One engine batch may exceed gRPC's 4 MiB default, and it is never
+		// split.
+		grpc.MaxSendMsgSize(limits.MaxSendMsgBytes),
+		grpc.MaxConcurrentStreams(limits.MaxStreamsPerConn),
 	}
 	if len(opts.Upstreams) > 0 {
 		p := &proxy{upstreams: map[string]*grpc.ClientConn{}, dropAuthorization: opts.Proxy.DropAuthorization}
@@ -286,16 +361,35 @@ func (h *handler) subscribe(req *kvpb.SubscribeKvEventsRequest, stream grpc.Serv
 		h.server.metrics.ended.WithLabelValues(service, codes.Unimplemented.String()).Inc()
 		return status.Error(codes.Unimplemented, h.svc.Engine.DisabledMessage)
 	}
+	peerKey := peerHost(stream.Context())
+	if reason, err := h.server.slots.take(peerKey); err != nil {
+		h.server.metrics.cut.WithLabelValues(service, reason).Inc()
+		h.server.metrics.ended.WithLabelValues(service, codes.ResourceExhausted.String()).Inc()
+		h.server.log.Warn("subscriber stream refused", "service", service, "peer", peerKey, "reason", err)
+		return status.Error(codes.ResourceExhausted, err.Error())
+	}
 	ctx, cancel := context.WithCancel(stream.Context())
-	defer cancel()
 	stop := context.AfterFunc(h.server.shutdownCtx, cancel)
-	defer stop()
 
 	h.server.metrics.active.WithLabelValues(service).Inc()
 	defer h.server.metrics.active.WithLabelValues(service).Dec()
 
-	err := h.pump(ctx, req, stream)
-	st := h.statusOf(err)
+	// The pump sends from its own goroutine so that this one can end the
+	// stream when a send stalls: gRPC-Go blocks a send on flow control
+	// until the client reads, and only the end of the handler (which
+	// cancels the transport stream) unblocks it. The subscriber's slot is
+	// freed when the pump is really gone, so clients that stall stream
+	// after stream still meet the caps.
+	p := &pump{h: h, stream: stream}
+	done := make(chan error, 1)
+	go func() {
+		defer h.server.slots.give(peerKey)
+		defer stop()
+		defer cancel()
+		done <- p.run(ctx, req)
+	}()
+	err := h.watch(ctx, p, done)
+	st := h.statusOf(stream.Context(), err)
 	h.server.metrics.ended.WithLabelValues(service, st.Code().String()).Inc()
 	if st.Code() != codes.OK && st.Code() != codes.Canceled {
 		h.server.log.Info("subscriber stream ended", "service", service, "code", st.Code().String(), "reason", st.Message())
@@ -303,46 +397,104 @@ func (h *handler) subscribe(req *kvpb.SubscribeKvEventsRequest, stream grpc.Serv
 	return st.Err()
 }
 
-func (h *handler) pump(ctx context.Context, req *kvpb.SubscribeKvEventsRequest, stream grpc.ServerStreamingServer[kvpb.KvEventBatch]) error {
+// errSendStalled ends a stream whose client stopped reading.
+var errSendStalled = errors.New("send stalled")
+
+// watch waits for the pump to end, or ends the stream itself when one send
+// has made no progress for the stall limit.
+func (h *handler) watch(ctx context.Context, p *pump, done <-chan error) error {
+	limit := h.server.limits.SendStall
+	tick := time.NewTicker(max(limit/4, time.Millisecond))
+	defer tick.Stop()
+	var (
+		lastSent  = p.sent.Load()
+		unchanged time.Duration
+	)
+	for {
+		select {
+		case err := <-done:
+			return err
+		case <-tick.C:
+			sent := p.sent.Load()
+			if sent != lastSent || !p.sending.Load() {
+				lastSent, unchanged = sent, 0
+				continue
+			}
+			unchanged += limit / 4
+			if unchanged < limit {
+				continue
+			}
+			h.server.metrics.cut.WithLabelValues(h.svc.Engine.ServiceName, "send_stalled").Inc()
+			return fmt.Errorf("%w: kvrelay ended this stream: the subscriber read nothing for %v while a batch waited to be sent; resubscribe with your cursor and keep reading", errSendStalled, limit)
+		}
+	}
+}
+
+// pump moves one subscription's batches onto its gRPC stream. sent counts
+// finished sends and sending marks one in progress, for the watchdog.
+type pump struct {
+	h       *handler
+	stream  grpc.ServerStreamingServer[kvpb.KvEventBatch]
+	sent    atomic.Uint64
+	sending atomic.Bool
+}
+
+func (p *pump) send(b *kvpb.KvEventBatch, payload []byte) error {
+	p.sending.Store(true)
+	var err error
+	if b != nil && payload == nil {
+		err = p.stream.Send(b)
+	} else {
+		// The relay encoded the batch once for every subscriber; the
+		// server codec sends those bytes as they are.
+		err = p.stream.SendMsg(&frame{payload: payload})
+	}
+	p.sent.Add(1)
+	p.sending.Store(false)
+	if c := status.Code(err); c == codes.Unavailable || c == codes.Canceled {
+		// The transport ends a send to a client that closed its
+		// connection with UNAVAILABLE ("transport is closing"), sometimes
+		// before the call's context says so: the client went away.
+		return fmt.Errorf("%w: %w", errClientGone, err)
+	}
+	return err
+}
+
+// errClientGone marks a send that failed because the client left.
+var errClientGone = errors.New("the subscriber went away")
+
+func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) error {
 	// A refusal (OUT_OF_RANGE for a cursor the history cannot serve) must
 	// be the call's own status, before any header: SMG's gateway resets its
 	// cursors and resubscribes from zero only when the call itself fails
 	// with OUT_OF_RANGE; after headers it retries the same cursor forever
 	// (interop.TestSMGGatewayConsumesKvrelay).
-	sub, err := h.svc.Subscribe(ctx, req)
+	sub, err := p.h.svc.Subscribe(ctx, req)
 	if err != nil {
 		return err
 	}
 	defer sub.Close()
 	// Gateways wait for the response headers to know the call was accepted
 	// before the first event, which may be long in coming.
-	if err := stream.SendHeader(metadata.MD{}); err != nil {
+	if err := p.stream.SendHeader(metadata.MD{}); err != nil {
 		return err
 	}
 	enc, encoded := sub.(encodedStream)
 	for {
+		var (
+			b       *kvpb.KvEventBatch
+			payload []byte
+			err     error
+		)
 		if encoded {
-			// The relay encoded the batch once for every subscriber; the
-			// server codec sends those bytes as they are.
-			b, payload, err := enc.NextEncoded(ctx)
-			if err != nil {
-				return err
-			}
-			if b != nil && payload == nil {
-				err = stream.Send(b)
-			} else {
-				err = stream.SendMsg(&frame{payload: payload})
-			}
-			if err != nil {
-				return err
-			}
-			continue
+			b, payload, err = enc.NextEncoded(ctx)
+		} else {
+			b, err = sub.Next(ctx)
 		}
-		b, err := sub.Next(ctx)
 		if err != nil {
 			return err
 		}
-		if err := stream.Send(b); err != nil {
+		if err := p.send(b, payload); err != nil {
 			return err
 		}
 	}
@@ -354,12 +506,22 @@ type encodedStream interface {
 }
 
 // statusOf maps the relay's errors to the codes SMG's gateway acts on.
-func (h *handler) statusOf(err error) *status.Status {
+// client is the call's own context: once it is done, the client went away
+// (or its deadline passed), whatever error the send that noticed it got.
+func (h *handler) statusOf(client context.Context, err error) *status.Status {
 	switch {
 	case err == nil:
 		return status.New(codes.OK, "")
 	case h.server.shutdownCtx.Err() != nil:
 		return status.New(codes.Unavailable, "kvrelay is shutting down; resubscribe to another relay or after its restart")
+	case errors.Is(err, errSendStalled):
+		return status.New(codes.ResourceExhausted, err.Error())
+	case errors.Is(client.Err(), context.DeadlineExceeded):
+		return status.New(codes.DeadlineExceeded, "the subscriber's deadline passed")
+	case client.Err() != nil, errors.Is(err, errClientGone):
+		// A send to a client that disconnected fails with UNAVAILABLE
+		// ("transport is closing"); the client cancelled all the same.
+		return status.New(codes.Canceled, "the subscriber went away")
 	case errors.Is(err, relay.ErrOutOfRange):
 		return status.New(codes.OutOfRange, err.Error())
 	case errors.Is(err, relay.ErrDataLoss):
@@ -409,6 +571,7 @@ func (s tokenspeedService) SubscribeKvEvents(req *kvpb.SubscribeKvEventsRequest,
 type serverMetrics struct {
 	active *prometheus.GaugeVec
 	ended  *prometheus.CounterVec
+	cut    *prometheus.CounterVec
 }
 
 func newServerMetrics(reg prometheus.Registerer) (*serverMetrics, error) {
@@ -421,13 +584,68 @@ func newServerMetrics(reg prometheus.Registerer) (*serverMetrics, error) {
 			Name: "kvrelay_grpc_streams_ended_total",
 			Help: "SubscribeKvEvents streams that ended, by gRPC status code.",
 		}, []string{"service", "code"}),
+		cut: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_grpc_streams_limited_total",
+			Help: "SubscribeKvEvents streams refused or ended by a limit, by reason: peer_limit, total_limit (refused at subscribe), send_stalled (the client stopped reading).",
+		}, []string{"service", "reason"}),
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.active, m.ended} {
+		for _, c := range []prometheus.Collector{m.active, m.ended, m.cut} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("server: register metrics: %w", err)
 			}
 		}
 	}
 	return m, nil
+}
+
+// subscriberSlots counts open SubscribeKvEvents streams, in total and per
+// remote host.
+type subscriberSlots struct {
+	mu      sync.Mutex
+	total   int
+	perPeer map[string]int
+	maxAll  int
+	maxPeer int
+}
+
+func newSubscriberSlots(maxAll, maxPeer int) *subscriberSlots {
+	return &subscriberSlots{perPeer: map[string]int{}, maxAll: maxAll, maxPeer: maxPeer}
+}
+
+// take reserves a slot for peer, or says which limit refuses it.
+func (s *subscriberSlots) take(peer string) (reason string, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.total >= s.maxAll {
+		return "total_limit", fmt.Errorf("kvrelay serves at most %d SubscribeKvEvents streams on this listener (--max-subscribers); close one or raise the limit", s.maxAll)
+	}
+	if s.perPeer[peer] >= s.maxPeer {
+		return "peer_limit", fmt.Errorf("kvrelay serves at most %d SubscribeKvEvents streams to %s (--max-subscribers-per-peer); close one or raise the limit", s.maxPeer, peer)
+	}
+	s.total++
+	s.perPeer[peer]++
+	return "", nil
+}
+
+func (s *subscriberSlots) give(peer string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.total--
+	if s.perPeer[peer]--; s.perPeer[peer] <= 0 {
+		delete(s.perPeer, peer)
+	}
+}
+
+// peerHost is the remote host of the call: the IP address without the port,
+// so that one client's connections count together.
+func peerHost(ctx context.Context) string {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.Addr == nil {
+		return "unknown"
+	}
+	if host, _, err := net.SplitHostPort(p.Addr.String()); err == nil {
+		return host
+	}
+	return p.Addr.String()
 }
