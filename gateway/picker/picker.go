@@ -211,11 +211,12 @@ type Decision struct {
 
 // Pick chooses a worker. It fails only when req has no eligible worker.
 //
-// Its cost is proportional to the matched workers, not to the fleet, when
-// req.Eligible is already sorted and unique (the gateway's list is): the
-// eligible list is then used as is, membership is a binary search, and
-// only the Matched map is allocated. Loads are summed over the smaller of
-// the loads map and the eligible list.
+// It reads the fleet's load from the loads map, so it walks the eligible
+// list once per request (sum and least-loaded worker); a caller that routes
+// many requests keeps the loads in a Fleet and calls PickFleet, whose cost
+// grows with the overlapping candidates only. When req.Eligible is already
+// sorted and unique (the gateway's list is), it is used as is and
+// membership is a binary search.
 func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, error) {
 	eligible := req.Eligible
 	if !isUniqueSorted(eligible) {
@@ -224,6 +225,37 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 	if len(eligible) == 0 {
 		return Decision{}, ErrNoWorkers
 	}
+	return p.choose(newListView(eligible, loads), req, m), nil
+}
+
+// PickFleet chooses a worker among f's members, by their in-flight counts
+// in f; req.Eligible is not read. It costs O(candidates + log n): the mean
+// and the least-loaded worker come from f, not from a walk of the fleet.
+// It fails only when f is empty. The caller holds whatever lock guards f.
+func (p *Picker) PickFleet(f *Fleet, req Request, m index.Matches) (Decision, error) {
+	if f.Len() == 0 {
+		return Decision{}, ErrNoWorkers
+	}
+	return p.choose(f, req, m), nil
+}
+
+// loadView is what a choice reads of the eligible workers and their load:
+// a Fleet, or a list and a loads map walked per request (listView).
+type loadView interface {
+	Has(w string) bool
+	Load(w string) int
+	Mean() float64
+	LeastLoaded() string
+}
+
+// listView is a sorted, unique, non-empty eligible list with a loads map.
+type listView struct {
+	eligible []string
+	loads    Loads
+	mean     float64
+}
+
+func newListView(eligible []string, loads Loads) listView {
 	total := 0
 	if len(loads) < len(eligible) {
 		for w, n := range loads {
@@ -236,14 +268,24 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 			total += max(loads[w], 0)
 		}
 	}
-	mean := float64(total) / float64(len(eligible))
+	return listView{eligible: eligible, loads: loads, mean: float64(total) / float64(len(eligible))}
+}
+
+func (v listView) Has(w string) bool   { return contains(v.eligible, w) }
+func (v listView) Load(w string) int   { return max(v.loads[w], 0) }
+func (v listView) Mean() float64       { return v.mean }
+func (v listView) LeastLoaded() string { return leastLoaded(v.eligible, v.loads) }
+
+// choose is the decision itself, over a non-empty set of eligible workers.
+func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
+	mean := fleet.Mean()
 	d := Decision{RequestBlocks: m.RequestBlocks, MeanLoad: mean}
 	// cands: eligible matched workers, deepest first, then by name (the order
 	// index.Matches already has; other orders are sorted below).
 	var candBuf [16]index.Match
 	cands := candBuf[:0]
 	for _, x := range m.Workers {
-		if x.Blocks > 0 && contains(eligible, x.Worker) {
+		if x.Blocks > 0 && fleet.Has(x.Worker) {
 			cands = append(cands, x)
 		}
 	}
@@ -255,19 +297,19 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		slices.SortStableFunc(cands, byDepthThenName)
 	}
 	if len(cands) == 0 {
-		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonNoOverlap
-		return d, nil
+		d.Worker, d.Reason = fleet.LeastLoaded(), ReasonNoOverlap
+		return d
 	}
 	d.Best = cands[0].Blocks
-	if p.underPressure(req.Engine, eligible, &d) {
-		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonKVPressure
+	if p.underPressure(req.Engine, fleet, &d) {
+		d.Worker, d.Reason = fleet.LeastLoaded(), ReasonKVPressure
 		d.Blocks = d.Matched[d.Worker]
 		d.Score = float64(d.Blocks)
-		return d, nil
+		return d
 	}
 	scores := p.decayed(cands, req, m.RequestBlocks)
 	trips := func(w string) bool {
-		l := float64(max(loads[w], 0))
+		l := float64(fleet.Load(w))
 		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
 	}
 	score := p.groupScore(scores)
@@ -279,24 +321,18 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		if scores[i] != score || trips(c.Worker) {
 			continue
 		}
-		if !found || max(loads[c.Worker], 0) < max(loads[d.Worker], 0) {
+		if !found || fleet.Load(c.Worker) < fleet.Load(d.Worker) {
 			d.Worker, found = c.Worker, true
 		}
 	}
 	if !found {
-		// Every holder at that depth is over the gate: let expected wait choose
-		// among the workers that are not (everyone, if all are).
-		for _, w := range eligible {
-			if trips(w) {
-				continue
-			}
-			if !found || max(loads[w], 0) < max(loads[d.Worker], 0) {
-				d.Worker, found = w, true
-			}
-		}
-		if !found {
-			d.Worker = leastLoaded(eligible, loads)
-		}
+		// Every holder at that depth is over the gate: expected wait chooses
+		// among the workers that are not, or among everyone if all are. The
+		// gate trips above a load threshold, so the untripped workers are
+		// those at or below it: if the least-loaded worker trips, everyone
+		// does, and either way it is the choice (ties to the first name in
+		// both cases).
+		d.Worker = fleet.LeastLoaded()
 	}
 	d.Blocks = d.Matched[d.Worker]
 	d.Score = float64(d.Blocks)
@@ -309,7 +345,7 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 	if d.Blocks == 0 {
 		d.Reason = ReasonSpill
 	}
-	return d, nil
+	return d
 }
 
 func byDepthThenName(a, b index.Match) int {
@@ -328,10 +364,10 @@ func contains(ws []string, w string) bool {
 // underPressure reports whether a KV-pressure threshold suspends affinity,
 // recording the usage extremes in d. Only eligible workers whose engines
 // reported a usage count.
-func (p *Picker) underPressure(engine map[string]EngineSignal, eligible []string, d *Decision) bool {
+func (p *Picker) underPressure(engine map[string]EngineSignal, fleet loadView, d *Decision) bool {
 	seen := false
 	for w, s := range engine {
-		if !s.HasTokenUsage || !contains(eligible, w) {
+		if !s.HasTokenUsage || !fleet.Has(w) {
 			continue
 		}
 		if !seen || s.TokenUsage > d.HottestUsage {
