@@ -10,9 +10,9 @@ import (
 
 // BenchmarkPick compares a pick that reads the loads from a map and an
 // eligible list (Pick: one walk of the fleet per request) with one that
-// reads them from a Fleet (PickFleet), at 128 and 512 workers, of which 16
-// overlap the request at four depths; in-flight loads 0-7, SMG's default
-// spill gate. PickFleet's cost should stay flat as the fleet grows.
+// reads them from a Fleet (PickFleet), at 128 and 512 workers, of which an
+// eighth overlap the request at four depths; in-flight loads 0-7, SMG's default
+// spill gate. PickFleet's cost should grow with the candidates only.
 func BenchmarkPick(b *testing.B) {
 	for _, workers := range []int{128, 512} {
 		rng := rand.New(rand.NewPCG(1, uint64(workers)))
@@ -25,9 +25,10 @@ func BenchmarkPick(b *testing.B) {
 			fleet.Add(names[i])
 			fleet.Set(names[i], loads[names[i]])
 		}
+		candidates := workers / 8
 		m := index.Matches{RequestBlocks: 512}
-		for i := range 16 {
-			m.Workers = append(m.Workers, index.Match{Worker: names[i*workers/16], Blocks: 512 - 128*(i/4)})
+		for i := range candidates {
+			m.Workers = append(m.Workers, index.Match{Worker: names[i*workers/candidates], Blocks: 512 - 128*(i*4/candidates)})
 		}
 		p, err := New(Config{})
 		if err != nil {

@@ -282,7 +282,10 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 	d := Decision{RequestBlocks: m.RequestBlocks, MeanLoad: mean}
 	// cands: eligible matched workers, deepest first, then by name (the order
 	// index.Matches already has; other orders are sorted below).
-	var candBuf [16]index.Match
+	// Stack buffers for the usual candidate counts (up to an eighth of a
+	// 512-worker fleet); more spill to the heap.
+	var candBuf [64]index.Match
+	var scoreBuf [64]float64
 	cands := candBuf[:0]
 	for _, x := range m.Workers {
 		if x.Blocks > 0 && fleet.Has(x.Worker) {
@@ -307,22 +310,26 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 		d.Score = float64(d.Blocks)
 		return d
 	}
-	scores := p.decayed(cands, req, m.RequestBlocks)
-	trips := func(w string) bool {
-		l := float64(fleet.Load(w))
+	scores := p.decayed(scoreBuf[:0], cands, req, m.RequestBlocks)
+	trips := func(load int) bool {
+		l := float64(load)
 		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
 	}
 	score := p.groupScore(scores)
 	// The least-loaded untripped holder at the chosen score, ties to the
 	// first name; cands at one depth are in name order, and decay only
 	// reorders across depths if it changes scores.
-	found := false
+	found, chosenLoad := false, 0
 	for i, c := range cands {
-		if scores[i] != score || trips(c.Worker) {
+		if scores[i] != score {
 			continue
 		}
-		if !found || fleet.Load(c.Worker) < fleet.Load(d.Worker) {
-			d.Worker, found = c.Worker, true
+		load := fleet.Load(c.Worker)
+		if trips(load) {
+			continue
+		}
+		if !found || load < chosenLoad {
+			d.Worker, chosenLoad, found = c.Worker, load, true
 		}
 	}
 	if !found {
@@ -384,14 +391,14 @@ func (p *Picker) underPressure(engine map[string]EngineSignal, fleet loadView, d
 	return d.HottestUsage > p.cfg.OverloadTokenUsage || d.HottestUsage-d.CoolestUsage > p.cfg.BalanceTokenUsage
 }
 
-// decayed returns each candidate's effective score: its overlap, divided by
+// decayed appends to dst each candidate's effective score: its overlap, divided by
 // 1 + decay·x where x is its backlog above the least candidate backlog, in
 // request lengths (blocks of backlog ÷ request blocks). Without decay, or
 // without backlog reports, the scores are the overlaps.
-func (p *Picker) decayed(cands []index.Match, req Request, requestBlocks int) []float64 {
-	scores := make([]float64, len(cands))
-	for i, c := range cands {
-		scores[i] = float64(c.Blocks)
+func (p *Picker) decayed(dst []float64, cands []index.Match, req Request, requestBlocks int) []float64 {
+	scores := dst
+	for _, c := range cands {
+		scores = append(scores, float64(c.Blocks))
 	}
 	if p.cfg.OverlapDecay == 0 || len(req.Engine) == 0 {
 		return scores
