@@ -75,6 +75,13 @@ func (f *Fleet) Load(w string) int {
 	return 0
 }
 
+func (f *Fleet) lookup(w string) (int, bool) {
+	if i, ok := f.pos[w]; ok {
+		return f.heap[i].load, true
+	}
+	return 0, false
+}
+
 // Has reports whether w is a member.
 func (f *Fleet) Has(w string) bool {
 	_, ok := f.pos[w]

@@ -242,8 +242,9 @@ func (p *Picker) PickFleet(f *Fleet, req Request, m index.Matches) (Decision, er
 // loadView is what a choice reads of the eligible workers and their load:
 // a Fleet, or a list and a loads map walked per request (listView).
 type loadView interface {
-	Has(w string) bool
-	Load(w string) int
+	// lookup is w's in-flight count (≥ 0) and whether w is eligible, in
+	// one map access.
+	lookup(w string) (inflight int, eligible bool)
 	Mean() float64
 	LeastLoaded() string
 }
@@ -271,8 +272,9 @@ func newListView(eligible []string, loads Loads) listView {
 	return listView{eligible: eligible, loads: loads, mean: float64(total) / float64(len(eligible))}
 }
 
-func (v listView) Has(w string) bool   { return contains(v.eligible, w) }
-func (v listView) Load(w string) int   { return max(v.loads[w], 0) }
+func (v listView) lookup(w string) (int, bool) {
+	return max(v.loads[w], 0), contains(v.eligible, w)
+}
 func (v listView) Mean() float64       { return v.mean }
 func (v listView) LeastLoaded() string { return leastLoaded(v.eligible, v.loads) }
 
@@ -284,12 +286,15 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 	// index.Matches already has; other orders are sorted below).
 	// Stack buffers for the usual candidate counts (up to an eighth of a
 	// 512-worker fleet); more spill to the heap.
-	var candBuf [64]index.Match
+	var candBuf [64]candidate
 	var scoreBuf [64]float64
 	cands := candBuf[:0]
 	for _, x := range m.Workers {
-		if x.Blocks > 0 && fleet.Has(x.Worker) {
-			cands = append(cands, x)
+		if x.Blocks <= 0 {
+			continue
+		}
+		if load, ok := fleet.lookup(x.Worker); ok {
+			cands = append(cands, candidate{Match: x, load: load})
 		}
 	}
 	d.Matched = make(map[string]int, len(cands))
@@ -324,12 +329,11 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 		if scores[i] != score {
 			continue
 		}
-		load := fleet.Load(c.Worker)
-		if trips(load) {
+		if trips(c.load) {
 			continue
 		}
-		if !found || load < chosenLoad {
-			d.Worker, chosenLoad, found = c.Worker, load, true
+		if !found || c.load < chosenLoad {
+			d.Worker, chosenLoad, found = c.Worker, c.load, true
 		}
 	}
 	if !found {
@@ -355,7 +359,14 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 	return d
 }
 
-func byDepthThenName(a, b index.Match) int {
+// candidate is an eligible worker holding a prefix of the request, with
+// its in-flight count.
+type candidate struct {
+	index.Match
+	load int
+}
+
+func byDepthThenName(a, b candidate) int {
 	if a.Blocks != b.Blocks {
 		return cmp.Compare(b.Blocks, a.Blocks)
 	}
@@ -374,7 +385,10 @@ func contains(ws []string, w string) bool {
 func (p *Picker) underPressure(engine map[string]EngineSignal, fleet loadView, d *Decision) bool {
 	seen := false
 	for w, s := range engine {
-		if !s.HasTokenUsage || !fleet.Has(w) {
+		if !s.HasTokenUsage {
+			continue
+		}
+		if _, ok := fleet.lookup(w); !ok {
 			continue
 		}
 		if !seen || s.TokenUsage > d.HottestUsage {
@@ -395,7 +409,7 @@ func (p *Picker) underPressure(engine map[string]EngineSignal, fleet loadView, d
 // 1 + decay·x where x is its backlog above the least candidate backlog, in
 // request lengths (blocks of backlog ÷ request blocks). Without decay, or
 // without backlog reports, the scores are the overlaps.
-func (p *Picker) decayed(dst []float64, cands []index.Match, req Request, requestBlocks int) []float64 {
+func (p *Picker) decayed(dst []float64, cands []candidate, req Request, requestBlocks int) []float64 {
 	scores := dst
 	for _, c := range cands {
 		scores = append(scores, float64(c.Blocks))
