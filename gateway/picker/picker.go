@@ -34,6 +34,11 @@
 //
 // Every Decision carries its reason: event_hit, event_spill, no_overlap or
 // kv_pressure.
+//
+// A router keeps its workers' in-flight counts in a Fleet, updated as they
+// change, and calls PickFleet: a decision then costs the overlapping
+// candidates plus O(log workers). Pick takes the counts as a map instead and
+// walks the eligible list once per request.
 package picker
 
 import (
