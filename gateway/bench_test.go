@@ -6,30 +6,48 @@ import (
 )
 
 // BenchmarkRoute measures Route end to end (lookup, picker, bookkeeping) for
-// an 8,192-token request, block size 16, over 128 workers of which every
-// eighth holds the first half of the prompt.
+// an 8,192-token request, block size 16, over 128 and 512 workers of which
+// every eighth holds the whole prompt and every other eighth its first
+// half: the lookup walks all 512 blocks of the request, as the route goal
+// (issue 19: 8k tokens × 128 workers, every block walked) says. The workers
+// carry in-flight counts, so the picker reads real loads.
 func BenchmarkRoute(b *testing.B) {
-	const workers, blockSize = 128, 16
-	cfg := Config{}
-	for i := 0; i < workers; i++ {
-		cfg.Workers = append(cfg.Workers, Worker{ID: fmt.Sprintf("w%03d", i), Addr: fmt.Sprintf("10.0.0.%d:1", i), Model: "m"})
-	}
-	g, err := New(cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	prompt := tokens(0, 8192)
-	ix := g.models["m"].ix
-	for i := 0; i < workers; i += 8 {
-		ix.Apply(fmt.Sprintf("w%03d", i), storeBatch(1, blockSize, 1, prompt[:4096]))
-	}
-	req := RouteRequest{Model: "m", TokenIDs: prompt}
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		d, err := g.Route(req)
-		if err != nil || d.MatchedBlocks[d.Worker] != 256 {
-			b.Fatalf("%+v %v", d, err)
-		}
+	const blockSize, promptTokens = 16, 8192
+	for _, workers := range []int{128, 512} {
+		b.Run(fmt.Sprintf("workers=%d", workers), func(b *testing.B) {
+			cfg := Config{}
+			for i := 0; i < workers; i++ {
+				cfg.Workers = append(cfg.Workers, Worker{ID: fmt.Sprintf("w%03d", i), Addr: fmt.Sprintf("10.0.%d.%d:1", i/256, i%256), Model: "m"})
+			}
+			g, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			prompt := tokens(0, promptTokens)
+			ix := g.models["m"].ix
+			loads := map[string]int{}
+			for i := 0; i < workers; i++ {
+				w := fmt.Sprintf("w%03d", i)
+				loads[w] = i % 5
+				switch i % 8 {
+				case 0:
+					ix.Apply(w, storeBatch(1, blockSize, 1, prompt))
+				case 4:
+					ix.Apply(w, storeBatch(1, blockSize, 1, prompt[:promptTokens/2]))
+				}
+			}
+			if err := g.ReportLoads(loads); err != nil {
+				b.Fatal(err)
+			}
+			req := RouteRequest{Model: "m", TokenIDs: prompt}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				d, err := g.Route(req)
+				if err != nil || d.MatchedBlocks[d.Worker] != promptTokens/blockSize {
+					b.Fatalf("%+v %v", d, err)
+				}
+			}
+		})
 	}
 }

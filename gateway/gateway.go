@@ -44,6 +44,7 @@ import (
 	"log/slog"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -151,7 +152,10 @@ type model struct {
 	ix      *index.Index
 	workers map[string]bool
 	list    []string // workers, sorted; rebuilt on change so Route copies a slice
-	started bool     // its index's Run is going
+	// fleet holds the workers' in-flight counts for the picker, updated
+	// whenever one changes, so a route does not walk every worker.
+	fleet   *picker.Fleet
+	started bool // its index's Run is going
 }
 
 func (m *model) relist() {
@@ -190,6 +194,7 @@ type Gateway struct {
 	// reports states from its goroutines, some while g.mu is held.
 	reachMu     sync.Mutex
 	unreachable map[string]bool
+	reachDirty  atomic.Bool // unreachable changed since the fleets last followed it
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -261,7 +266,7 @@ func (g *Gateway) AddWorker(w Worker) error {
 		if opts.Logger == nil {
 			opts.Logger = g.log.With("component", "index", "model", w.Model)
 		}
-		m = &model{name: w.Model, ix: index.New(opts), workers: map[string]bool{}}
+		m = &model{name: w.Model, ix: index.New(opts), workers: map[string]bool{}, fleet: picker.NewFleet()}
 	}
 	if err := g.mon.Add(w, m.ix); err != nil {
 		return fmt.Errorf("gateway: %w", err)
@@ -274,6 +279,8 @@ func (g *Gateway) AddWorker(w Worker) error {
 	}
 	m.workers[w.ID] = true
 	m.relist()
+	m.fleet.Add(w.ID)
+	g.reachDirty.Store(true) // a worker that is alone reachable takes over from unreachable ones
 	g.workerOf[w.ID] = w.Model
 	return nil
 }
@@ -290,6 +297,8 @@ func (g *Gateway) RemoveWorker(id string) error {
 	m := g.models[name]
 	delete(m.workers, id)
 	m.relist()
+	m.fleet.Remove(id)
+	g.reachDirty.Store(true) // the last reachable worker gone: the others come back
 	delete(g.workerOf, id)
 	delete(g.inflight, id)
 	delete(g.engine, id)
@@ -343,10 +352,13 @@ func (g *Gateway) Run(ctx context.Context) error {
 	return err
 }
 
-// Route picks the worker for req. A tracked request is chosen and counted
-// in one step under the gateway's lock, so a burst of concurrent tracked
-// routes sees each other's load (as SMG selects and credits atomically);
-// the prefix lookup stays outside it.
+// Route picks the worker for req. The prefix lookup runs outside the
+// gateway's lock; the choice reads the model's Fleet under it, and a
+// tracked request is counted in the same step, so a burst of concurrent
+// tracked routes sees each other's load (as SMG selects and credits
+// atomically). Apart from the lookup, a route costs O(candidates + log
+// workers); with a knob that reads the engines' load records (overlap decay,
+// KV-pressure thresholds) it also gathers those, one per worker.
 func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	start := time.Now()
 	name := req.Model
@@ -358,47 +370,37 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		g.mu.Unlock()
 		return Decision{}, err
 	}
+	if g.reachDirty.Swap(false) {
+		g.syncFleetsLocked()
+	}
 	m := g.models[name]
+	empty := m != nil && m.fleet.Len() == 0
+	g.mu.Unlock()
 	if m == nil {
-		g.mu.Unlock()
 		return Decision{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
 	}
-	// m.list is replaced, never modified in place, so it may be read
-	// after the lock is released.
-	eligible := g.reachable(m.list)
-	var loads picker.Loads
-	var engine map[string]picker.EngineSignal
-	if !req.Track {
-		loads, engine = g.loadsLocked(eligible)
-	}
-	g.mu.Unlock()
-	if len(eligible) == 0 {
+	if empty {
 		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
 	}
 
 	blockSize := m.ix.BlockSize()
 	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
-	pick := func() (picker.Decision, error) {
-		return g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, matches, loads)
-	}
 	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
-	var d picker.Decision
-	var err error
-	if req.Track {
-		g.mu.Lock()
-		loads, engine = g.loadsLocked(eligible)
-		d, err = pick()
-		// The worker may have been removed since the list was read; its
-		// requests are no longer counted, so neither is this one.
-		if _, ok := g.workerOf[d.Worker]; err == nil && ok {
-			id := g.trackLocked(d.Worker, g.now())
-			out.RequestID = id
-			out.Done = func() { _ = g.Complete(id) }
-		}
-		g.mu.Unlock()
-	} else {
-		d, err = pick()
+	g.mu.Lock()
+	var engine map[string]picker.EngineSignal
+	if g.picker.UsesEngineLoad() {
+		engine = g.engineSignalsLocked(m.list, g.now())
 	}
+	d, err := g.picker.PickFleet(m.fleet, picker.Request{BlockSize: blockSize, Engine: engine}, matches)
+	inflight := m.fleet.Load(d.Worker)
+	// d.Worker is a member of the fleet read under this lock, so it is
+	// still a worker of the model.
+	if err == nil && req.Track {
+		id := g.trackLocked(d.Worker, g.now())
+		out.RequestID = id
+		out.Done = func() { _ = g.Complete(id) }
+	}
+	g.mu.Unlock()
 	if errors.Is(err, picker.ErrNoWorkers) {
 		return Decision{}, fmt.Errorf("%w: %q", ErrNoWorkers, name)
 	}
@@ -408,34 +410,13 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
 	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
-	g.logDecision(name, d, loads, engine)
+	g.logDecision(name, d, inflight, engine)
 	return out, nil
-}
-
-// loadsLocked reads what the picker weighs for the eligible workers: their
-// in-flight counts (workers with none need no entry: the picker reads a
-// missing one as 0; nil when nobody has any) and, when a knob reads them,
-// their engines' signals. g.mu is held.
-func (g *Gateway) loadsLocked(eligible []string) (picker.Loads, map[string]picker.EngineSignal) {
-	var loads picker.Loads
-	for _, w := range eligible {
-		if n := g.inflightLocked(w); n > 0 {
-			if loads == nil {
-				loads = make(picker.Loads)
-			}
-			loads[w] = n
-		}
-	}
-	var engine map[string]picker.EngineSignal
-	if g.picker.UsesEngineLoad() {
-		engine = g.engineSignalsLocked(eligible, g.now())
-	}
-	return loads, engine
 }
 
 // logDecision writes SMG's per-decision debug line: the branch and what
 // decided it.
-func (g *Gateway) logDecision(model string, d picker.Decision, loads picker.Loads, engine map[string]picker.EngineSignal) {
+func (g *Gateway) logDecision(model string, d picker.Decision, inflight int, engine map[string]picker.EngineSignal) {
 	if !g.log.Enabled(context.Background(), slog.LevelDebug) {
 		return
 	}
@@ -448,7 +429,7 @@ func (g *Gateway) logDecision(model string, d picker.Decision, loads picker.Load
 		slog.Int("request_blocks", d.RequestBlocks),
 		slog.Int("candidates", len(d.Matched)),
 		slog.Float64("score", d.Score),
-		slog.Int("inflight", loads[d.Worker]),
+		slog.Int("inflight", inflight),
 		slog.Float64("mean_inflight", d.MeanLoad),
 	}
 	if s, ok := engine[d.Worker]; ok {
@@ -486,6 +467,7 @@ func (g *Gateway) reportLoadsLocked(loads map[string]int) error {
 	}
 	for w, n := range loads {
 		g.inflight[w] = max(n, 0)
+		g.syncFleetLocked(w)
 	}
 	return nil
 }
@@ -539,32 +521,45 @@ func (g *Gateway) Models() []string {
 func (g *Gateway) onState(worker string, st monitor.State) {
 	g.reachMu.Lock()
 	defer g.reachMu.Unlock()
+	was := g.unreachable[worker]
 	switch st {
 	case monitor.StateBackoff:
 		g.unreachable[worker] = true
 	case monitor.StateStreaming, monitor.StateDisabled, monitor.StateStopped:
 		delete(g.unreachable, worker)
 	}
+	if g.unreachable[worker] != was {
+		// The fleets follow at the next Route, under g.mu, which this
+		// callback may not take.
+		g.reachDirty.Store(true)
+	}
 }
 
-// reachable filters out unreachable workers, unless that would leave none
-// (then routing by cache still beats refusing the request).
-func (g *Gateway) reachable(workers []string) []string {
+// syncFleetsLocked makes each model's fleet (what the picker chooses from)
+// hold its reachable workers, or all of them when none is reachable:
+// routing by cache then still beats refusing the request. A worker put back
+// takes its current in-flight count with it.
+func (g *Gateway) syncFleetsLocked() {
 	g.reachMu.Lock()
 	defer g.reachMu.Unlock()
-	if len(g.unreachable) == 0 {
-		return workers
-	}
-	out := make([]string, 0, len(workers))
-	for _, w := range workers {
-		if !g.unreachable[w] {
-			out = append(out, w)
+	for _, m := range g.models {
+		reachable := 0
+		for _, w := range m.list {
+			if !g.unreachable[w] {
+				reachable++
+			}
+		}
+		for _, w := range m.list {
+			in := reachable == 0 || !g.unreachable[w]
+			switch {
+			case in && !m.fleet.Has(w):
+				m.fleet.Add(w)
+				m.fleet.Set(w, g.inflightLocked(w))
+			case !in && m.fleet.Has(w):
+				m.fleet.Remove(w)
+			}
 		}
 	}
-	if len(out) == 0 {
-		return workers
-	}
-	return out
 }
 
 func (g *Gateway) onBlockSize(name string, n int) {

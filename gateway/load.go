@@ -150,6 +150,15 @@ func (g *Gateway) inflightLocked(w string) int {
 	return max(g.inflight[w], g.routed[w])
 }
 
+// syncFleetLocked copies w's in-flight count into its model's Fleet after
+// either source changed; a worker already removed has no Fleet entry. g.mu
+// is held.
+func (g *Gateway) syncFleetLocked(w string) {
+	if name, ok := g.workerOf[w]; ok {
+		g.models[name].fleet.Set(w, g.inflightLocked(w))
+	}
+}
+
 // trackLocked counts a routed request until done or its timeout, returning
 // its id; g.mu is held.
 func (g *Gateway) trackLocked(worker string, now time.Time) uint64 {
@@ -157,6 +166,7 @@ func (g *Gateway) trackLocked(worker string, now time.Time) uint64 {
 	id := g.nextID
 	g.pending[id] = tracked{worker: worker, expires: now.Add(g.cfg.InflightTimeout)}
 	g.routed[worker]++
+	g.syncFleetLocked(worker)
 	return id
 }
 
@@ -181,6 +191,7 @@ func (g *Gateway) untrackLocked(id uint64) bool {
 	if g.routed[t.worker]--; g.routed[t.worker] <= 0 {
 		delete(g.routed, t.worker)
 	}
+	g.syncFleetLocked(t.worker)
 	return true
 }
 

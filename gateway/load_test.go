@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
@@ -359,6 +361,88 @@ func TestTrackedRoutesCreditAtomically(t *testing.T) {
 	for _, w := range g.Workers() {
 		if w.Routed != n/4 {
 			t.Errorf("%s has %d tracked requests, want %d (the burst spread evenly)", w.ID, w.Routed, n/4)
+		}
+	}
+}
+
+// TestRouteFollowsEveryLoadChange drives reports, tracked routes,
+// completions, expiries and worker changes at random, and checks after each
+// that a route with no overlap goes to the least-loaded worker (ties to the
+// first ID) by the in-flight counts Workers reports: the picker's Fleet is
+// kept in step with every source of load.
+func TestRouteFollowsEveryLoadChange(t *testing.T) {
+	now := time.Unix(1000, 0)
+	var cfg Config
+	for i := range 6 {
+		cfg.Workers = append(cfg.Workers, Worker{ID: fmt.Sprintf("w%d", i), Addr: fmt.Sprintf("127.0.0.1:%d", 1+i)})
+	}
+	cfg.InflightTimeout = time.Minute
+	g, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.now = func() time.Time { return now }
+	rng := rand.New(rand.NewPCG(1, 2))
+	var open []Decision
+	present := map[string]bool{}
+	for _, w := range cfg.Workers {
+		present[w.ID] = true
+	}
+	for step := range 2000 {
+		w := fmt.Sprintf("w%d", rng.IntN(6))
+		switch op := rng.IntN(20); {
+		case op < 5:
+			if present[w] {
+				if err := g.ReportLoad(w, rng.IntN(6)-1); err != nil {
+					t.Fatal(err)
+				}
+			}
+		case op < 11:
+			d, err := g.Route(RouteRequest{TokenIDs: tokens(0, 64), Track: true})
+			if err == nil {
+				open = append(open, d)
+			} else if !errors.Is(err, ErrNoWorkers) {
+				t.Fatal(err)
+			}
+		case op < 16:
+			if len(open) > 0 {
+				k := rng.IntN(len(open))
+				open[k].Done()
+				open = append(open[:k], open[k+1:]...)
+			}
+		case op < 17:
+			now = now.Add(time.Duration(rng.IntN(40)) * time.Second)
+			g.expireTracked()
+		case op < 19:
+			if present[w] {
+				if err := g.RemoveWorker(w); err != nil {
+					t.Fatal(err)
+				}
+				delete(present, w)
+			}
+		default:
+			if !present[w] {
+				if err := g.AddWorker(Worker{ID: w, Addr: "127.0.0.1:9"}); err != nil {
+					t.Fatal(err)
+				}
+				present[w] = true
+			}
+		}
+		want, least := "", 0
+		for _, st := range g.Workers() {
+			if want == "" || st.Inflight < least {
+				want, least = st.ID, st.Inflight
+			}
+		}
+		d, err := g.Route(RouteRequest{TokenIDs: tokens(0, 64)})
+		if want == "" {
+			if !errors.Is(err, ErrNoWorkers) {
+				t.Fatalf("step %d: no workers: %+v %v", step, d, err)
+			}
+			continue
+		}
+		if err != nil || d.Worker != want {
+			t.Fatalf("step %d: routed to %q (%v), want %q with %d in flight; workers %+v", step, d.Worker, err, want, least, g.Workers())
 		}
 	}
 }

@@ -281,6 +281,14 @@ func runPlan(b *testing.B, plan replayPlan, bs int, in replayInput) {
 	st := ix.Stats()
 	if st.Memberships > 0 {
 		b.ReportMetric(float64(st.MemoryBytes)/float64(st.Memberships), "est-B/worker-block")
+		mb := memoryBreakdown(ix)
+		per := func(n int) float64 { return float64(n) / float64(st.Memberships) }
+		b.ReportMetric(per(mb.reverse), "rev-B/block")
+		b.ReportMetric(mb.reverseLoad, "rev-load")
+		b.ReportMetric(per(mb.runHeaders), "runhdr-B/block")
+		b.ReportMetric(per(mb.arrays), "arrays-B/block")
+		b.ReportMetric(per(mb.other), "other-B/block")
+		b.ReportMetric(float64(mb.entries)/float64(max(mb.runs, 1)), "held-positions/run")
 	}
 	b.ReportMetric(float64(plan.blocks), "block-ops/replay")
 }
@@ -392,4 +400,48 @@ func TestReplayPlanIsExact(t *testing.T) {
 			}
 		}
 	}
+}
+
+// indexMemory splits the index's memory estimate (Stats().MemoryBytes) by
+// structure, to see what a block costs where.
+type indexMemory struct {
+	reverse     int     // workers' reverse tables (18 B a slot)
+	reverseLoad float64 // their entries ÷ slots
+	runHeaders  int     // run and runBody headers (memBytes' runOverhead)
+	arrays      int     // run arrays in use and spare
+	other       int     // heads tables, run directories, bitsets, free lists, refs
+	runs        int     // live runs
+	entries     int     // held positions
+}
+
+func memoryBreakdown(ix *Index) indexMemory {
+	var m indexMemory
+	for i := range ix.shards {
+		sh := &ix.shards[i]
+		sh.mu.Lock()
+		live := sh.runsUsed - len(sh.runsFree)
+		m.runs += live
+		m.entries += int(load(&sh.entries))
+		m.runHeaders += live * (32 + 80)
+		m.arrays += sh.bytes + sh.spareBytes
+		m.other += sh.memBytes() - live*(32+80) - sh.bytes - sh.spareBytes
+		sh.mu.Unlock()
+	}
+	entries, slots := 0, 0
+	ix.wmu.RLock()
+	for _, ws := range ix.workers {
+		ws.mu.Lock()
+		for _, rt := range ws.ranks {
+			m.reverse += rt.bytes()
+			entries += rt.n
+			slots += len(rt.slots)
+		}
+		m.other += len(ws.refs) * 16
+		ws.mu.Unlock()
+	}
+	ix.wmu.RUnlock()
+	if slots > 0 {
+		m.reverseLoad = float64(entries) / float64(slots)
+	}
+	return m
 }

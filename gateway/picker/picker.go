@@ -34,6 +34,11 @@
 //
 // Every Decision carries its reason: event_hit, event_spill, no_overlap or
 // kv_pressure.
+//
+// A router keeps its workers' in-flight counts in a Fleet, updated as they
+// change, and calls PickFleet: a decision then costs the overlapping
+// candidates plus O(log workers). Pick takes the counts as a map instead and
+// walks the eligible list once per request.
 package picker
 
 import (
@@ -211,11 +216,12 @@ type Decision struct {
 
 // Pick chooses a worker. It fails only when req has no eligible worker.
 //
-// Its cost is proportional to the matched workers, not to the fleet, when
-// req.Eligible is already sorted and unique (the gateway's list is): the
-// eligible list is then used as is, membership is a binary search, and
-// only the Matched map is allocated. Loads are summed over the smaller of
-// the loads map and the eligible list.
+// It reads the fleet's load from the loads map, so it walks the eligible
+// list once per request (sum and least-loaded worker); a caller that routes
+// many requests keeps the loads in a Fleet and calls PickFleet, whose cost
+// grows with the overlapping candidates only. When req.Eligible is already
+// sorted and unique (the gateway's list is), it is used as is and
+// membership is a binary search.
 func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, error) {
 	eligible := req.Eligible
 	if !isUniqueSorted(eligible) {
@@ -224,6 +230,38 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 	if len(eligible) == 0 {
 		return Decision{}, ErrNoWorkers
 	}
+	return p.choose(newListView(eligible, loads), req, m), nil
+}
+
+// PickFleet chooses a worker among f's members, by their in-flight counts
+// in f; req.Eligible is not read. It costs O(candidates + log n): the mean
+// and the least-loaded worker come from f, not from a walk of the fleet.
+// It fails only when f is empty. The caller holds whatever lock guards f.
+func (p *Picker) PickFleet(f *Fleet, req Request, m index.Matches) (Decision, error) {
+	if f.Len() == 0 {
+		return Decision{}, ErrNoWorkers
+	}
+	return p.choose(f, req, m), nil
+}
+
+// loadView is what a choice reads of the eligible workers and their load:
+// a Fleet, or a list and a loads map walked per request (listView).
+type loadView interface {
+	// lookup is w's in-flight count (≥ 0) and whether w is eligible, in
+	// one map access.
+	lookup(w string) (inflight int, eligible bool)
+	Mean() float64
+	LeastLoaded() string
+}
+
+// listView is a sorted, unique, non-empty eligible list with a loads map.
+type listView struct {
+	eligible []string
+	loads    Loads
+	mean     float64
+}
+
+func newListView(eligible []string, loads Loads) listView {
 	total := 0
 	if len(loads) < len(eligible) {
 		for w, n := range loads {
@@ -236,15 +274,32 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 			total += max(loads[w], 0)
 		}
 	}
-	mean := float64(total) / float64(len(eligible))
+	return listView{eligible: eligible, loads: loads, mean: float64(total) / float64(len(eligible))}
+}
+
+func (v listView) lookup(w string) (int, bool) {
+	return max(v.loads[w], 0), contains(v.eligible, w)
+}
+func (v listView) Mean() float64       { return v.mean }
+func (v listView) LeastLoaded() string { return leastLoaded(v.eligible, v.loads) }
+
+// choose is the decision itself, over a non-empty set of eligible workers.
+func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
+	mean := fleet.Mean()
 	d := Decision{RequestBlocks: m.RequestBlocks, MeanLoad: mean}
 	// cands: eligible matched workers, deepest first, then by name (the order
 	// index.Matches already has; other orders are sorted below).
-	var candBuf [16]index.Match
+	// Stack buffers for the usual candidate counts (up to an eighth of a
+	// 512-worker fleet); more spill to the heap.
+	var candBuf [64]candidate
+	var scoreBuf [64]float64
 	cands := candBuf[:0]
 	for _, x := range m.Workers {
-		if x.Blocks > 0 && contains(eligible, x.Worker) {
-			cands = append(cands, x)
+		if x.Blocks <= 0 {
+			continue
+		}
+		if load, ok := fleet.lookup(x.Worker); ok {
+			cands = append(cands, candidate{Match: x, load: load})
 		}
 	}
 	d.Matched = make(map[string]int, len(cands))
@@ -255,48 +310,45 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 		slices.SortStableFunc(cands, byDepthThenName)
 	}
 	if len(cands) == 0 {
-		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonNoOverlap
-		return d, nil
+		d.Worker, d.Reason = fleet.LeastLoaded(), ReasonNoOverlap
+		return d
 	}
 	d.Best = cands[0].Blocks
-	if p.underPressure(req.Engine, eligible, &d) {
-		d.Worker, d.Reason = leastLoaded(eligible, loads), ReasonKVPressure
+	if p.underPressure(req.Engine, fleet, &d) {
+		d.Worker, d.Reason = fleet.LeastLoaded(), ReasonKVPressure
 		d.Blocks = d.Matched[d.Worker]
 		d.Score = float64(d.Blocks)
-		return d, nil
+		return d
 	}
-	scores := p.decayed(cands, req, m.RequestBlocks)
-	trips := func(w string) bool {
-		l := float64(max(loads[w], 0))
+	scores := p.decayed(scoreBuf[:0], cands, req, m.RequestBlocks)
+	trips := func(load int) bool {
+		l := float64(load)
 		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
 	}
 	score := p.groupScore(scores)
 	// The least-loaded untripped holder at the chosen score, ties to the
 	// first name; cands at one depth are in name order, and decay only
 	// reorders across depths if it changes scores.
-	found := false
+	found, chosenLoad := false, 0
 	for i, c := range cands {
-		if scores[i] != score || trips(c.Worker) {
+		if scores[i] != score {
 			continue
 		}
-		if !found || max(loads[c.Worker], 0) < max(loads[d.Worker], 0) {
-			d.Worker, found = c.Worker, true
+		if trips(c.load) {
+			continue
+		}
+		if !found || c.load < chosenLoad {
+			d.Worker, chosenLoad, found = c.Worker, c.load, true
 		}
 	}
 	if !found {
-		// Every holder at that depth is over the gate: let expected wait choose
-		// among the workers that are not (everyone, if all are).
-		for _, w := range eligible {
-			if trips(w) {
-				continue
-			}
-			if !found || max(loads[w], 0) < max(loads[d.Worker], 0) {
-				d.Worker, found = w, true
-			}
-		}
-		if !found {
-			d.Worker = leastLoaded(eligible, loads)
-		}
+		// Every holder at that depth is over the gate: expected wait chooses
+		// among the workers that are not, or among everyone if all are. The
+		// gate trips above a load threshold, so the untripped workers are
+		// those at or below it: if the least-loaded worker trips, everyone
+		// does, and either way it is the choice (ties to the first name in
+		// both cases).
+		d.Worker = fleet.LeastLoaded()
 	}
 	d.Blocks = d.Matched[d.Worker]
 	d.Score = float64(d.Blocks)
@@ -309,10 +361,17 @@ func (p *Picker) Pick(req Request, m index.Matches, loads Loads) (Decision, erro
 	if d.Blocks == 0 {
 		d.Reason = ReasonSpill
 	}
-	return d, nil
+	return d
 }
 
-func byDepthThenName(a, b index.Match) int {
+// candidate is an eligible worker holding a prefix of the request, with
+// its in-flight count.
+type candidate struct {
+	index.Match
+	load int
+}
+
+func byDepthThenName(a, b candidate) int {
 	if a.Blocks != b.Blocks {
 		return cmp.Compare(b.Blocks, a.Blocks)
 	}
@@ -328,10 +387,13 @@ func contains(ws []string, w string) bool {
 // underPressure reports whether a KV-pressure threshold suspends affinity,
 // recording the usage extremes in d. Only eligible workers whose engines
 // reported a usage count.
-func (p *Picker) underPressure(engine map[string]EngineSignal, eligible []string, d *Decision) bool {
+func (p *Picker) underPressure(engine map[string]EngineSignal, fleet loadView, d *Decision) bool {
 	seen := false
 	for w, s := range engine {
-		if !s.HasTokenUsage || !contains(eligible, w) {
+		if !s.HasTokenUsage {
+			continue
+		}
+		if _, ok := fleet.lookup(w); !ok {
 			continue
 		}
 		if !seen || s.TokenUsage > d.HottestUsage {
@@ -348,14 +410,14 @@ func (p *Picker) underPressure(engine map[string]EngineSignal, eligible []string
 	return d.HottestUsage > p.cfg.OverloadTokenUsage || d.HottestUsage-d.CoolestUsage > p.cfg.BalanceTokenUsage
 }
 
-// decayed returns each candidate's effective score: its overlap, divided by
+// decayed appends to dst each candidate's effective score: its overlap, divided by
 // 1 + decay·x where x is its backlog above the least candidate backlog, in
 // request lengths (blocks of backlog ÷ request blocks). Without decay, or
 // without backlog reports, the scores are the overlaps.
-func (p *Picker) decayed(cands []index.Match, req Request, requestBlocks int) []float64 {
-	scores := make([]float64, len(cands))
-	for i, c := range cands {
-		scores[i] = float64(c.Blocks)
+func (p *Picker) decayed(dst []float64, cands []candidate, req Request, requestBlocks int) []float64 {
+	scores := dst
+	for _, c := range cands {
+		scores = append(scores, float64(c.Blocks))
 	}
 	if p.cfg.OverlapDecay == 0 || len(req.Engine) == 0 {
 		return scores
