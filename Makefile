@@ -94,8 +94,11 @@ test-go: venv engines build
 
 # The longer tier (not run by .ci/run): the interop tests against every
 # engine release in the matrix, the oldest ones whose wire we decode too.
+# It also holds the heavy interop run: a 1 M-block snapshot and a
+# 131,072-block batch through SMG's gateway and ours (minutes, ~2 GiB).
 test-long: engines-long build
 	KVRELAY_ENGINE_TIER=long $(GO) test -race -count=1 -timeout 30m -run 'EngineRelease' ./relay/ ./cmd/kvrelay/
+	KVRELAY_HEAVY_INTEROP=1 $(GO) test -count=1 -timeout 30m -run 'TestGatewaysTakeAMillionBlockSnapshot' ./interop/
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s
