@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
@@ -65,6 +66,11 @@ func ParseAllowList(entries []string) (AllowList, error) {
 		}
 		if strings.Contains(entry.value, "*") {
 			return nil, fmt.Errorf("allow-list entry %q: \"*\" is only allowed as a URI's last path segment (spiffe://domain/path/*)", raw)
+		}
+		if !utf8.ValidString(entry.value) {
+			// Certificates carry identities as UTF-8 (or ASCII): such an
+			// entry could never match, so it is a configuration mistake.
+			return nil, fmt.Errorf("allow-list entry %q: not valid UTF-8", raw)
 		}
 		if entry.value == "" || entry.value == "spiffe://" || entry.value == "/" {
 			return nil, fmt.Errorf("allow-list entry %q: empty identity", raw)
