@@ -753,11 +753,14 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
 			}
-			if m.Seq > expected && m.Seq-expected > r.cfg.window() {
+			if m.Seq > expected && m.Seq-expected > r.cfg.window() && (!bounded || m.Seq > to+1) {
 				// Further ahead than the engine's ring reaches: no engine
 				// answers so, and recording it as a hole would let one reply
 				// put 2^63 lost batches in the counters. The answer ends
-				// here; what it did not give stays missing.
+				// here; what it did not give stays missing. A gap being
+				// filled may be up to twice the ring (admission lets the
+				// ring fill its end), so there a reply within the gap is in
+				// reach: only the head before it is lost, a bounded hole.
 				r.log.Warn("replay reply beyond the engine's replay window; ignoring the rest of the answer",
 					"rank", rk.rank, "expected", expected, "seq", m.Seq, "window", r.cfg.window())
 				return st, expected
