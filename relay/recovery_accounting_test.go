@@ -177,3 +177,36 @@ func TestAGapLongerThanTheRingLosesOnlyWhatTheRingNoLongerHolds(t *testing.T) {
 		})
 	}
 }
+
+// An answer lacks the first sequence asked for (a send-HWM dropped it) and
+// is kept; the next two requests bring nothing. What that answer gave was
+// received: it is relayed, and only the sequence no answer had is lost.
+func TestWhatAnAnswerGaveIsRelayedWhenTheReplayThenFails(t *testing.T) {
+	l := newLab(t, labOpts{noCatchUp: true})
+	p := l.pubs[0]
+	p.publish(payload(0, stored(-1, 100)))
+	l.cursor(0, 0)
+	s := l.subscribe(0)
+	take(t, s, 1)
+	p.set(func(p *fakePub) {
+		p.dropOnce = map[uint64]bool{1: true}
+		answered := false
+		p.afterAnswer = func(from uint64) {
+			if from == 1 && !answered {
+				answered = true
+				p.set(func(p *fakePub) { p.unanswered = 2 })
+			}
+		}
+	})
+	for i := 1; i <= 5; i++ {
+		p.hide(payload(0, stored(-1, int64(100+i))))
+	}
+	p.publish(payload(0, stored(-1, 106)))
+	if got, want := take(t, s, 5), "0:2 0:3 0:4 0:5 0:6"; got != want {
+		t.Fatalf("stream: %s, want %s", got, want)
+	}
+	l.counts("recovered/lost", []float64{5, 1}, l.m().recovered.WithLabelValues("0"), l.m().lost.WithLabelValues("0"))
+	if got := p.askedFrom(); !slices.Equal(got, []uint64{0, 1, 1, 1}) {
+		t.Fatalf("replays asked from %v, want [0 1 1 1]", got)
+	}
+}
