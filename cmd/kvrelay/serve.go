@@ -457,6 +457,19 @@ func logEndpoints(log *slog.Logger, rc resolvedRelay) {
 	}
 }
 
+// warnReportModeDigests: with report mode "full" and the re-announcements
+// left in the stream, the relay's live digest takes them for no change, so
+// a gateway that counts them as copies (SMG's index, kvrelay gateway
+// without --report-mode-full) never agrees with the digest and resyncs at
+// every check.
+func warnReportModeDigests(log *slog.Logger, rc resolvedRelay) {
+	if rc.ReportModeFull && !rc.SuppressReannounced {
+		log.Warn("report mode \"full\" with re-announced stores left in the stream: gateways must apply the same rule "+
+			"(kvrelay gateway --report-mode-full) or their digests will diverge from this relay's and they resync at every check; "+
+			"for copy-counting gateways (SMG) use --suppress-reannounced-stores", "relay", rc.Name)
+	}
+}
+
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
 func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay, limits serverLimitFlags) error {
@@ -484,6 +497,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 			continue
 		}
 		logEndpoints(log, rc)
+		warnReportModeDigests(log, rc)
 		r, err := relay.New(relay.Config{
 			Engine:              rc.engine,
 			KV:                  rc.kv,
