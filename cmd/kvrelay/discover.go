@@ -9,7 +9,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrelay/kvrelay/engines/discover"
@@ -19,12 +19,12 @@ import (
 // answer GetServerInfo: an engine loading a model starts its servicer late.
 const discoverTimeout = 2 * time.Minute
 
-// discoverPublishers asks the engine's servicer at upstream for its
-// --kv-events-config and dp_size, retrying each second while it is not up.
-// Errors that retrying cannot fix (vLLM advertises nothing, a malformed
-// answer) end it at once.
-func discoverPublishers(ctx context.Context, engine, upstream string, timeout time.Duration, stderr io.Writer) (discover.Publishers, error) {
-	conn, err := grpc.NewClient(upstream, grpc.WithTransportCredentials(insecure.NewCredentials()))
+// discoverPublishers asks the engine's servicer at upstream (HOST:PORT,
+// dialled with creds) for its --kv-events-config and dp_size, retrying each
+// second while it is not up. Errors that retrying cannot fix (vLLM
+// advertises nothing, a malformed answer) end it at once.
+func discoverPublishers(ctx context.Context, engine, upstream string, creds credentials.TransportCredentials, timeout time.Duration, stderr io.Writer) (discover.Publishers, error) {
+	conn, err := grpc.NewClient(upstream, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		return discover.Publishers{}, fmt.Errorf("upstream %q: %w", upstream, err)
 	}

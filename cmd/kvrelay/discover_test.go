@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -11,18 +12,21 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testpki"
 )
 
 // fakeSGLangServicer answers SglangScheduler.GetServerInfo on loopback as
 // SMG's servicer does for SGLang: server_args (field 1) is the engine's
 // ServerArgs as a Struct, with kv_events_config and dp_size among them.
-func fakeSGLangServicer(t *testing.T, serverArgs map[string]any) string {
+// opts configure the server (TLS credentials).
+func fakeSGLangServicer(t *testing.T, serverArgs map[string]any, opts ...grpc.ServerOption) string {
 	t.Helper()
 	s, err := structpb.NewStruct(serverArgs)
 	if err != nil {
@@ -37,7 +41,7 @@ func fakeSGLangServicer(t *testing.T, serverArgs map[string]any) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(opts...)
 	srv.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "sglang.grpc.scheduler.SglangScheduler",
 		HandlerType: (*any)(nil),
@@ -158,5 +162,68 @@ func TestServeDiscoveryErrors(t *testing.T) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)
 			}
 		})
+	}
+}
+
+// Discovery dials the engine's servicer as the proxy does: grpcs:// with
+// the --upstream-tls-* settings (it passed the raw grpcs:// target to a
+// plaintext client, which failed as "too many colons" for two minutes), and
+// plain HOST:PORT as before. Serve then runs with what it learned.
+func TestServeDiscoversOverTLSAndPlaintext(t *testing.T) {
+	dir := t.TempDir()
+	ca := testpki.NewCA(t, "engine CA")
+	caFile := ca.WriteCA(t, dir, "ca")
+	serverCert := ca.Issue(t, testpki.Leaf{CommonName: "engine", DNSNames: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Server: true})
+	serverTLS := grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{serverCert.TLS(t)}, MinVersion: tls.VersionTLS12}))
+	cfg := `{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}`
+	args := map[string]any{"kv_events_config": cfg, "dp_size": 2}
+	for _, tc := range []struct {
+		name     string
+		upstream func() string
+		flags    []string
+	}{
+		{"plaintext", func() string { return fakeSGLangServicer(t, args) }, nil},
+		{"grpc:// plaintext", func() string { return "grpc://" + fakeSGLangServicer(t, args) }, nil},
+		{"grpcs:// with the upstream CA", func() string { return "grpcs://" + fakeSGLangServicer(t, args, serverTLS) },
+			[]string{"--upstream-tls-ca", caFile}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			upstream := tc.upstream()
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			var stderr syncBuffer
+			done := make(chan int, 1)
+			go func() {
+				done <- dispatch(ctx, append([]string{"serve", "--engine", "sglang", "--upstream", upstream,
+					"--listen", freeAddr(t), "--metrics-listen", ""}, tc.flags...), strings.NewReader(""), io.Discard, &stderr)
+			}()
+			want := "learned from " + upstream + ": --kv-events-config '" + cfg + "' --dp-size 2"
+			for !strings.Contains(stderr.String(), want) {
+				select {
+				case code := <-done:
+					t.Fatalf("serve exit %d before learning the config; stderr:\n%s", code, stderr.String())
+				case <-time.After(10 * time.Millisecond):
+				}
+			}
+			cancel()
+			select {
+			case code := <-done:
+				if code != 0 && ctx.Err() == nil {
+					t.Fatalf("serve exit %d; stderr:\n%s", code, stderr.String())
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("serve did not shut down")
+			}
+		})
+	}
+}
+
+// The upstream TLS settings are checked before discovery, as for the proxy.
+func TestServeDiscoveryRefusesTLSSettingsForAPlaintextUpstream(t *testing.T) {
+	var stderr syncBuffer
+	code := dispatch(context.Background(), []string{"serve", "--metrics-listen", "", "--engine", "sglang",
+		"--upstream", "127.0.0.1:1", "--upstream-tls-ca", "ca.pem"}, strings.NewReader(""), io.Discard, &stderr)
+	if code != 2 || !strings.Contains(stderr.String(), "is plaintext (use grpcs://HOST:PORT)") {
+		t.Fatalf("exit %d, stderr %q", code, stderr.String())
 	}
 }

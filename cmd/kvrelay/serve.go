@@ -201,8 +201,20 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			return 2
 		}
 		if *kvConfig == "" && *upstream != "" {
-			// The engine's servicer tells its config and rank count.
-			pubs, err := discoverPublishers(ctx, *engineName, *upstream, discoverTimeout, stderr)
+			// The engine's servicer tells its config and rank count; it is
+			// dialled as the proxy dials it (grpcs:// with the upstream TLS
+			// settings).
+			addr, useTLS, err := parseUpstream(*upstream, upstreamTLS)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+				return 2
+			}
+			creds, _, err := upstreamCredentials(useTLS, upstreamTLS, nil)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvrelay serve: upstream TLS: %v\n", err)
+				return 2
+			}
+			pubs, err := discoverPublishers(ctx, *engineName, addr, creds, discoverTimeout, stderr)
 			if err != nil {
 				fmt.Fprintf(stderr, "kvrelay serve: no --kv-events-config, and the engine's servicer did not give one: %v\n", err)
 				return 2
@@ -349,19 +361,9 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 			return nil, fmt.Errorf("%s: listen %q: %w", where, c.Listen, err)
 		}
-		var upstreamAddr string
-		var upstreamTLS bool
-		if c.Upstream != "" {
-			upstreamAddr, upstreamTLS, err = tlsconfig.ParseTarget(c.Upstream)
-			if err != nil {
-				return nil, fmt.Errorf("%s: upstream: %w", where, err)
-			}
-		}
-		if err := c.UpstreamTLS.Check(); err != nil {
-			return nil, fmt.Errorf("%s: upstream TLS: %w", where, err)
-		}
-		if !upstreamTLS && c.UpstreamTLS.Set() {
-			return nil, fmt.Errorf("%s: upstream TLS settings are given but upstream %q is plaintext (use grpcs://HOST:PORT)", where, c.Upstream)
+		upstreamAddr, upstreamTLS, err := parseUpstream(c.Upstream, c.UpstreamTLS)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
 		}
 		if (len(c.UpstreamServices) > 0 || c.UpstreamDropAuthorization) && c.Upstream == "" {
 			return nil, fmt.Errorf("%s: upstream services and authorization settings need an upstream", where)
@@ -402,6 +404,24 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		out = append(out, resolvedRelay{relayConfig: c, engine: eng, kv: kv, replayTimeout: timeout, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS, unknownKeys: unknownKeys})
 	}
 	return out, nil
+}
+
+// parseUpstream reads an upstream target (HOST:PORT, grpc:// or grpcs://;
+// "" is none) and checks its TLS settings, which need grpcs://.
+func parseUpstream(upstream string, settings tlsconfig.Client) (addr string, useTLS bool, err error) {
+	if upstream != "" {
+		addr, useTLS, err = tlsconfig.ParseTarget(upstream)
+		if err != nil {
+			return "", false, fmt.Errorf("upstream: %w", err)
+		}
+	}
+	if err := settings.Check(); err != nil {
+		return "", false, fmt.Errorf("upstream TLS: %w", err)
+	}
+	if !useTLS && settings.Set() {
+		return "", false, fmt.Errorf("upstream TLS settings are given but upstream %q is plaintext (use grpcs://HOST:PORT)", upstream)
+	}
+	return addr, useTLS, nil
 }
 
 // kvConfigText accepts the engine's JSON as an object or as a string.
