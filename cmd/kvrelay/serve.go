@@ -87,6 +87,10 @@ type relayConfig struct {
 	// --suppress-reannounced-stores.
 	ReportModeFull      bool `json:"report_mode_full"`
 	SuppressReannounced bool `json:"suppress_reannounced_stores"`
+	// publishersOnUpstreamHost: discovery replaced the engine's wildcard
+	// bind hosts by the upstream's host (publishersOnHost); the engine
+	// binds them all the same.
+	publishersOnUpstreamHost bool
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -161,6 +165,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	}
 
 	var file serveFile
+	publishersMoved := false // discovery put the upstream's host in wildcard endpoints
 	if *configPath != "" {
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -231,6 +236,20 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			}
 			*kvConfig, *dpSize = pubs.KVEventsConfig, pubs.DPSize
 			fmt.Fprintf(stderr, "kvrelay serve: learned from %s: --kv-events-config '%s' --dp-size %d\n", *upstream, *kvConfig, *dpSize)
+			if !isLoopback(addr) {
+				// The engine runs at the upstream's host: a wildcard bind
+				// is reached there, not on this host.
+				host, _, _ := net.SplitHostPort(addr)
+				moved, changed, err := publishersOnHost(*kvConfig, host)
+				if err != nil {
+					fmt.Fprintf(stderr, "kvrelay serve: the engine at %s advertised an unreadable config: %v\n", *upstream, err)
+					return 2
+				}
+				if len(changed) > 0 {
+					*kvConfig, publishersMoved = moved, true
+					fmt.Fprintf(stderr, "kvrelay serve: the engine binds its publishers on every interface; dialling them at the upstream's host: %s\n", strings.Join(changed, ", "))
+				}
+			}
 		}
 		if *kvConfig == "" {
 			fmt.Fprintln(stderr, "kvrelay serve: --kv-events-config is required (the JSON the engine was started with), or --upstream of an SGLang or TokenSpeed servicer that advertises it")
@@ -247,6 +266,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				UpstreamServices: upstreamServices, UpstreamDropAuthorization: *upstreamDropAuth,
 				AllowUnknownConfigKeys: *allowUnknownKeys,
 				ReportModeFull:         *reportModeFull, SuppressReannounced: *suppressReannounced,
+				publishersOnUpstreamHost: publishersMoved,
 			}},
 		}
 	}
@@ -459,7 +479,7 @@ func logEndpoints(log *slog.Logger, rc resolvedRelay) {
 		log.Warn("kv-events-config has a key the engine does not read; accepted (allow_unknown_config_keys)",
 			"relay", rc.Name, "engine", rc.engine.Name, "problem", rc.unknownKeys.Error())
 	}
-	if !engines.PublisherBinds(rc.kv.Endpoint) {
+	if !rc.publishersOnUpstreamHost && !engines.PublisherBinds(rc.kv.Endpoint) {
 		log.Warn("the engine will connect its publisher to this endpoint instead of binding it, so nothing listens there for kvrelay: "+
 			"the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://; use tcp://*:PORT",
 			"relay", rc.Name, "endpoint", rc.kv.Endpoint)
