@@ -248,6 +248,9 @@ type labOpts struct {
 	// reportModeFull and suppress set Config.ReportModeFull and
 	// Config.SuppressReannounced.
 	reportModeFull, suppress bool
+	// bufferSteps sets the engine's replay ring (KV.BufferSteps; 0: the
+	// engines' default). Set the fake's ringSize to match.
+	bufferSteps int
 }
 
 // patience bounds every wait of these tests for something the relay must
@@ -272,6 +275,7 @@ func newLab(t *testing.T, o labOpts) *lab {
 	if o.noReplay {
 		kv.ReplayEndpoint = ""
 	}
+	kv.BufferSteps = o.bufferSteps
 	catchUp := time.Duration(0) // the defaults
 	if o.noCatchUp {
 		catchUp = -1

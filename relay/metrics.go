@@ -98,7 +98,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 // restartReasonsOf lists the restart reasons engine's publishers can show
 // (a startup clear only where the engine begins with one).
 func restartReasonsOf(engine engines.Engine) []restartReason {
-	reasons := []restartReason{sequenceRegression, counterRestarted, replayMismatch}
+	reasons := []restartReason{sequenceRegression, counterRestarted, replayMismatch, sequenceJump}
 	if engine.StartupClear {
 		reasons = append(reasons, startupClearRestart)
 	}

@@ -39,7 +39,7 @@ func TestFailureCountersExistAtZeroFromTheStart(t *testing.T) {
 			for _, name := range []string{"kvrelay_publisher_gaps_total", "kvrelay_batches_lost_total", "kvrelay_batches_relayed_total"} {
 				want[name] = append(want[name], "rank="+rank)
 			}
-			reasons := []string{"sequence_regression", "counter_restarted", "replay_mismatch"}
+			reasons := []string{"sequence_regression", "counter_restarted", "replay_mismatch", "sequence_jump"}
 			if startupClear {
 				reasons = append(reasons, "startup_clear")
 			}

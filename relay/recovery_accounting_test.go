@@ -125,3 +125,88 @@ func TestARingThatMovesOnBetweenTwoAnswersLosesOnlyWhatNeitherHad(t *testing.T) 
 		t.Fatalf("snapshot %s %v", describe(chunk), chunk.GetSnapshot())
 	}
 }
+
+// Admission accepts a gap up to twice the engine's ring when there is a
+// replay: the ring fills the end of it. When the first reply lies more than
+// a ring ahead of the first missing sequence but within the gap, only the
+// head the ring no longer holds is lost, and the ring's batches are relayed
+// (issue: a drop burst of 15,000 at buffer_steps 10,000, the engine moving
+// on before the replay was answered, was counted lost in full, the batches
+// the engine still had included).
+func TestAGapLongerThanTheRingLosesOnlyWhatTheRingNoLongerHolds(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		window, gap     int
+		ahead           int    // batches the engine publishes before the replay answers
+		stream          string // "": too long to read, the counters tell
+		recovered, lost float64
+	}{
+		// Ring of 4, cursor 0, 1..8 missing, 9 live: the ring holds 6..9.
+		{name: "twice the ring", window: 4, gap: 8, stream: "0:6 0:7 0:8 0:9", recovered: 4, lost: 5},
+		// 1..15000 missing, 15001 live, 15002..20001 published before the
+		// replay answers: the ring holds 10002..20001.
+		{name: "one and a half rings, the engine moving on", window: 10_000, gap: 15_000, ahead: 5_000, recovered: 10_000, lost: 10_001},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLab(t, labOpts{noCatchUp: true, bufferSteps: tc.window})
+			p := l.pubs[0]
+			release := make(chan struct{})
+			p.set(func(p *fakePub) {
+				p.ringSize = tc.window
+				p.gates = map[uint64]chan struct{}{1: release}
+			})
+			p.publish(payload(0, stored(-1, 100)))
+			l.cursor(0, 0)
+			s := l.subscribe(0)
+			take(t, s, 1)
+			for i := 1; i <= tc.gap; i++ {
+				p.hide(payload(0, stored(-1, int64(100+i))))
+			}
+			p.publish(payload(0, stored(-1, int64(100+tc.gap+1))))
+			for i := 0; i < tc.ahead; i++ {
+				p.hide(payload(0, stored(-1, int64(100+tc.gap+2+i))))
+			}
+			close(release)
+			if tc.stream != "" {
+				if got := take(t, s, strings.Count(tc.stream, " ")+1); got != tc.stream {
+					t.Fatalf("stream: %s, want %s", got, tc.stream)
+				}
+			}
+			l.counts("recovered/lost", []float64{tc.recovered, tc.lost}, l.m().recovered.WithLabelValues("0"), l.m().lost.WithLabelValues("0"))
+			l.cursor(0, uint64(tc.gap+tc.ahead+1))
+		})
+	}
+}
+
+// An answer lacks the first sequence asked for (a send-HWM dropped it) and
+// is kept; the next two requests bring nothing. What that answer gave was
+// received: it is relayed, and only the sequence no answer had is lost.
+func TestWhatAnAnswerGaveIsRelayedWhenTheReplayThenFails(t *testing.T) {
+	l := newLab(t, labOpts{noCatchUp: true})
+	p := l.pubs[0]
+	p.publish(payload(0, stored(-1, 100)))
+	l.cursor(0, 0)
+	s := l.subscribe(0)
+	take(t, s, 1)
+	p.set(func(p *fakePub) {
+		p.dropOnce = map[uint64]bool{1: true}
+		answered := false
+		p.afterAnswer = func(from uint64) {
+			if from == 1 && !answered {
+				answered = true
+				p.set(func(p *fakePub) { p.unanswered = 2 })
+			}
+		}
+	})
+	for i := 1; i <= 5; i++ {
+		p.hide(payload(0, stored(-1, int64(100+i))))
+	}
+	p.publish(payload(0, stored(-1, 106)))
+	if got, want := take(t, s, 5), "0:2 0:3 0:4 0:5 0:6"; got != want {
+		t.Fatalf("stream: %s, want %s", got, want)
+	}
+	l.counts("recovered/lost", []float64{5, 1}, l.m().recovered.WithLabelValues("0"), l.m().lost.WithLabelValues("0"))
+	if got := p.askedFrom(); !slices.Equal(got, []uint64{0, 1, 1, 1}) {
+		t.Fatalf("replays asked from %v, want [0 1 1 1]", got)
+	}
+}

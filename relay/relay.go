@@ -732,15 +732,25 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 	// time the engine is asked again its ring may have moved on; what only
 	// the earlier answer still had was received, not lost.
 	var held []Message
+	// last is set when the replay is given up with held replies: they are
+	// taken as the final answer, and whatever they lack is lost.
+	last := false
 	for round := 0; ; round++ {
 		if err != nil || (len(msgs) == 0 && !complete) {
 			unanswered++
 			if unanswered >= maxUnansweredReplays || round+1 >= maxReplayRounds || ctx.Err() != nil {
-				return st, expected
+				if held == nil || ctx.Err() != nil {
+					return st, expected
+				}
+				// Giving up, but an earlier answer brought these: they were
+				// received, so they are relayed, and only what precedes
+				// them is lost.
+				msgs, complete, err, held, last = held, true, nil, nil, true
+			} else {
+				r.log.Info("replay brought nothing; asking again", "rank", rk.rank, "from", expected, "err", err)
+				msgs, complete, err = r.askReplay(ctx, rk, expected)
+				continue
 			}
-			r.log.Info("replay brought nothing; asking again", "rank", rk.rank, "from", expected, "err", err)
-			msgs, complete, err = r.askReplay(ctx, rk, expected)
-			continue
 		}
 		unanswered = 0
 		st.answered = true
@@ -753,17 +763,20 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 				r.metrics.replayStale.WithLabelValues(rk.label).Inc()
 				continue
 			}
-			if m.Seq > expected && m.Seq-expected > r.cfg.window() {
+			if m.Seq > expected && m.Seq-expected > r.cfg.window() && (!bounded || m.Seq > to+1) {
 				// Further ahead than the engine's ring reaches: no engine
 				// answers so, and recording it as a hole would let one reply
 				// put 2^63 lost batches in the counters. The answer ends
-				// here; what it did not give stays missing.
+				// here; what it did not give stays missing. A gap being
+				// filled may be up to twice the ring (admission lets the
+				// ring fill its end), so there a reply within the gap is in
+				// reach: only the head before it is lost, a bounded hole.
 				r.log.Warn("replay reply beyond the engine's replay window; ignoring the rest of the answer",
 					"rank", rk.rank, "expected", expected, "seq", m.Seq, "window", r.cfg.window())
 				return st, expected
 			}
 			if m.Seq > expected {
-				if !haveMissing || missingAt != expected {
+				if !last && (!haveMissing || missingAt != expected) {
 					missingAt, haveMissing, jumped = expected, true, true
 					held = msgs[i:]
 					break
@@ -791,7 +804,7 @@ func (r *Relay) takeReplies(ctx context.Context, rk *rankState, expected, to uin
 		}
 		switch {
 		case jumped && round+1 < maxReplayRounds && ctx.Err() == nil:
-		case took == 0, complete, bounded && expected > to,
+		case last, took == 0, complete, bounded && expected > to,
 			round+1 >= maxReplayRounds, ctx.Err() != nil:
 			return st, expected
 		}

@@ -1,28 +1,41 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testpki"
 )
 
 // fakeSGLangServicer answers SglangScheduler.GetServerInfo on loopback as
 // SMG's servicer does for SGLang: server_args (field 1) is the engine's
 // ServerArgs as a Struct, with kv_events_config and dp_size among them.
-func fakeSGLangServicer(t *testing.T, serverArgs map[string]any) string {
+// opts configure the server (TLS credentials).
+func fakeSGLangServicer(t *testing.T, serverArgs map[string]any, opts ...grpc.ServerOption) string {
+	t.Helper()
+	return fakeSGLangServicerOn(t, "127.0.0.1:0", serverArgs, opts...)
+}
+
+// fakeSGLangServicerOn is fakeSGLangServicer listening on listen.
+func fakeSGLangServicerOn(t *testing.T, listen string, serverArgs map[string]any, opts ...grpc.ServerOption) string {
 	t.Helper()
 	s, err := structpb.NewStruct(serverArgs)
 	if err != nil {
@@ -33,11 +46,11 @@ func fakeSGLangServicer(t *testing.T, serverArgs map[string]any) string {
 		t.Fatal(err)
 	}
 	resp := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), raw)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	lis, err := net.Listen("tcp", listen)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(opts...)
 	srv.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "sglang.grpc.scheduler.SglangScheduler",
 		HandlerType: (*any)(nil),
@@ -158,5 +171,195 @@ func TestServeDiscoveryErrors(t *testing.T) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)
 			}
 		})
+	}
+}
+
+// Discovery dials the engine's servicer as the proxy does: grpcs:// with
+// the --upstream-tls-* settings (it passed the raw grpcs:// target to a
+// plaintext client, which failed as "too many colons" for two minutes), and
+// plain HOST:PORT as before. Serve then runs with what it learned.
+func TestServeDiscoversOverTLSAndPlaintext(t *testing.T) {
+	dir := t.TempDir()
+	ca := testpki.NewCA(t, "engine CA")
+	caFile := ca.WriteCA(t, dir, "ca")
+	serverCert := ca.Issue(t, testpki.Leaf{CommonName: "engine", DNSNames: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Server: true})
+	serverTLS := grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{serverCert.TLS(t)}, MinVersion: tls.VersionTLS12}))
+	cfg := `{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}`
+	args := map[string]any{"kv_events_config": cfg, "dp_size": 2}
+	for _, tc := range []struct {
+		name     string
+		upstream func() string
+		flags    []string
+	}{
+		{"plaintext", func() string { return fakeSGLangServicer(t, args) }, nil},
+		{"grpc:// plaintext", func() string { return "grpc://" + fakeSGLangServicer(t, args) }, nil},
+		{"grpcs:// with the upstream CA", func() string { return "grpcs://" + fakeSGLangServicer(t, args, serverTLS) },
+			[]string{"--upstream-tls-ca", caFile}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			upstream := tc.upstream()
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			var stderr syncBuffer
+			done := make(chan int, 1)
+			go func() {
+				done <- dispatch(ctx, append([]string{"serve", "--engine", "sglang", "--upstream", upstream,
+					"--listen", freeAddr(t), "--metrics-listen", ""}, tc.flags...), strings.NewReader(""), io.Discard, &stderr)
+			}()
+			// A loopback upstream: the wildcard binds are dialled on
+			// loopback, as before.
+			want := []string{"learned from " + upstream + ": --kv-events-config '" + cfg + "' --dp-size 2",
+				"rank=1 publisher=tcp://127.0.0.1:5558 replay=tcp://127.0.0.1:5658"}
+			for !strings.Contains(stderr.String(), want[0]) || !strings.Contains(stderr.String(), want[1]) {
+				select {
+				case code := <-done:
+					t.Fatalf("serve exit %d before learning the config; stderr:\n%s", code, stderr.String())
+				case <-time.After(10 * time.Millisecond):
+				}
+			}
+			cancel()
+			select {
+			case code := <-done:
+				if code != 0 && ctx.Err() == nil {
+					t.Fatalf("serve exit %d; stderr:\n%s", code, stderr.String())
+				}
+				if strings.Contains(stderr.String(), "dialling them at the upstream's host") || strings.Contains(stderr.String(), "will connect its publisher") {
+					t.Errorf("endpoints moved or misread for a loopback upstream; stderr:\n%s", stderr.String())
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("serve did not shut down")
+			}
+		})
+	}
+}
+
+// The upstream TLS settings are checked before discovery, as for the proxy.
+func TestServeDiscoveryRefusesTLSSettingsForAPlaintextUpstream(t *testing.T) {
+	var stderr syncBuffer
+	code := dispatch(context.Background(), []string{"serve", "--metrics-listen", "", "--engine", "sglang",
+		"--upstream", "127.0.0.1:1", "--upstream-tls-ca", "ca.pem"}, strings.NewReader(""), io.Discard, &stderr)
+	if code != 2 || !strings.Contains(stderr.String(), "is plaintext (use grpcs://HOST:PORT)") {
+		t.Fatalf("exit %d, stderr %q", code, stderr.String())
+	}
+}
+
+// A config learned from an engine on another host has its wildcard binds
+// dialled at that host; explicit hosts and ipc:// stay as the engine gave
+// them.
+func TestPublishersOnHost(t *testing.T) {
+	for _, tc := range []struct {
+		name, config, host string
+		wantEndpoint       string
+		wantReplay         string // "" when the config has none
+		moved              int
+	}{
+		{"star", `{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657", "topic": "kv"}`, "10.0.0.5",
+			"tcp://10.0.0.5:5557", "tcp://10.0.0.5:5657", 2},
+		{"0.0.0.0", `{"endpoint": "tcp://0.0.0.0:5557"}`, "engine-0.internal", "tcp://engine-0.internal:5557", "", 1},
+		{"ipv6 any", `{"endpoint": "tcp://[::]:5557", "replay_endpoint": "tcp://:::5657"}`, "fd00::5",
+			"tcp://[fd00::5]:5557", "tcp://[fd00::5]:5657", 2},
+		{"explicit host kept", `{"endpoint": "tcp://10.0.0.7:5557", "replay_endpoint": "tcp://*:5657"}`, "10.0.0.5",
+			"tcp://10.0.0.7:5557", "tcp://10.0.0.5:5657", 1},
+		{"ipc kept", `{"endpoint": "ipc:///run/sglang/kv"}`, "10.0.0.5", "ipc:///run/sglang/kv", "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, changed, err := publishersOnHost(tc.config, tc.host)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(changed) != tc.moved {
+				t.Errorf("changed %q, want %d endpoints", changed, tc.moved)
+			}
+			if tc.moved == 0 && got != tc.config {
+				t.Errorf("config rewritten without a change: %s", got)
+			}
+			var obj map[string]any
+			if err := json.Unmarshal([]byte(got), &obj); err != nil {
+				t.Fatalf("%q: %v", got, err)
+			}
+			if obj["endpoint"] != tc.wantEndpoint {
+				t.Errorf("endpoint %v, want %s", obj["endpoint"], tc.wantEndpoint)
+			}
+			if replay, _ := obj["replay_endpoint"].(string); replay != tc.wantReplay {
+				t.Errorf("replay_endpoint %q, want %q", replay, tc.wantReplay)
+			}
+			for k, v := range map[string]any{"publisher": "zmq", "topic": "kv"} {
+				if strings.Contains(tc.config, `"`+k+`"`) && obj[k] != v {
+					t.Errorf("%s %v, want %v kept", k, obj[k], v)
+				}
+			}
+		})
+	}
+	if _, _, err := publishersOnHost(`[1]`, "h"); err == nil || !strings.Contains(err.Error(), "kv-events-config") {
+		t.Errorf("a config that is not an object: err %v", err)
+	}
+}
+
+// Endpoints discovery moved to the upstream's host were wildcard binds: no
+// warning that the engine connects instead of binding.
+func TestLogEndpointsOfPublishersOnTheUpstreamHost(t *testing.T) {
+	for _, moved := range []bool{false, true} {
+		kv, err := sglang.ParseConfig(`{"publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var logs bytes.Buffer
+		logEndpoints(slog.New(slog.NewTextHandler(&logs, nil)), resolvedRelay{
+			relayConfig: relayConfig{Name: "r", DPSize: 1, publishersOnUpstreamHost: moved}, engine: sglang.Engine, kv: kv})
+		if warned := strings.Contains(logs.String(), "will connect its publisher"); warned == moved {
+			t.Errorf("moved %v: warned %v:\n%s", moved, warned, logs.String())
+		}
+		if !strings.Contains(logs.String(), "publisher=tcp://10.0.0.5:5557") {
+			t.Errorf("moved %v: the endpoint is not dialled at the upstream's host:\n%s", moved, logs.String())
+		}
+	}
+}
+
+// An upstream on another address than loopback (this host's own
+// non-loopback address, so the test needs no second machine): the learned
+// wildcard binds are dialled at the upstream's address, and serve says so.
+func TestServeDialsDiscoveredWildcardsAtTheUpstreamHost(t *testing.T) {
+	var ip net.IP
+	addrs, _ := net.InterfaceAddrs()
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.To4() != nil && !n.IP.IsLoopback() && !n.IP.IsLinkLocalUnicast() {
+			ip = n.IP
+			break
+		}
+	}
+	if ip == nil {
+		t.Skip("no non-loopback IPv4 address on this host")
+	}
+	cfg := `{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}`
+	upstream := fakeSGLangServicerOn(t, net.JoinHostPort(ip.String(), "0"), map[string]any{"kv_events_config": cfg, "dp_size": 2})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var stderr syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- dispatch(ctx, []string{"serve", "--engine", "sglang", "--upstream", upstream,
+			"--listen", freeAddr(t), "--metrics-listen", ""}, strings.NewReader(""), io.Discard, &stderr)
+	}()
+	want := []string{
+		"dialling them at the upstream's host: endpoint tcp://*:5557 -> tcp://" + ip.String() + ":5557, replay_endpoint tcp://*:5657 -> tcp://" + ip.String() + ":5657",
+		"rank=1 publisher=tcp://" + ip.String() + ":5558 replay=tcp://" + ip.String() + ":5658",
+	}
+	for !strings.Contains(stderr.String(), want[0]) || !strings.Contains(stderr.String(), want[1]) {
+		select {
+		case code := <-done:
+			t.Fatalf("serve exit %d; stderr lacks %q:\n%s", code, want, stderr.String())
+		case <-ctx.Done():
+			t.Fatalf("stderr lacks %q:\n%s", want, stderr.String())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if strings.Contains(stderr.String(), "will connect its publisher") {
+		t.Errorf("the moved wildcard binds read as connecting endpoints:\n%s", stderr.String())
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("serve did not shut down")
 	}
 }

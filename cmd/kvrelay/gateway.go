@@ -111,6 +111,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	overloadUsage := fs.Float64("overload-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while the hottest engine's KV token usage is above this (1.0: off)")
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
+	reportModeFull := fs.Bool("report-mode-full", false,
+		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
 	maxRecv := fs.Int("max-recv-msg-bytes", monitor.DefaultMaxRecvMsgBytes, "largest gRPC message accepted from a worker; at least the relay's --max-send-msg-bytes")
 	var lim httpLimits
 	fs.IntVar(&lim.MaxTokens, "max-request-tokens", defaultHTTPLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
@@ -202,7 +204,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	g, err := gateway.New(gateway.Config{
 		Workers: named,
 		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv},
-		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax},
+		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax, ReportModeFull: *reportModeFull},
 		Picker: picker.Config{
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,

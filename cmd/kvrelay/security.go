@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/exporter-toolkit/web"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/relay/server"
@@ -166,15 +167,30 @@ func listenerSecurity(log *slog.Logger, addr string, relays []resolvedRelay, m *
 			}
 			continue
 		}
-		d, err := tlsconfig.NewDialer(r.UpstreamTLS, log)
+		creds, d, err := upstreamCredentials(true, r.UpstreamTLS, log)
 		if err != nil {
 			return out, fmt.Errorf("relay %q: upstream TLS: %w", r.Name, err)
 		}
 		if out.proxy.Credentials == nil {
 			out.proxy.Credentials = map[string]credentials.TransportCredentials{}
 		}
-		out.proxy.Credentials[r.engine.Name] = d.Credentials()
+		out.proxy.Credentials[r.engine.Name] = creds
 		out.reloaders = append(out.reloaders, d)
 	}
 	return out, nil
+}
+
+// upstreamCredentials are what the engine's servicer is dialled with, by the
+// proxy and by discovery alike: TLS from settings for a grpcs:// upstream
+// (the Dialer re-reads rotated files; nil for plaintext), plaintext
+// otherwise.
+func upstreamCredentials(useTLS bool, settings tlsconfig.Client, log *slog.Logger) (credentials.TransportCredentials, *tlsconfig.Dialer, error) {
+	if !useTLS {
+		return insecure.NewCredentials(), nil, nil
+	}
+	d, err := tlsconfig.NewDialer(settings, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	return d.Credentials(), d, nil
 }

@@ -87,6 +87,10 @@ type relayConfig struct {
 	// --suppress-reannounced-stores.
 	ReportModeFull      bool `json:"report_mode_full"`
 	SuppressReannounced bool `json:"suppress_reannounced_stores"`
+	// publishersOnUpstreamHost: discovery replaced the engine's wildcard
+	// bind hosts by the upstream's host (publishersOnHost); the engine
+	// binds them all the same.
+	publishersOnUpstreamHost bool
 }
 
 // resolvedRelay is a relayConfig checked and parsed.
@@ -161,6 +165,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	}
 
 	var file serveFile
+	publishersMoved := false // discovery put the upstream's host in wildcard endpoints
 	if *configPath != "" {
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -201,8 +206,20 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			return 2
 		}
 		if *kvConfig == "" && *upstream != "" {
-			// The engine's servicer tells its config and rank count.
-			pubs, err := discoverPublishers(ctx, *engineName, *upstream, discoverTimeout, stderr)
+			// The engine's servicer tells its config and rank count; it is
+			// dialled as the proxy dials it (grpcs:// with the upstream TLS
+			// settings).
+			addr, useTLS, err := parseUpstream(*upstream, upstreamTLS)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+				return 2
+			}
+			creds, _, err := upstreamCredentials(useTLS, upstreamTLS, nil)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvrelay serve: upstream TLS: %v\n", err)
+				return 2
+			}
+			pubs, err := discoverPublishers(ctx, *engineName, addr, creds, discoverTimeout, stderr)
 			if err != nil {
 				fmt.Fprintf(stderr, "kvrelay serve: no --kv-events-config, and the engine's servicer did not give one: %v\n", err)
 				return 2
@@ -219,6 +236,20 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 			}
 			*kvConfig, *dpSize = pubs.KVEventsConfig, pubs.DPSize
 			fmt.Fprintf(stderr, "kvrelay serve: learned from %s: --kv-events-config '%s' --dp-size %d\n", *upstream, *kvConfig, *dpSize)
+			if !isLoopback(addr) {
+				// The engine runs at the upstream's host: a wildcard bind
+				// is reached there, not on this host.
+				host, _, _ := net.SplitHostPort(addr)
+				moved, changed, err := publishersOnHost(*kvConfig, host)
+				if err != nil {
+					fmt.Fprintf(stderr, "kvrelay serve: the engine at %s advertised an unreadable config: %v\n", *upstream, err)
+					return 2
+				}
+				if len(changed) > 0 {
+					*kvConfig, publishersMoved = moved, true
+					fmt.Fprintf(stderr, "kvrelay serve: the engine binds its publishers on every interface; dialling them at the upstream's host: %s\n", strings.Join(changed, ", "))
+				}
+			}
 		}
 		if *kvConfig == "" {
 			fmt.Fprintln(stderr, "kvrelay serve: --kv-events-config is required (the JSON the engine was started with), or --upstream of an SGLang or TokenSpeed servicer that advertises it")
@@ -235,6 +266,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				UpstreamServices: upstreamServices, UpstreamDropAuthorization: *upstreamDropAuth,
 				AllowUnknownConfigKeys: *allowUnknownKeys,
 				ReportModeFull:         *reportModeFull, SuppressReannounced: *suppressReannounced,
+				publishersOnUpstreamHost: publishersMoved,
 			}},
 		}
 	}
@@ -349,19 +381,9 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 		if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 			return nil, fmt.Errorf("%s: listen %q: %w", where, c.Listen, err)
 		}
-		var upstreamAddr string
-		var upstreamTLS bool
-		if c.Upstream != "" {
-			upstreamAddr, upstreamTLS, err = tlsconfig.ParseTarget(c.Upstream)
-			if err != nil {
-				return nil, fmt.Errorf("%s: upstream: %w", where, err)
-			}
-		}
-		if err := c.UpstreamTLS.Check(); err != nil {
-			return nil, fmt.Errorf("%s: upstream TLS: %w", where, err)
-		}
-		if !upstreamTLS && c.UpstreamTLS.Set() {
-			return nil, fmt.Errorf("%s: upstream TLS settings are given but upstream %q is plaintext (use grpcs://HOST:PORT)", where, c.Upstream)
+		upstreamAddr, upstreamTLS, err := parseUpstream(c.Upstream, c.UpstreamTLS)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
 		}
 		if (len(c.UpstreamServices) > 0 || c.UpstreamDropAuthorization) && c.Upstream == "" {
 			return nil, fmt.Errorf("%s: upstream services and authorization settings need an upstream", where)
@@ -404,6 +426,24 @@ func resolveRelays(cfgs []relayConfig) ([]resolvedRelay, error) {
 	return out, nil
 }
 
+// parseUpstream reads an upstream target (HOST:PORT, grpc:// or grpcs://;
+// "" is none) and checks its TLS settings, which need grpcs://.
+func parseUpstream(upstream string, settings tlsconfig.Client) (addr string, useTLS bool, err error) {
+	if upstream != "" {
+		addr, useTLS, err = tlsconfig.ParseTarget(upstream)
+		if err != nil {
+			return "", false, fmt.Errorf("upstream: %w", err)
+		}
+	}
+	if err := settings.Check(); err != nil {
+		return "", false, fmt.Errorf("upstream TLS: %w", err)
+	}
+	if !useTLS && settings.Set() {
+		return "", false, fmt.Errorf("upstream TLS settings are given but upstream %q is plaintext (use grpcs://HOST:PORT)", upstream)
+	}
+	return addr, useTLS, nil
+}
+
 // kvConfigText accepts the engine's JSON as an object or as a string.
 func kvConfigText(raw json.RawMessage) (string, error) {
 	if len(raw) == 0 {
@@ -439,7 +479,7 @@ func logEndpoints(log *slog.Logger, rc resolvedRelay) {
 		log.Warn("kv-events-config has a key the engine does not read; accepted (allow_unknown_config_keys)",
 			"relay", rc.Name, "engine", rc.engine.Name, "problem", rc.unknownKeys.Error())
 	}
-	if !engines.PublisherBinds(rc.kv.Endpoint) {
+	if !rc.publishersOnUpstreamHost && !engines.PublisherBinds(rc.kv.Endpoint) {
 		log.Warn("the engine will connect its publisher to this endpoint instead of binding it, so nothing listens there for kvrelay: "+
 			"the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://; use tcp://*:PORT",
 			"relay", rc.Name, "endpoint", rc.kv.Endpoint)
@@ -454,6 +494,19 @@ func logEndpoints(log *slog.Logger, rc resolvedRelay) {
 			replay = "none"
 		}
 		log.Info("rank endpoints", "relay", rc.Name, "rank", ep.Rank, "publisher", ep.Live, "replay", replay)
+	}
+}
+
+// warnReportModeDigests: with report mode "full" and the re-announcements
+// left in the stream, the relay's live digest takes them for no change, so
+// a gateway that counts them as copies (SMG's index, kvrelay gateway
+// without --report-mode-full) never agrees with the digest and resyncs at
+// every check.
+func warnReportModeDigests(log *slog.Logger, rc resolvedRelay) {
+	if rc.ReportModeFull && !rc.SuppressReannounced {
+		log.Warn("report mode \"full\" with re-announced stores left in the stream: gateways must apply the same rule "+
+			"(kvrelay gateway --report-mode-full) or their digests will diverge from this relay's and they resync at every check; "+
+			"for copy-counting gateways (SMG) use --suppress-reannounced-stores", "relay", rc.Name)
 	}
 }
 
@@ -484,6 +537,7 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 			continue
 		}
 		logEndpoints(log, rc)
+		warnReportModeDigests(log, rc)
 		r, err := relay.New(relay.Config{
 			Engine:              rc.engine,
 			KV:                  rc.kv,

@@ -239,3 +239,26 @@ func TestTheExampleConfigResolves(t *testing.T) {
 		}
 	}
 }
+
+// Report mode "full" with the re-announcements left in the stream warns at
+// start that gateways must apply the same rule, or their digests diverge.
+func TestServeWarnsThatGatewaysNeedTheReportModeRule(t *testing.T) {
+	for _, tc := range []struct {
+		name                   string
+		full, suppress, warned bool
+	}{
+		{"report mode off", false, false, false},
+		{"full, re-announcements relayed", true, false, true},
+		{"full, re-announcements suppressed", true, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			warnReportModeDigests(slog.New(slog.NewTextHandler(&logs, nil)),
+				resolvedRelay{relayConfig: relayConfig{Name: "r", ReportModeFull: tc.full, SuppressReannounced: tc.suppress}})
+			warned := strings.Contains(logs.String(), "level=WARN") && strings.Contains(logs.String(), "kvrelay gateway --report-mode-full")
+			if warned != tc.warned {
+				t.Errorf("warned = %v, want %v:\n%s", warned, tc.warned, logs.String())
+			}
+		})
+	}
+}
