@@ -28,9 +28,14 @@
 //	defer d.Done()         // the worker's in-flight count drops when the request ends
 //	forward(req, d.Worker) // d.Reason: event_hit, event_spill, no_overlap or kv_pressure
 //
-// Route answers from the index and the load the gateway knows (load.go):
-// while a model's index is empty (at start, after a resync) every request
-// is no_overlap and goes to the least loaded worker.
+// Route answers from the index, the gateway's placements and the load it
+// knows (load.go). A placement is a request's blocks recorded on the worker
+// it was routed to, until the engine reports them stored (package
+// placement): a burst of requests sharing a new prefix goes where the first
+// went, and while a model's index is empty (engines without events, before
+// the first event, after a resync) routing still follows prefix affinity
+// from the gateway's own decisions, SMG's approximate mode. Requests with
+// no affinity anywhere are no_overlap and go to the least loaded worker.
 //
 // Workers can also come and go at run time (AddWorker, RemoveWorker); a
 // removed worker's blocks leave its model's index before RemoveWorker
@@ -51,6 +56,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 )
 
 // DefaultModel is the model of a worker or request that names none.
@@ -74,6 +80,13 @@ type Config struct {
 	// InflightTimeout ends a tracked request nobody completed; 0 =
 	// DefaultInflightTimeout.
 	InflightTimeout time.Duration
+	// Placements tunes the blocks the gateway records on the worker it
+	// routed a request to, before the engine reports them (package
+	// placement); zero values take its defaults.
+	Placements placement.Options
+	// NoPlacements turns placements off: routing then knows only what the
+	// engines reported.
+	NoPlacements bool
 	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -101,10 +114,12 @@ type RouteRequest struct {
 type Decision struct {
 	Worker string
 	Model  string
-	// Reason is event_hit, event_spill, no_overlap or kv_pressure.
+	// Reason is event_hit, placement_hit, event_spill, no_overlap or
+	// kv_pressure.
 	Reason picker.Reason
 	// MatchedBlocks holds each worker's leading blocks of the request that
-	// its cache holds (workers with none are absent).
+	// its cache holds or, by the gateway's placements, is about to hold
+	// (weighted by the placement weight; workers with none are absent).
 	MatchedBlocks map[string]int
 	// BlockSize is the block size the request was cut with; RequestBlocks
 	// the number of full blocks.
@@ -150,8 +165,9 @@ type model struct {
 	name    string
 	ix      *index.Index
 	workers map[string]bool
-	list    []string // workers, sorted; rebuilt on change so Route copies a slice
-	started bool     // its index's Run is going
+	list    []string         // workers, sorted; rebuilt on change so Route copies a slice
+	places  *placement.Store // nil when placements are off
+	started bool             // its index's Run is going
 }
 
 func (m *model) relist() {
@@ -201,6 +217,12 @@ func New(cfg Config) (*Gateway, error) {
 	p, err := picker.New(cfg.Picker)
 	if err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	if !cfg.NoPlacements {
+		// Validate once here, so AddWorker cannot fail on them later.
+		if _, err := placement.New(cfg.Placements); err != nil {
+			return nil, fmt.Errorf("gateway: %w", err)
+		}
 	}
 	g := &Gateway{
 		cfg:      cfg,
@@ -255,6 +277,9 @@ func (g *Gateway) AddWorker(w Worker) error {
 			opts.Logger = g.log.With("component", "index", "model", w.Model)
 		}
 		m = &model{name: w.Model, ix: index.New(opts), workers: map[string]bool{}}
+		if !g.cfg.NoPlacements {
+			m.places, _ = placement.New(g.cfg.Placements) // validated by New
+		}
 	}
 	if err := g.mon.Add(w, m.ix); err != nil {
 		return fmt.Errorf("gateway: %w", err)
@@ -297,6 +322,9 @@ func (g *Gateway) RemoveWorker(id string) error {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	m.ix.RemoveWorker(id)
+	if m.places != nil {
+		m.places.RemoveWorker(id)
+	}
 	return nil
 }
 
@@ -330,6 +358,13 @@ func (g *Gateway) Run(ctx context.Context) error {
 		defer g.wg.Done()
 		g.runExpiry(ctx)
 	}()
+	if !g.cfg.NoPlacements {
+		g.wg.Add(1)
+		go func() {
+			defer g.wg.Done()
+			g.runPlacementSweep(ctx)
+		}()
+	}
 	g.mu.Unlock()
 	err := g.mon.Run(ctx)
 	g.wg.Wait()
@@ -370,9 +405,36 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	}
 
 	blockSize := m.ix.BlockSize()
-	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
+	ns := index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt}
+	var prefix []uint64
+	var matches index.Matches
+	if m.places != nil {
+		// The placements are keyed by the same prefix hashes, so the
+		// request is hashed once, in full, for both.
+		prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
+		matches = m.ix.FindMatchesHashes(prefix)
+	} else {
+		matches = m.ix.FindMatches(req.TokenIDs, ns)
+	}
+	// pick weighs the index's overlaps extended by the placements, and
+	// records the request's blocks on the chosen worker. Tracked routes
+	// run it under g.mu, so a burst of concurrent requests with a new
+	// prefix sees the first one's placement as it sees its load.
+	var inferred map[string]int
 	pick := func() (picker.Decision, error) {
-		return g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, matches, loads)
+		combined := matches
+		if m.places != nil {
+			r := m.places.Extend(prefix, matches, g.now())
+			combined, inferred = r.Matches, r.Inferred
+		}
+		d, err := g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, combined, loads)
+		if err == nil && m.places != nil {
+			m.places.Record(d.Worker, prefix, matches.Blocks(d.Worker), g.now())
+			if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
+				d.Reason = picker.ReasonPlacementHit
+			}
+		}
+		return d, err
 	}
 	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
 	var d picker.Decision
@@ -401,7 +463,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
 	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
-	g.logDecision(name, d, loads, engine)
+	g.logDecision(name, d, inferred[d.Worker], loads, engine)
 	return out, nil
 }
 
@@ -428,7 +490,7 @@ func (g *Gateway) loadsLocked(eligible []string) (picker.Loads, map[string]picke
 
 // logDecision writes SMG's per-decision debug line: the branch and what
 // decided it.
-func (g *Gateway) logDecision(model string, d picker.Decision, loads picker.Loads, engine map[string]picker.EngineSignal) {
+func (g *Gateway) logDecision(model string, d picker.Decision, inferred int, loads picker.Loads, engine map[string]picker.EngineSignal) {
 	if !g.log.Enabled(context.Background(), slog.LevelDebug) {
 		return
 	}
@@ -437,6 +499,7 @@ func (g *Gateway) logDecision(model string, d picker.Decision, loads picker.Load
 		slog.String("worker", d.Worker),
 		slog.String("branch", string(d.Reason)),
 		slog.Int("matched_blocks", d.Blocks),
+		slog.Int("inferred_blocks", inferred),
 		slog.Int("best_blocks", d.Best),
 		slog.Int("request_blocks", d.RequestBlocks),
 		slog.Int("candidates", len(d.Matched)),
