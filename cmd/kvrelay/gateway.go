@@ -23,6 +23,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
@@ -108,6 +109,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	overlapDecay := fs.Float64("overlap-decay", 0, "de-rank a holder by its engine's waiting-prefill backlog: overlap ÷ (1 + this × backlog in request lengths); 0: off")
 	overloadUsage := fs.Float64("overload-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while the hottest engine's KV token usage is above this (1.0: off)")
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
+	placementWeight := fs.Float64("placement-weight", placement.DefaultWeight, "score a block the gateway routed to a worker, before its engine reports it, as this fraction of a reported one (0: placements off)")
+	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
+	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
@@ -148,6 +152,12 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--overload-token-usage-threshold must be in (0, 1], got %v", *overloadUsage)
 	case !(*balanceUsage > 0 && *balanceUsage <= 1):
 		return fail("--balance-token-usage-threshold must be in (0, 1], got %v", *balanceUsage)
+	case !(*placementWeight >= 0 && *placementWeight <= 1):
+		return fail("--placement-weight must be in [0, 1], got %v", *placementWeight)
+	case *placementTTL <= 0:
+		return fail("--placement-ttl must be positive, got %v", *placementTTL)
+	case *placementMax <= 0:
+		return fail("--placement-max-entries must be positive, got %d", *placementMax)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
 	}
@@ -189,6 +199,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
 		InflightTimeout: *inflightTimeout,
+		Placements:      placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
+		NoPlacements:    *placementWeight == 0,
 		Registerer:      reg,
 		Logger:          log,
 	})
