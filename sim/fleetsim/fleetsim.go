@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
@@ -63,6 +65,19 @@ type Policy struct {
 	// EngineLoad: the picker sees the engines' load records (waiting
 	// uncached tokens, KV token usage).
 	EngineLoad bool
+	// Placements: the gateway records each request's blocks on the worker
+	// it chose until the engine reports them (gateway/placement), with
+	// PlacementWeight (0 = placement.DefaultWeight).
+	Placements      bool
+	PlacementWeight float64
+	// NoEvents: the engines publish no KV events, so the index stays empty
+	// (with Placements, the gateway's approximate mode).
+	NoEvents bool
+	// EventsAfterPrefill: an engine's events for a request reach the index
+	// when its prefill ends instead of when it starts, as an engine that
+	// publishes the blocks once it has computed them does. Either way, a
+	// request queued behind others is unknown to the index until then.
+	EventsAfterPrefill bool
 }
 
 // Result is one policy's run of one trace.
@@ -130,6 +145,14 @@ type worker struct {
 	// inflight counts requests routed and not done decoding.
 	inflight int
 	decodes  decodeHeap
+	// pending are events not yet published (EventsAfterPrefill), in
+	// publication order.
+	pending []pendingBatch
+}
+
+type pendingBatch struct {
+	at float64
+	b  *kvpb.KvEventBatch
 }
 
 // sim is one policy's run.
@@ -138,6 +161,7 @@ type sim struct {
 	policy  Policy
 	pick    *picker.Picker
 	ix      *index.Index
+	places  *placement.Store
 	workers []*worker
 	names   []string
 	next    int // round-robin position
@@ -158,6 +182,13 @@ func Run(f Fleet, tr Trace, p Policy) (Result, error) {
 		}
 		s.pick = pk
 		s.ix = index.New(index.Options{BlockSize: f.BlockSize})
+		if p.Placements {
+			ps, err := placement.New(placement.Options{Weight: p.PlacementWeight})
+			if err != nil {
+				return Result{}, fmt.Errorf("fleetsim: policy %s: %w", p.Name, err)
+			}
+			s.places = ps
+		}
 	}
 	for i := range f.Workers {
 		c, err := prefixcache.New(prefixcache.Config{BlockSize: f.BlockSize, CapacityBlocks: f.CapacityBlocks, Hasher: prefixcache.TokenSpeedFNV{}})
@@ -194,7 +225,14 @@ func (s *sim) advance(w *worker, t float64) {
 		if len(w.decodes) > 0 {
 			nextEnd = w.decodes[0].end
 		}
+		nextPublish := math.Inf(1)
+		if len(w.pending) > 0 {
+			nextPublish = w.pending[0].at
+		}
 		switch {
+		case len(w.pending) > 0 && nextPublish <= t && nextPublish <= nextStart && nextPublish <= nextEnd:
+			s.ix.Apply(w.name, w.pending[0].b)
+			w.pending = w.pending[1:]
 		case len(w.decodes) > 0 && nextEnd <= t && nextEnd <= nextStart:
 			d := heap.Pop(&w.decodes).(decoding)
 			w.held -= d.blocks
@@ -214,12 +252,16 @@ func (s *sim) startPrefill(w *worker, start float64) {
 	w.waitingUncached -= r.uncached
 	w.cache.BeginStep()
 	res, evs := w.cache.Insert(r.tokens)
-	if s.ix != nil {
-		s.ix.Apply(w.name, toBatch(evs))
-	}
 	cached := res.DeviceHits * s.fleet.BlockSize
 	uncached := len(r.tokens) - cached
 	w.freeAt = start + s.fleet.OverheadSeconds + float64(uncached)/s.fleet.PrefillTokensPerSec
+	switch {
+	case s.ix == nil || s.policy.NoEvents:
+	case s.policy.EventsAfterPrefill:
+		w.pending = append(w.pending, pendingBatch{at: w.freeAt, b: toBatch(evs)})
+	default:
+		s.ix.Apply(w.name, toBatch(evs))
+	}
 	s.ttfts = append(s.ttfts, w.freeAt-r.arrival)
 	s.res.PromptTokens += int64(len(r.tokens))
 	s.res.CachedTokens += int64(cached)
@@ -248,7 +290,19 @@ func (s *sim) route(a Arrival) error {
 			}
 		}
 	case CacheAware:
-		m := s.ix.FindMatches(a.Tokens, index.Namespace{})
+		var prefix []uint64
+		var m, combined index.Matches
+		var inferred map[string]int
+		now := simTime(a.At)
+		if s.places != nil {
+			prefix = index.PrefixHashes(a.Tokens, s.fleet.BlockSize, index.Namespace{})
+			m = s.ix.FindMatchesHashes(prefix)
+			r := s.places.Extend(prefix, m, now)
+			combined, inferred = r.Matches, r.Inferred
+		} else {
+			m = s.ix.FindMatches(a.Tokens, index.Namespace{})
+			combined = m
+		}
 		req := picker.Request{Eligible: s.names, BlockSize: s.fleet.BlockSize}
 		var loads picker.Loads
 		if s.policy.Inflight {
@@ -266,13 +320,22 @@ func (s *sim) route(a Arrival) error {
 				}
 			}
 		}
-		d, err := s.pick.Pick(req, m, loads)
+		d, err := s.pick.Pick(req, combined, loads)
 		if err != nil {
 			return fmt.Errorf("fleetsim: policy %s: %w", s.policy.Name, err)
 		}
+		if s.places != nil {
+			// As gateway.Route does.
+			s.places.Record(d.Worker, prefix, m.Blocks(d.Worker), now)
+			if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
+				d.Reason = picker.ReasonPlacementHit
+			}
+		}
 		s.res.Reasons[d.Reason]++
 		w = s.workers[slices.Index(s.names, d.Worker)]
-		matched = d.Blocks
+		// What the engine's cache holds, as the index knows it: inferred
+		// blocks are not cached yet.
+		matched = m.Blocks(d.Worker)
 	default:
 		return fmt.Errorf("fleetsim: policy %s: unknown kind %d", s.policy.Name, s.policy.Kind)
 	}
@@ -285,6 +348,12 @@ func (s *sim) route(a Arrival) error {
 	w.inflight++
 	s.res.Requests++
 	return nil
+}
+
+// simTime is the wall-clock time the placements see at t seconds into a
+// trace.
+func simTime(t float64) time.Time {
+	return time.Unix(0, 0).Add(time.Duration(t * float64(time.Second)))
 }
 
 // usage is w's KV token usage as its engine would report it.

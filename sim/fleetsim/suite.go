@@ -52,6 +52,25 @@ func StandardPolicies() []Policy {
 	}
 }
 
+// PlacementPolicies measure the gateway's placements (gateway/placement):
+// the default picker with its own in-flight counts, without and with
+// placements, with the engines' events reaching the index when a prefill
+// starts (the standard model) and when it ends (an engine that publishes
+// blocks once computed); then engines publishing no events at all, where
+// least load is what the gateway did before and placements give the
+// approximate mode.
+func PlacementPolicies() []Policy {
+	return []Policy{
+		{Name: "least_load", Kind: LeastLoad},
+		{Name: "cache_aware + in-flight", Kind: CacheAware, Inflight: true},
+		{Name: "+ placements", Kind: CacheAware, Inflight: true, Placements: true},
+		{Name: "events after prefill: cache_aware + in-flight", Kind: CacheAware, Inflight: true, EventsAfterPrefill: true},
+		{Name: "events after prefill: + placements", Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Placements: true},
+		{Name: "no events: least load (before)", Kind: CacheAware, Inflight: true, NoEvents: true},
+		{Name: "no events: placements (approximate mode)", Kind: CacheAware, Inflight: true, NoEvents: true, Placements: true},
+	}
+}
+
 // Scale shrinks or grows the standard run: 1 is the benchmark's, a small
 // fraction a test's.
 type Scale struct {
@@ -117,7 +136,7 @@ func WriteTable(w io.Writer, rs []Result) error {
 		branches := "-"
 		if len(r.Reasons) > 0 {
 			branches = ""
-			for _, k := range []picker.Reason{picker.ReasonHit, picker.ReasonSpill, picker.ReasonNoOverlap, picker.ReasonKVPressure} {
+			for _, k := range []picker.Reason{picker.ReasonHit, picker.ReasonPlacementHit, picker.ReasonSpill, picker.ReasonNoOverlap, picker.ReasonKVPressure} {
 				if n := r.Reasons[k]; n > 0 {
 					branches += fmt.Sprintf("%s %d ", k, n)
 				}
