@@ -49,6 +49,7 @@ import (
 	"log/slog"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -198,6 +199,8 @@ type Gateway struct {
 	lastRank map[string]int32                // worker → rank of its latest record
 	runCtx   context.Context
 	wg       sync.WaitGroup
+	// publisher shares placements with other replicas; nil = none.
+	publisher atomic.Pointer[PlacementPublisher]
 	// now is the clock load records are stamped and aged with, and tracked
 	// requests expired by; tests replace it.
 	now func() time.Time
@@ -421,6 +424,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	// run it under g.mu, so a burst of concurrent requests with a new
 	// prefix sees the first one's placement as it sees its load.
 	var inferred map[string]int
+	newFrom := len(prefix) // the first block placed anew: none yet
 	pick := func() (picker.Decision, error) {
 		combined := matches
 		if m.places != nil {
@@ -429,7 +433,11 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		}
 		d, err := g.picker.Pick(picker.Request{Eligible: eligible, BlockSize: blockSize, Engine: engine}, combined, loads)
 		if err == nil && m.places != nil {
+			// Every block past the index's overlap is placed (again: a
+			// hot prefix stays), but only those not placed before are
+			// news to the other replicas.
 			m.places.Record(d.Worker, prefix, matches.Blocks(d.Worker), g.now())
+			newFrom = matches.Blocks(d.Worker) + inferred[d.Worker]
 			if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
 				d.Reason = picker.ReasonPlacementHit
 			}
@@ -461,6 +469,9 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		return Decision{}, fmt.Errorf("gateway: %w", err)
 	}
 	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
+	if newFrom < len(prefix) {
+		g.publishPlacement(name, d.Worker, prefix[newFrom:])
+	}
 	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
 	g.logDecision(name, d, inferred[d.Worker], loads, engine)

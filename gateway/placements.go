@@ -2,10 +2,67 @@ package gateway
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/placement"
 )
+
+// PlacementPublisher receives every placement the gateway makes, to share
+// it with other replicas (package placementsync does it over NATS). Publish
+// is called after the routing decision, outside the gateway's locks, and
+// must not block: a replica that cannot share drops it.
+type PlacementPublisher interface {
+	PublishPlacement(model, worker string, hashes []uint64)
+}
+
+// SetPlacementPublisher makes p receive the gateway's placements from now
+// on; nil stops it.
+func (g *Gateway) SetPlacementPublisher(p PlacementPublisher) {
+	if p == nil {
+		g.publisher.Store(nil)
+		return
+	}
+	g.publisher.Store(&p)
+}
+
+func (g *Gateway) publishPlacement(model, worker string, hashes []uint64) {
+	if p := g.publisher.Load(); p != nil && len(hashes) > 0 {
+		(*p).PublishPlacement(model, worker, hashes)
+	}
+}
+
+// ApplyPlacement records a placement another replica made: hashes (prefix
+// hashes, as package index computes them) placed on worker, which must
+// serve model here too.
+func (g *Gateway) ApplyPlacement(model, worker string, hashes []uint64) error {
+	g.mu.Lock()
+	m := g.models[model]
+	ok := m != nil && m.workers[worker]
+	g.mu.Unlock()
+	switch {
+	case m == nil:
+		return fmt.Errorf("%w: %q", ErrUnknownModel, model)
+	case !ok:
+		return fmt.Errorf("%w: %q of model %q", ErrUnknownWorker, worker, model)
+	case m.places == nil:
+		return nil // placements are off here
+	}
+	m.places.Record(worker, hashes, 0, g.now())
+	return nil
+}
+
+// PlacementStats reports a model's placements; false when the model is
+// unknown or placements are off.
+func (g *Gateway) PlacementStats(model string) (placement.Stats, bool) {
+	g.mu.Lock()
+	m := g.models[model]
+	g.mu.Unlock()
+	if m == nil || m.places == nil {
+		return placement.Stats{}, false
+	}
+	return m.places.Stats(), true
+}
 
 // runPlacementSweep drops expired placements until ctx ends. Lookups drop
 // the expired entries they walk over; the sweep bounds the memory of those

@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/gateway/placementsync"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
@@ -112,6 +114,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	placementWeight := fs.Float64("placement-weight", placement.DefaultWeight, "score a block the gateway routed to a worker, before its engine reports it, as this fraction of a reported one (0: placements off)")
 	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
 	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
+	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
+	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
@@ -158,6 +162,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--placement-ttl must be positive, got %v", *placementTTL)
 	case *placementMax <= 0:
 		return fail("--placement-max-entries must be positive, got %d", *placementMax)
+	case *natsURL != "" && *placementWeight == 0:
+		return fail("--nats shares placements, which --placement-weight 0 turns off")
+	case *natsSubject == "" || strings.ContainsAny(*natsSubject, " *>") || strings.HasPrefix(*natsSubject, ".") || strings.HasSuffix(*natsSubject, "."):
+		return fail("--nats-subject-prefix must be dot-separated subject tokens without wildcards, got %q", *natsSubject)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
 	}
@@ -212,6 +220,21 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return fail("--listen %s: %v", *listen, err)
+	}
+	if *natsURL != "" {
+		// It does not wait for the server: an unreachable one is retried
+		// while the gateway routes on its own placements.
+		host, _ := os.Hostname()
+		share, err := placementsync.Start(g, placementsync.Options{
+			URL: *natsURL, Name: "kvrelay-gateway@" + host, SubjectPrefix: *natsSubject,
+			Registerer: reg, Logger: log.With("component", "placementsync"),
+		})
+		if err != nil {
+			ln.Close()
+			return fail("--nats: %v", err)
+		}
+		defer share.Close()
+		g.SetPlacementPublisher(share)
 	}
 	warnIfExposed(log, "gateway", *listen, *webConfig != "")
 	hupCtx, hupCancel := context.WithCancel(ctx)
