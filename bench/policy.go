@@ -21,6 +21,9 @@ type PolicyResults struct {
 	// PlacementRuns are the same traces under fleetsim.PlacementPolicies,
 	// in Seeds order.
 	PlacementRuns [][]fleetsim.Result `json:"placement_runs"`
+	// ReplicaRuns are the same traces under fleetsim.ReplicaPolicies
+	// (gateway replicas behind a round-robin front), in Seeds order.
+	ReplicaRuns [][]fleetsim.Result `json:"replica_runs"`
 }
 
 // policyRequests and policySeeds size the full run (a few minutes on one
@@ -53,6 +56,11 @@ func runPolicy(ctx context.Context, env *environment) (*PolicyResults, error) {
 			return nil, fmt.Errorf("policy: placements: %w", err)
 		}
 		res.PlacementRuns = append(res.PlacementRuns, ps)
+		rs, err = fleetsim.Suite{Fleet: res.Fleet, Traces: traces, Policies: fleetsim.ReplicaPolicies()}.Run()
+		if err != nil {
+			return nil, fmt.Errorf("policy: replicas: %w", err)
+		}
+		res.ReplicaRuns = append(res.ReplicaRuns, rs)
 	}
 	return res, nil
 }
@@ -86,6 +94,10 @@ func writePolicy(w io.Writer, p *PolicyResults) {
 	if len(p.PlacementRuns) > 0 {
 		fmt.Fprintf(w, "### Placements (the gateway's own routing decisions, gateway/placement)\n\n")
 		writePolicyRows(w, p.PlacementRuns)
+	}
+	if len(p.ReplicaRuns) > 0 {
+		fmt.Fprintf(w, "### Gateway replicas behind a round-robin front (events after prefill)\n\n")
+		writePolicyRows(w, p.ReplicaRuns)
 	}
 }
 

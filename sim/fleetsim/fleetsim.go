@@ -78,6 +78,15 @@ type Policy struct {
 	// publishes the blocks once it has computed them does. Either way, a
 	// request queued behind others is unknown to the index until then.
 	EventsAfterPrefill bool
+	// Replicas is the number of gateway replicas behind a round-robin
+	// front (0 = 1): each has its own in-flight counts (the requests it
+	// routed) and its own placements; the index, fed by the same engines'
+	// events, is the same on all and shared. SharePlacements makes every
+	// placement visible on every replica at once (what placementsync does
+	// over NATS in tens of microseconds, against milliseconds between
+	// requests).
+	Replicas        int
+	SharePlacements bool
 }
 
 // Result is one policy's run of one trace.
@@ -111,12 +120,15 @@ type queued struct {
 	// uncached is what the engine counts as waiting uncached tokens for it:
 	// its prompt past the prefix its cache held at enqueue time.
 	uncached int
+	// replica routed it.
+	replica int
 }
 
 // decoding is a request past its first token, holding KV until end.
 type decoding struct {
-	end    float64
-	blocks int
+	end     float64
+	blocks  int
+	replica int
 }
 
 type decodeHeap []decoding
@@ -142,8 +154,10 @@ type worker struct {
 	waitingUncached int
 	// held counts the blocks of requests prefilling or decoding.
 	held int
-	// inflight counts requests routed and not done decoding.
+	// inflight counts requests routed and not done decoding; routedBy the
+	// same per gateway replica.
 	inflight int
+	routedBy []int
 	decodes  decodeHeap
 	// pending are events not yet published (EventsAfterPrefill), in
 	// publication order.
@@ -161,7 +175,7 @@ type sim struct {
 	policy  Policy
 	pick    *picker.Picker
 	ix      *index.Index
-	places  *placement.Store
+	places  []*placement.Store // per replica
 	workers []*worker
 	names   []string
 	next    int // round-robin position
@@ -182,12 +196,14 @@ func Run(f Fleet, tr Trace, p Policy) (Result, error) {
 		}
 		s.pick = pk
 		s.ix = index.New(index.Options{BlockSize: f.BlockSize})
-		if p.Placements {
-			ps, err := placement.New(placement.Options{Weight: p.PlacementWeight})
-			if err != nil {
-				return Result{}, fmt.Errorf("fleetsim: policy %s: %w", p.Name, err)
+		for range s.replicas() {
+			if p.Placements {
+				ps, err := placement.New(placement.Options{Weight: p.PlacementWeight})
+				if err != nil {
+					return Result{}, fmt.Errorf("fleetsim: policy %s: %w", p.Name, err)
+				}
+				s.places = append(s.places, ps)
 			}
-			s.places = ps
 		}
 	}
 	for i := range f.Workers {
@@ -196,7 +212,7 @@ func Run(f Fleet, tr Trace, p Policy) (Result, error) {
 			return Result{}, fmt.Errorf("fleetsim: %w", err)
 		}
 		name := fmt.Sprintf("w%02d", i)
-		s.workers = append(s.workers, &worker{name: name, cache: c})
+		s.workers = append(s.workers, &worker{name: name, cache: c, routedBy: make([]int, s.replicas())})
 		s.names = append(s.names, name)
 	}
 	for _, a := range tr.Arrivals {
@@ -237,6 +253,7 @@ func (s *sim) advance(w *worker, t float64) {
 			d := heap.Pop(&w.decodes).(decoding)
 			w.held -= d.blocks
 			w.inflight--
+			w.routedBy[d.replica]--
 		case len(w.queue) > 0 && nextStart <= t:
 			s.startPrefill(w, nextStart)
 		default:
@@ -271,13 +288,14 @@ func (s *sim) startPrefill(w *worker, start float64) {
 	// over with one hot prefix.
 	blocks := res.StoredBlocks
 	w.held += blocks
-	heap.Push(&w.decodes, decoding{end: w.freeAt + s.fleet.DecodeSeconds, blocks: blocks})
+	heap.Push(&w.decodes, decoding{end: w.freeAt + s.fleet.DecodeSeconds, blocks: blocks, replica: r.replica})
 }
 
 // route places one arrival by the policy.
 func (s *sim) route(a Arrival) error {
 	var w *worker
 	var matched int
+	replica := s.res.Requests % s.replicas() // the round-robin front
 	switch s.policy.Kind {
 	case RoundRobin:
 		w = s.workers[s.next%len(s.workers)]
@@ -297,7 +315,7 @@ func (s *sim) route(a Arrival) error {
 		if s.places != nil {
 			prefix = index.PrefixHashes(a.Tokens, s.fleet.BlockSize, index.Namespace{})
 			m = s.ix.FindMatchesHashes(prefix)
-			r := s.places.Extend(prefix, m, now)
+			r := s.places[replica].Extend(prefix, m, now)
 			combined, inferred = r.Matches, r.Inferred
 		} else {
 			m = s.ix.FindMatches(a.Tokens, index.Namespace{})
@@ -308,7 +326,7 @@ func (s *sim) route(a Arrival) error {
 		if s.policy.Inflight {
 			loads = make(picker.Loads, len(s.workers))
 			for _, c := range s.workers {
-				loads[c.name] = c.inflight
+				loads[c.name] = c.routedBy[replica]
 			}
 		}
 		if s.policy.EngineLoad {
@@ -326,7 +344,11 @@ func (s *sim) route(a Arrival) error {
 		}
 		if s.places != nil {
 			// As gateway.Route does.
-			s.places.Record(d.Worker, prefix, m.Blocks(d.Worker), now)
+			for i, ps := range s.places {
+				if i == replica || s.policy.SharePlacements {
+					ps.Record(d.Worker, prefix, m.Blocks(d.Worker), now)
+				}
+			}
 			if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
 				d.Reason = picker.ReasonPlacementHit
 			}
@@ -343,12 +365,15 @@ func (s *sim) route(a Arrival) error {
 		s.res.PeakTokenUsage = max(s.res.PeakTokenUsage, s.usage(c))
 	}
 	uncached := len(a.Tokens) - matched*s.fleet.BlockSize
-	w.queue = append(w.queue, queued{arrival: a.At, tokens: a.Tokens, uncached: uncached})
+	w.queue = append(w.queue, queued{arrival: a.At, tokens: a.Tokens, uncached: uncached, replica: replica})
 	w.waitingUncached += uncached
 	w.inflight++
+	w.routedBy[replica]++
 	s.res.Requests++
 	return nil
 }
+
+func (s *sim) replicas() int { return max(s.policy.Replicas, 1) }
 
 // simTime is the wall-clock time the placements see at t seconds into a
 // trace.

@@ -195,3 +195,38 @@ func TestPlacementsKeepABurstTogether(t *testing.T) {
 		})
 	}
 }
+
+// TestSharedPlacementsAcrossReplicas: two gateway replicas behind a
+// round-robin front, each with its own in-flight view. A prefix routed by
+// replica 0 is unknown to replica 1 until the engine reports it, unless
+// the placements are shared.
+func TestSharedPlacementsAcrossReplicas(t *testing.T) {
+	fleet := Fleet{Workers: 4, BlockSize: 16, CapacityBlocks: 4096, PrefillTokensPerSec: 1000, OverheadSeconds: 0.01, DecodeSeconds: 1}
+	p := seq(0, 1024)
+	tr := Trace{Name: "two replicas", Arrivals: []Arrival{
+		{At: 1, Tokens: p},                                            // replica 0 → w00
+		{At: 1, Tokens: seq(5000, 64)},                                // replica 1 → w00 (its view: all idle)
+		{At: 1, Tokens: seq(9000, 64)},                                // replica 0 → w01 (w00 busy in its view)
+		{At: 1, Tokens: append(append([]uint32(nil), p...), 1, 2, 3)}, // replica 1: w00 only if it knows p is there
+	}}
+	for _, tc := range []struct {
+		name       string
+		placements bool
+		shared     bool
+		wantCached int64
+	}{
+		{"no placements", false, false, 0},
+		{"own placements", true, false, 0},
+		{"shared placements", true, true, 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := Run(fleet, tr, Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: 2, Placements: tc.placements, SharePlacements: tc.shared})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.CachedTokens != tc.wantCached {
+				t.Errorf("cached tokens %d, want %d (branches %v)", r.CachedTokens, tc.wantCached, r.Reasons)
+			}
+		})
+	}
+}

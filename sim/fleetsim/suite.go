@@ -71,6 +71,29 @@ func PlacementPolicies() []Policy {
 	}
 }
 
+// ReplicaCounts are the gateway replica counts of ReplicaPolicies.
+var ReplicaCounts = []int{1, 2, 4, 8}
+
+// ReplicaPolicies are the multi-gateway runs: 1, 2, 4 and 8 replicas of the
+// default picker with its own in-flight counts behind a round-robin front,
+// each without placements, with its own, and with shared placements. The
+// engines' events reach the index when a prefill ends (the case where
+// placements matter, see PlacementPolicies).
+func ReplicaPolicies() []Policy {
+	var out []Policy
+	for _, n := range ReplicaCounts {
+		base := Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n}
+		local, shared := base, base
+		local.Placements = true
+		shared.Placements, shared.SharePlacements = true, true
+		base.Name = fmt.Sprintf("%d replicas, no placements", n)
+		local.Name = fmt.Sprintf("%d replicas, own placements", n)
+		shared.Name = fmt.Sprintf("%d replicas, shared placements", n)
+		out = append(out, base, local, shared)
+	}
+	return out
+}
+
 // Scale shrinks or grows the standard run: 1 is the benchmark's, a small
 // fraction a test's.
 type Scale struct {
