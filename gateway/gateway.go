@@ -97,6 +97,12 @@ type Config struct {
 type RouteRequest struct {
 	Model    string
 	TokenIDs []uint32
+	// Text is the prompt of a request without token ids (TokenIDs empty):
+	// it is cut into TextBlockBytes pseudo-blocks that only the
+	// placements know (the engines' events carry tokens), so such
+	// requests get prefix affinity among themselves, from the gateway's
+	// own decisions, and never from the engines' caches.
+	Text string
 	// LoraName and CacheSalt select the cache namespace the engine hashed
 	// the request's blocks under.
 	LoraName  string
@@ -411,12 +417,17 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	ns := index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt}
 	var prefix []uint64
 	var matches index.Matches
-	if m.places != nil {
+	switch {
+	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
+		prefix = textPrefixHashes(req.Text, ns)
+		matches = index.Matches{RequestBlocks: len(prefix)}
+		blockSize = TextBlockBytes
+	case m.places != nil:
 		// The placements are keyed by the same prefix hashes, so the
 		// request is hashed once, in full, for both.
 		prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
 		matches = m.ix.FindMatchesHashes(prefix)
-	} else {
+	default:
 		matches = m.ix.FindMatches(req.TokenIDs, ns)
 	}
 	// pick weighs the index's overlaps extended by the placements, and

@@ -5,8 +5,32 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvrelay/kvrelay/gateway/index"
+
 	"github.com/kvrelay/kvrelay/gateway/placement"
 )
+
+// TextBlockBytes is the size of a text request's pseudo-block: 64 bytes,
+// about 16 tokens of English, the usual KV block.
+const TextBlockBytes = 64
+
+// textSalt keeps text pseudo-blocks apart from token blocks of the same
+// namespace: the hashes are the index's, over another seed.
+const textSalt = "kvrelay/text\x00"
+
+// textPrefixHashes cuts text into TextBlockBytes blocks (a partial last
+// block is left out, as with tokens) and chains their hashes as the index
+// does, each block read as 16 little-endian u32 "tokens".
+func textPrefixHashes(text string, ns index.Namespace) []uint64 {
+	n := len(text) / TextBlockBytes
+	words := make([]uint32, n*TextBlockBytes/4)
+	for i := range words {
+		j := 4 * i
+		words[i] = uint32(text[j]) | uint32(text[j+1])<<8 | uint32(text[j+2])<<16 | uint32(text[j+3])<<24
+	}
+	ns.CacheSalt = textSalt + ns.CacheSalt
+	return index.PrefixHashes(words, TextBlockBytes/4, ns)
+}
 
 // PlacementPublisher receives every placement the gateway makes, to share
 // it with other replicas (package placementsync does it over NATS). Publish

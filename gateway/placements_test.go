@@ -3,6 +3,7 @@ package gateway
 import (
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -227,4 +228,38 @@ func gaugeOf(t *testing.T, reg *prometheus.Registry, name string) prometheus.Col
 	}
 	t.Fatalf("no single series of %s", name)
 	return nil
+}
+
+// TestTextRequests: requests without token ids get prefix affinity among
+// themselves from the placements (64-byte pseudo-blocks), and never match
+// token requests.
+func TestTextRequests(t *testing.T) {
+	g := idleGateway(t, 4, Config{})
+	system := strings.Repeat("You are a careful assistant. Answer briefly and cite sources. ", 20) // 1,240 bytes: 19 blocks
+	first, err := g.Route(RouteRequest{Text: system + "What is KV caching?", Track: true})
+	if err != nil || first.Reason != picker.ReasonNoOverlap || first.RequestBlocks != 19 {
+		t.Fatalf("first text route: %+v %v", first, err)
+	}
+	d, err := g.Route(RouteRequest{Text: system + "And prefix caching?", Track: true})
+	if err != nil || d.Worker != first.Worker || d.Reason != picker.ReasonPlacementHit || d.MatchedBlocks[first.Worker] != 19 {
+		t.Fatalf("same system prompt: %+v %v, want %s", d, err, first.Worker)
+	}
+	// Another salt is another namespace, as for tokens.
+	if d, _ := g.Route(RouteRequest{Text: system, CacheSalt: "tenant-b", Track: true}); d.Reason != picker.ReasonNoOverlap {
+		t.Errorf("other cache salt: %+v", d)
+	}
+	// Token ids win over text, and text blocks are not token blocks.
+	var words []uint32
+	for i := 0; i+4 <= len(system); i += 4 {
+		words = append(words, uint32(system[i])|uint32(system[i+1])<<8|uint32(system[i+2])<<16|uint32(system[i+3])<<24)
+	}
+	if d, _ := g.Route(RouteRequest{TokenIDs: words, Text: system}); d.Reason != picker.ReasonNoOverlap {
+		t.Errorf("token ids with the text's bytes: %+v", d)
+	}
+	// With placements off, text is routed by load.
+	off := idleGateway(t, 2, Config{NoPlacements: true})
+	off.Route(RouteRequest{Text: system, Track: true})
+	if d, _ := off.Route(RouteRequest{Text: system, Track: true}); d.Reason != picker.ReasonNoOverlap || d.Worker != "w1" {
+		t.Errorf("placements off: %+v", d)
+	}
 }

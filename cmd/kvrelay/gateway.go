@@ -295,8 +295,11 @@ const maxRouteBody = 32 << 20
 // routeRequest is the /v1/route body. Pointers tell a missing field from a
 // zero one.
 type routeRequest struct {
-	Model     string          `json:"model"`
-	TokenIDs  *[]uint32       `json:"token_ids"`
+	Model    string    `json:"model"`
+	TokenIDs *[]uint32 `json:"token_ids"`
+	// Text, for a client without a tokenizer, is used when token_ids is
+	// absent: prefix affinity from the gateway's placements only.
+	Text      *string         `json:"text"`
 	LoraName  string          `json:"lora_name"`
 	CacheSalt string          `json:"cache_salt"`
 	Loads     map[string]*int `json:"loads"`
@@ -333,8 +336,15 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 			writeError(w, http.StatusBadRequest, err.Error())
 			return
 		}
-		if req.TokenIDs == nil {
-			writeError(w, http.StatusBadRequest, `"token_ids" is required (an array of token ids)`)
+		var toks []uint32
+		var text string
+		switch {
+		case req.TokenIDs != nil:
+			toks = *req.TokenIDs
+		case req.Text != nil:
+			text = *req.Text
+		default:
+			writeError(w, http.StatusBadRequest, `"token_ids" (an array of token ids) or "text" is required`)
 			return
 		}
 		loads, err := checkLoads(req.Loads)
@@ -343,7 +353,7 @@ func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.L
 			return
 		}
 		d, err := g.Route(gateway.RouteRequest{
-			Model: req.Model, TokenIDs: *req.TokenIDs, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
+			Model: req.Model, TokenIDs: toks, Text: text, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
 			Track: req.Track,
 		})
 		switch {
