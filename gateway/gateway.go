@@ -26,7 +26,7 @@
 //		return err // ErrUnknownModel, ErrNoWorkers
 //	}
 //	defer d.Done()         // the worker's in-flight count drops when the request ends
-//	forward(req, d.Worker) // d.Reason: event_hit, event_spill, no_overlap or kv_pressure
+//	forward(req, d.Worker) // d.Reason: event_hit, placement_hit, event_spill, no_overlap or kv_pressure
 //
 // Route answers from the index, the gateway's placements and the load it
 // knows (load.go). A placement is a request's blocks recorded on the worker
