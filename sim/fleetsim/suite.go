@@ -91,6 +91,19 @@ func ReplicaPolicies() []Policy {
 		shared.Name = fmt.Sprintf("%d replicas, shared placements", n)
 		out = append(out, base, local, shared)
 	}
+	// Each replica counts only the requests it routed, so at 4 and 8
+	// replicas a holder looks idle to every replica but its own; the
+	// engines' load records reach all of them. The same runs with overlap
+	// decay and a gate of 16 (StandardPolicies' "+ overlap decay 4").
+	for _, n := range ReplicaCounts[2:] {
+		base := Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n, EngineLoad: true,
+			Picker: picker.Config{AbsThreshold: SmallFleetAbsThreshold, OverlapDecay: StandardOverlapDecay}}
+		shared := base
+		shared.Placements, shared.SharePlacements = true, true
+		base.Name = fmt.Sprintf("%d replicas, no placements, engine load (decay 4, gate 16)", n)
+		shared.Name = fmt.Sprintf("%d replicas, shared placements, engine load (decay 4, gate 16)", n)
+		out = append(out, base, shared)
+	}
 	return out
 }
 
