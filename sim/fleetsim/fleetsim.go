@@ -87,6 +87,9 @@ type Policy struct {
 	// requests).
 	Replicas        int
 	SharePlacements bool
+	// ShareInflight: every replica sees every replica's in-flight counts
+	// (not built in the gateway: what sharing them would buy).
+	ShareInflight bool
 }
 
 // Result is one policy's run of one trace.
@@ -327,6 +330,9 @@ func (s *sim) route(a Arrival) error {
 			loads = make(picker.Loads, len(s.workers))
 			for _, c := range s.workers {
 				loads[c.name] = c.routedBy[replica]
+				if s.policy.ShareInflight {
+					loads[c.name] = c.inflight
+				}
 			}
 		}
 		if s.policy.EngineLoad {

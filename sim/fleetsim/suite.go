@@ -104,6 +104,14 @@ func ReplicaPolicies() []Policy {
 		shared.Name = fmt.Sprintf("%d replicas, shared placements, engine load (decay 4, gate 16)", n)
 		out = append(out, base, shared)
 	}
+	// And with every replica's in-flight counts visible to all.
+	for _, n := range ReplicaCounts[2:] {
+		out = append(out, Policy{
+			Name: fmt.Sprintf("%d replicas, shared placements and in-flight counts", n),
+			Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n,
+			Placements: true, SharePlacements: true, ShareInflight: true,
+		})
+	}
 	return out
 }
 
