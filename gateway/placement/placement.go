@@ -228,6 +228,12 @@ type Result struct {
 // one is dropped.
 func (s *Store) Extend(prefix []uint64, base index.Matches, now time.Time) Result {
 	t := now.UnixNano()
+	s.mu.Lock()
+	empty := s.n == 0
+	s.mu.Unlock()
+	if empty || len(prefix) == 0 {
+		return Result{Matches: base}
+	}
 	cur := make(map[string]int, len(base.Workers))
 	reach := 0
 	for _, m := range base.Workers {
