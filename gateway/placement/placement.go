@@ -196,6 +196,11 @@ func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) 
 			}
 		}
 		if e != nil {
+			if e.expires >= exp-refreshSlack(s.opts.TTL) {
+				// Refreshed a moment ago (a hot prefix): leave it, and
+				// the list's order, as they are.
+				continue
+			}
 			s.unlink(e)
 		} else {
 			e = &entry{hash: h, worker: worker}
@@ -210,6 +215,12 @@ func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) 
 		s.stats.Evicted++
 	}
 }
+
+// refreshSlack is how recently a placement may have been recorded for
+// Record to leave it alone: a sixteenth of the TTL, so a hot prefix's
+// entries move in the list a few times per TTL instead of on every request,
+// and expire at most that much early.
+func refreshSlack(ttl time.Duration) int64 { return int64(ttl / 16) }
 
 // Result is a lookup's answer: the index's overlaps extended by placements.
 type Result struct {
