@@ -34,9 +34,9 @@ func twoHolders(t *testing.T, cfg Config, prompt []uint32) (g *Gateway, a, b *en
 	g = runGateway(t, cfg)
 	a.batches <- storeBatch(1, 16, 100, prompt)
 	b.batches <- storeBatch(1, 16, 200, prompt[:48])
+	// Wait on the index, not by routing: every route places the prompt.
 	eventually(t, "both indexed", func() bool {
-		d, err := g.Route(RouteRequest{TokenIDs: prompt})
-		return err == nil && d.MatchedBlocks["A"] == 4 && d.MatchedBlocks["B"] == 3
+		return workerStatus(t, g, "A").IndexBlocks == 4 && workerStatus(t, g, "B").IndexBlocks == 3
 	})
 	return g, a, b
 }
