@@ -18,6 +18,12 @@ type PolicyResults struct {
 	Seeds    []uint64       `json:"seeds"`
 	// Runs holds every seed's results, in Seeds order.
 	Runs [][]fleetsim.Result `json:"runs"`
+	// PlacementRuns are the same traces under fleetsim.PlacementPolicies,
+	// in Seeds order.
+	PlacementRuns [][]fleetsim.Result `json:"placement_runs"`
+	// ReplicaRuns are the same traces under fleetsim.ReplicaPolicies
+	// (gateway replicas behind a round-robin front), in Seeds order.
+	ReplicaRuns [][]fleetsim.Result `json:"replica_runs"`
 }
 
 // policyRequests and policySeeds size the full run (a few minutes on one
@@ -45,6 +51,16 @@ func runPolicy(ctx context.Context, env *environment) (*PolicyResults, error) {
 			return nil, fmt.Errorf("policy: %w", err)
 		}
 		res.Runs = append(res.Runs, rs)
+		ps, err := fleetsim.Suite{Fleet: res.Fleet, Traces: traces, Policies: fleetsim.PlacementPolicies()}.Run()
+		if err != nil {
+			return nil, fmt.Errorf("policy: placements: %w", err)
+		}
+		res.PlacementRuns = append(res.PlacementRuns, ps)
+		rs, err = fleetsim.Suite{Fleet: res.Fleet, Traces: traces, Policies: fleetsim.ReplicaPolicies()}.Run()
+		if err != nil {
+			return nil, fmt.Errorf("policy: replicas: %w", err)
+		}
+		res.ReplicaRuns = append(res.ReplicaRuns, rs)
 	}
 	return res, nil
 }
@@ -74,10 +90,24 @@ func writePolicy(w io.Writer, p *PolicyResults) {
 	fmt.Fprintf(w, "sim/fleetsim: %d engines of %d %d-token blocks, FIFO prefill at %.0f tokens/s + %.0f ms per request, %.0f s of decode in flight; %d requests per workload (chat at %.0f/s, agentic at %.0f/s), seeds %v. Median over the seeds (range).\n\n",
 		f.Workers, f.CapacityBlocks, f.BlockSize, f.PrefillTokensPerSec, 1000*f.OverheadSeconds, f.DecodeSeconds,
 		p.Requests, fleetsim.ChatRate, fleetsim.AgenticRate, p.Seeds)
+	writePolicyRows(w, p.Runs)
+	if len(p.PlacementRuns) > 0 {
+		fmt.Fprintf(w, "### Placements (the gateway's own routing decisions, gateway/placement)\n\n")
+		writePolicyRows(w, p.PlacementRuns)
+	}
+	if len(p.ReplicaRuns) > 0 {
+		fmt.Fprintf(w, "### Gateway replicas behind a round-robin front (events after prefill)\n\n")
+		writePolicyRows(w, p.ReplicaRuns)
+	}
+}
+
+// writePolicyRows writes one table row per policy and workload: each
+// figure's median over the seeds' runs, with its range.
+func writePolicyRows(w io.Writer, runs [][]fleetsim.Result) {
 	fmt.Fprintf(w, "| workload | policy | hit rate | prefill tokens (M) | TTFT p50 (ms) | TTFT p99 (ms) | peak KV usage |\n|---|---|---:|---:|---:|---:|---:|\n")
-	for i, r := range p.Runs[0] {
+	for i, r := range runs[0] {
 		var hit, prefill, p50, p99, kv []float64
-		for _, run := range p.Runs {
+		for _, run := range runs {
 			x := run[i]
 			hit = append(hit, x.HitRate())
 			prefill = append(prefill, float64(x.PrefillTokens))

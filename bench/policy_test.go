@@ -10,7 +10,8 @@ import (
 )
 
 // TestPolicyQuick runs the policy part's quick form: every policy on both
-// workloads, and the table has a row for each.
+// workloads, the placement and replica policies too, and the tables have a
+// row for each.
 func TestPolicyQuick(t *testing.T) {
 	res, err := runPolicy(context.Background(), &environment{quick: true, log: slog.New(slog.DiscardHandler)})
 	if err != nil {
@@ -20,6 +21,16 @@ func TestPolicyQuick(t *testing.T) {
 	if len(res.Runs) != 1 || len(res.Runs[0]) != rows {
 		t.Fatalf("runs %d × %d, want 1 × %d", len(res.Runs), len(res.Runs[0]), rows)
 	}
+	placementRows := 2 * len(fleetsim.PlacementPolicies())
+	if len(res.PlacementRuns) != 1 || len(res.PlacementRuns[0]) != placementRows {
+		t.Fatalf("placement runs %d × %d, want 1 × %d", len(res.PlacementRuns), len(res.PlacementRuns[0]), placementRows)
+	}
+	rows += placementRows
+	replicaRows := 2 * len(fleetsim.ReplicaPolicies())
+	if len(res.ReplicaRuns) != 1 || len(res.ReplicaRuns[0]) != replicaRows {
+		t.Fatalf("replica runs %d × %d, want 1 × %d", len(res.ReplicaRuns), len(res.ReplicaRuns[0]), replicaRows)
+	}
+	rows += replicaRows
 	var b strings.Builder
 	writePolicy(&b, res)
 	if n := strings.Count(b.String(), "\n| chat |") + strings.Count(b.String(), "\n| agentic |"); n != rows {

@@ -26,11 +26,16 @@
 //		return err // ErrUnknownModel, ErrNoWorkers
 //	}
 //	defer d.Done()         // the worker's in-flight count drops when the request ends
-//	forward(req, d.Worker) // d.Reason: event_hit, event_spill, no_overlap or kv_pressure
+//	forward(req, d.Worker) // d.Reason: event_hit, placement_hit, event_spill, no_overlap or kv_pressure
 //
-// Route answers from the index and the load the gateway knows (load.go):
-// while a model's index is empty (at start, after a resync) every request
-// is no_overlap and goes to the least loaded worker.
+// Route answers from the index, the gateway's placements and the load it
+// knows (load.go). A placement is a request's blocks recorded on the worker
+// it was routed to, until the engine reports them stored (package
+// placement): a burst of requests sharing a new prefix goes where the first
+// went, and while a model's index is empty (engines without events, before
+// the first event, after a resync) routing still follows prefix affinity
+// from the gateway's own decisions, SMG's approximate mode. Requests with
+// no affinity anywhere are no_overlap and go to the least loaded worker.
 //
 // Workers can also come and go at run time (AddWorker, RemoveWorker); a
 // removed worker's blocks leave its model's index before RemoveWorker
@@ -52,6 +57,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 )
 
 // DefaultModel is the model of a worker or request that names none.
@@ -75,6 +81,13 @@ type Config struct {
 	// InflightTimeout ends a tracked request nobody completed; 0 =
 	// DefaultInflightTimeout.
 	InflightTimeout time.Duration
+	// Placements tunes the blocks the gateway records on the worker it
+	// routed a request to, before the engine reports them (package
+	// placement); zero values take its defaults.
+	Placements placement.Options
+	// NoPlacements turns placements off: routing then knows only what the
+	// engines reported.
+	NoPlacements bool
 	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -84,6 +97,12 @@ type Config struct {
 type RouteRequest struct {
 	Model    string
 	TokenIDs []uint32
+	// Text is the prompt of a request without token ids (TokenIDs empty):
+	// it is cut into TextBlockBytes pseudo-blocks that only the
+	// placements know (the engines' events carry tokens), so such
+	// requests get prefix affinity among themselves, from the gateway's
+	// own decisions, and never from the engines' caches.
+	Text string
 	// LoraName and CacheSalt select the cache namespace the engine hashed
 	// the request's blocks under.
 	LoraName  string
@@ -102,10 +121,12 @@ type RouteRequest struct {
 type Decision struct {
 	Worker string
 	Model  string
-	// Reason is event_hit, event_spill, no_overlap or kv_pressure.
+	// Reason is event_hit, placement_hit, event_spill, no_overlap or
+	// kv_pressure.
 	Reason picker.Reason
 	// MatchedBlocks holds each worker's leading blocks of the request that
-	// its cache holds (workers with none are absent).
+	// its cache holds or, by the gateway's placements, is about to hold
+	// (weighted by the placement weight; workers with none are absent).
 	MatchedBlocks map[string]int
 	// BlockSize is the block size the request was cut with; RequestBlocks
 	// the number of full blocks.
@@ -155,7 +176,8 @@ type model struct {
 	// fleet holds the workers' in-flight counts for the picker, updated
 	// whenever one changes, so a route does not walk every worker.
 	fleet   *picker.Fleet
-	started bool // its index's Run is going
+	places  *placement.Store // nil when placements are off
+	started bool             // its index's Run is going
 }
 
 func (m *model) relist() {
@@ -186,6 +208,8 @@ type Gateway struct {
 	lastRank map[string]int32                // worker → rank of its latest record
 	runCtx   context.Context
 	wg       sync.WaitGroup
+	// publisher shares placements with other replicas; nil = none.
+	publisher atomic.Pointer[PlacementPublisher]
 	// now is the clock load records are stamped and aged with, and tracked
 	// requests expired by; tests replace it.
 	now func() time.Time
@@ -211,6 +235,12 @@ func New(cfg Config) (*Gateway, error) {
 	p, err := picker.New(cfg.Picker)
 	if err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	if !cfg.NoPlacements {
+		// Validate once here, so AddWorker cannot fail on them later.
+		if _, err := placement.New(cfg.Placements); err != nil {
+			return nil, fmt.Errorf("gateway: %w", err)
+		}
 	}
 	g := &Gateway{
 		cfg:         cfg,
@@ -267,6 +297,9 @@ func (g *Gateway) AddWorker(w Worker) error {
 			opts.Logger = g.log.With("component", "index", "model", w.Model)
 		}
 		m = &model{name: w.Model, ix: index.New(opts), workers: map[string]bool{}, fleet: picker.NewFleet()}
+		if !g.cfg.NoPlacements {
+			m.places, _ = placement.New(g.cfg.Placements) // validated by New
+		}
 	}
 	if err := g.mon.Add(w, m.ix); err != nil {
 		return fmt.Errorf("gateway: %w", err)
@@ -313,6 +346,9 @@ func (g *Gateway) RemoveWorker(id string) error {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	m.ix.RemoveWorker(id)
+	if m.places != nil {
+		m.places.RemoveWorker(id)
+	}
 	return nil
 }
 
@@ -346,6 +382,13 @@ func (g *Gateway) Run(ctx context.Context) error {
 		defer g.wg.Done()
 		g.runExpiry(ctx)
 	}()
+	if !g.cfg.NoPlacements {
+		g.wg.Add(1)
+		go func() {
+			defer g.wg.Done()
+			g.runPlacementSweep(ctx)
+		}()
+	}
 	g.mu.Unlock()
 	err := g.mon.Run(ctx)
 	g.wg.Wait()
@@ -384,15 +427,51 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	}
 
 	blockSize := m.ix.BlockSize()
-	matches := m.ix.FindMatches(req.TokenIDs, index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt})
+	ns := index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt}
+	var prefix []uint64
+	var matches index.Matches
+	switch {
+	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
+		prefix = textPrefixHashes(req.Text, ns)
+		matches = index.Matches{RequestBlocks: len(prefix)}
+		blockSize = TextBlockBytes
+	case m.places != nil:
+		// The placements are keyed by the same prefix hashes, so the
+		// request is hashed once, in full, for both.
+		prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
+		matches = m.ix.FindMatchesHashes(prefix)
+	default:
+		matches = m.ix.FindMatches(req.TokenIDs, ns)
+	}
 	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
+	// The picker weighs the index's overlaps extended by the placements,
+	// and the request's blocks are placed on the chosen worker, under g.mu
+	// like the in-flight counts: a burst of concurrent requests with a new
+	// prefix sees the first one's placement as it sees its load.
+	var inferred map[string]int
+	newFrom := len(prefix) // the first block placed anew: none yet
 	g.mu.Lock()
 	var engine map[string]picker.EngineSignal
 	if g.picker.UsesEngineLoad() {
 		engine = g.engineSignalsLocked(m.list, g.now())
 	}
-	d, err := g.picker.PickFleet(m.fleet, picker.Request{BlockSize: blockSize, Engine: engine}, matches)
+	combined := matches
+	if m.places != nil {
+		r := m.places.Extend(prefix, matches, g.now())
+		combined, inferred = r.Matches, r.Inferred
+	}
+	d, err := g.picker.PickFleet(m.fleet, picker.Request{BlockSize: blockSize, Engine: engine}, combined)
 	inflight := m.fleet.Load(d.Worker)
+	if err == nil && m.places != nil {
+		// Every block past the index's overlap is placed (again: a hot
+		// prefix stays), but only those not placed before are news to the
+		// other replicas.
+		m.places.Record(d.Worker, prefix, matches.Blocks(d.Worker), g.now())
+		newFrom = matches.Blocks(d.Worker) + inferred[d.Worker]
+		if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
+			d.Reason = picker.ReasonPlacementHit
+		}
+	}
 	// d.Worker is a member of the fleet read under this lock, so it is
 	// still a worker of the model.
 	if err == nil && req.Track {
@@ -408,15 +487,18 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		return Decision{}, fmt.Errorf("gateway: %w", err)
 	}
 	out.Worker, out.Reason, out.MatchedBlocks = d.Worker, d.Reason, d.Matched
+	if newFrom < len(prefix) {
+		g.publishPlacement(name, d.Worker, prefix[newFrom:])
+	}
 	g.metrics.routes.WithLabelValues(name, string(d.Reason)).Inc()
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
-	g.logDecision(name, d, inflight, engine)
+	g.logDecision(name, d, inferred[d.Worker], inflight, engine)
 	return out, nil
 }
 
 // logDecision writes SMG's per-decision debug line: the branch and what
 // decided it.
-func (g *Gateway) logDecision(model string, d picker.Decision, inflight int, engine map[string]picker.EngineSignal) {
+func (g *Gateway) logDecision(model string, d picker.Decision, inferred, inflight int, engine map[string]picker.EngineSignal) {
 	if !g.log.Enabled(context.Background(), slog.LevelDebug) {
 		return
 	}
@@ -425,6 +507,7 @@ func (g *Gateway) logDecision(model string, d picker.Decision, inflight int, eng
 		slog.String("worker", d.Worker),
 		slog.String("branch", string(d.Reason)),
 		slog.Int("matched_blocks", d.Blocks),
+		slog.Int("inferred_blocks", inferred),
 		slog.Int("best_blocks", d.Best),
 		slog.Int("request_blocks", d.RequestBlocks),
 		slog.Int("candidates", len(d.Matched)),

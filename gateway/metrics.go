@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 )
 
 type gatewayMetrics struct {
@@ -19,7 +20,7 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 	m := &gatewayMetrics{
 		routes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_route_decisions_total",
-			Help: "Routing decisions, by model and reason (event_hit, event_spill, no_overlap, kv_pressure).",
+			Help: "Routing decisions, by model and reason (event_hit, placement_hit, event_spill, no_overlap, kv_pressure).",
 		}, []string{"model", "reason"}),
 		routeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_route_seconds",
@@ -59,6 +60,10 @@ var (
 		"In-flight requests per worker as the picker counts them: the larger of the last client report and the tracked requests routed and not completed.", []string{"worker"}, nil)
 	cacheHitRateDesc = prometheus.NewDesc("kvrelay_gateway_engine_cache_hit_rate",
 		"The engine's own prefix-cache hit rate, from its last load record that carried one.", []string{"model", "worker", "rank"}, nil)
+	placementsDesc = prometheus.NewDesc("kvrelay_gateway_placements",
+		"Placements the gateway holds for the model: blocks of requests it routed, recorded on the chosen worker until the engine reports them.", []string{"model"}, nil)
+	placementsEndedDesc = prometheus.NewDesc("kvrelay_gateway_placements_ended_total",
+		"Placements that ended, by how: confirmed (the index then held the block), expired (TTL), evicted (entry cap), removed (worker removed).", []string{"model", "how"}, nil)
 	blockSizeDesc = prometheus.NewDesc("kvrelay_gateway_block_size",
 		"Block size (tokens) learned from the model's KV events; absent until one is seen.", []string{"model"}, nil)
 )
@@ -71,14 +76,20 @@ func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- inflightDesc
 	ch <- cacheHitRateDesc
 	ch <- blockSizeDesc
+	ch <- placementsDesc
+	ch <- placementsEndedDesc
 }
 
 func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 	g := c.g
 	g.mu.Lock()
 	ixs := make(map[string]*index.Index, len(g.models))
+	places := make(map[string]*placement.Store, len(g.models))
 	for name, m := range g.models {
 		ixs[name] = m.ix
+		if m.places != nil {
+			places[name] = m.places
+		}
 	}
 	inflight := make(map[string]int, len(g.workerOf))
 	type hitRate struct {
@@ -110,6 +121,13 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(indexMemoryDesc, prometheus.GaugeValue, float64(st.MemoryBytes), name)
 		for w, ws := range st.Workers {
 			ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(ws.Blocks), name, w)
+		}
+	}
+	for name, p := range places {
+		st := p.Stats()
+		ch <- prometheus.MustNewConstMetric(placementsDesc, prometheus.GaugeValue, float64(st.Entries), name)
+		for how, n := range map[string]uint64{"confirmed": st.Confirmed, "expired": st.Expired, "evicted": st.Evicted, "removed": st.Removed} {
+			ch <- prometheus.MustNewConstMetric(placementsEndedDesc, prometheus.CounterValue, float64(n), name, how)
 		}
 	}
 	for w, n := range inflight {

@@ -72,6 +72,10 @@ func TestLoadSignalsThroughSMGRelay(t *testing.T) {
 		},
 		Picker:     picker.Config{OverlapDecay: 1, OverloadTokenUsage: 0.9},
 		Registerer: reg,
+		// The load signals alone: with placements, the requests routed to Q
+		// would place the prompt's last blocks there, and Q would then hold
+		// as much as P.
+		NoPlacements: true,
 	})
 	// SMG's relay keeps no history: probe until a batch gets through.
 	for i := 0; len(workerStatus(t, g, "P").Ranks) < 1; i++ {

@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"reflect"
 	"sort"
 	"strings"
@@ -25,6 +26,8 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/gateway/placementsync"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
@@ -110,6 +113,11 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	overlapDecay := fs.Float64("overlap-decay", 0, "de-rank a holder by its engine's waiting-prefill backlog: overlap ÷ (1 + this × backlog in request lengths); 0: off")
 	overloadUsage := fs.Float64("overload-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while the hottest engine's KV token usage is above this (1.0: off)")
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
+	placementWeight := fs.Float64("placement-weight", placement.DefaultWeight, "score a block the gateway routed to a worker, before its engine reports it, as this fraction of a reported one (0: placements off)")
+	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
+	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
+	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
+	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -157,6 +165,16 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--overload-token-usage-threshold must be in (0, 1], got %v", *overloadUsage)
 	case !(*balanceUsage > 0 && *balanceUsage <= 1):
 		return fail("--balance-token-usage-threshold must be in (0, 1], got %v", *balanceUsage)
+	case !(*placementWeight >= 0 && *placementWeight <= 1):
+		return fail("--placement-weight must be in [0, 1], got %v", *placementWeight)
+	case *placementTTL <= 0:
+		return fail("--placement-ttl must be positive, got %v", *placementTTL)
+	case *placementMax <= 0:
+		return fail("--placement-max-entries must be positive, got %d", *placementMax)
+	case *natsURL != "" && *placementWeight == 0:
+		return fail("--nats shares placements, which --placement-weight 0 turns off")
+	case *natsSubject == "" || strings.ContainsAny(*natsSubject, " *>") || strings.HasPrefix(*natsSubject, ".") || strings.HasSuffix(*natsSubject, "."):
+		return fail("--nats-subject-prefix must be dot-separated subject tokens without wildcards, got %q", *natsSubject)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
 	case *maxRecv < 4<<20:
@@ -210,6 +228,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
 		InflightTimeout: *inflightTimeout,
+		Placements:      placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
+		NoPlacements:    *placementWeight == 0,
 		Registerer:      reg,
 		Logger:          log,
 	})
@@ -221,6 +241,21 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return fail("--listen %s: %v", *listen, err)
+	}
+	if *natsURL != "" {
+		// It does not wait for the server: an unreachable one is retried
+		// while the gateway routes on its own placements.
+		host, _ := os.Hostname()
+		share, err := placementsync.Start(g, placementsync.Options{
+			URL: *natsURL, Name: "kvrelay-gateway@" + host, SubjectPrefix: *natsSubject,
+			Registerer: reg, Logger: log.With("component", "placementsync"),
+		})
+		if err != nil {
+			ln.Close()
+			return fail("--nats: %v", err)
+		}
+		defer share.Close()
+		g.SetPlacementPublisher(share)
 	}
 	warnIfExposed(log, "gateway", *listen, *webConfig != "")
 	hupCtx, hupCancel := context.WithCancel(ctx)
@@ -333,8 +368,11 @@ func nameWorkers(in []gateway.Worker) ([]gateway.Worker, error) {
 // routeRequest is the /v1/route body. Pointers tell a missing field from a
 // zero one.
 type routeRequest struct {
-	Model     string          `json:"model"`
-	TokenIDs  *[]uint32       `json:"token_ids"`
+	Model    string    `json:"model"`
+	TokenIDs *[]uint32 `json:"token_ids"`
+	// Text, for a client without a tokenizer, is used when token_ids is
+	// absent: prefix affinity from the gateway's placements only.
+	Text      *string         `json:"text"`
 	LoraName  string          `json:"lora_name"`
 	CacheSalt string          `json:"cache_salt"`
 	Loads     map[string]*int `json:"loads"`
@@ -390,11 +428,18 @@ func newGatewayHandlerWith(g *gateway.Gateway, reg *prometheus.Registry, log *sl
 			writeError(w, code, err.Error())
 			return
 		}
-		if req.TokenIDs == nil {
-			writeError(w, http.StatusBadRequest, `"token_ids" is required (an array of token ids)`)
+		var toks []uint32
+		var text string
+		switch {
+		case req.TokenIDs != nil:
+			toks = *req.TokenIDs
+		case req.Text != nil:
+			text = *req.Text
+		default:
+			writeError(w, http.StatusBadRequest, `"token_ids" (an array of token ids) or "text" is required`)
 			return
 		}
-		if n := len(*req.TokenIDs); n > lim.MaxTokens {
+		if n := len(toks); n > lim.MaxTokens {
 			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf(`"token_ids" holds %d tokens; this gateway takes at most %d (--max-request-tokens)`, n, lim.MaxTokens))
 			return
 		}
@@ -404,7 +449,7 @@ func newGatewayHandlerWith(g *gateway.Gateway, reg *prometheus.Registry, log *sl
 			return
 		}
 		d, err := g.Route(gateway.RouteRequest{
-			Model: req.Model, TokenIDs: *req.TokenIDs, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
+			Model: req.Model, TokenIDs: toks, Text: text, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
 			Track: req.Track,
 		})
 		switch {

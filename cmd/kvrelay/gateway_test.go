@@ -130,6 +130,13 @@ func TestGatewayBadFlags(t *testing.T) {
 		{[]string{"--worker", "grpc://a:1", "--overload-token-usage-threshold", "1.5"}, "--overload-token-usage-threshold"},
 		{[]string{"--worker", "grpc://a:1", "--balance-token-usage-threshold", "0"}, "--balance-token-usage-threshold"},
 		{[]string{"--worker", "grpc://a:1", "--inflight-timeout", "0s"}, "--inflight-timeout"},
+		{[]string{"--worker", "grpc://a:1", "--placement-weight", "1.5"}, "--placement-weight"},
+		{[]string{"--worker", "grpc://a:1", "--placement-weight", "NaN"}, "--placement-weight"},
+		{[]string{"--worker", "grpc://a:1", "--placement-ttl", "0s"}, "--placement-ttl"},
+		{[]string{"--worker", "grpc://a:1", "--placement-max-entries", "0"}, "--placement-max-entries"},
+		{[]string{"--worker", "grpc://a:1", "--nats", "nats://127.0.0.1:4222", "--placement-weight", "0"}, "--placement-weight 0"},
+		{[]string{"--worker", "grpc://a:1", "--nats-subject-prefix", "a.*"}, "--nats-subject-prefix"},
+		{[]string{"--worker", "grpc://a:1", "--nats-subject-prefix", "a."}, "--nats-subject-prefix"},
 		{[]string{"--worker", "grpc://a:1", "--log-level", "loud"}, "--log-level"},
 		{[]string{"--worker", "grpc://a:1", "--listen", "nonsense"}, "--listen"},
 		{[]string{"--worker", "grpc://a:1", "extra"}, "unexpected argument"},
@@ -156,7 +163,9 @@ type httpRig struct {
 	idB  string
 }
 
-func newHTTPRig(t *testing.T) *httpRig {
+func newHTTPRig(t *testing.T) *httpRig { return newHTTPRigWith(t, true) }
+
+func newHTTPRigWith(t *testing.T, noPlacements bool) *httpRig {
 	t.Helper()
 	a, b := startFakeEngine(t), startFakeEngine(t)
 	reg := prometheus.NewRegistry()
@@ -167,6 +176,9 @@ func newHTTPRig(t *testing.T) *httpRig {
 			{ID: idB, Addr: b.addr, Model: "llama"},
 		},
 		Registerer: reg,
+		// The rig's tests are about the event path and the loads; the
+		// routes they poll with would otherwise place their prompts.
+		NoPlacements: noPlacements,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -428,14 +440,14 @@ func TestGatewayCommand(t *testing.T) {
 	}
 	prompt := seqTokens(7, 48)
 	e2.batches <- storeTokens(1, 16, prompt)
-	var out map[string]any
-	for {
-		_, out = post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(prompt)+`}`)
-		if out["reason"] == "event_hit" || time.Now().After(deadline) {
-			break
+	// Wait on the index, not by routing: every route places the prompt.
+	for !strings.Contains(getBody(t, "http://"+addr+"/v1/workers"), `"index_blocks":3`) {
+		if time.Now().After(deadline) {
+			t.Fatal("e2's blocks never indexed")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	_, out := post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(prompt)+`}`)
 	if out["worker"] != "grpc://"+e2.addr || out["reason"] != "event_hit" {
 		t.Fatalf("route %v", out)
 	}
@@ -515,4 +527,44 @@ func FuzzRouteBody(f *testing.F) {
 			t.Fatalf("routed to %v", out["worker"])
 		}
 	})
+}
+
+func getBody(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestGatewayHTTPPlacements: a prompt routed before any event is routed
+// again to the same worker (placement_hit), by token ids or, for a client
+// without a tokenizer, by text; a body with neither is a 400.
+func TestGatewayHTTPPlacements(t *testing.T) {
+	verifyNoLeaks(t)
+	r := newHTTPRigWith(t, false)
+	system := strings.Repeat("Be brief. ", 40)
+	for _, body := range []string{
+		`{"model":"llama","token_ids":` + tokensJSON(seqTokens(500, 64)) + `,"track":true}`,
+		`{"model":"llama","text":"` + system + `","track":true}`,
+	} {
+		code, first := post(t, r.srv.URL+"/v1/route", body)
+		if code != 200 || first["reason"] != "no_overlap" {
+			t.Fatalf("first route: %d %v", code, first)
+		}
+		code, again := post(t, r.srv.URL+"/v1/route", body)
+		if code != 200 || again["reason"] != "placement_hit" || again["worker"] != first["worker"] {
+			t.Errorf("second route: %d %v, want placement_hit on %v", code, again, first["worker"])
+		}
+	}
+	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama"}`)
+	if code != 400 || !strings.Contains(fmt.Sprint(out), `"text"`) {
+		t.Errorf("neither token_ids nor text: %d %v", code, out)
+	}
 }

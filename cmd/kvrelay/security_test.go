@@ -219,20 +219,26 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 	prompt := seqTokens(7, 48)
 	secured.batches <- storeTokens(1, 16, prompt)
 	client := p.httpsClient()
-	var out map[string]any
+	// Wait on the index, not by routing: every route places the prompt.
 	for {
-		resp, err := client.Post("https://"+addr+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":`+tokensJSON(prompt)+`}`))
+		resp, err := client.Get("https://" + addr + "/v1/workers")
 		if err != nil {
-			t.Fatalf("route over HTTPS: %v", err)
+			t.Fatalf("workers over HTTPS: %v", err)
 		}
-		out = map[string]any{}
-		_ = json.NewDecoder(resp.Body).Decode(&out)
+		body, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if out["reason"] == "event_hit" || time.Now().After(deadline) {
+		if strings.Contains(string(body), `"index_blocks":3`) || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	resp, err := client.Post("https://"+addr+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":`+tokensJSON(prompt)+`}`))
+	if err != nil {
+		t.Fatalf("route over HTTPS: %v", err)
+	}
+	out := map[string]any{}
+	_ = json.NewDecoder(resp.Body).Decode(&out)
+	resp.Body.Close()
 	if out["worker"] != "grpcs://"+secured.addr || out["reason"] != "event_hit" {
 		t.Fatalf("route %v; stderr:\n%s", out, stderr.String())
 	}

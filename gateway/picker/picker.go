@@ -69,6 +69,11 @@ const (
 	// ReasonKVPressure: a KV token-usage threshold suspended cache affinity
 	// and the least-loaded worker was chosen.
 	ReasonKVPressure Reason = "kv_pressure"
+	// ReasonPlacementHit: the chosen worker's overlap includes blocks the
+	// gateway placed there itself and the engine has not reported yet
+	// (package placement). The picker never returns it: the gateway
+	// relabels the event_hit it decided with placements.
+	ReasonPlacementHit Reason = "placement_hit"
 )
 
 // SMG CLI defaults (--balance-abs-threshold, --balance-rel-threshold).

@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
@@ -63,6 +65,31 @@ type Policy struct {
 	// EngineLoad: the picker sees the engines' load records (waiting
 	// uncached tokens, KV token usage).
 	EngineLoad bool
+	// Placements: the gateway records each request's blocks on the worker
+	// it chose until the engine reports them (gateway/placement), with
+	// PlacementWeight (0 = placement.DefaultWeight).
+	Placements      bool
+	PlacementWeight float64
+	// NoEvents: the engines publish no KV events, so the index stays empty
+	// (with Placements, the gateway's approximate mode).
+	NoEvents bool
+	// EventsAfterPrefill: an engine's events for a request reach the index
+	// when its prefill ends instead of when it starts, as an engine that
+	// publishes the blocks once it has computed them does. Either way, a
+	// request queued behind others is unknown to the index until then.
+	EventsAfterPrefill bool
+	// Replicas is the number of gateway replicas behind a round-robin
+	// front (0 = 1): each has its own in-flight counts (the requests it
+	// routed) and its own placements; the index, fed by the same engines'
+	// events, is the same on all and shared. SharePlacements makes every
+	// placement visible on every replica at once (what placementsync does
+	// over NATS in tens of microseconds, against milliseconds between
+	// requests).
+	Replicas        int
+	SharePlacements bool
+	// ShareInflight: every replica sees every replica's in-flight counts
+	// (not built in the gateway: what sharing them would buy).
+	ShareInflight bool
 }
 
 // Result is one policy's run of one trace.
@@ -96,12 +123,15 @@ type queued struct {
 	// uncached is what the engine counts as waiting uncached tokens for it:
 	// its prompt past the prefix its cache held at enqueue time.
 	uncached int
+	// replica routed it.
+	replica int
 }
 
 // decoding is a request past its first token, holding KV until end.
 type decoding struct {
-	end    float64
-	blocks int
+	end     float64
+	blocks  int
+	replica int
 }
 
 type decodeHeap []decoding
@@ -127,9 +157,19 @@ type worker struct {
 	waitingUncached int
 	// held counts the blocks of requests prefilling or decoding.
 	held int
-	// inflight counts requests routed and not done decoding.
+	// inflight counts requests routed and not done decoding; routedBy the
+	// same per gateway replica.
 	inflight int
+	routedBy []int
 	decodes  decodeHeap
+	// pending are events not yet published (EventsAfterPrefill), in
+	// publication order.
+	pending []pendingBatch
+}
+
+type pendingBatch struct {
+	at float64
+	b  *kvpb.KvEventBatch
 }
 
 // sim is one policy's run.
@@ -138,6 +178,7 @@ type sim struct {
 	policy  Policy
 	pick    *picker.Picker
 	ix      *index.Index
+	places  []*placement.Store // per replica
 	workers []*worker
 	names   []string
 	next    int // round-robin position
@@ -158,6 +199,15 @@ func Run(f Fleet, tr Trace, p Policy) (Result, error) {
 		}
 		s.pick = pk
 		s.ix = index.New(index.Options{BlockSize: f.BlockSize})
+		for range s.replicas() {
+			if p.Placements {
+				ps, err := placement.New(placement.Options{Weight: p.PlacementWeight})
+				if err != nil {
+					return Result{}, fmt.Errorf("fleetsim: policy %s: %w", p.Name, err)
+				}
+				s.places = append(s.places, ps)
+			}
+		}
 	}
 	for i := range f.Workers {
 		c, err := prefixcache.New(prefixcache.Config{BlockSize: f.BlockSize, CapacityBlocks: f.CapacityBlocks, Hasher: prefixcache.TokenSpeedFNV{}})
@@ -165,7 +215,7 @@ func Run(f Fleet, tr Trace, p Policy) (Result, error) {
 			return Result{}, fmt.Errorf("fleetsim: %w", err)
 		}
 		name := fmt.Sprintf("w%02d", i)
-		s.workers = append(s.workers, &worker{name: name, cache: c})
+		s.workers = append(s.workers, &worker{name: name, cache: c, routedBy: make([]int, s.replicas())})
 		s.names = append(s.names, name)
 	}
 	for _, a := range tr.Arrivals {
@@ -194,11 +244,19 @@ func (s *sim) advance(w *worker, t float64) {
 		if len(w.decodes) > 0 {
 			nextEnd = w.decodes[0].end
 		}
+		nextPublish := math.Inf(1)
+		if len(w.pending) > 0 {
+			nextPublish = w.pending[0].at
+		}
 		switch {
+		case len(w.pending) > 0 && nextPublish <= t && nextPublish <= nextStart && nextPublish <= nextEnd:
+			s.ix.Apply(w.name, w.pending[0].b)
+			w.pending = w.pending[1:]
 		case len(w.decodes) > 0 && nextEnd <= t && nextEnd <= nextStart:
 			d := heap.Pop(&w.decodes).(decoding)
 			w.held -= d.blocks
 			w.inflight--
+			w.routedBy[d.replica]--
 		case len(w.queue) > 0 && nextStart <= t:
 			s.startPrefill(w, nextStart)
 		default:
@@ -214,12 +272,16 @@ func (s *sim) startPrefill(w *worker, start float64) {
 	w.waitingUncached -= r.uncached
 	w.cache.BeginStep()
 	res, evs := w.cache.Insert(r.tokens)
-	if s.ix != nil {
-		s.ix.Apply(w.name, toBatch(evs))
-	}
 	cached := res.DeviceHits * s.fleet.BlockSize
 	uncached := len(r.tokens) - cached
 	w.freeAt = start + s.fleet.OverheadSeconds + float64(uncached)/s.fleet.PrefillTokensPerSec
+	switch {
+	case s.ix == nil || s.policy.NoEvents:
+	case s.policy.EventsAfterPrefill:
+		w.pending = append(w.pending, pendingBatch{at: w.freeAt, b: toBatch(evs)})
+	default:
+		s.ix.Apply(w.name, toBatch(evs))
+	}
 	s.ttfts = append(s.ttfts, w.freeAt-r.arrival)
 	s.res.PromptTokens += int64(len(r.tokens))
 	s.res.CachedTokens += int64(cached)
@@ -229,13 +291,14 @@ func (s *sim) startPrefill(w *worker, start float64) {
 	// over with one hot prefix.
 	blocks := res.StoredBlocks
 	w.held += blocks
-	heap.Push(&w.decodes, decoding{end: w.freeAt + s.fleet.DecodeSeconds, blocks: blocks})
+	heap.Push(&w.decodes, decoding{end: w.freeAt + s.fleet.DecodeSeconds, blocks: blocks, replica: r.replica})
 }
 
 // route places one arrival by the policy.
 func (s *sim) route(a Arrival) error {
 	var w *worker
 	var matched int
+	replica := s.res.Requests % s.replicas() // the round-robin front
 	switch s.policy.Kind {
 	case RoundRobin:
 		w = s.workers[s.next%len(s.workers)]
@@ -248,13 +311,28 @@ func (s *sim) route(a Arrival) error {
 			}
 		}
 	case CacheAware:
-		m := s.ix.FindMatches(a.Tokens, index.Namespace{})
+		var prefix []uint64
+		var m, combined index.Matches
+		var inferred map[string]int
+		now := simTime(a.At)
+		if s.places != nil {
+			prefix = index.PrefixHashes(a.Tokens, s.fleet.BlockSize, index.Namespace{})
+			m = s.ix.FindMatchesHashes(prefix)
+			r := s.places[replica].Extend(prefix, m, now)
+			combined, inferred = r.Matches, r.Inferred
+		} else {
+			m = s.ix.FindMatches(a.Tokens, index.Namespace{})
+			combined = m
+		}
 		req := picker.Request{Eligible: s.names, BlockSize: s.fleet.BlockSize}
 		var loads picker.Loads
 		if s.policy.Inflight {
 			loads = make(picker.Loads, len(s.workers))
 			for _, c := range s.workers {
-				loads[c.name] = c.inflight
+				loads[c.name] = c.routedBy[replica]
+				if s.policy.ShareInflight {
+					loads[c.name] = c.inflight
+				}
 			}
 		}
 		if s.policy.EngineLoad {
@@ -266,13 +344,26 @@ func (s *sim) route(a Arrival) error {
 				}
 			}
 		}
-		d, err := s.pick.Pick(req, m, loads)
+		d, err := s.pick.Pick(req, combined, loads)
 		if err != nil {
 			return fmt.Errorf("fleetsim: policy %s: %w", s.policy.Name, err)
 		}
+		if s.places != nil {
+			// As gateway.Route does.
+			for i, ps := range s.places {
+				if i == replica || s.policy.SharePlacements {
+					ps.Record(d.Worker, prefix, m.Blocks(d.Worker), now)
+				}
+			}
+			if d.Reason == picker.ReasonHit && inferred[d.Worker] > 0 {
+				d.Reason = picker.ReasonPlacementHit
+			}
+		}
 		s.res.Reasons[d.Reason]++
 		w = s.workers[slices.Index(s.names, d.Worker)]
-		matched = d.Blocks
+		// What the engine's cache holds, as the index knows it: inferred
+		// blocks are not cached yet.
+		matched = m.Blocks(d.Worker)
 	default:
 		return fmt.Errorf("fleetsim: policy %s: unknown kind %d", s.policy.Name, s.policy.Kind)
 	}
@@ -280,11 +371,20 @@ func (s *sim) route(a Arrival) error {
 		s.res.PeakTokenUsage = max(s.res.PeakTokenUsage, s.usage(c))
 	}
 	uncached := len(a.Tokens) - matched*s.fleet.BlockSize
-	w.queue = append(w.queue, queued{arrival: a.At, tokens: a.Tokens, uncached: uncached})
+	w.queue = append(w.queue, queued{arrival: a.At, tokens: a.Tokens, uncached: uncached, replica: replica})
 	w.waitingUncached += uncached
 	w.inflight++
+	w.routedBy[replica]++
 	s.res.Requests++
 	return nil
+}
+
+func (s *sim) replicas() int { return max(s.policy.Replicas, 1) }
+
+// simTime is the wall-clock time the placements see at t seconds into a
+// trace.
+func simTime(t float64) time.Time {
+	return time.Unix(0, 0).Add(time.Duration(t * float64(time.Second)))
 }
 
 // usage is w's KV token usage as its engine would report it.

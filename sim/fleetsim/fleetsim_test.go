@@ -148,3 +148,85 @@ func TestTraceValidation(t *testing.T) {
 		t.Error("empty fleet accepted")
 	}
 }
+
+// TestPlacementsKeepABurstTogether: a burst of requests with one new
+// prefix, arriving together on an idle fleet whose engines report blocks
+// only after their prefill (or never). Without placements the gateway knows
+// nothing of the prefix until the first prefill ends and spreads the burst
+// by load, each engine computing the prefix; with them the burst follows
+// the first request and computes the prefix once.
+func TestPlacementsKeepABurstTogether(t *testing.T) {
+	fleet := Fleet{Workers: 4, BlockSize: 16, CapacityBlocks: 4096, PrefillTokensPerSec: 1000, OverheadSeconds: 0.01, DecodeSeconds: 1}
+	shared := seq(0, 1024)
+	var arr []Arrival
+	for i := range 6 {
+		arr = append(arr, Arrival{At: 1, Tokens: append(append([]uint32(nil), shared...), seq(10000+100*i, 32)...)})
+	}
+	tr := Trace{Name: "burst", Arrivals: arr}
+	for _, tc := range []struct {
+		name                  string
+		after, none           bool
+		wantWithout, wantWith int64 // cached tokens
+	}{
+		// Without placements the 6 requests spread over the 4 engines: only
+		// the 2 that land on an engine after its first request find the
+		// prefix. With them, the 5 behind the first find it.
+		{name: "events after prefill", after: true, wantWithout: 2 * 1024, wantWith: 5 * 1024},
+		{name: "no events", none: true, wantWithout: 2 * 1024, wantWith: 5 * 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			base := Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: tc.after, NoEvents: tc.none}
+			with := base
+			with.Placements = true
+			rw, err := Run(fleet, tr, base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rp, err := Run(fleet, tr, with)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rw.CachedTokens != tc.wantWithout || rp.CachedTokens != tc.wantWith {
+				t.Errorf("cached tokens without placements %d, with %d; want %d and %d", rw.CachedTokens, rp.CachedTokens, tc.wantWithout, tc.wantWith)
+			}
+			if rp.Reasons[picker.ReasonPlacementHit] != 5 {
+				t.Errorf("branches with placements %v, want 5 placement_hit", rp.Reasons)
+			}
+		})
+	}
+}
+
+// TestSharedPlacementsAcrossReplicas: two gateway replicas behind a
+// round-robin front, each with its own in-flight view. A prefix routed by
+// replica 0 is unknown to replica 1 until the engine reports it, unless
+// the placements are shared.
+func TestSharedPlacementsAcrossReplicas(t *testing.T) {
+	fleet := Fleet{Workers: 4, BlockSize: 16, CapacityBlocks: 4096, PrefillTokensPerSec: 1000, OverheadSeconds: 0.01, DecodeSeconds: 1}
+	p := seq(0, 1024)
+	tr := Trace{Name: "two replicas", Arrivals: []Arrival{
+		{At: 1, Tokens: p},                                            // replica 0 → w00
+		{At: 1, Tokens: seq(5000, 64)},                                // replica 1 → w00 (its view: all idle)
+		{At: 1, Tokens: seq(9000, 64)},                                // replica 0 → w01 (w00 busy in its view)
+		{At: 1, Tokens: append(append([]uint32(nil), p...), 1, 2, 3)}, // replica 1: w00 only if it knows p is there
+	}}
+	for _, tc := range []struct {
+		name       string
+		placements bool
+		shared     bool
+		wantCached int64
+	}{
+		{"no placements", false, false, 0},
+		{"own placements", true, false, 0},
+		{"shared placements", true, true, 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := Run(fleet, tr, Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: 2, Placements: tc.placements, SharePlacements: tc.shared})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.CachedTokens != tc.wantCached {
+				t.Errorf("cached tokens %d, want %d (branches %v)", r.CachedTokens, tc.wantCached, r.Reasons)
+			}
+		})
+	}
+}

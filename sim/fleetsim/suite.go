@@ -52,6 +52,69 @@ func StandardPolicies() []Policy {
 	}
 }
 
+// PlacementPolicies measure the gateway's placements (gateway/placement):
+// the default picker with its own in-flight counts, without and with
+// placements, with the engines' events reaching the index when a prefill
+// starts (the standard model) and when it ends (an engine that publishes
+// blocks once computed); then engines publishing no events at all, where
+// least load is what the gateway did before and placements give the
+// approximate mode.
+func PlacementPolicies() []Policy {
+	return []Policy{
+		{Name: "least_load", Kind: LeastLoad},
+		{Name: "cache_aware + in-flight", Kind: CacheAware, Inflight: true},
+		{Name: "+ placements", Kind: CacheAware, Inflight: true, Placements: true},
+		{Name: "events after prefill: cache_aware + in-flight", Kind: CacheAware, Inflight: true, EventsAfterPrefill: true},
+		{Name: "events after prefill: + placements", Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Placements: true},
+		{Name: "no events: least load (before)", Kind: CacheAware, Inflight: true, NoEvents: true},
+		{Name: "no events: placements (approximate mode)", Kind: CacheAware, Inflight: true, NoEvents: true, Placements: true},
+	}
+}
+
+// ReplicaCounts are the gateway replica counts of ReplicaPolicies.
+var ReplicaCounts = []int{1, 2, 4, 8}
+
+// ReplicaPolicies are the multi-gateway runs: 1, 2, 4 and 8 replicas of the
+// default picker with its own in-flight counts behind a round-robin front,
+// each without placements, with its own, and with shared placements. The
+// engines' events reach the index when a prefill ends (the case where
+// placements matter, see PlacementPolicies).
+func ReplicaPolicies() []Policy {
+	var out []Policy
+	for _, n := range ReplicaCounts {
+		base := Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n}
+		local, shared := base, base
+		local.Placements = true
+		shared.Placements, shared.SharePlacements = true, true
+		base.Name = fmt.Sprintf("%d replicas, no placements", n)
+		local.Name = fmt.Sprintf("%d replicas, own placements", n)
+		shared.Name = fmt.Sprintf("%d replicas, shared placements", n)
+		out = append(out, base, local, shared)
+	}
+	// Each replica counts only the requests it routed, so at 4 and 8
+	// replicas a holder looks idle to every replica but its own; the
+	// engines' load records reach all of them. The same runs with overlap
+	// decay and a gate of 16 (StandardPolicies' "+ overlap decay 4").
+	for _, n := range ReplicaCounts[2:] {
+		base := Policy{Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n, EngineLoad: true,
+			Picker: picker.Config{AbsThreshold: SmallFleetAbsThreshold, OverlapDecay: StandardOverlapDecay}}
+		shared := base
+		shared.Placements, shared.SharePlacements = true, true
+		base.Name = fmt.Sprintf("%d replicas, no placements, engine load (decay 4, gate 16)", n)
+		shared.Name = fmt.Sprintf("%d replicas, shared placements, engine load (decay 4, gate 16)", n)
+		out = append(out, base, shared)
+	}
+	// And with every replica's in-flight counts visible to all.
+	for _, n := range ReplicaCounts[2:] {
+		out = append(out, Policy{
+			Name: fmt.Sprintf("%d replicas, shared placements and in-flight counts", n),
+			Kind: CacheAware, Inflight: true, EventsAfterPrefill: true, Replicas: n,
+			Placements: true, SharePlacements: true, ShareInflight: true,
+		})
+	}
+	return out
+}
+
 // Scale shrinks or grows the standard run: 1 is the benchmark's, a small
 // fraction a test's.
 type Scale struct {
@@ -117,7 +180,7 @@ func WriteTable(w io.Writer, rs []Result) error {
 		branches := "-"
 		if len(r.Reasons) > 0 {
 			branches = ""
-			for _, k := range []picker.Reason{picker.ReasonHit, picker.ReasonSpill, picker.ReasonNoOverlap, picker.ReasonKVPressure} {
+			for _, k := range []picker.Reason{picker.ReasonHit, picker.ReasonPlacementHit, picker.ReasonSpill, picker.ReasonNoOverlap, picker.ReasonKVPressure} {
 				if n := r.Reasons[k]; n > 0 {
 					branches += fmt.Sprintf("%s %d ", k, n)
 				}

@@ -1,0 +1,343 @@
+// Package placement keeps the gateway's placements: the blocks of a request
+// it has just routed, recorded on the chosen worker as *inferred* before the
+// engine has prefilled them and said so on its event stream.
+//
+// The engine reports a block only after its prefill, seconds after the
+// routing decision under load. Until then the event index does not know
+// where a prefix is going, and a burst of requests sharing a new prefix
+// would be spread over the fleet, each prefilling it again. A placement
+// closes that window: the next request with the prefix finds it on the
+// worker the first one went to. While a model's index has no data at all
+// (engines without events, or before the first event) placements are the
+// only prefix knowledge, which gives SMG's approximate mode.
+//
+// A Store holds one model's placements, prefix hash (index.PrefixHashes, so
+// the same identity as the event index) × worker → expiry. An entry ends:
+//
+//   - confirmed: a lookup finds the event index holding the block on that
+//     worker; the index is then the record, and the engine's later removal
+//     of the block drops it there;
+//   - expired: its TTL passed (checked on lookup, and by Sweep, which one
+//     goroutine of the gateway calls periodically);
+//   - evicted: the store is at MaxEntries and a newer entry needs the room
+//     (the least recently recorded goes);
+//   - removed: its worker left the gateway.
+//
+// Entries are kept in one list ordered by their last recording, so with one
+// TTL for all the oldest is also the first to expire: expiry and eviction
+// pop the list's front, O(1) each.
+package placement
+
+import (
+	"cmp"
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvrelay/kvrelay/gateway/index"
+)
+
+// Defaults.
+const (
+	// DefaultTTL is SMG's default for inferred placements in its shared
+	// index. It covers a prefill behind a deep queue by far, and in the
+	// approximate mode (no events) a prefix that is routed again is
+	// recorded again, so a hot prefix stays while a cold one leaves about
+	// when an engine's LRU cache would have evicted it under load.
+	DefaultTTL = 180 * time.Second
+	// DefaultMaxEntries bounds a model's placements: 262,144 blocks
+	// (about 25 MB at ~96 bytes an entry), 4 million tokens at block size
+	// 16 recorded within one TTL.
+	DefaultMaxEntries = 1 << 18
+	// DefaultWeight scores an inferred block like a stored one.
+	DefaultWeight = 1.0
+)
+
+// EntryBytes is the estimated memory of one entry: the entry (hash, worker
+// name header, expiry, two list links) plus its share of the hash map and
+// holder slice.
+const EntryBytes = 96
+
+// Options configures a Store. Zero values take the defaults.
+type Options struct {
+	// TTL is how long a placement lives without being recorded again.
+	TTL time.Duration
+	// MaxEntries caps the entries (one per block and worker).
+	MaxEntries int
+	// Weight scales the inferred blocks of a worker's overlap: a worker
+	// whose index overlap is k blocks and whose placements extend it by j
+	// scores k + round(Weight·j). In (0, 1].
+	Weight float64
+}
+
+func (o *Options) fill() error {
+	if o.TTL == 0 {
+		o.TTL = DefaultTTL
+	}
+	if o.MaxEntries == 0 {
+		o.MaxEntries = DefaultMaxEntries
+	}
+	if o.Weight == 0 {
+		o.Weight = DefaultWeight
+	}
+	switch {
+	case o.TTL < 0:
+		return fmt.Errorf("placement: TTL must be > 0, got %v", o.TTL)
+	case o.MaxEntries < 0:
+		return fmt.Errorf("placement: max entries must be > 0, got %d", o.MaxEntries)
+	case math.IsNaN(o.Weight) || o.Weight < 0 || o.Weight > 1:
+		return fmt.Errorf("placement: weight must be in (0, 1], got %v", o.Weight)
+	}
+	return nil
+}
+
+// entry is one block placed on one worker.
+type entry struct {
+	hash       uint64
+	worker     string
+	expires    int64 // unix nanoseconds
+	prev, next *entry
+}
+
+// Stats counts a store's entries and how they ended.
+type Stats struct {
+	Entries   int
+	Confirmed uint64
+	Expired   uint64
+	Evicted   uint64
+	Removed   uint64
+}
+
+// Store is one model's placements. Safe for concurrent use.
+type Store struct {
+	opts Options
+
+	mu     sync.Mutex
+	byHash map[uint64][]*entry
+	// head is the list's sentinel: head.next is the least recently
+	// recorded entry, head.prev the most recent.
+	head  entry
+	n     int
+	stats Stats
+}
+
+// New returns an empty Store.
+func New(opts Options) (*Store, error) {
+	if err := opts.fill(); err != nil {
+		return nil, err
+	}
+	s := &Store{opts: opts, byHash: map[uint64][]*entry{}}
+	s.head.prev, s.head.next = &s.head, &s.head
+	return s, nil
+}
+
+// Options returns the store's options with defaults filled in.
+func (s *Store) Options() Options { return s.opts }
+
+func (s *Store) unlink(e *entry) {
+	e.prev.next, e.next.prev = e.next, e.prev
+	e.prev, e.next = nil, nil
+}
+
+func (s *Store) pushBack(e *entry) {
+	e.prev, e.next = s.head.prev, &s.head
+	s.head.prev.next = e
+	s.head.prev = e
+}
+
+// drop removes e from the list and from its hash's holders at position i.
+func (s *Store) drop(hs []*entry, i int) []*entry {
+	e := hs[i]
+	s.unlink(e)
+	last := len(hs) - 1
+	hs[i] = hs[last]
+	hs[last] = nil
+	hs = hs[:last]
+	if len(hs) == 0 {
+		delete(s.byHash, e.hash)
+	} else {
+		s.byHash[e.hash] = hs
+	}
+	s.n--
+	return hs
+}
+
+// dropEntry removes e wherever it is in its hash's holders.
+func (s *Store) dropEntry(e *entry) {
+	hs := s.byHash[e.hash]
+	for i, x := range hs {
+		if x == e {
+			s.drop(hs, i)
+			return
+		}
+	}
+}
+
+// Record places prefix[from:] on worker at now: blocks the event index
+// already holds for it (the first from) need no placement. An existing
+// placement is refreshed.
+func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) {
+	if from < 0 || from >= len(prefix) || worker == "" {
+		return
+	}
+	exp := now.Add(s.opts.TTL).UnixNano()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, h := range prefix[from:] {
+		hs := s.byHash[h]
+		var e *entry
+		for _, x := range hs {
+			if x.worker == worker {
+				e = x
+				break
+			}
+		}
+		if e != nil {
+			if e.expires >= exp-refreshSlack(s.opts.TTL) {
+				// Refreshed a moment ago (a hot prefix): leave it, and
+				// the list's order, as they are.
+				continue
+			}
+			s.unlink(e)
+		} else {
+			e = &entry{hash: h, worker: worker}
+			s.byHash[h] = append(hs, e)
+			s.n++
+		}
+		e.expires = exp
+		s.pushBack(e)
+	}
+	for s.n > s.opts.MaxEntries {
+		s.dropEntry(s.head.next)
+		s.stats.Evicted++
+	}
+}
+
+// refreshSlack is how recently a placement may have been recorded for
+// Record to leave it alone: a sixteenth of the TTL, so a hot prefix's
+// entries move in the list a few times per TTL instead of on every request,
+// and expire at most that much early.
+func refreshSlack(ttl time.Duration) int64 { return int64(ttl / 16) }
+
+// Result is a lookup's answer: the index's overlaps extended by placements.
+type Result struct {
+	// Matches is what the picker weighs: each worker's index overlap plus
+	// its weighted inferred blocks, deepest first, then by name.
+	Matches index.Matches
+	// Inferred holds, per worker, the blocks placements added past its
+	// index overlap (before weighting); workers without any are absent.
+	Inferred map[string]int
+}
+
+// Extend extends base, the event index's overlaps for prefix, by the
+// placements: a worker's overlap continues past its index overlap for as
+// long as it has a placement on each next block. A placement on a block the
+// index already holds for its worker is confirmed and dropped; an expired
+// one is dropped.
+func (s *Store) Extend(prefix []uint64, base index.Matches, now time.Time) Result {
+	t := now.UnixNano()
+	s.mu.Lock()
+	empty := s.n == 0
+	s.mu.Unlock()
+	if empty || len(prefix) == 0 {
+		return Result{Matches: base}
+	}
+	cur := make(map[string]int, len(base.Workers))
+	reach := 0
+	for _, m := range base.Workers {
+		cur[m.Worker] = m.Blocks
+		reach = max(reach, m.Blocks)
+	}
+	var inferred map[string]int
+	s.mu.Lock()
+	for i, h := range prefix {
+		hs := s.byHash[h]
+		for j := 0; j < len(hs); {
+			e := hs[j]
+			if e.expires <= t {
+				hs = s.drop(hs, j)
+				s.stats.Expired++
+				continue
+			}
+			c := cur[e.worker]
+			if c > i {
+				hs = s.drop(hs, j)
+				s.stats.Confirmed++
+				continue
+			}
+			if c == i {
+				cur[e.worker] = i + 1
+				reach = max(reach, i+1)
+				if inferred == nil {
+					inferred = map[string]int{}
+				}
+				inferred[e.worker]++
+			}
+			j++
+		}
+		if reach <= i {
+			break
+		}
+	}
+	s.mu.Unlock()
+	if inferred == nil {
+		return Result{Matches: base}
+	}
+	out := index.Matches{RequestBlocks: base.RequestBlocks, Workers: make([]index.Match, 0, len(cur))}
+	for w, c := range cur {
+		stored := c - inferred[w]
+		if n := stored + int(math.Round(s.opts.Weight*float64(inferred[w]))); n > 0 {
+			out.Workers = append(out.Workers, index.Match{Worker: w, Blocks: n})
+		}
+	}
+	slices.SortFunc(out.Workers, func(a, b index.Match) int {
+		if a.Blocks != b.Blocks {
+			return cmp.Compare(b.Blocks, a.Blocks)
+		}
+		return strings.Compare(a.Worker, b.Worker)
+	})
+	return Result{Matches: out, Inferred: inferred}
+}
+
+// Sweep drops every placement expired at now and returns how many.
+func (s *Store) Sweep(now time.Time) int {
+	t := now.UnixNano()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for e := s.head.next; e != &s.head && e.expires <= t; e = s.head.next {
+		s.dropEntry(e)
+		n++
+	}
+	s.stats.Expired += uint64(n)
+	return n
+}
+
+// RemoveWorker drops every placement on worker and returns how many.
+func (s *Store) RemoveWorker(worker string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for e := s.head.next; e != &s.head; {
+		next := e.next
+		if e.worker == worker {
+			s.dropEntry(e)
+			n++
+		}
+		e = next
+	}
+	s.stats.Removed += uint64(n)
+	return n
+}
+
+// Stats returns the store's counts.
+func (s *Store) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := s.stats
+	st.Entries = s.n
+	return st
+}

@@ -1,0 +1,213 @@
+package placement
+
+import (
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/kvrelay/kvrelay/gateway/index"
+)
+
+var t0 = time.Unix(1_000_000, 0)
+
+func newStore(t *testing.T, o Options) *Store {
+	t.Helper()
+	s, err := New(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func matches(n int, ws ...index.Match) index.Matches {
+	return index.Matches{RequestBlocks: n, Workers: ws}
+}
+
+func TestExtend(t *testing.T) {
+	prefix := []uint64{10, 11, 12, 13, 14}
+	type rec struct {
+		worker string
+		blocks []uint64
+		from   int
+	}
+	for _, tc := range []struct {
+		name     string
+		weight   float64
+		recs     []rec
+		base     index.Matches
+		want     []index.Match
+		inferred map[string]int
+		left     int // entries after the lookup
+	}{
+		{
+			name: "empty index: placements are the overlap",
+			recs: []rec{{"A", prefix[:3], 0}},
+			base: matches(5),
+			want: []index.Match{{Worker: "A", Blocks: 3}}, inferred: map[string]int{"A": 3}, left: 3,
+		},
+		{
+			name: "placements extend an index overlap",
+			recs: []rec{{"A", prefix, 2}},
+			base: matches(5, index.Match{Worker: "A", Blocks: 2}, index.Match{Worker: "B", Blocks: 1}),
+			want: []index.Match{{Worker: "A", Blocks: 5}, {Worker: "B", Blocks: 1}}, inferred: map[string]int{"A": 3}, left: 3,
+		},
+		{
+			name: "a hole stops the overlap",
+			recs: []rec{{"A", []uint64{10, 11, 13}, 0}},
+			base: matches(5),
+			want: []index.Match{{Worker: "A", Blocks: 2}}, inferred: map[string]int{"A": 2}, left: 3,
+		},
+		{
+			name: "a placement on a block the index holds is confirmed and dropped",
+			recs: []rec{{"A", prefix[:4], 0}},
+			base: matches(5, index.Match{Worker: "A", Blocks: 3}),
+			want: []index.Match{{Worker: "A", Blocks: 4}}, inferred: map[string]int{"A": 1}, left: 1,
+		},
+		{
+			name: "all confirmed: the index's answer as is",
+			recs: []rec{{"A", prefix[:2], 0}},
+			base: matches(5, index.Match{Worker: "A", Blocks: 2}),
+			want: []index.Match{{Worker: "A", Blocks: 2}}, left: 0,
+		},
+		{
+			name: "a placement not starting at block 0 is no overlap",
+			recs: []rec{{"A", prefix[1:], 0}},
+			base: matches(5),
+			want: nil, left: 4,
+		},
+		{
+			name:   "weight scales inferred blocks only",
+			weight: 0.5,
+			recs:   []rec{{"A", prefix, 0}, {"B", prefix, 2}},
+			base:   matches(5, index.Match{Worker: "B", Blocks: 2}),
+			want:   []index.Match{{Worker: "B", Blocks: 4}, {Worker: "A", Blocks: 3}}, inferred: map[string]int{"A": 5, "B": 3}, left: 8,
+		},
+		{
+			name:     "two workers, deepest first then by name",
+			recs:     []rec{{"B", prefix[:2], 0}, {"A", prefix[:2], 0}, {"C", prefix[:1], 0}},
+			base:     matches(5),
+			want:     []index.Match{{Worker: "A", Blocks: 2}, {Worker: "B", Blocks: 2}, {Worker: "C", Blocks: 1}},
+			inferred: map[string]int{"A": 2, "B": 2, "C": 1}, left: 5,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStore(t, Options{Weight: tc.weight})
+			for _, r := range tc.recs {
+				full := append([]uint64(nil), prefix[:r.from]...)
+				s.Record(r.worker, append(full, r.blocks...), r.from, t0)
+			}
+			got := s.Extend(prefix, tc.base, t0.Add(time.Second))
+			if !reflect.DeepEqual(got.Matches.Workers, tc.want) && len(got.Matches.Workers)+len(tc.want) > 0 {
+				t.Errorf("matches = %v, want %v", got.Matches.Workers, tc.want)
+			}
+			if got.Matches.RequestBlocks != 5 {
+				t.Errorf("request blocks = %d, want 5", got.Matches.RequestBlocks)
+			}
+			if !reflect.DeepEqual(got.Inferred, tc.inferred) {
+				t.Errorf("inferred = %v, want %v", got.Inferred, tc.inferred)
+			}
+			if n := s.Stats().Entries; n != tc.left {
+				t.Errorf("entries left = %d, want %d", n, tc.left)
+			}
+		})
+	}
+}
+
+func TestExpiry(t *testing.T) {
+	s := newStore(t, Options{TTL: 10 * time.Second})
+	prefix := []uint64{1, 2, 3}
+	s.Record("A", prefix, 0, t0)
+	s.Record("B", prefix[:1], 0, t0.Add(5*time.Second))
+	// Lazy: a lookup after A's TTL drops A's entries it walks over.
+	got := s.Extend(prefix, matches(3), t0.Add(10*time.Second))
+	if want := []index.Match{{Worker: "B", Blocks: 1}}; !reflect.DeepEqual(got.Matches.Workers, want) {
+		t.Fatalf("after A's TTL: %v, want %v", got.Matches.Workers, want)
+	}
+	// The walk dropped A's entries on blocks 0 and 1 and stopped (nobody
+	// reaches block 2), so A's entry on block 2 is left for the sweep.
+	if st := s.Stats(); st.Entries != 2 || st.Expired != 2 {
+		t.Fatalf("stats after lookup = %+v, want 2 entries, 2 expired", st)
+	}
+	if n := s.Sweep(t0.Add(10 * time.Second)); n != 1 {
+		t.Fatalf("sweep dropped %d, want A's 1 left", n)
+	}
+	if n := s.Sweep(t0.Add(15 * time.Second)); n != 1 {
+		t.Fatalf("sweep at B's TTL dropped %d, want 1", n)
+	}
+	if st := s.Stats(); st.Entries != 0 || st.Expired != 4 {
+		t.Fatalf("stats = %+v, want empty, 4 expired", st)
+	}
+}
+
+func TestRecordRefreshes(t *testing.T) {
+	s := newStore(t, Options{TTL: 10 * time.Second})
+	prefix := []uint64{1, 2}
+	s.Record("A", prefix, 0, t0)
+	s.Record("A", prefix, 0, t0.Add(8*time.Second))
+	if st := s.Stats(); st.Entries != 2 {
+		t.Fatalf("entries = %d, want 2 (recording again refreshes)", st.Entries)
+	}
+	if n := s.Sweep(t0.Add(12 * time.Second)); n != 0 {
+		t.Fatalf("sweep dropped %d refreshed entries", n)
+	}
+	if got := s.Extend(prefix, matches(2), t0.Add(12*time.Second)); got.Matches.Best() != 2 {
+		t.Fatalf("refreshed overlap = %v, want 2", got.Matches)
+	}
+}
+
+func TestMaxEntriesEvictsOldest(t *testing.T) {
+	s := newStore(t, Options{MaxEntries: 4})
+	s.Record("A", []uint64{1, 2, 3}, 0, t0)
+	s.Record("B", []uint64{7, 8}, 0, t0.Add(time.Second)) // evicts A's 1, the oldest
+	s.Record("A", []uint64{1}, 0, t0.Add(2*time.Second))  // back as the newest; evicts A's 2
+	s.Record("C", []uint64{9}, 0, t0.Add(3*time.Second))  // evicts A's 3
+	st := s.Stats()
+	if st.Entries != 4 || st.Evicted != 3 {
+		t.Fatalf("stats = %+v, want 4 entries, 3 evicted", st)
+	}
+	if got := s.Extend([]uint64{1, 2, 3}, matches(3), t0.Add(4*time.Second)); got.Matches.Blocks("A") != 1 {
+		t.Fatalf("A's overlap = %v, want 1 (2 and 3 evicted)", got.Matches)
+	}
+	if got := s.Extend([]uint64{7, 8}, matches(2), t0.Add(4*time.Second)); got.Matches.Blocks("B") != 2 {
+		t.Fatalf("B's overlap = %v, want 2", got.Matches)
+	}
+}
+
+func TestRemoveWorker(t *testing.T) {
+	s := newStore(t, Options{})
+	s.Record("A", []uint64{1, 2}, 0, t0)
+	s.Record("B", []uint64{1, 2}, 0, t0)
+	if n := s.RemoveWorker("A"); n != 2 {
+		t.Fatalf("removed %d, want 2", n)
+	}
+	got := s.Extend([]uint64{1, 2}, matches(2), t0)
+	if want := []index.Match{{Worker: "B", Blocks: 2}}; !reflect.DeepEqual(got.Matches.Workers, want) {
+		t.Fatalf("after removal: %v, want %v", got.Matches.Workers, want)
+	}
+	if st := s.Stats(); st.Removed != 2 || st.Entries != 2 {
+		t.Fatalf("stats = %+v", st)
+	}
+}
+
+func TestRecordIgnoresOutOfRange(t *testing.T) {
+	s := newStore(t, Options{})
+	for _, from := range []int{-1, 2, 3} {
+		s.Record("A", []uint64{1, 2}, from, t0)
+	}
+	s.Record("", []uint64{1, 2}, 0, t0)
+	if n := s.Stats().Entries; n != 0 {
+		t.Fatalf("entries = %d, want 0", n)
+	}
+}
+
+func TestOptionsValidation(t *testing.T) {
+	for _, o := range []Options{{TTL: -1}, {MaxEntries: -1}, {Weight: -0.5}, {Weight: 1.5}} {
+		if _, err := New(o); err == nil {
+			t.Errorf("New(%+v) accepted", o)
+		}
+	}
+	s := newStore(t, Options{})
+	if o := s.Options(); o.TTL != DefaultTTL || o.MaxEntries != DefaultMaxEntries || o.Weight != DefaultWeight {
+		t.Fatalf("defaults = %+v", o)
+	}
+}

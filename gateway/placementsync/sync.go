@@ -1,0 +1,196 @@
+// Package placementsync shares a gateway's placements with its other
+// replicas over NATS (`kvrelay gateway --nats URL`).
+//
+// Every replica publishes each placement it makes (a routing decision's
+// blocks on the chosen worker, package placement) to its model's subject,
+// kvrelay.placements.<model>, and subscribes to kvrelay.placements.>,
+// applying what the others publish into its own placements; the connection
+// is made with NoEcho, so a replica never hears itself. With N replicas
+// behind a load balancer, a prefix routed by one is then where all of them
+// send it, before the engine has reported a block.
+//
+// NATS is optional and never in the routing path: a placement is published
+// after the decision, without waiting, and while NATS is unreachable
+// (at start or later) each replica routes on its own placements; what it
+// places meanwhile is dropped, not queued (a placement replayed late would
+// live a TTL from its late arrival). The client reconnects on its own, and
+// kvrelay_gateway_nats_connected says which mode a replica is in.
+package placementsync
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Target is where received placements go (a *gateway.Gateway).
+type Target interface {
+	ApplyPlacement(model, worker string, hashes []uint64) error
+}
+
+// Options configures a Sync.
+type Options struct {
+	// URL is the NATS server list (nats://host:4222, comma-separated).
+	URL string
+	// Name names the connection on the server (e.g. the replica's host).
+	Name string
+	// SubjectPrefix replaces DefaultSubjectPrefix, to keep fleets that share
+	// a NATS server apart.
+	SubjectPrefix string
+	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
+	ReconnectWait time.Duration
+	// Registerer receives kvrelay_gateway_nats_connected and
+	// kvrelay_gateway_placements_shared_total; nil = unregistered.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+	// NATSOptions are added to the connection's options (TLS, credentials).
+	NATSOptions []nats.Option
+}
+
+// Sync publishes a gateway's placements and applies the other replicas'.
+// Safe for concurrent use.
+type Sync struct {
+	opts   Options
+	target Target
+	nc     *nats.Conn
+	sub    *nats.Subscription
+	log    *slog.Logger
+	shared *prometheus.CounterVec // direction: published, received, dropped, rejected
+	regd   []prometheus.Collector
+
+	bufs sync.Pool
+}
+
+// Start connects to opts.URL and subscribes for target. It does not wait
+// for the server: an unreachable one is retried in the background, and the
+// replica routes on its own meanwhile. Close ends it.
+func Start(target Target, opts Options) (*Sync, error) {
+	if target == nil {
+		return nil, errors.New("placementsync: nil target")
+	}
+	if strings.TrimSpace(opts.URL) == "" {
+		return nil, errors.New("placementsync: empty NATS URL")
+	}
+	if opts.SubjectPrefix == "" {
+		opts.SubjectPrefix = DefaultSubjectPrefix
+	}
+	if opts.ReconnectWait <= 0 {
+		opts.ReconnectWait = time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Sync{
+		opts: opts, target: target, log: opts.Logger,
+		shared: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_placements_shared_total",
+			Help: "Placements shared over NATS, by direction: published, received (applied), dropped (not published: NATS unreachable), rejected (received but undecodable or naming a model or worker this replica does not route).",
+		}, []string{"direction"}),
+	}
+	for _, d := range []string{"published", "received", "dropped", "rejected"} {
+		s.shared.WithLabelValues(d)
+	}
+	s.bufs.New = func() any { return new([]byte) }
+	nopts := []nats.Option{
+		nats.Name(opts.Name),
+		nats.NoEcho(),
+		nats.RetryOnFailedConnect(true),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(opts.ReconnectWait),
+		// No buffering while disconnected: Publish fails and the
+		// placement is dropped.
+		nats.ReconnectBufSize(-1),
+		nats.ConnectHandler(func(*nats.Conn) { s.log.Info("nats connected: sharing placements") }),
+		nats.ReconnectHandler(func(*nats.Conn) { s.log.Info("nats reconnected: sharing placements again") }),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			s.log.Warn("nats disconnected: placements stay local until it reconnects", "err", err)
+		}),
+	}
+	nc, err := nats.Connect(opts.URL, append(nopts, opts.NATSOptions...)...)
+	if err != nil {
+		return nil, fmt.Errorf("placementsync: connect %s: %w", opts.URL, err)
+	}
+	s.nc = nc
+	if s.sub, err = nc.Subscribe(opts.SubjectPrefix+".>", s.receive); err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("placementsync: subscribe: %w", err)
+	}
+	if opts.Registerer != nil {
+		connected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvrelay_gateway_nats_connected",
+			Help: "1 while the gateway shares placements over NATS, 0 while it routes on its own placements only (NATS unreachable).",
+		}, func() float64 {
+			if s.Connected() {
+				return 1
+			}
+			return 0
+		})
+		for _, c := range []prometheus.Collector{connected, s.shared} {
+			if err := opts.Registerer.Register(c); err != nil {
+				s.Close()
+				return nil, fmt.Errorf("placementsync metrics: %w", err)
+			}
+			s.regd = append(s.regd, c)
+		}
+	}
+	return s, nil
+}
+
+// Connected reports whether placements are being shared now.
+func (s *Sync) Connected() bool { return s.nc.IsConnected() }
+
+// PublishPlacement publishes worker's placement of hashes under model;
+// while NATS is unreachable it drops it. It never blocks on the network.
+func (s *Sync) PublishPlacement(model, worker string, hashes []uint64) {
+	if len(hashes) > MaxHashes {
+		hashes = hashes[:MaxHashes] // the rest would be rejected whole by every receiver
+	}
+	bp := s.bufs.Get().(*[]byte)
+	*bp = encode((*bp)[:0], worker, hashes)
+	err := s.nc.Publish(s.opts.SubjectPrefix+"."+subjectToken(model), *bp)
+	s.bufs.Put(bp)
+	if err != nil {
+		s.shared.WithLabelValues("dropped").Inc()
+		return
+	}
+	s.shared.WithLabelValues("published").Inc()
+}
+
+// receive applies another replica's placement.
+func (s *Sync) receive(msg *nats.Msg) {
+	model, err := modelOf(strings.TrimPrefix(msg.Subject, s.opts.SubjectPrefix+"."))
+	if err == nil {
+		var worker string
+		var hashes []uint64
+		if worker, hashes, err = decode(msg.Data); err == nil {
+			err = s.target.ApplyPlacement(model, worker, hashes)
+		}
+	}
+	if err != nil {
+		s.shared.WithLabelValues("rejected").Inc()
+		s.log.Debug("placement from another replica rejected", "subject", msg.Subject, "err", err)
+		return
+	}
+	s.shared.WithLabelValues("received").Inc()
+}
+
+// Flush waits until the server has every placement published so far (for
+// tests and benchmarks).
+func (s *Sync) Flush(timeout time.Duration) error {
+	return s.nc.FlushTimeout(timeout)
+}
+
+// Close unsubscribes, closes the connection and unregisters the metrics.
+func (s *Sync) Close() {
+	s.nc.Close()
+	for _, c := range s.regd {
+		s.opts.Registerer.Unregister(c)
+	}
+	s.regd = nil
+}
