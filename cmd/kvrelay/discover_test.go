@@ -93,14 +93,9 @@ func TestServeLearnsEngineReleasePublishersFromUpstream(t *testing.T) {
 	upstream := fakeSGLangServicer(t, map[string]any{"kv_events_config": string(cfg), "dp_size": 2, "model_path": "m"})
 
 	grpcAddr := freeAddr(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var serveErr syncBuffer
-	done := make(chan int, 1)
-	go func() {
-		done <- dispatch(ctx, []string{"serve", "--engine", "sglang", "--upstream", upstream,
-			"--listen", grpcAddr, "--metrics-listen", "", "--replay-timeout", "2s"}, strings.NewReader(""), io.Discard, &serveErr)
-	}()
+	srv := runInBackground(t, "serve", "--engine", "sglang", "--upstream", upstream,
+		"--listen", grpcAddr, "--metrics-listen", "", "--replay-timeout", "2s")
+	ctx := srv.ctx
 	// The peer's startup clears (seq 0 of each rank) plus one store each.
 	for rank := 0; rank < 2; rank++ {
 		if _, err := peer.Publish(rank, enginepeer.Stored(nil, []int64{1, 2, 3, 4}, enginepeer.I64(int64(rank+1)))); err != nil {
@@ -118,7 +113,7 @@ func TestServeLearnsEngineReleasePublishersFromUpstream(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("tail never succeeded: %s; serve stderr:\n%s", errOut.String(), serveErr.String())
+			t.Fatalf("tail never succeeded: %s; serve stderr:\n%s", errOut.String(), srv.stderr.String())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -134,18 +129,10 @@ func TestServeLearnsEngineReleasePublishersFromUpstream(t *testing.T) {
 	if ranks[0] != 2 || ranks[1] != 2 {
 		t.Fatalf("want each rank's clear and store, got %v:\n%s", ranks, out.String())
 	}
-	if want := fmt.Sprintf("learned from %s", upstream); !strings.Contains(serveErr.String(), want) || !strings.Contains(serveErr.String(), "--dp-size 2") {
-		t.Errorf("serve did not say what it learned; stderr:\n%s", serveErr.String())
+	if want := fmt.Sprintf("learned from %s", upstream); !strings.Contains(srv.stderr.String(), want) || !strings.Contains(srv.stderr.String(), "--dp-size 2") {
+		t.Errorf("serve did not say what it learned; stderr:\n%s", srv.stderr.String())
 	}
-	cancel()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("serve exit %d after shutdown; stderr:\n%s", code, serveErr.String())
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("serve did not shut down")
-	}
+	srv.stop(t)
 }
 
 // Where the engine does not tell (vLLM), or contradicts --dp-size, serve

@@ -3,10 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"net"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestHelpExitsZeroForEverySubcommand(t *testing.T) {
@@ -75,5 +77,39 @@ func TestTailPrintsTheStatusMessage(t *testing.T) {
 	got := strings.TrimSpace(errOut.String())
 	if !strings.HasPrefix(got, "stream ended: Unavailable: ") || len(got) <= len("stream ended: Unavailable: ") {
 		t.Fatalf("stderr %q, want the code and the status message", got)
+	}
+}
+
+// background is a kvrelay subcommand the test runs until it stops it.
+type background struct {
+	ctx    context.Context // ends when the command is stopped
+	cancel context.CancelFunc
+	stderr syncBuffer
+	done   chan int
+}
+
+// runInBackground starts `kvrelay args…`; the test's cleanup stops it if
+// the test did not.
+func runInBackground(t *testing.T, args ...string) *background {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	b := &background{ctx: ctx, cancel: cancel, done: make(chan int, 1)}
+	go func() { b.done <- dispatch(ctx, args, strings.NewReader(""), io.Discard, &b.stderr) }()
+	t.Cleanup(cancel)
+	return b
+}
+
+// stop ends the command as SIGTERM would and fails t unless it exits 0
+// within 20 s.
+func (b *background) stop(t *testing.T) {
+	t.Helper()
+	b.cancel()
+	select {
+	case code := <-b.done:
+		if code != 0 {
+			t.Fatalf("exit %d after shutdown; stderr:\n%s", code, b.stderr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the command did not shut down")
 	}
 }

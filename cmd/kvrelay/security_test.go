@@ -77,17 +77,11 @@ func TestServeOverMutualTLS(t *testing.T) {
 	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 1})
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": %q, "replay_endpoint": %q}`, peer.PubEndpoint(0), peer.ReplayEndpoint(0))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var serveErr syncBuffer
-	done := make(chan int, 1)
-	go func() {
-		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg,
-			"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s",
-			"--tls-cert", p.server.Cert, "--tls-key", p.server.Key, "--tls-client-ca", p.caFile,
-			"--tls-allow", p.gatewayID + ",cn:someone-else", "--web.config.file", webConfig,
-		}, strings.NewReader(""), io.Discard, &serveErr)
-	}()
+	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg,
+		"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s",
+		"--tls-cert", p.server.Cert, "--tls-key", p.server.Key, "--tls-client-ca", p.caFile,
+		"--tls-allow", p.gatewayID+",cn:someone-else", "--web.config.file", webConfig)
+	ctx := srv.ctx
 
 	client := p.httpsClient()
 	get := func(path string, auth bool) (int, string) {
@@ -109,12 +103,12 @@ func TestServeOverMutualTLS(t *testing.T) {
 			break
 		}
 		select {
-		case code := <-done:
-			t.Fatalf("serve exited with %d:\n%s", code, serveErr.String())
+		case code := <-srv.done:
+			t.Fatalf("serve exited with %d:\n%s", code, srv.stderr.String())
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("kvrelay serve never became healthy over HTTPS; stderr:\n%s", serveErr.String())
+			t.Fatalf("kvrelay serve never became healthy over HTTPS; stderr:\n%s", srv.stderr.String())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -167,15 +161,7 @@ func TestServeOverMutualTLS(t *testing.T) {
 		}
 	}
 
-	cancel()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("serve exit %d; stderr:\n%s", code, serveErr.String())
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("serve did not shut down")
-	}
+	srv.stop(t)
 }
 
 // TestGatewayCommandOverMutualTLS: `kvrelay gateway` subscribes to one
@@ -305,17 +291,11 @@ func TestServeCertificateRotation(t *testing.T) {
 	peer := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.VLLM, DPSize: 1})
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": %q, "replay_endpoint": %q}`, peer.PubEndpoint(0), peer.ReplayEndpoint(0))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var serveErr syncBuffer
-	done := make(chan int, 1)
-	go func() {
-		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg,
-			"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s",
-			"--tls-cert", p.server.Cert, "--tls-key", p.server.Key, "--tls-client-ca", p.caFile,
-		}, strings.NewReader(""), io.Discard, &serveErr)
-	}()
-	waitUntil(t, 30*time.Second, "kvrelay serve to become healthy", &serveErr, func() bool {
+	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg,
+		"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s",
+		"--tls-cert", p.server.Cert, "--tls-key", p.server.Key, "--tls-client-ca", p.caFile)
+	ctx := srv.ctx
+	waitUntil(t, 30*time.Second, "kvrelay serve to become healthy", &srv.stderr, func() bool {
 		resp, err := http.Get("http://" + httpAddr + "/healthz")
 		if err != nil {
 			return false
@@ -367,11 +347,11 @@ func TestServeCertificateRotation(t *testing.T) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP) // our own process must not die of it
 	defer signal.Stop(hup)
-	waitUntil(t, 20*time.Second, "SIGHUP to report the failed reload", &serveErr, func() bool {
+	waitUntil(t, 20*time.Second, "SIGHUP to report the failed reload", &srv.stderr, func() bool {
 		if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
-		return strings.Contains(serveErr.String(), "certificate reload failed") && strings.Contains(serveErr.String(), p.server.Cert)
+		return strings.Contains(srv.stderr.String(), "certificate reload failed") && strings.Contains(srv.stderr.String(), p.server.Cert)
 	})
 	if cn := servedCN(); cn != "kvrelay" {
 		t.Fatalf("served %q after a rotation that does not load, want the old certificate", cn)
@@ -389,15 +369,7 @@ func TestServeCertificateRotation(t *testing.T) {
 		t.Fatalf("the stream opened before the rotation ended: %v", err)
 	}
 	scancel()
-	cancel()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("serve exit %d; stderr:\n%s", code, serveErr.String())
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("serve did not shut down")
-	}
+	srv.stop(t)
 }
 
 // waitUntil polls cond until it holds or d passes.

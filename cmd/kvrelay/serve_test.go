@@ -97,14 +97,9 @@ func TestServeRelaysAPeerToTail(t *testing.T) {
 	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": %q, "replay_endpoint": %q}`,
 		strings.Replace(peer.PubEndpoint(0), "127.0.0.1", "*", 1), peer.ReplayEndpoint(0))
 
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var serveErr syncBuffer
-	done := make(chan int, 1)
-	go func() {
-		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--dp-size", "2",
-			"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s"}, strings.NewReader(""), io.Discard, &serveErr)
-	}()
+	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--dp-size", "2",
+		"--listen", grpcAddr, "--metrics-listen", httpAddr, "--replay-timeout", "2s")
+	ctx := srv.ctx
 
 	get := func(path string) (int, string) {
 		resp, err := http.Get("http://" + httpAddr + path)
@@ -121,7 +116,7 @@ func TestServeRelaysAPeerToTail(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("kvrelay serve never became healthy; stderr:\n%s", serveErr.String())
+			t.Fatalf("kvrelay serve never became healthy; stderr:\n%s", srv.stderr.String())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -165,15 +160,7 @@ func TestServeRelaysAPeerToTail(t *testing.T) {
 		t.Fatalf("/metrics %d lacks kvrelay_ series:\n%.2000s", code, metrics)
 	}
 
-	cancel()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("serve exit %d after shutdown; stderr:\n%s", code, serveErr.String())
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("serve did not shut down")
-	}
+	srv.stop(t)
 }
 
 // Relays on two listeners start: each listener registers its gRPC series
