@@ -206,6 +206,7 @@ type Gateway struct {
 	routed   map[string]int    // tracked and not completed
 	// routedVersion changes with every change of routed (RoutedCounts).
 	routedVersion uint64
+	routedSignal  chan struct{} // RoutedChanged
 	// peerRouted is the other replicas' tracked requests (SetPeerRouted).
 	peerRouted map[string]int
 	pending    map[uint64]tracked
@@ -249,18 +250,19 @@ func New(cfg Config) (*Gateway, error) {
 		}
 	}
 	g := &Gateway{
-		cfg:         cfg,
-		log:         cfg.Logger,
-		picker:      p,
-		models:      map[string]*model{},
-		workerOf:    map[string]string{},
-		inflight:    map[string]int{},
-		routed:      map[string]int{},
-		pending:     map[uint64]tracked{},
-		engine:      map[string]map[int32]EngineLoad{},
-		lastRank:    map[string]int32{},
-		now:         time.Now,
-		unreachable: map[string]bool{},
+		cfg:          cfg,
+		log:          cfg.Logger,
+		picker:       p,
+		models:       map[string]*model{},
+		workerOf:     map[string]string{},
+		inflight:     map[string]int{},
+		routed:       map[string]int{},
+		routedSignal: make(chan struct{}, 1),
+		pending:      map[uint64]tracked{},
+		engine:       map[string]map[int32]EngineLoad{},
+		lastRank:     map[string]int32{},
+		now:          time.Now,
+		unreachable:  map[string]bool{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer

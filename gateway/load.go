@@ -168,6 +168,20 @@ func (g *Gateway) RoutedCounts() (counts map[string]int, version uint64) {
 	return counts, g.routedVersion
 }
 
+// routedChangedLocked bumps the version and wakes RoutedChanged's reader
+// without blocking; g.mu is held.
+func (g *Gateway) routedChangedLocked() {
+	g.routedVersion++
+	select {
+	case g.routedSignal <- struct{}{}:
+	default: // a wake-up is pending already
+	}
+}
+
+// RoutedChanged receives a value after this replica's tracked counts
+// change (several changes may share one); for one reader, the load sharer.
+func (g *Gateway) RoutedChanged() <-chan struct{} { return g.routedSignal }
+
 // RoutedVersion is RoutedCounts' version without the copy.
 func (g *Gateway) RoutedVersion() uint64 {
 	g.mu.Lock()
@@ -217,7 +231,7 @@ func (g *Gateway) trackLocked(worker string, now time.Time) uint64 {
 	id := g.nextID
 	g.pending[id] = tracked{worker: worker, expires: now.Add(g.cfg.InflightTimeout)}
 	g.routed[worker]++
-	g.routedVersion++
+	g.routedChangedLocked()
 	g.syncFleetLocked(worker)
 	return id
 }
@@ -243,7 +257,7 @@ func (g *Gateway) untrackLocked(id uint64) bool {
 	if g.routed[t.worker]--; g.routed[t.worker] <= 0 {
 		delete(g.routed, t.worker)
 	}
-	g.routedVersion++
+	g.routedChangedLocked()
 	g.syncFleetLocked(t.worker)
 	return true
 }

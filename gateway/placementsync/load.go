@@ -34,6 +34,9 @@ type LoadSource interface {
 	// version that changes with them; RoutedVersion the version alone.
 	RoutedCounts() (map[string]int, uint64)
 	RoutedVersion() uint64
+	// RoutedChanged receives after the counts change (nil: never; the
+	// version is polled every LoadInterval all the same).
+	RoutedChanged() <-chan struct{}
 	// SetPeerRouted sets the sum of the live peers' counts per worker.
 	SetPeerRouted(map[string]int)
 }
@@ -95,7 +98,10 @@ func (l *loadShare) livePeers() int {
 	return len(l.peers)
 }
 
-// run publishes snapshots and ages peers out until stop closes.
+// run publishes snapshots and ages peers out until stop closes. A change
+// is published at once when the last snapshot is at least LoadInterval
+// old, else when it becomes so; the ticker catches changes the signal
+// missed, sends heartbeats and ages peers out.
 func (l *loadShare) run(nc *nats.Conn) {
 	defer l.done.Done()
 	t := time.NewTicker(l.interval)
@@ -103,22 +109,36 @@ func (l *loadShare) run(nc *nats.Conn) {
 	var sentVersion uint64
 	var sentAt time.Time
 	published := false
+	var due <-chan time.Time // a change waiting for the rate limit
+	publish := func(now time.Time) {
+		counts, v := l.src.RoutedCounts()
+		if err := nc.Publish(l.subject, encodeSnapshot(l.id, counts)); err != nil {
+			l.shared.WithLabelValues("dropped").Inc()
+		} else {
+			l.shared.WithLabelValues("published").Inc()
+			sentVersion, published = v, true
+		}
+		// A failed publish is retried at the next heartbeat, not every
+		// tick: NATS is down and the peers age us out anyway.
+		sentAt = now
+	}
 	for {
 		select {
 		case <-l.stop:
 			return
+		case <-l.src.RoutedChanged():
+			now := time.Now()
+			if wait := l.interval - now.Sub(sentAt); wait <= 0 {
+				publish(now)
+			} else if due == nil {
+				due = time.After(wait)
+			}
+		case now := <-due:
+			due = nil
+			publish(now)
 		case now := <-t.C:
-			if v := l.src.RoutedVersion(); !published || v != sentVersion || now.Sub(sentAt) >= l.heartbeat {
-				counts, v := l.src.RoutedCounts()
-				if err := nc.Publish(l.subject, encodeSnapshot(l.id, counts)); err != nil {
-					l.shared.WithLabelValues("dropped").Inc()
-				} else {
-					l.shared.WithLabelValues("published").Inc()
-					sentVersion, published = v, true
-				}
-				// A failed publish is retried at the next heartbeat, not
-				// every tick: NATS is down and peers age us out anyway.
-				sentAt = now
+			if v := l.src.RoutedVersion(); due == nil && (!published || v != sentVersion || now.Sub(sentAt) >= l.heartbeat) {
+				publish(now)
 			}
 			l.ageOut(now)
 		}
