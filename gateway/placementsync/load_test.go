@@ -12,14 +12,20 @@ import (
 	"github.com/kvrelay/kvrelay/internal/freeport"
 )
 
-// Short load-sharing periods, so peers age out within the tests.
+// Short load-sharing periods, so peers age out within the tests; the
+// timeout is 30 heartbeats, so a stall of a loaded machine does not age a
+// live peer out.
 const (
 	testHeartbeat   = 50 * time.Millisecond
-	testPeerTimeout = 400 * time.Millisecond
+	testPeerTimeout = 1500 * time.Millisecond
 )
 
 // startLoadReplica is startReplica sharing in-flight counts too.
 func startLoadReplica(t testing.TB, url string, workers int) *replica {
+	return startLoadReplicaTimeout(t, url, workers, testPeerTimeout)
+}
+
+func startLoadReplicaTimeout(t testing.TB, url string, workers int, peerTimeout time.Duration) *replica {
 	t.Helper()
 	var ws []gateway.Worker
 	for i := range workers {
@@ -32,7 +38,7 @@ func startLoadReplica(t testing.TB, url string, workers int) *replica {
 	reg := prometheus.NewRegistry()
 	s, err := Start(g, Options{
 		URL: url, Registerer: reg, ReconnectWait: 50 * time.Millisecond,
-		Load: g, LoadInterval: 5 * time.Millisecond, Heartbeat: testHeartbeat, PeerTimeout: testPeerTimeout,
+		Load: g, LoadInterval: 5 * time.Millisecond, Heartbeat: testHeartbeat, PeerTimeout: peerTimeout,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -163,7 +169,8 @@ func TestLoadNATSLost(t *testing.T) {
 // past MaxPeers are counted and ignored.
 func TestLoadRejectsGarbageAndTooManyPeers(t *testing.T) {
 	url, _ := runNATS(t, -1)
-	a, b := startLoadReplica(t, url, 2), startLoadReplica(t, url, 2)
+	// The fake peers never send again: a's timeout must outlast the test.
+	a, b := startLoadReplicaTimeout(t, url, 2, time.Hour), startLoadReplica(t, url, 2)
 	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })
 	if err := b.sync.nc.Publish(a.sync.load.subject, []byte{1, 200}); err != nil {
 		t.Fatal(err)
