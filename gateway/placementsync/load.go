@@ -107,20 +107,21 @@ func (l *loadShare) run(nc *nats.Conn) {
 	t := time.NewTicker(l.interval)
 	defer t.Stop()
 	var sentVersion uint64
-	var sentAt time.Time
-	published := false
+	var sentAt time.Time     // the last attempt, sent or not
+	sentOK := false          // whether it was sent
 	var due <-chan time.Time // a change waiting for the rate limit
 	publish := func(now time.Time) {
 		counts, v := l.src.RoutedCounts()
-		if err := nc.Publish(l.subject, encodeSnapshot(l.id, counts)); err != nil {
+		err := nc.Publish(l.subject, encodeSnapshot(l.id, counts))
+		if err != nil {
 			l.shared.WithLabelValues("dropped").Inc()
 		} else {
 			l.shared.WithLabelValues("published").Inc()
-			sentVersion, published = v, true
+			sentVersion = v
 		}
 		// A failed publish is retried at the next heartbeat, not every
 		// tick: NATS is down and the peers age us out anyway.
-		sentAt = now
+		sentAt, sentOK = now, err == nil
 	}
 	for {
 		select {
@@ -137,7 +138,7 @@ func (l *loadShare) run(nc *nats.Conn) {
 			due = nil
 			publish(now)
 		case now := <-t.C:
-			if v := l.src.RoutedVersion(); due == nil && (!published || v != sentVersion || now.Sub(sentAt) >= l.heartbeat) {
+			if v := l.src.RoutedVersion(); due == nil && (now.Sub(sentAt) >= l.heartbeat || sentOK && v != sentVersion) {
 				publish(now)
 			}
 			l.ageOut(now)
