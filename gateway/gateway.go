@@ -144,12 +144,14 @@ type Decision struct {
 type WorkerStatus struct {
 	monitor.WorkerStatus
 	// Inflight is the in-flight count the picker uses: the larger of
-	// Reported and Routed.
+	// Reported and Routed+PeerRouted.
 	Inflight int `json:"inflight"`
 	// Reported is the last count a client reported; Routed the tracked
-	// requests routed to the worker and not completed.
-	Reported int `json:"reported_inflight"`
-	Routed   int `json:"routed_inflight"`
+	// requests routed to the worker and not completed, by this replica;
+	// PeerRouted those of the other replicas sharing load over NATS.
+	Reported   int `json:"reported_inflight"`
+	Routed     int `json:"routed_inflight"`
+	PeerRouted int `json:"peer_routed_inflight,omitempty"`
 	// IndexBlocks is the number of engine blocks the index holds for it.
 	IndexBlocks int `json:"index_blocks"`
 	// EngineLoad is the latest load record of any rank; EngineRanks the
@@ -202,12 +204,17 @@ type Gateway struct {
 	workerOf map[string]string // worker ID → model
 	inflight map[string]int    // reported by clients
 	routed   map[string]int    // tracked and not completed
-	pending  map[uint64]tracked
-	nextID   uint64
-	engine   map[string]map[int32]EngineLoad // worker → rank → last record
-	lastRank map[string]int32                // worker → rank of its latest record
-	runCtx   context.Context
-	wg       sync.WaitGroup
+	// routedVersion changes with every change of routed (RoutedCounts).
+	routedVersion uint64
+	routedSignal  chan struct{} // RoutedChanged
+	// peerRouted is the other replicas' tracked requests (SetPeerRouted).
+	peerRouted map[string]int
+	pending    map[uint64]tracked
+	nextID     uint64
+	engine     map[string]map[int32]EngineLoad // worker → rank → last record
+	lastRank   map[string]int32                // worker → rank of its latest record
+	runCtx     context.Context
+	wg         sync.WaitGroup
 	// publisher shares placements with other replicas; nil = none.
 	publisher atomic.Pointer[PlacementPublisher]
 	// now is the clock load records are stamped and aged with, and tracked
@@ -243,18 +250,19 @@ func New(cfg Config) (*Gateway, error) {
 		}
 	}
 	g := &Gateway{
-		cfg:         cfg,
-		log:         cfg.Logger,
-		picker:      p,
-		models:      map[string]*model{},
-		workerOf:    map[string]string{},
-		inflight:    map[string]int{},
-		routed:      map[string]int{},
-		pending:     map[uint64]tracked{},
-		engine:      map[string]map[int32]EngineLoad{},
-		lastRank:    map[string]int32{},
-		now:         time.Now,
-		unreachable: map[string]bool{},
+		cfg:          cfg,
+		log:          cfg.Logger,
+		picker:       p,
+		models:       map[string]*model{},
+		workerOf:     map[string]string{},
+		inflight:     map[string]int{},
+		routed:       map[string]int{},
+		routedSignal: make(chan struct{}, 1),
+		pending:      map[uint64]tracked{},
+		engine:       map[string]map[int32]EngineLoad{},
+		lastRank:     map[string]int32{},
+		now:          time.Now,
+		unreachable:  map[string]bool{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
@@ -334,6 +342,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 	g.reachDirty.Store(true) // the last reachable worker gone: the others come back
 	delete(g.workerOf, id)
 	delete(g.inflight, id)
+	delete(g.peerRouted, id)
 	delete(g.engine, id)
 	delete(g.lastRank, id)
 	for rid, t := range g.pending {
@@ -567,7 +576,7 @@ func (g *Gateway) Workers() []WorkerStatus {
 	for _, st := range sts {
 		ws := WorkerStatus{
 			WorkerStatus: st, Inflight: g.inflightLocked(st.ID),
-			Reported: g.inflight[st.ID], Routed: g.routed[st.ID],
+			Reported: g.inflight[st.ID], Routed: g.routed[st.ID], PeerRouted: g.peerRouted[st.ID],
 		}
 		ws.IndexBlocks = stats[st.Model].Workers[st.ID].Blocks
 		if ranks := g.engine[st.ID]; len(ranks) > 0 {

@@ -22,6 +22,11 @@ import (
 // A worker's in-flight count is the larger of the last two: a client that
 // reports totals and also completes tracked requests is not counted twice,
 // and one that only does either is counted fully.
+//
+// With several replicas sharing load (package placementsync), the tracked
+// count is this replica's own plus the other replicas' latest tracked
+// counts (SetPeerRouted): a client reporting totals reports them to one
+// replica or all, so reported counts are never summed across replicas.
 
 // DefaultInflightTimeout is how long a tracked request counts as in flight
 // when nobody completes it (a client that crashed, a lost /v1/done).
@@ -147,7 +152,67 @@ func (g *Gateway) engineSignalsLocked(eligible []string, now time.Time) map[stri
 
 // inflightLocked is the worker's in-flight count as the picker sees it.
 func (g *Gateway) inflightLocked(w string) int {
-	return max(g.inflight[w], g.routed[w])
+	return max(g.inflight[w], g.routed[w]+g.peerRouted[w])
+}
+
+// RoutedCounts returns this replica's own tracked, not completed requests
+// per worker (only non-zero counts), and a version that changes whenever
+// one of them does, so a sharer can skip unchanged snapshots.
+func (g *Gateway) RoutedCounts() (counts map[string]int, version uint64) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	counts = make(map[string]int, len(g.routed))
+	for w, n := range g.routed {
+		counts[w] = n
+	}
+	return counts, g.routedVersion
+}
+
+// routedChangedLocked bumps the version and wakes RoutedChanged's reader
+// without blocking; g.mu is held.
+func (g *Gateway) routedChangedLocked() {
+	g.routedVersion++
+	select {
+	case g.routedSignal <- struct{}{}:
+	default: // a wake-up is pending already
+	}
+}
+
+// RoutedChanged receives a value after this replica's tracked counts
+// change (several changes may share one); for one reader, the load sharer.
+func (g *Gateway) RoutedChanged() <-chan struct{} { return g.routedSignal }
+
+// RoutedVersion is RoutedCounts' version without the copy.
+func (g *Gateway) RoutedVersion() uint64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.routedVersion
+}
+
+// SetPeerRouted replaces the other replicas' tracked requests per worker
+// (the sum over the live peers) that add to this replica's own in the
+// picker's view. Workers this gateway does not route are ignored; nil
+// clears them (every peer gone, or NATS down long enough).
+func (g *Gateway) SetPeerRouted(totals map[string]int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	old := g.peerRouted
+	g.peerRouted = make(map[string]int, len(totals))
+	for w, n := range totals {
+		if _, ok := g.workerOf[w]; ok && n > 0 {
+			g.peerRouted[w] = n
+		}
+	}
+	for w := range old {
+		if g.peerRouted[w] != old[w] {
+			g.syncFleetLocked(w)
+		}
+	}
+	for w, n := range g.peerRouted {
+		if old[w] != n {
+			g.syncFleetLocked(w)
+		}
+	}
 }
 
 // syncFleetLocked copies w's in-flight count into its model's Fleet after
@@ -166,6 +231,7 @@ func (g *Gateway) trackLocked(worker string, now time.Time) uint64 {
 	id := g.nextID
 	g.pending[id] = tracked{worker: worker, expires: now.Add(g.cfg.InflightTimeout)}
 	g.routed[worker]++
+	g.routedChangedLocked()
 	g.syncFleetLocked(worker)
 	return id
 }
@@ -191,6 +257,7 @@ func (g *Gateway) untrackLocked(id uint64) bool {
 	if g.routed[t.worker]--; g.routed[t.worker] <= 0 {
 		delete(g.routed, t.worker)
 	}
+	g.routedChangedLocked()
 	g.syncFleetLocked(t.worker)
 	return true
 }

@@ -451,3 +451,68 @@ func TestRouteFollowsEveryLoadChange(t *testing.T) {
 		}
 	}
 }
+
+// TestPeerRouted: the other replicas' tracked counts add to this replica's
+// own in what the picker reads, never to client reports (the larger wins),
+// ignore workers this gateway does not route, and clear with nil.
+func TestPeerRouted(t *testing.T) {
+	g, err := New(Config{Workers: []Worker{{ID: "w0", Addr: "127.0.0.1:1"}, {ID: "w1", Addr: "127.0.0.1:1"}}, NoPlacements: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inflight := func(w string) (total, peers int) {
+		for _, ws := range g.Workers() {
+			if ws.ID == w {
+				return ws.Inflight, ws.PeerRouted
+			}
+		}
+		t.Fatalf("no worker %s", w)
+		return 0, 0
+	}
+	route := func() string {
+		t.Helper()
+		d, err := g.Route(RouteRequest{TokenIDs: []uint32{1, 2, 3}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.Worker
+	}
+	if w := route(); w != "w0" {
+		t.Fatalf("idle fleet routed to %s, want w0 (ties to the first name)", w)
+	}
+	g.SetPeerRouted(map[string]int{"w0": 3, "elsewhere": 9})
+	if total, peers := inflight("w0"); total != 3 || peers != 3 {
+		t.Errorf("w0: inflight %d, peer %d; want 3, 3", total, peers)
+	}
+	if w := route(); w != "w1" {
+		t.Errorf("routed to %s with 3 of the peers' on w0, want w1", w)
+	}
+	d, err := g.Route(RouteRequest{TokenIDs: []uint32{4, 5, 6}, Track: true})
+	if err != nil || d.Worker != "w1" {
+		t.Fatalf("tracked route: %v, %v", d.Worker, err)
+	}
+	d2, _ := g.Route(RouteRequest{TokenIDs: []uint32{4, 5, 6}, Track: true})
+	d3, _ := g.Route(RouteRequest{TokenIDs: []uint32{4, 5, 6}, Track: true})
+	d4, _ := g.Route(RouteRequest{TokenIDs: []uint32{4, 5, 6}, Track: true})
+	for _, d := range []Decision{d2, d3, d4} {
+		defer d.Done()
+	}
+	// 3 own on w1 ties 3 of the peers' on w0; a fourth own went to w0.
+	if total, _ := inflight("w0"); total != 4 {
+		t.Errorf("w0: inflight %d, want 1 own + 3 of the peers'", total)
+	}
+	if err := g.ReportLoad("w0", 10); err != nil {
+		t.Fatal(err)
+	}
+	if total, _ := inflight("w0"); total != 10 {
+		t.Errorf("w0 with a report of 10: inflight %d, want 10 (the larger, not a sum)", total)
+	}
+	if err := g.ReportLoad("w0", 0); err != nil {
+		t.Fatal(err)
+	}
+	g.SetPeerRouted(nil)
+	if total, peers := inflight("w0"); total != 1 || peers != 0 {
+		t.Errorf("w0 after the peers left: inflight %d, peer %d; want 1, 0", total, peers)
+	}
+	d.Done()
+}

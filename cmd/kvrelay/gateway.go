@@ -117,6 +117,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
 	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
 	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
+	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
@@ -246,10 +247,14 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		// It does not wait for the server: an unreachable one is retried
 		// while the gateway routes on its own placements.
 		host, _ := os.Hostname()
-		share, err := placementsync.Start(g, placementsync.Options{
+		opts := placementsync.Options{
 			URL: *natsURL, Name: "kvrelay-gateway@" + host, SubjectPrefix: *natsSubject,
 			Registerer: reg, Logger: log.With("component", "placementsync"),
-		})
+		}
+		if *natsShareLoad {
+			opts.Load = g
+		}
+		share, err := placementsync.Start(g, opts)
 		if err != nil {
 			ln.Close()
 			return fail("--nats: %v", err)

@@ -61,3 +61,70 @@ func BenchmarkPropagation(b *testing.B) {
 	b.ReportMetric(q(0.99), "p99-µs")
 	b.ReportMetric(float64(lat[len(lat)-1].Microseconds()), "max-µs")
 }
+
+// peerCounts is a LoadSource with nothing of its own in flight that
+// reports when the peers' counts it is given change.
+type peerCounts chan time.Time
+
+func (peerCounts) RoutedCounts() (map[string]int, uint64) { return nil, 0 }
+func (peerCounts) RoutedVersion() uint64                  { return 0 }
+func (peerCounts) RoutedChanged() <-chan struct{}         { return nil }
+func (p peerCounts) SetPeerRouted(map[string]int) {
+	select {
+	case p <- time.Now():
+	default:
+	}
+}
+
+// BenchmarkLoadPropagation measures how long a change of a real gateway's
+// tracked in-flight count (a tracked route, then its completion) takes to
+// reach another replica's picker view, with the default LoadInterval.
+// Changes are paced one LoadInterval apart (as requests arriving slower
+// than the rate limit), so each is published at once; faster changes wait
+// for the rate limit, up to LoadInterval. Reports p50, p99 and max in µs;
+// run it with -benchtime=100x for 200 changes.
+func BenchmarkLoadPropagation(b *testing.B) {
+	url, _ := runNATS(b, -1)
+	a := startReplica(b, url, 2) // placements only; the load sync below is the one measured
+	aLoad, err := Start(arrivals(make(chan time.Time, 1024)), Options{URL: url, Load: a.g})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer aLoad.Close()
+	got := peerCounts(make(chan time.Time, 1))
+	sub, err := Start(arrivals(make(chan time.Time, 1024)), Options{URL: url, Load: got})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sub.Close()
+	eventually(b, "peers", func() bool { return sub.Peers() == 1 })
+	wait := func(start time.Time) time.Duration {
+		select {
+		case at := <-got:
+			return at.Sub(start)
+		case <-time.After(waitFor):
+			b.Fatal("count never arrived")
+			return 0
+		}
+	}
+	lat := make([]time.Duration, 0, 2*b.N)
+	b.ResetTimer()
+	for i := range b.N {
+		time.Sleep(DefaultLoadInterval) // pacing, not synchronization
+		start := time.Now()
+		d := routeTracked(b, a, prompt(1000*i, 64))
+		lat = append(lat, wait(start))
+		time.Sleep(DefaultLoadInterval)
+		start = time.Now()
+		d.Done()
+		lat = append(lat, wait(start))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	q := func(p float64) float64 {
+		return float64(lat[min(int(p*float64(len(lat))), len(lat)-1)].Microseconds())
+	}
+	b.ReportMetric(q(0.50), "p50-µs")
+	b.ReportMetric(q(0.99), "p99-µs")
+	b.ReportMetric(float64(lat[len(lat)-1].Microseconds()), "max-µs")
+}

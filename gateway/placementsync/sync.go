@@ -15,6 +15,10 @@
 // places meanwhile is dropped, not queued (a placement replayed late would
 // live a TTL from its late arrival). The client reconnects on its own, and
 // kvrelay_gateway_nats_connected says which mode a replica is in.
+//
+// With Options.Load, replicas also share their in-flight counts (load.go),
+// so a prefix's holder does not look idle to the replicas that did not
+// route to it; a peer that goes silent ages out after a few seconds.
 package placementsync
 
 import (
@@ -45,10 +49,23 @@ type Options struct {
 	SubjectPrefix string
 	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
 	ReconnectWait time.Duration
-	// Registerer receives kvrelay_gateway_nats_connected and
-	// kvrelay_gateway_placements_shared_total; nil = unregistered.
+	// Registerer receives kvrelay_gateway_nats_connected,
+	// kvrelay_gateway_placements_shared_total and, sharing load,
+	// kvrelay_gateway_nats_peers and kvrelay_gateway_load_shared_total;
+	// nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
+	// Load, when set, shares the gateway's own tracked in-flight counts
+	// with the other replicas and adds theirs to its own (load.go); nil
+	// shares placements only.
+	Load LoadSource
+	// LoadSubject is where the counts go; "" = SubjectPrefix + "-load"
+	// (outside the placements' wildcard).
+	LoadSubject string
+	// LoadInterval is the least time between two snapshots, Heartbeat the
+	// most, PeerTimeout how long a silent peer's counts still count; 0 =
+	// DefaultLoadInterval, DefaultHeartbeat, DefaultPeerTimeout.
+	LoadInterval, Heartbeat, PeerTimeout time.Duration
 	// NATSOptions are added to the connection's options (TLS, credentials).
 	NATSOptions []nats.Option
 }
@@ -63,6 +80,7 @@ type Sync struct {
 	log    *slog.Logger
 	shared *prometheus.CounterVec // direction: published, received, dropped, rejected
 	regd   []prometheus.Collector
+	load   *loadShare // nil unless Options.Load
 
 	bufs sync.Pool
 }
@@ -85,6 +103,18 @@ func Start(target Target, opts Options) (*Sync, error) {
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.LoadSubject == "" {
+		opts.LoadSubject = opts.SubjectPrefix + "-load"
+	}
+	if opts.LoadInterval <= 0 {
+		opts.LoadInterval = DefaultLoadInterval
+	}
+	if opts.Heartbeat <= 0 {
+		opts.Heartbeat = DefaultHeartbeat
+	}
+	if opts.PeerTimeout <= 0 {
+		opts.PeerTimeout = DefaultPeerTimeout
 	}
 	s := &Sync{
 		opts: opts, target: target, log: opts.Logger,
@@ -121,6 +151,15 @@ func Start(target Target, opts Options) (*Sync, error) {
 		nc.Close()
 		return nil, fmt.Errorf("placementsync: subscribe: %w", err)
 	}
+	if opts.Load != nil {
+		s.load = newLoadShare(opts.Load, opts)
+		if s.load.sub, err = nc.Subscribe(opts.LoadSubject, s.load.receive); err != nil {
+			nc.Close()
+			return nil, fmt.Errorf("placementsync: subscribe %s: %w", opts.LoadSubject, err)
+		}
+		s.load.done.Add(1)
+		go s.load.run(nc)
+	}
 	if opts.Registerer != nil {
 		connected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvrelay_gateway_nats_connected",
@@ -131,7 +170,15 @@ func Start(target Target, opts Options) (*Sync, error) {
 			}
 			return 0
 		})
-		for _, c := range []prometheus.Collector{connected, s.shared} {
+		collectors := []prometheus.Collector{connected, s.shared}
+		if s.load != nil {
+			peers := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvrelay_gateway_nats_peers",
+				Help: "Other gateway replicas whose in-flight counts this one adds to its own (heard from within the peer timeout).",
+			}, func() float64 { return float64(s.load.livePeers()) })
+			collectors = append(collectors, peers, s.load.shared)
+		}
+		for _, c := range collectors {
 			if err := opts.Registerer.Register(c); err != nil {
 				s.Close()
 				return nil, fmt.Errorf("placementsync metrics: %w", err)
@@ -140,6 +187,15 @@ func Start(target Target, opts Options) (*Sync, error) {
 		}
 	}
 	return s, nil
+}
+
+// Peers is the number of other replicas whose in-flight counts are
+// applied now (0 when load is not shared).
+func (s *Sync) Peers() int {
+	if s.load == nil {
+		return 0
+	}
+	return s.load.livePeers()
 }
 
 // Connected reports whether placements are being shared now.
@@ -189,6 +245,9 @@ func (s *Sync) Flush(timeout time.Duration) error {
 // Close unsubscribes, closes the connection and unregisters the metrics.
 func (s *Sync) Close() {
 	s.nc.Close()
+	if s.load != nil {
+		s.load.close()
+	}
 	for _, c := range s.regd {
 		s.opts.Registerer.Unregister(c)
 	}
