@@ -18,6 +18,27 @@ import (
 // publishes them: what a gateway's index must mirror.
 type liveSet map[int]map[int64]bool
 
+// chainPublisher returns publish(rank, n): the next n chainBatch steps of
+// rank (counted in next, which a test resets when the engine restarts),
+// sent through the engine peer and applied to live.
+func chainPublisher(t *testing.T, peer *enginepeer.Peer, live liveSet, next []int) func(rank, n int) {
+	return func(rank, n int) {
+		t.Helper()
+		for ; n > 0; n-- {
+			evs := chainBatch(rank, next[rank])
+			next[rank]++
+			peerEvs := make([]enginepeer.Event, len(evs))
+			for j, e := range evs {
+				peerEvs[j] = e.peer()
+			}
+			if _, err := peer.Publish(rank, peerEvs...); err != nil {
+				t.Fatalf("publish: %v", err)
+			}
+			live.apply(rank, evs)
+		}
+	}
+}
+
 func (l liveSet) apply(rank int, evs []testEvent) {
 	if l[rank] == nil {
 		l[rank] = map[int64]bool{}
@@ -96,22 +117,8 @@ func TestSMGGatewayConsumesKvrelay(t *testing.T) {
 	kv := startKvrelay(t, "kvrelay serve", "vllm", kvCfg, dp, kvPort, kvArgs...)
 
 	live := liveSet{}
-	next := make([]int, dp) // next chainBatch index per rank
-	publish := func(rank, n int) {
-		t.Helper()
-		for ; n > 0; n-- {
-			evs := chainBatch(rank, next[rank])
-			next[rank]++
-			peerEvs := make([]enginepeer.Event, len(evs))
-			for j, e := range evs {
-				peerEvs[j] = e.peer()
-			}
-			if _, err := peer.Publish(rank, peerEvs...); err != nil {
-				t.Fatalf("publish: %v", err)
-			}
-			live.apply(rank, evs)
-		}
-	}
+	next := make([]int, dp) // the next chainBatch index per rank
+	publish := chainPublisher(t, peer, live, next)
 	// The engine ran before the gateway came: kvrelay has it from seq 0.
 	publish(0, 2)
 	publish(1, 1)

@@ -135,22 +135,8 @@ func TestSMGGatewayResumesExactlyAcrossAKvrelayRestart(t *testing.T) {
 			fwd := startGatedForwarder(t, fmt.Sprintf("127.0.0.1:%d", kvPort))
 
 			live := liveSet{}
-			next := make([]int, dp)
-			publish := func(rank, n int) {
-				t.Helper()
-				for ; n > 0; n-- {
-					evs := chainBatch(rank, next[rank])
-					next[rank]++
-					peerEvs := make([]enginepeer.Event, len(evs))
-					for j, e := range evs {
-						peerEvs[j] = e.peer()
-					}
-					if _, err := peer.Publish(rank, peerEvs...); err != nil {
-						t.Fatalf("publish: %v", err)
-					}
-					live.apply(rank, evs)
-				}
-			}
+			next := make([]int, dp) // the next chainBatch index per rank
+			publish := chainPublisher(t, peer, live, next)
 			publish(0, 3)
 			publish(1, 3)
 
@@ -231,22 +217,8 @@ func TestSMGGatewayResumeOnTheSameKvrelay(t *testing.T) {
 	kv := startKvrelay(t, "kvrelay serve", "vllm", kvCfg, dp, kvPort, "--upstream", stubAddr)
 	fwd := startGatedForwarder(t, fmt.Sprintf("127.0.0.1:%d", kvPort))
 	live := liveSet{}
-	next := make([]int, dp)
-	publish := func(rank, n int) {
-		t.Helper()
-		for ; n > 0; n-- {
-			evs := chainBatch(rank, next[rank])
-			next[rank]++
-			peerEvs := make([]enginepeer.Event, len(evs))
-			for j, e := range evs {
-				peerEvs[j] = e.peer()
-			}
-			if _, err := peer.Publish(rank, peerEvs...); err != nil {
-				t.Fatalf("publish: %v", err)
-			}
-			live.apply(rank, evs)
-		}
-	}
+	next := make([]int, dp) // the next chainBatch index per rank
+	publish := chainPublisher(t, peer, live, next)
 	smgPort, promPort := freePort(t), freePort(t)
 	workerURL := fmt.Sprintf("grpc://127.0.0.1:%d", fwd.port())
 	smg := startProc(t, "smg gateway", exec.Command(smgBin, "launch",
