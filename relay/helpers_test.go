@@ -260,6 +260,22 @@ type labOpts struct {
 // alone.
 const patience = 30 * time.Second
 
+// runRelay runs r until the test ends, then stops it and fails the test if
+// Run returned an error; it returns a lab around r for the waits.
+func runRelay(t *testing.T, r *Relay) *lab {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return &lab{t: t, r: r}
+}
+
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 func newLab(t *testing.T, o labOpts) *lab {

@@ -153,16 +153,7 @@ func interopEngineDrill(t *testing.T, opts enginepeer.Options, hash func(int64) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	l := &lab{t: t, r: r}
+	l := runRelay(t, r)
 	l.waitFor("every rank connected", r.Ready)
 	for rank := 0; rank < dp; rank++ {
 		l.cursor(int32(rank), last[rank])

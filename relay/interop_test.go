@@ -34,16 +34,7 @@ func TestRelayFollowsARealSGLangPublisherOverZeroMQ(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	l := &lab{t: t, r: r}
+	l := runRelay(t, r)
 	l.waitFor("both ranks connected", r.Ready)
 
 	hash := func(rank, i int) enginepeer.Hash { return enginepeer.I64(int64(rank*1_000_000 + i)) }

@@ -35,16 +35,7 @@ func TestMalformedLiveMessagesAreCounted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	l := &lab{t: t, r: r}
+	l := runRelay(t, r)
 	l.waitFor("the rank connected", r.Ready)
 	// The subscription reaches the publisher some time after the connection
 	// (slow joiner): publish until one batch is relayed.
