@@ -41,11 +41,21 @@ type Options struct {
 	// process (for example {"/path/kvrelay", "serve"}). Nil: the relay runs
 	// inside the bench process, and its CPU and RSS are not reported.
 	ServeCommand []string
-	// Parts selects what runs: "sidebyside", "scale", "route", "policy".
-	// Nil: all.
+	// Parts selects what runs: "sidebyside", "scale", "route", "policy",
+	// "fleetscale". Nil: all but "fleetscale", which runs only when named.
 	Parts []string
 	// Log receives progress; nil discards it.
 	Log *slog.Logger
+}
+
+// wants reports whether part was named in Parts.
+func (o Options) wants(part string) bool {
+	for _, p := range o.Parts {
+		if p == part {
+			return true
+		}
+	}
+	return false
 }
 
 // environment is Options resolved.
@@ -114,16 +124,17 @@ func findRepo() (string, error) {
 
 // Results is everything one run measured; results.json holds it.
 type Results struct {
-	Quick      bool           `json:"quick"`
-	Started    time.Time      `json:"started"`
-	Duration   string         `json:"duration"`
-	Machine    Machine        `json:"machine"`
-	SideBySide *SideBySide    `json:"side_by_side,omitempty"`
-	Scale      *ScaleResults  `json:"scale,omitempty"`
-	Route      *RouteResults  `json:"route,omitempty"`
-	Policy     *PolicyResults `json:"policy,omitempty"`
-	Plots      []string       `json:"plots"`
-	Profiles   []string       `json:"profiles"`
+	Quick      bool               `json:"quick"`
+	Started    time.Time          `json:"started"`
+	Duration   string             `json:"duration"`
+	Machine    Machine            `json:"machine"`
+	SideBySide *SideBySide        `json:"side_by_side,omitempty"`
+	Scale      *ScaleResults      `json:"scale,omitempty"`
+	Route      *RouteResults      `json:"route,omitempty"`
+	Policy     *PolicyResults     `json:"policy,omitempty"`
+	FleetScale *FleetScaleResults `json:"fleet_scale,omitempty"`
+	Plots      []string           `json:"plots"`
+	Profiles   []string           `json:"profiles"`
 }
 
 // Machine describes where the run happened.
@@ -195,6 +206,15 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 			return nil, err
 		}
 		res.Policy = pr
+	}
+	// The fleet scale study is long (tens of minutes) and asked for by
+	// name: a default run leaves it out.
+	if opts.wants("fleetscale") {
+		fs, err := runFleetScale(ctx, env)
+		if err != nil {
+			return nil, err
+		}
+		res.FleetScale = fs
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()

@@ -247,7 +247,7 @@ func runScale(ctx context.Context, env *environment) (*ScaleResults, []string, e
 		sc.Resume = append(sc.Resume, p)
 	}
 	for _, n := range subs {
-		p, err := fanoutPoint(ctx, env, n, burst)
+		p, err := fanoutRun(ctx, env, n, burst, !env.quick)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -391,9 +391,10 @@ func resumePoint(ctx context.Context, window, reps int) (ResumePoint, error) {
 	return p, nil
 }
 
-// fanoutPoint relays a burst of batches, as fast as the relay takes them,
-// to n gRPC subscribers (n = 0: ingest alone), under the CPU profiler.
-func fanoutPoint(ctx context.Context, env *environment, n, burst int) (FanoutPoint, error) {
+// fanoutRun relays a burst of batches, as fast as the relay takes them,
+// to n gRPC subscribers (n = 0: ingest alone), with profile under the CPU
+// profiler.
+func fanoutRun(ctx context.Context, env *environment, n, burst int, profile bool) (FanoutPoint, error) {
 	p := FanoutPoint{Subscribers: n, Batches: burst}
 	m, err := newMemRelay(dpSize, max(burst, relay.DefaultHistoryBatches))
 	if err != nil {
@@ -432,7 +433,7 @@ func fanoutPoint(ctx context.Context, env *environment, n, burst int) (FanoutPoi
 		msgs[i] = relay.Message{Seq: seq, Payload: enc.batch(i%dpSize, seq, evictWindow, now)}
 	}
 	var prof *os.File
-	if !env.quick {
+	if profile {
 		p.Profile = filepath.Join(env.out, fmt.Sprintf("fanout-%d.cpu.pprof", n))
 		prof, err = os.Create(p.Profile)
 		if err != nil {

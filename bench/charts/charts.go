@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 
@@ -95,6 +96,9 @@ func Draw(out string, res *bench.Results) ([]string, error) {
 		}
 		charts = append(charts, route)
 	}
+	if fs := res.FleetScale; fs != nil {
+		charts = append(charts, fleetCharts(fs)...)
+	}
 	var files []string
 	for _, c := range charts {
 		path := filepath.Join(out, c.file)
@@ -177,4 +181,78 @@ func shortNumber(v float64) string {
 		return strconv.FormatFloat(v/1e3, 'f', -1, 64) + "k"
 	}
 	return strconv.FormatFloat(v, 'f', -1, 64)
+}
+
+// fleetCharts are the fleet scale study's curves: measured medians and the
+// chosen fit, drawn on to the target fleet so that the extrapolated part
+// is visibly a line beyond the points.
+func fleetCharts(fs *bench.FleetScaleResults) []chart {
+	wl := fs.Workload
+	target := float64(wl.TargetWorkers)
+	along := func(xs []float64, f func(x float64) float64) plotter.XYs {
+		var out plotter.XYs
+		for _, x := range append(slices.Clone(xs), target) {
+			out = append(out, plotter.XY{X: x, Y: f(x)})
+		}
+		return out
+	}
+	points := func(xs, ys []float64, scale float64) plotter.XYs {
+		var out plotter.XYs
+		for i := range xs {
+			out = append(out, plotter.XY{X: xs[i], Y: ys[i] * scale})
+		}
+		return out
+	}
+	blocks := float64(wl.CacheBlocks)
+	mem := chart{file: "fleet-memory.png", title: fmt.Sprintf("Gateway index heap vs workers (%d-block caches)", wl.CacheBlocks), x: "workers", y: "MiB", logX: true, logY: true}
+	xs, heap := bench.FleetMedians(fs, func(p bench.GatewayScalePoint) float64 { return float64(p.HeapBytes) })
+	mem.lines = append(mem.lines, series{"measured (median)", points(xs, heap, 1.0/(1<<20))})
+	if f := fs.ChosenFit(bench.FitIndexHeap); f != nil {
+		mem.lines = append(mem.lines, series{"fit (" + f.Model + "), extrapolated", along(xs, func(x float64) float64 { return f.Eval(x*blocks) / (1 << 20) })})
+	}
+	cpu := chart{file: "fleet-cpu.png", title: fmt.Sprintf("Gateway CPU applying events at %.0f batches/s a worker", wl.BatchesPerWorkerPerSec), x: "workers", y: "CPU-s per s", logX: true, logY: true}
+	xs, cps := bench.FleetMedians(fs, func(p bench.GatewayScalePoint) float64 { return p.CPUPerSecond })
+	cpu.lines = append(cpu.lines, series{"measured (median)", points(xs, cps, 1)})
+	if f := fs.ChosenFit(bench.FitApplyCPU); f != nil {
+		cpu.lines = append(cpu.lines, series{"fit (" + f.Model + " per batch), extrapolated", along(xs, func(x float64) float64 {
+			return x * wl.BatchesPerWorkerPerSec * f.Eval(x*blocks) / 1e6
+		})})
+	}
+	route := chart{file: "fleet-route.png", title: "Gateway route (lookup + pick) vs workers", x: "workers", y: "µs", logX: true, logY: true}
+	for _, q := range []struct {
+		name, fit string
+		get       func(bench.GatewayScalePoint) float64
+	}{
+		{"p50", bench.FitRouteP50, func(p bench.GatewayScalePoint) float64 { return p.RouteP50us }},
+		{"p99", bench.FitRouteP99, func(p bench.GatewayScalePoint) float64 { return p.RouteP99us }},
+	} {
+		xs, ys := bench.FleetMedians(fs, q.get)
+		route.lines = append(route.lines, series{q.name + " measured", points(xs, ys, 1)})
+		if f := fs.ChosenFit(q.fit); f != nil {
+			route.lines = append(route.lines, series{q.name + " fit (" + f.Model + ")", along(xs, f.Eval)})
+		}
+	}
+	fan := chart{file: "fleet-fanout.png", title: "Relay CPU per batch vs gateway subscribers", x: "gateway subscribers", y: "µs per batch", logX: true}
+	var fx, fy []float64
+	for _, n := range wl.Subscribers {
+		var v []float64
+		for _, p := range fs.Fanout {
+			if p.Subscribers == n {
+				v = append(v, p.CPUPerBatchUs)
+			}
+		}
+		if len(v) > 0 {
+			slices.Sort(v)
+			fx, fy = append(fx, float64(n)), append(fy, v[len(v)/2])
+		}
+	}
+	fan.lines = append(fan.lines, series{"measured (median)", points(fx, fy, 1)})
+	if f := fs.ChosenFit(bench.FitRelayCPU); f != nil {
+		var line plotter.XYs
+		for _, x := range fx {
+			line = append(line, plotter.XY{X: x, Y: f.Eval(x)})
+		}
+		fan.lines = append(fan.lines, series{"fit (" + f.Model + ")", line})
+	}
+	return []chart{mem, cpu, route, fan}
 }

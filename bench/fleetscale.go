@@ -1,0 +1,663 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placementsync"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// The fleet scale study (issue 18 item 4): what one gateway replica, one
+// relay and the NATS server carry as the fleet grows, measured on a
+// scaled-down simulated fleet here and extrapolated with fitted curves to
+// TargetWorkers workers behind TargetReplicas gateway replicas.
+//
+// It is a `kvrelay bench` part rather than a Go benchmark family because
+// its figures are curves over a sweep with repetitions and fits, written
+// to results.json for the plots and BENCHMARKS.md, which the bench's
+// report already does; the Go benchmark harness would time one size at a
+// time.
+
+// FleetScaleResults is the study's measurements, fits and projection.
+type FleetScaleResults struct {
+	Workload FleetWorkload `json:"workload"`
+	// Gateway holds one point per (workers, repetition).
+	Gateway []GatewayScalePoint `json:"gateway"`
+	// Fanout holds one point per (gateway subscribers, repetition).
+	Fanout []FanoutScalePoint `json:"fanout"`
+	Fits   []CurveFit         `json:"fits"`
+	// NATS is computed, not measured: message counts from what the code
+	// publishes per routed request and per batch, sizes from the real
+	// encoders, at TargetWorkers.
+	NATS       []NATSLoadRow   `json:"nats"`
+	Projection FleetProjection `json:"projection"`
+	JetStream  JetStreamSizing `json:"jetstream"`
+}
+
+// FleetWorkload states the simulated fleet and the realistic figures the
+// study scales to.
+type FleetWorkload struct {
+	BlockSize   int `json:"block_size"`
+	StoreBlocks int `json:"store_blocks"` // blocks a steady-state batch stores (and removes)
+	// CacheBlocks is each simulated worker's cache; RealCacheBlocks what a
+	// GPU holds (the projection scales memory by their ratio).
+	CacheBlocks     int `json:"cache_blocks"`
+	RealCacheBlocks int `json:"real_cache_blocks"`
+	SharedDocs      int `json:"shared_docs"` // hot shared prefixes (system prompts)
+	DocBlocks       int `json:"doc_blocks"`  // each one's length, held by every worker it is assigned to
+	SteadySteps     int `json:"steady_steps"`
+	RouteReps       int `json:"route_reps"`
+	Reps            int `json:"reps"`
+	// BatchesPerWorkerPerSec is a busy engine's event rate (research:
+	// 15–20 batches/s per worker at 3× Mooncake on an 8B model).
+	BatchesPerWorkerPerSec  float64 `json:"batches_per_worker_per_s"`
+	RequestsPerWorkerPerSec float64 `json:"requests_per_worker_per_s"`
+	NewBlocksPerRequest     int     `json:"new_blocks_per_request"` // blocks a placement carries
+	InFlightPerWorker       int     `json:"in_flight_per_worker"`
+	RanksPerRelay           int     `json:"ranks_per_relay"`
+	RetentionSeconds        float64 `json:"retention_s"`
+	StreamReplicas          int     `json:"stream_replicas"`
+	TargetWorkers           int     `json:"target_workers"`
+	TargetReplicas          int     `json:"target_replicas"`
+	Workers                 []int   `json:"workers"`
+	Subscribers             []int   `json:"subscribers"`
+}
+
+// GatewayScalePoint is one gateway replica's index at Workers workers.
+type GatewayScalePoint struct {
+	Workers     int   `json:"workers"`
+	Rep         int   `json:"rep"`
+	Memberships int64 `json:"memberships"` // (worker, block) pairs the index holds
+	HeapBytes   int64 `json:"heap_bytes"`  // live heap of the index after GC
+	// BytesPerBlock is HeapBytes per membership.
+	BytesPerBlock float64 `json:"bytes_per_block"`
+	SteadyBatches int     `json:"steady_batches"`
+	// CPUPerBatchUs is process CPU time (getrusage: the applying thread
+	// and the garbage collector) per steady-state batch applied: a
+	// StoreBlocks-block store and a StoreBlocks-block removal, the tokens
+	// hashed.
+	CPUPerBatchUs float64 `json:"cpu_per_batch_us"`
+	// BatchesPerCPUSecond is what one core applies at this size.
+	BatchesPerCPUSecond float64 `json:"batches_per_cpu_s"`
+	// CPUPerSecond is the CPU seconds per wall second the replica spends
+	// applying events when every worker publishes at the realistic rate:
+	// Workers × rate × CPUPerBatchUs (the sim applies unpaced; the per-batch
+	// cost is what it measures).
+	CPUPerSecond float64 `json:"cpu_s_per_s"`
+	// EventsPerSecond is the realistic event rate this replica must apply.
+	EventsPerSecond float64 `json:"batches_per_s_at_rate"`
+	RouteP50us      float64 `json:"route_p50_us"`
+	RouteP99us      float64 `json:"route_p99_us"`
+	RouteCPUP50us   float64 `json:"route_cpu_p50_us"`
+	Holders         int     `json:"holders"` // workers matching a routed prompt's full shared prefix
+}
+
+// FanoutScalePoint is one relay's cost per batch per gateway subscriber.
+type FanoutScalePoint struct {
+	Subscribers int     `json:"subscribers"`
+	Rep         int     `json:"rep"`
+	Batches     int     `json:"batches"`
+	CPUSeconds  float64 `json:"cpu_seconds"`
+	// CPUPerBatchUs is CPU per relayed batch, all subscribers together;
+	// CPUPerDeliveryUs per batch per subscriber. Both include the
+	// subscribers' own receiving (in the same process), so they are an
+	// upper bound on the relay's.
+	CPUPerBatchUs    float64 `json:"cpu_per_batch_us"`
+	CPUPerDeliveryUs float64 `json:"cpu_per_delivery_us"`
+}
+
+// CurveFit is y = A + B·f(x) fitted by least squares over every
+// repetition's point, with f the model's transform.
+type CurveFit struct {
+	Figure string  `json:"figure"`
+	Unit   string  `json:"unit"`
+	X      string  `json:"x"`
+	Model  string  `json:"model"` // "linear", "n log n" or "log"
+	A      float64 `json:"a"`
+	B      float64 `json:"b"`
+	R2     float64 `json:"r2"`
+	// MaxResidualPct is the largest |residual| relative to its point.
+	MaxResidualPct float64 `json:"max_residual_pct"`
+	Points         int     `json:"points"`
+	// At is the fit evaluated at AtX (the projection's size).
+	AtX float64 `json:"at_x"`
+	At  float64 `json:"at"`
+	// Chosen is the model with the smaller squared error of the pair
+	// fitted for this figure.
+	Chosen bool `json:"chosen"`
+}
+
+// NATSLoadRow is the NATS server's load from the gateway replicas at
+// TargetWorkers workers and Replicas replicas.
+type NATSLoadRow struct {
+	Replicas int `json:"replicas"`
+	// Placements: one message per routed request (a request whose blocks
+	// are all placed or held already publishes none, so this is a bound).
+	PlacementBytes    int     `json:"placement_bytes"` // one message, subject included
+	PlacementsIn      float64 `json:"placements_in_per_s"`
+	PlacementsOut     float64 `json:"placements_out_per_s"` // delivered: R-1 peers (NoEcho)
+	PlacementBytesIn  float64 `json:"placement_bytes_in_per_s"`
+	PlacementBytesOut float64 `json:"placement_bytes_out_per_s"`
+	// Load sharing: a busy replica publishes a snapshot every
+	// DefaultLoadInterval.
+	LoadWorkers  int     `json:"load_snapshot_workers"` // non-zero counts in one replica's snapshot
+	LoadBytes    int     `json:"load_snapshot_bytes"`
+	LoadCapped   bool    `json:"load_snapshot_capped"` // over MaxLoadWorkers: the rest is not shared
+	LoadIn       float64 `json:"load_in_per_s"`
+	LoadOut      float64 `json:"load_out_per_s"`
+	LoadBytesIn  float64 `json:"load_bytes_in_per_s"`
+	LoadBytesOut float64 `json:"load_bytes_out_per_s"`
+}
+
+// JetStreamSizing is the events-over-JetStream design at TargetWorkers:
+// one message per relayed batch, subject per worker and rank, payload the
+// encoded KvEventBatch, consumed by every gateway replica.
+type JetStreamSizing struct {
+	Subject        string  `json:"subject_example"`
+	BatchBytes     int     `json:"batch_bytes"`  // proto-encoded steady-state batch
+	RecordBytes    int     `json:"record_bytes"` // file store record: header, subject, payload, checksum
+	MsgsPerSec     float64 `json:"msgs_per_s"`
+	BytesInPerSec  float64 `json:"bytes_in_per_s"`
+	BytesOutPerSec float64 `json:"bytes_out_per_s"` // every replica consumes every message
+	StorageBytes   float64 `json:"storage_bytes"`   // retention × rate × records × stream replicas
+}
+
+// FleetProjection is the extrapolation to TargetWorkers and TargetReplicas.
+type FleetProjection struct {
+	Workers            int     `json:"workers"`
+	Replicas           int     `json:"replicas"`
+	Memberships        float64 `json:"memberships"` // at RealCacheBlocks a worker
+	IndexBytes         float64 `json:"index_bytes"`
+	CPUPerBatchUs      float64 `json:"cpu_per_batch_us"`
+	EventsPerSecond    float64 `json:"batches_per_s"`
+	CPUPerSecond       float64 `json:"cpu_s_per_s"`
+	RouteP50us         float64 `json:"route_p50_us"`
+	RouteP99us         float64 `json:"route_p99_us"`
+	RelayCPUPerBatchUs float64 `json:"relay_cpu_per_batch_us"` // at Replicas subscribers
+	RelayCPUPerSecond  float64 `json:"relay_cpu_s_per_s"`      // one relay's ranks at the realistic rate
+}
+
+// fleetDocsSeed and friends fix the simulated fleet so that repetitions
+// differ only in the tails' content and the routed requests.
+const fleetIDBase = 0x5eed
+
+func fleetWorkload(quick bool) FleetWorkload {
+	w := FleetWorkload{
+		BlockSize: blockSize, StoreBlocks: storeBlocks,
+		CacheBlocks: 2048, RealCacheBlocks: 30_000,
+		SharedDocs: 64, DocBlocks: 512,
+		SteadySteps: 8, RouteReps: 2000, Reps: 3,
+		BatchesPerWorkerPerSec: 20, RequestsPerWorkerPerSec: 2, NewBlocksPerRequest: 256,
+		InFlightPerWorker: 8, RanksPerRelay: 8,
+		RetentionSeconds: 600, StreamReplicas: 3,
+		TargetWorkers: 10_000, TargetReplicas: 16,
+		Workers:     []int{250, 500, 1000, 2000, 4000, 8000},
+		Subscribers: []int{1, 2, 4, 8, 16},
+	}
+	if quick {
+		w.CacheBlocks, w.SharedDocs, w.DocBlocks = 256, 4, 64
+		w.SteadySteps, w.RouteReps, w.Reps = 2, 50, 1
+		w.Workers, w.Subscribers = []int{8, 16, 32}, []int{1, 2}
+	}
+	return w
+}
+
+func runFleetScale(ctx context.Context, env *environment) (*FleetScaleResults, error) {
+	fs := &FleetScaleResults{Workload: fleetWorkload(env.quick)}
+	wl := &fs.Workload
+	docs := fleetDocs(wl)
+	for rep := range wl.Reps {
+		for _, w := range wl.Workers {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			p, err := gatewayScalePoint(wl, docs, w, rep)
+			if err != nil {
+				return nil, err
+			}
+			env.log.Info("fleetscale: gateway", "workers", w, "rep", rep, "heap_mib", p.HeapBytes>>20,
+				"bytes_per_block", p.BytesPerBlock, "cpu_per_batch_us", p.CPUPerBatchUs, "route_p50_us", p.RouteP50us)
+			fs.Gateway = append(fs.Gateway, p)
+		}
+	}
+	burst := 2000
+	if env.quick {
+		burst = 60
+	}
+	for rep := range max(wl.Reps, 1) {
+		for _, n := range wl.Subscribers {
+			fp, err := fanoutRun(ctx, env, n, burst, false)
+			if err != nil {
+				return nil, err
+			}
+			p := FanoutScalePoint{Subscribers: n, Rep: rep, Batches: burst, CPUSeconds: fp.CPUSeconds,
+				CPUPerBatchUs:    fp.CPUSeconds / float64(burst) * 1e6,
+				CPUPerDeliveryUs: fp.CPUSeconds / float64(burst*n) * 1e6}
+			env.log.Info("fleetscale: fan-out", "subscribers", n, "rep", rep, "cpu_per_batch_us", p.CPUPerBatchUs)
+			fs.Fanout = append(fs.Fanout, p)
+		}
+	}
+	if err := fs.fit(); err != nil {
+		return nil, err
+	}
+	batch := steadyBatch(wl, docs, 0, rand.New(rand.NewPCG(1, 1)))
+	fs.NATS = natsLoad(wl)
+	fs.JetStream = jetStreamSizing(wl, proto.Size(batch))
+	return fs, nil
+}
+
+// fleetDocs are the shared prompts' tokens.
+func fleetDocs(wl *FleetWorkload) [][]uint32 {
+	rng := rand.New(rand.NewPCG(fleetIDBase, 1))
+	docs := make([][]uint32, wl.SharedDocs)
+	for d := range docs {
+		docs[d] = make([]uint32, wl.DocBlocks*wl.BlockSize)
+		for i := range docs[d] {
+			docs[d][i] = rng.Uint32N(151_936)
+		}
+	}
+	return docs
+}
+
+// Engine block hashes: a document's blocks have the same hash on every
+// worker (same content, same engine hashing); a worker's own blocks are
+// unique to it.
+func docHash(d, k int) int64  { return 1<<62 | int64(d)<<24 | int64(k) }
+func tailHash(w, n int) int64 { return int64(w+1)<<32 | int64(n) }
+func workerName(w int) string {
+	return fmt.Sprintf("grpc://10.%d.%d.%d:50051", w>>16&255, w>>8&255, w&255)
+}
+func docOf(wl *FleetWorkload, w int) int { return w % wl.SharedDocs }
+
+// tailState is a worker's FIFO of its own stored batches (first hash of
+// each), oldest first, and the next hash number.
+type tailState struct {
+	fifo []int
+	next int
+}
+
+// steadyBatch is a steady-state batch of worker w (its cache full: a
+// store and a removal), for sizing a relayed batch.
+func steadyBatch(wl *FleetWorkload, docs [][]uint32, w int, rng *rand.Rand) *kvpb.KvEventBatch {
+	var ts tailState
+	for {
+		if b := nextBatch(wl, docs, w, &ts, rng); len(b.Events) == 2 {
+			return b
+		}
+	}
+}
+
+// nextBatch is worker w's next batch: a new StoreBlocks-block store of
+// its own, chained to its shared document at a random depth (a new
+// conversation) or to its previous store (the next turn), and, when its
+// cache is full, the removal of its oldest store.
+func nextBatch(wl *FleetWorkload, docs [][]uint32, w int, ts *tailState, rng *rand.Rand) *kvpb.KvEventBatch {
+	st := &kvpb.KvBlocksStored{}
+	if len(ts.fifo) > 0 && rng.IntN(4) != 0 {
+		parent := tailHash(w, ts.next-1)
+		st.ParentBlockHash = &parent
+	} else {
+		parent := docHash(docOf(wl, w), 1+rng.IntN(wl.DocBlocks-1))
+		st.ParentBlockHash = &parent
+	}
+	tokens := make([]uint32, wl.StoreBlocks*wl.BlockSize)
+	for i := range tokens {
+		tokens[i] = rng.Uint32N(151_936)
+	}
+	first := ts.next
+	for k := range wl.StoreBlocks {
+		st.Blocks = append(st.Blocks, &kvpb.KvBlock{
+			BlockHash: tailHash(w, first+k), TokenIds: tokens[k*wl.BlockSize : (k+1)*wl.BlockSize], BlockSize: int32(wl.BlockSize),
+		})
+	}
+	ts.next += wl.StoreBlocks
+	b := &kvpb.KvEventBatch{Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Stored{Stored: st}}}}
+	ts.fifo = append(ts.fifo, first)
+	if (len(ts.fifo))*wl.StoreBlocks > wl.CacheBlocks-wl.DocBlocks {
+		old := ts.fifo[0]
+		ts.fifo = ts.fifo[1:]
+		rm := &kvpb.KvBlocksRemoved{}
+		for k := range wl.StoreBlocks {
+			rm.BlockHashes = append(rm.BlockHashes, tailHash(w, old+k))
+		}
+		b.Events = append(b.Events, &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Removed{Removed: rm}})
+	}
+	return b
+}
+
+// docBatches stores document d's blocks in StoreBlocks-block chained stores.
+func docBatches(wl *FleetWorkload, docs [][]uint32, d int) []*kvpb.KvEventBatch {
+	var out []*kvpb.KvEventBatch
+	for s := 0; s < wl.DocBlocks; s += wl.StoreBlocks {
+		st := &kvpb.KvBlocksStored{}
+		if s > 0 {
+			parent := docHash(d, s-1)
+			st.ParentBlockHash = &parent
+		}
+		for k := s; k < min(wl.DocBlocks, s+wl.StoreBlocks); k++ {
+			st.Blocks = append(st.Blocks, &kvpb.KvBlock{
+				BlockHash: docHash(d, k), TokenIds: docs[d][k*wl.BlockSize : (k+1)*wl.BlockSize], BlockSize: int32(wl.BlockSize),
+			})
+		}
+		out = append(out, &kvpb.KvEventBatch{Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Stored{Stored: st}}}})
+	}
+	return out
+}
+
+// gatewayScalePoint fills one replica's index with workers' caches, runs
+// the steady stream through it and routes on it.
+func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (GatewayScalePoint, error) {
+	p := GatewayScalePoint{Workers: workers, Rep: rep}
+	rng := rand.New(rand.NewPCG(uint64(workers), uint64(rep)))
+	names := make([]string, workers)
+	tails := make([]tailState, workers)
+	for w := range names {
+		names[w] = workerName(w)
+	}
+	before := heapInUse()
+	ix := index.New(index.Options{BlockSize: wl.BlockSize})
+	// Fill: the worker's document, then its own stores until the cache is
+	// full (the first removal is the steady state's).
+	for w := range workers {
+		for _, b := range docBatches(wl, docs, docOf(wl, w)) {
+			ix.Apply(names[w], b)
+		}
+		for (len(tails[w].fifo)+1)*wl.StoreBlocks <= wl.CacheBlocks-wl.DocBlocks {
+			ix.Apply(names[w], nextBatch(wl, docs, w, &tails[w], rng))
+		}
+	}
+	// Steady state: every worker in turn, generated in chunks outside the
+	// CPU clock.
+	var cpu time.Duration
+	const chunk = 256
+	pending := make([]*kvpb.KvEventBatch, 0, chunk)
+	owners := make([]int, 0, chunk)
+	flush := func() {
+		c0 := processCPU()
+		for i, b := range pending {
+			ix.Apply(names[owners[i]], b)
+		}
+		cpu += processCPU() - c0
+		p.SteadyBatches += len(pending)
+		pending, owners = pending[:0], owners[:0]
+	}
+	for range wl.SteadySteps {
+		for w := range workers {
+			pending = append(pending, nextBatch(wl, docs, w, &tails[w], rng))
+			owners = append(owners, w)
+			if len(pending) == chunk {
+				flush()
+			}
+		}
+	}
+	flush()
+	pending = nil
+	st := ix.Stats()
+	p.Memberships = int64(st.Memberships)
+	if want := int64(workers) * int64(wl.CacheBlocks); p.Memberships != want {
+		return p, fmt.Errorf("bench: fleetscale: %d workers' index holds %d (worker, block) pairs, want %d", workers, p.Memberships, want)
+	}
+	p.HeapBytes = heapInUse() - before
+	p.BytesPerBlock = float64(p.HeapBytes) / float64(p.Memberships)
+	p.CPUPerBatchUs = cpu.Seconds() / float64(p.SteadyBatches) * 1e6
+	if cpu > 0 {
+		p.BatchesPerCPUSecond = float64(p.SteadyBatches) / cpu.Seconds()
+	}
+	p.EventsPerSecond = float64(workers) * wl.BatchesPerWorkerPerSec
+	p.CPUPerSecond = p.EventsPerSecond * p.CPUPerBatchUs / 1e6
+
+	// Route: a shared document and a new question, lookup and pick over
+	// the fleet's in-flight loads.
+	pk, err := picker.New(picker.Config{Rand: rand.New(rand.NewPCG(1, 2))})
+	if err != nil {
+		return p, fmt.Errorf("bench: picker: %w", err)
+	}
+	fleet := picker.NewFleet()
+	for _, n := range names {
+		fleet.Add(n)
+		fleet.Set(n, rng.IntN(wl.InFlightPerWorker+1))
+	}
+	question := make([]uint32, 4*wl.BlockSize)
+	routes := make([]time.Duration, 0, wl.RouteReps)
+	cpus := make([]time.Duration, 0, wl.RouteReps)
+	runtime.GC()
+	runtime.LockOSThread()
+	for i := range wl.RouteReps {
+		d := i % wl.SharedDocs
+		for j := range question {
+			question[j] = rng.Uint32N(151_936)
+		}
+		tokens := append(slices.Clip(docs[d]), question...)
+		c0 := threadCPU()
+		t0 := time.Now()
+		m := ix.FindMatches(tokens, index.Namespace{})
+		if _, err := pk.PickFleet(fleet, picker.Request{}, m); err != nil {
+			runtime.UnlockOSThread()
+			return p, fmt.Errorf("bench: pick: %w", err)
+		}
+		routes = append(routes, time.Since(t0))
+		cpus = append(cpus, threadCPU()-c0)
+		if i == 0 {
+			p.Holders = len(m.Workers)
+		}
+	}
+	runtime.UnlockOSThread()
+	slices.Sort(routes)
+	slices.Sort(cpus)
+	p.RouteP50us, p.RouteP99us = us(quantile(routes, 0.5)), us(quantile(routes, 0.99))
+	p.RouteCPUP50us = us(quantile(cpus, 0.5))
+	runtime.KeepAlive(ix)
+	return p, nil
+}
+
+// fit fits every figure's curve and projects to the target fleet.
+func (fs *FleetScaleResults) fit() error {
+	wl := fs.Workload
+	var mem, cost, p50, p99 []xy
+	for _, p := range fs.Gateway {
+		mem = append(mem, xy{float64(p.Memberships), float64(p.HeapBytes)})
+		cost = append(cost, xy{float64(p.Memberships), p.CPUPerBatchUs})
+		p50 = append(p50, xy{float64(p.Workers), p.RouteP50us})
+		p99 = append(p99, xy{float64(p.Workers), p.RouteP99us})
+	}
+	var fan []xy
+	for _, p := range fs.Fanout {
+		fan = append(fan, xy{float64(p.Subscribers), p.CPUPerBatchUs})
+	}
+	target := float64(wl.TargetWorkers)
+	targetBlocks := target * float64(wl.RealCacheBlocks)
+	pr := &fs.Projection
+	pr.Workers, pr.Replicas, pr.Memberships = wl.TargetWorkers, wl.TargetReplicas, targetBlocks
+	for _, f := range []struct {
+		figure, unit, x string
+		pts             []xy
+		at              float64
+		models          []string
+		out             *float64
+	}{
+		{FitIndexHeap, "bytes", "(worker, block) pairs", mem, targetBlocks, []string{"linear", "n log n"}, &pr.IndexBytes},
+		{FitApplyCPU, "µs", "(worker, block) pairs", cost, targetBlocks, []string{"log", "linear"}, &pr.CPUPerBatchUs},
+		{FitRouteP50, "µs", "workers", p50, target, []string{"linear", "n log n"}, &pr.RouteP50us},
+		{FitRouteP99, "µs", "workers", p99, target, []string{"linear", "n log n"}, &pr.RouteP99us},
+		{FitRelayCPU, "µs", "gateway subscribers", fan, float64(wl.TargetReplicas), []string{"linear", "n log n"}, &pr.RelayCPUPerBatchUs},
+	} {
+		var best *CurveFit
+		first := len(fs.Fits)
+		for _, model := range f.models {
+			c, err := fitCurve(f.pts, model)
+			if err != nil {
+				return fmt.Errorf("bench: fleetscale: fit %s: %w", f.figure, err)
+			}
+			c.Figure, c.Unit, c.X, c.AtX = f.figure, f.unit, f.x, f.at
+			c.At = c.Eval(f.at)
+			fs.Fits = append(fs.Fits, c)
+		}
+		for i := first; i < len(fs.Fits); i++ {
+			if best == nil || fs.Fits[i].sse(f.pts) < best.sse(f.pts) {
+				best = &fs.Fits[i]
+			}
+		}
+		best.Chosen = true
+		*f.out = best.At
+	}
+	pr.EventsPerSecond = target * wl.BatchesPerWorkerPerSec
+	pr.CPUPerSecond = pr.EventsPerSecond * pr.CPUPerBatchUs / 1e6
+	pr.RelayCPUPerSecond = float64(wl.RanksPerRelay) * wl.BatchesPerWorkerPerSec * pr.RelayCPUPerBatchUs / 1e6
+	return nil
+}
+
+// The fitted figures' names.
+const (
+	FitIndexHeap = "index heap"
+	FitApplyCPU  = "CPU per applied batch"
+	FitRouteP50  = "route p50"
+	FitRouteP99  = "route p99"
+	FitRelayCPU  = "relay CPU per batch, all subscribers"
+)
+
+type xy struct{ x, y float64 }
+
+// transform is the fit's regressor for a model.
+func transform(model string, x float64) float64 {
+	switch model {
+	case "n log n":
+		return x * math.Log2(max(x, 1))
+	case "log":
+		return math.Log2(max(x, 1))
+	default:
+		return x
+	}
+}
+
+// Eval is the fitted curve at x.
+func (c CurveFit) Eval(x float64) float64 { return c.A + c.B*transform(c.Model, x) }
+
+func (c CurveFit) sse(pts []xy) float64 {
+	var s float64
+	for _, p := range pts {
+		r := p.y - c.Eval(p.x)
+		s += r * r
+	}
+	return s
+}
+
+// fitCurve is ordinary least squares of y on the model's transform of x.
+func fitCurve(pts []xy, model string) (CurveFit, error) {
+	c := CurveFit{Model: model, Points: len(pts)}
+	var n, sx, sy, sxx, sxy float64
+	for _, p := range pts {
+		t := transform(model, p.x)
+		n++
+		sx += t
+		sy += p.y
+		sxx += t * t
+		sxy += t * p.y
+	}
+	den := n*sxx - sx*sx
+	if n < 2 || den == 0 {
+		return c, fmt.Errorf("%d points over %d distinct sizes: need two sizes at least", len(pts), distinct(pts))
+	}
+	c.B = (n*sxy - sx*sy) / den
+	c.A = (sy - c.B*sx) / n
+	mean := sy / n
+	var ssTot float64
+	for _, p := range pts {
+		ssTot += (p.y - mean) * (p.y - mean)
+		if p.y != 0 {
+			c.MaxResidualPct = max(c.MaxResidualPct, math.Abs(p.y-c.Eval(p.x))/math.Abs(p.y)*100)
+		}
+	}
+	if ssTot > 0 {
+		c.R2 = 1 - c.sse(pts)/ssTot
+	}
+	return c, nil
+}
+
+func distinct(pts []xy) int {
+	seen := map[float64]bool{}
+	for _, p := range pts {
+		seen[p.x] = true
+	}
+	return len(seen)
+}
+
+// natsLoad is the replicas' NATS traffic at the target fleet, for 1 to
+// TargetReplicas replicas, sized with placementsync's own encoders.
+func natsLoad(wl *FleetWorkload) []NATSLoadRow {
+	hashes := make([]uint64, wl.NewBlocksPerRequest)
+	for i := range hashes {
+		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	subject := placementsync.PlacementSubject("", "meta-llama-3-8b")
+	// A message on the NATS wire costs its subject and payload plus the
+	// protocol line (PUB/MSG, sizes, a subscription ID), under 40 bytes;
+	// the figures below count subject and payload only.
+	placement := len(subject) + len(placementsync.PlacementMessage(workerName(wl.TargetWorkers-1), hashes))
+	loadSubject := placementsync.DefaultSubjectPrefix + "-load"
+	requests := float64(wl.TargetWorkers) * wl.RequestsPerWorkerPerSec
+	snapshotsPerSec := float64(time.Second / placementsync.DefaultLoadInterval)
+	var rows []NATSLoadRow
+	for r := 1; r <= wl.TargetReplicas; r *= 2 {
+		row := NATSLoadRow{Replicas: r, PlacementBytes: placement}
+		row.PlacementsIn = requests
+		row.PlacementsOut = requests * float64(r-1)
+		row.PlacementBytesIn = row.PlacementsIn * float64(placement)
+		row.PlacementBytesOut = row.PlacementsOut * float64(placement)
+		// Each worker's in-flight requests were routed by replicas picked
+		// by a round-robin front: a replica's snapshot holds every worker
+		// it has one or more of.
+		rng := rand.New(rand.NewPCG(uint64(r), 3))
+		counts := map[string]int{}
+		for w := range wl.TargetWorkers {
+			n := 0
+			for range wl.InFlightPerWorker {
+				if rng.IntN(r) == 0 {
+					n++
+				}
+			}
+			if n > 0 {
+				counts[workerName(w)] = n
+			}
+		}
+		row.LoadWorkers = min(len(counts), placementsync.MaxLoadWorkers)
+		row.LoadCapped = len(counts) > placementsync.MaxLoadWorkers
+		row.LoadBytes = len(loadSubject) + len(placementsync.LoadSnapshotMessage("0123456789abcdef", counts))
+		if r > 1 {
+			row.LoadIn = float64(r) * snapshotsPerSec
+			row.LoadOut = row.LoadIn * float64(r-1)
+			row.LoadBytesIn = row.LoadIn * float64(row.LoadBytes)
+			row.LoadBytesOut = row.LoadOut * float64(row.LoadBytes)
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+// File store record framing of a JetStream message (the server's
+// msgHdrSize and checksumSize): a record is header + subject + payload +
+// checksum.
+const (
+	jsRecordHeader   = 22
+	jsRecordChecksum = 8
+)
+
+func jetStreamSizing(wl *FleetWorkload, batchBytes int) JetStreamSizing {
+	subject := fmt.Sprintf("kvrelay.events.%s.%d", "10-0-39-15-50051", 7)
+	j := JetStreamSizing{Subject: subject, BatchBytes: batchBytes}
+	j.RecordBytes = jsRecordHeader + len(subject) + batchBytes + jsRecordChecksum
+	j.MsgsPerSec = float64(wl.TargetWorkers) * wl.BatchesPerWorkerPerSec
+	j.BytesInPerSec = j.MsgsPerSec * float64(len(subject)+batchBytes)
+	j.BytesOutPerSec = j.BytesInPerSec * float64(wl.TargetReplicas)
+	j.StorageBytes = j.MsgsPerSec * wl.RetentionSeconds * float64(j.RecordBytes) * float64(wl.StreamReplicas)
+	return j
+}
