@@ -17,10 +17,10 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 		"%d repetitions per size; figures are medians (range). CPU is process CPU time (getrusage); the realistic rate is %.0f batches/s a worker.\n\n",
 		wl.CacheBlocks, wl.BlockSize, wl.RealCacheBlocks, wl.SharedDocs, wl.DocBlocks, wl.StoreBlocks, wl.StoreBlocks, wl.StoreBlocks,
 		wl.Reps, wl.BatchesPerWorkerPerSec)
-	fmt.Fprintf(w, "| workers | (worker, block) pairs | index heap (MiB) | B per pair | CPU per batch (µs) | batches per CPU-s | CPU-s/s at the rate | route p50 (µs) | route p99 (µs) | route CPU p50 (µs) | holders of a prompt |\n")
+	fmt.Fprintf(w, "| workers | (worker, block) pairs | index heap (MiB) | B per pair | CPU per batch (µs) | batches per CPU-s | CPU-s/s at the rate | route p50 (µs) | route p99 (µs) | route CPU p50 / p99 (µs) | holders of a prompt |\n")
 	fmt.Fprintf(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, n := range wl.Workers {
-		var heap, per, cpu, rate, cps, p50, p99, rc, holders []float64
+		var heap, per, cpu, rate, cps, p50, p99, rc, rc99, holders []float64
 		var pairs int64
 		for _, p := range fs.Gateway {
 			if p.Workers != n {
@@ -35,6 +35,7 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 			p50 = append(p50, p.RouteP50us)
 			p99 = append(p99, p.RouteP99us)
 			rc = append(rc, p.RouteCPUP50us)
+			rc99 = append(rc99, p.RouteCPUP99us)
 			holders = append(holders, float64(p.Holders))
 		}
 		if len(heap) == 0 {
@@ -43,7 +44,7 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 		fmt.Fprintf(w, "| %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, pairs,
 			spreadOf(heap).format(1.0/(1<<20), "", 1), spreadOf(per).format(1, "", 1), spreadOf(cpu).format(1, "", 1),
 			spreadOf(rate).format(1e-3, " k", 1), spreadOf(cps).format(1, "", 2), spreadOf(p50).format(1, "", 1),
-			spreadOf(p99).format(1, "", 1), spreadOf(rc).format(1, "", 1), spreadOf(holders).format(1, "", 0))
+			spreadOf(p99).format(1, "", 1), spreadOf(rc).format(1, "", 1)+" / "+spreadOf(rc99).format(1, "", 1), spreadOf(holders).format(1, "", 0))
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "Relay fan-out to gateway subscribers (64-block stores with removals, 2 ranks, gRPC on loopback; the subscribers' receiving is in the same process, so the figures bound the relay's cost from above):\n\n")
@@ -74,9 +75,9 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 	fmt.Fprintln(w)
 	pr := fs.Projection
 	fmt.Fprintf(w, "Extrapolated to %d workers (%.3g (worker, block) pairs at %d blocks a worker) and %d gateway replicas, per replica: index heap **%.1f GiB**; "+
-		"%.0f batches/s to apply at **%.1f CPU-s/s** (%.1f µs a batch); route p50 %.0f µs, p99 %.0f µs. Per relay (%d ranks at the rate, %d subscribers): %.1f µs a batch, %.3f CPU-s/s.\n\n",
+		"%.0f batches/s to apply at **%.1f CPU-s/s** (%.1f µs a batch); route p50 %.0f µs, CPU p99 %.0f µs. Per relay (%d ranks at the rate, %d subscribers): %.1f µs a batch, %.3f CPU-s/s.\n\n",
 		pr.Workers, pr.Memberships, wl.RealCacheBlocks, pr.Replicas, pr.IndexBytes/(1<<30), pr.EventsPerSecond, pr.CPUPerSecond, pr.CPUPerBatchUs,
-		pr.RouteP50us, pr.RouteP99us, wl.RanksPerRelay, pr.Replicas, pr.RelayCPUPerBatchUs, pr.RelayCPUPerSecond)
+		pr.RouteP50us, pr.RouteCPUP99us, wl.RanksPerRelay, pr.Replicas, pr.RelayCPUPerBatchUs, pr.RelayCPUPerSecond)
 	fmt.Fprintf(w, "NATS at %d workers (computed: %.0f requests/s a worker, each placing %d new blocks; %d requests in flight a worker; message sizes from gateway/placementsync's encoders, subject included, protocol framing not):\n\n",
 		wl.TargetWorkers, wl.RequestsPerWorkerPerSec, wl.NewBlocksPerRequest, wl.InFlightPerWorker)
 	fmt.Fprintf(w, "| replicas | placement (B) | placements in / out per s | placement MB/s in / out | load snapshot: workers, bytes | snapshots in / out per s | load MB/s in / out |\n|---:|---:|---:|---:|---:|---:|---:|\n")

@@ -224,7 +224,7 @@ func fleetCharts(fs *bench.FleetScaleResults) []chart {
 		get       func(bench.GatewayScalePoint) float64
 	}{
 		{"p50", bench.FitRouteP50, func(p bench.GatewayScalePoint) float64 { return p.RouteP50us }},
-		{"p99", bench.FitRouteP99, func(p bench.GatewayScalePoint) float64 { return p.RouteP99us }},
+		{"CPU p99", bench.FitRouteP99, func(p bench.GatewayScalePoint) float64 { return p.RouteCPUP99us }},
 	} {
 		xs, ys := bench.FleetMedians(fs, q.get)
 		route.lines = append(route.lines, series{q.name + " measured", points(xs, ys, 1)})
