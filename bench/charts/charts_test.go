@@ -41,3 +41,37 @@ func TestDrawWritesEveryPlot(t *testing.T) {
 		}
 	}
 }
+
+// The fleet scale study's four plots are drawn from its results, the fit
+// lines reaching the target fleet.
+func TestDrawFleetScale(t *testing.T) {
+	fs := &bench.FleetScaleResults{
+		Workload: bench.FleetWorkload{CacheBlocks: 100, BatchesPerWorkerPerSec: 20, TargetWorkers: 10000, Workers: []int{100, 200}, Subscribers: []int{1, 2}},
+		Gateway: []bench.GatewayScalePoint{
+			{Workers: 100, HeapBytes: 1 << 20, CPUPerSecond: 0.1, RouteP50us: 10, RouteCPUP99us: 20},
+			{Workers: 200, HeapBytes: 2 << 20, CPUPerSecond: 0.2, RouteP50us: 15, RouteCPUP99us: 30},
+		},
+		Fanout: []bench.FanoutScalePoint{{Subscribers: 1, CPUPerBatchUs: 50}, {Subscribers: 2, CPUPerBatchUs: 60}},
+		Fits: []bench.CurveFit{
+			{Figure: bench.FitIndexHeap, Model: "linear", B: 100, Chosen: true},
+			{Figure: bench.FitApplyCPU, Model: "log", A: 50, Chosen: true},
+			{Figure: bench.FitRouteP50, Model: "linear", A: 5, B: 0.05, Chosen: true},
+			{Figure: bench.FitRouteP99, Model: "linear", A: 10, B: 0.1, Chosen: true},
+			{Figure: bench.FitRelayCPU, Model: "linear", A: 40, B: 10, Chosen: true},
+		},
+	}
+	out := t.TempDir()
+	files, err := Draw(out, &bench.Results{FleetScale: fs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"fleet-memory.png", "fleet-cpu.png", "fleet-route.png", "fleet-fanout.png"}
+	if len(files) != len(want) {
+		t.Fatalf("drew %v, want %v", files, want)
+	}
+	for _, png := range want {
+		if fi, err := os.Stat(filepath.Join(out, png)); err != nil || fi.Size() == 0 {
+			t.Errorf("plot %s: %v", png, err)
+		}
+	}
+}
