@@ -33,6 +33,16 @@
 // gateway's route latency (gateway/index FindMatches plus gateway/picker
 // Pick) is measured against worker count and prompt length.
 //
+// # Fleet scale
+//
+// `--only fleetscale` (never part of a default run: it takes minutes)
+// sweeps simulated workers through one gateway replica's index (heap per
+// (worker, block), process CPU per applied batch, route latency), a relay's
+// CPU per batch against 1–16 gateway subscribers, fits each curve and
+// extrapolates it to 10,000 workers and 16 replicas; the NATS and
+// JetStream load there is computed with gateway/placementsync's encoders
+// and the encoded batch size (fleetscale.go).
+//
 // Nothing here asserts a timing: the numbers are reported, compared with the
 // goals of issue 7, and left to the reader.
 package bench

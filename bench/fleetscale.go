@@ -190,8 +190,8 @@ type FleetProjection struct {
 	RelayCPUPerSecond  float64 `json:"relay_cpu_s_per_s"`      // one relay's ranks at the realistic rate
 }
 
-// fleetDocsSeed and friends fix the simulated fleet so that repetitions
-// differ only in the tails' content and the routed requests.
+// fleetIDBase seeds the shared documents, the same in every repetition;
+// repetitions differ in the workers' own stores and the routed questions.
 const fleetIDBase = 0x5eed
 
 func fleetWorkload(quick bool) FleetWorkload {
