@@ -41,9 +41,13 @@ type Options struct {
 	// process (for example {"/path/kvrelay", "serve"}). Nil: the relay runs
 	// inside the bench process, and its CPU and RSS are not reported.
 	ServeCommand []string
-	// Parts selects what runs: "sidebyside", "scale", "route", "policy".
-	// Nil: all.
+	// Parts selects what runs: "sidebyside", "scale", "route", "policy",
+	// "latency". Nil: all but "latency", which runs only when named.
 	Parts []string
+	// CompareServeCommand is a second `kvrelay serve` argv prefix (another
+	// build, e.g. the one before a change) that the latency part
+	// interleaves with ServeCommand. Nil: none.
+	CompareServeCommand []string
 	// Log receives progress; nil discards it.
 	Log *slog.Logger
 }
@@ -56,11 +60,13 @@ type environment struct {
 	python       string // empty when no interpreter was found
 	pythonErr    error
 	serveCommand []string
-	log          *slog.Logger
+	// compareCommand is Options.CompareServeCommand.
+	compareCommand []string
+	log            *slog.Logger
 }
 
 func (o Options) resolve() (*environment, error) {
-	env := &environment{quick: o.Quick, out: o.Out, serveCommand: o.ServeCommand, log: o.Log}
+	env := &environment{quick: o.Quick, out: o.Out, serveCommand: o.ServeCommand, compareCommand: o.CompareServeCommand, log: o.Log}
 	if env.log == nil {
 		env.log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -114,16 +120,17 @@ func findRepo() (string, error) {
 
 // Results is everything one run measured; results.json holds it.
 type Results struct {
-	Quick      bool           `json:"quick"`
-	Started    time.Time      `json:"started"`
-	Duration   string         `json:"duration"`
-	Machine    Machine        `json:"machine"`
-	SideBySide *SideBySide    `json:"side_by_side,omitempty"`
-	Scale      *ScaleResults  `json:"scale,omitempty"`
-	Route      *RouteResults  `json:"route,omitempty"`
-	Policy     *PolicyResults `json:"policy,omitempty"`
-	Plots      []string       `json:"plots"`
-	Profiles   []string       `json:"profiles"`
+	Quick      bool            `json:"quick"`
+	Started    time.Time       `json:"started"`
+	Duration   string          `json:"duration"`
+	Machine    Machine         `json:"machine"`
+	SideBySide *SideBySide     `json:"side_by_side,omitempty"`
+	Scale      *ScaleResults   `json:"scale,omitempty"`
+	Route      *RouteResults   `json:"route,omitempty"`
+	Policy     *PolicyResults  `json:"policy,omitempty"`
+	Latency    *LatencyResults `json:"latency,omitempty"`
+	Plots      []string        `json:"plots"`
+	Profiles   []string        `json:"profiles"`
 }
 
 // Machine describes where the run happened.
@@ -149,7 +156,7 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 	}
 	want := func(part string) bool {
 		if len(opts.Parts) == 0 {
-			return true
+			return part != "latency" // minutes of interleaved rounds: only on request
 		}
 		for _, p := range opts.Parts {
 			if p == part {
@@ -195,6 +202,13 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 			return nil, err
 		}
 		res.Policy = pr
+	}
+	if want("latency") {
+		lt, err := runLatency(ctx, env)
+		if err != nil {
+			return nil, err
+		}
+		res.Latency = lt
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()

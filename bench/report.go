@@ -30,6 +30,9 @@ func WriteMarkdown(w io.Writer, res *Results) {
 	if pr := res.Policy; pr != nil {
 		writePolicy(w, pr)
 	}
+	if lt := res.Latency; lt != nil {
+		writeLatency(w, lt)
+	}
 	if len(res.Plots) > 0 || len(res.Profiles) > 0 {
 		fmt.Fprintf(w, "Plots: %s. CPU profiles: %s.\n\n", baseNames(res.Plots), baseNames(res.Profiles))
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 )
@@ -389,6 +390,7 @@ func (r *Relay) fanOut(pb posBatch) {
 		s.mu.Unlock()
 		s.wake()
 	}
+	latencyprobe.Mark(latencyprobe.Queued, pb.batch.GetDpRank(), pb.batch.GetSequenceNumber())
 }
 
 func (s *Subscription) wake() {
