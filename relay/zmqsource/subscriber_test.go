@@ -415,3 +415,40 @@ func BenchmarkSubscriberThroughput(b *testing.B) {
 		})
 	}
 }
+
+// TestReadyAndTryRecv checks the signal a consumer without a goroutine of
+// its own waits on (the relay's rank loop): Ready fires after a push and
+// stays up while messages remain after a TryRecv, TryRecv returns them in
+// order without waiting, and reports false on an empty queue.
+func TestReadyAndTryRecv(t *testing.T) {
+	s := &Subscriber{queue: newQueue(100, 1<<20)}
+	signalled := func() bool {
+		select {
+		case <-s.Ready():
+			return true
+		default:
+			return false
+		}
+	}
+	if signalled() {
+		t.Fatal("Ready signalled on an empty queue")
+	}
+	if _, ok := s.TryRecv(); ok {
+		t.Fatal("TryRecv returned a message from an empty queue")
+	}
+	for seq := range uint64(3) {
+		s.queue.push(Message{Seq: seq})
+	}
+	for want := range uint64(3) {
+		if !signalled() {
+			t.Fatalf("Ready not signalled with message %d queued", want)
+		}
+		m, ok := s.TryRecv()
+		if !ok || m.Seq != want {
+			t.Fatalf("TryRecv = %d, %v; want %d", m.Seq, ok, want)
+		}
+	}
+	if signalled() {
+		t.Fatal("Ready still signalled after the queue drained")
+	}
+}
