@@ -101,25 +101,26 @@ func runLatency(ctx context.Context, env *environment) (*LatencyResults, error) 
 		return nil, fmt.Errorf("bench: latency: the publisher needs Python: %v", env.pythonErr)
 	}
 	type contender struct {
-		name  string
-		start func(context.Context, *publisher) (relayProc, error)
+		name     string
+		start    func(context.Context, *publisher) (relayProc, error)
+		measured bool // its own process: CPU time per step
 	}
-	contenders := []contender{{controlName, func(ctx context.Context, pub *publisher) (relayProc, error) { return startDirect(ctx, env, pub) }}}
+	contenders := []contender{{name: controlName, start: func(ctx context.Context, pub *publisher) (relayProc, error) { return startDirect(ctx, env, pub) }}}
 	if env.serveCommand != nil {
 		contenders = append(contenders, contender{"kvrelay", func(ctx context.Context, pub *publisher) (relayProc, error) {
 			return startKvrelay(ctx, env, pub)
-		}})
+		}, true})
 	} else {
 		contenders = append(contenders, contender{"kvrelay (in-process)", func(ctx context.Context, pub *publisher) (relayProc, error) {
 			return startInProcessRelay(ctx, env, pub)
-		}})
+		}, false})
 	}
 	if env.compareCommand != nil {
 		other := *env
 		other.serveCommand = env.compareCommand
 		contenders = append(contenders, contender{"kvrelay (compared build)", func(ctx context.Context, pub *publisher) (relayProc, error) {
 			return startKvrelay(ctx, &other, pub)
-		}})
+		}, true})
 	}
 	pacings := []pacing{evenPacing, burstyPacing}
 	plan := func(p pacing) []rampStep {
@@ -138,7 +139,7 @@ func runLatency(ctx context.Context, env *environment) (*LatencyResults, error) 
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
 				}
-				run := RelayRun{Name: c.name}
+				run := RelayRun{Name: c.name, Measured: c.measured}
 				load := loadAverage()
 				rampRelayPlan(ctx, env, &run, plan(p), c.start)
 				res.Runs = append(res.Runs, LatencyRun{Round: round, Relay: c.name, Pacing: p.name, Reason: run.Reason, Steps: run.Steps, Load: load})
@@ -210,7 +211,10 @@ func addedLatency(runs []LatencyRun, control string) []AddedLatency {
 		if r.Relay == control {
 			continue
 		}
-		for _, st := range r.Steps {
+		for i, st := range r.Steps {
+			if i+1 < len(r.Steps) && r.Steps[i+1].Target == st.Target {
+				continue // measured again after a failure: the last attempt counts
+			}
 			c, ok := controls[key{"", r.Pacing, st.Target}][r.Round]
 			if !ok || st.Received == 0 || c.Received == 0 {
 				continue

@@ -244,3 +244,51 @@ func TestPublisherPacesEveryBatch(t *testing.T) {
 		t.Errorf("burst 32: only %.0f%% of batches left back to back; the knob does nothing", 100*bursty)
 	}
 }
+
+// TestAddedLatencyPairsRounds checks the arithmetic of the latency table:
+// a build's step is set against the control's step of the same round,
+// pacing and rate, and of a step measured twice only the last attempt
+// counts, for the control as for the build.
+func TestAddedLatencyPairsRounds(t *testing.T) {
+	step := func(rate, p50, p99 float64, attempt int) Step {
+		return Step{Target: rate, P50ms: p50, P99ms: p99, Attempt: attempt, Received: 1}
+	}
+	runs := []LatencyRun{
+		{Round: 1, Relay: controlName, Pacing: "even", Steps: []Step{step(1000, 0.2, 2, 1)}},
+		{Round: 1, Relay: "kvrelay", Pacing: "even", Steps: []Step{step(1000, 0.5, 3, 1)}},
+		{Round: 1, Relay: controlName, Pacing: "bursty", Steps: []Step{step(1000, 1, 5, 1), step(1000, 0.8, 4, 2)}},
+		{Round: 1, Relay: "kvrelay", Pacing: "bursty", Steps: []Step{step(1000, 9, 90, 1), step(1000, 3, 10, 2)}},
+		{Round: 2, Relay: "kvrelay", Pacing: "even", Steps: []Step{step(1000, 0.4, 2.5, 1)}},
+		{Round: 2, Relay: controlName, Pacing: "even", Steps: []Step{step(1000, 0.1, 1, 1)}},
+		// No control ran at 250/s: nothing to pair with.
+		{Round: 2, Relay: "kvrelay", Pacing: "even", Steps: []Step{step(250, 0.3, 1, 1)}},
+	}
+	got := addedLatency(runs, controlName)
+	want := []AddedLatency{
+		{Relay: "kvrelay", Pacing: "even", Rate: 1000, P50ms: []float64{0.3, 0.3}, P99ms: []float64{1, 1.5},
+			ControlP50ms: []float64{0.2, 0.1}, ControlP99ms: []float64{2, 1}},
+		{Relay: "kvrelay", Pacing: "bursty", Rate: 1000, P50ms: []float64{2.2}, P99ms: []float64{6},
+			ControlP50ms: []float64{0.8}, ControlP99ms: []float64{4}},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("got %d rows %+v, want %d", len(got), got, len(want))
+	}
+	near := func(a, b []float64) bool {
+		if len(a) != len(b) {
+			return false
+		}
+		for i := range a {
+			if d := a[i] - b[i]; d > 1e-9 || d < -1e-9 {
+				return false
+			}
+		}
+		return true
+	}
+	for i := range want {
+		g, w := got[i], want[i]
+		if g.Relay != w.Relay || g.Pacing != w.Pacing || g.Rate != w.Rate || !near(g.P50ms, w.P50ms) || !near(g.P99ms, w.P99ms) ||
+			!near(g.ControlP50ms, w.ControlP50ms) || !near(g.ControlP99ms, w.ControlP99ms) {
+			t.Errorf("row %d: got %+v, want %+v", i, g, w)
+		}
+	}
+}
