@@ -60,15 +60,7 @@ func (f zmqFeed) Recv(ctx context.Context) (Message, error) {
 	return Message{Seq: m.Seq, Payload: m.Payload}, err
 }
 func (f zmqFeed) Connected() bool { return f.s.Connected() }
-
-// Ready and TryRecv make zmqFeed a readyFeed: the rank loop waits on the
-// subscriber's queue itself.
-func (f zmqFeed) Ready() <-chan struct{} { return f.s.Ready() }
-func (f zmqFeed) TryRecv() (Message, bool) {
-	m, ok := f.s.TryRecv()
-	return Message{Seq: m.Seq, Payload: m.Payload}, ok
-}
-func (f zmqFeed) Close() error { return f.s.Close() }
+func (f zmqFeed) Close() error    { return f.s.Close() }
 
 type zmqReplayer struct{ r *zmqsource.Replayer }
 

@@ -316,28 +316,13 @@ func (r *Relay) Ready() bool {
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
-// readyFeed is a Feed whose queue the rank loop can wait on itself
-// (zmqsource's): Ready is signalled while messages are queued, and TryRecv
-// takes one without blocking. Without it a reader goroutine pumps the feed
-// into the loop, and every batch costs one goroutine hand-off more.
-type readyFeed interface {
-	Ready() <-chan struct{}
-	TryRecv() (Message, bool)
-}
-
 // runRank is one rank's state machine: prime, then admit live batches,
 // filling gaps from the replay before anything later is relayed.
 func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 	msgs := make(chan Message)
-	var ready <-chan struct{}
-	direct, isDirect := feed.(readyFeed)
-	if isDirect {
-		ready = direct.Ready()
-	} else {
-		var reader sync.WaitGroup
-		reader.Go(func() { r.read(ctx, rk, feed, msgs) })
-		defer reader.Wait()
-	}
+	var reader sync.WaitGroup
+	reader.Go(func() { r.read(ctx, rk, feed, msgs) })
+	defer reader.Wait()
 
 	var primeC <-chan struct{}
 	var retry *time.Timer
@@ -366,16 +351,6 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		t := time.NewTicker(catchUpTick)
 		defer t.Stop()
 		tick = t.C
-	}
-	admitLive := func(m Message) {
-		// A live batch ends priming: admission replays what it missed (a
-		// late join) by itself.
-		lastActive = time.Now()
-		primeC = nil
-		if retry != nil {
-			retry.Stop()
-		}
-		r.admitLive(ctx, rk, m)
 	}
 	for {
 		select {
@@ -432,24 +407,21 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			if !rk.hasCursor && rk.replay != nil {
 				primeC = closedChan
 			}
-		case <-ready:
-			// One batch per wake-up, so that ticks and re-primes interleave
-			// with a backlog; the feed keeps Ready signalled while more
-			// is queued.
-			m, ok := direct.TryRecv()
-			if !ok {
-				continue
-			}
-			latencyprobe.Mark(latencyprobe.Received, rk.rank, m.Seq)
-			admitLive(m)
 		case m := <-msgs:
-			admitLive(m)
+			// A live batch ends priming: admission replays what it
+			// missed (a late join) by itself.
+			lastActive = time.Now()
+			primeC = nil
+			if retry != nil {
+				retry.Stop()
+			}
+			r.admitLive(ctx, rk, m)
 		}
 	}
 }
 
 // read pumps the feed into msgs, so the rank loop can wait for a live batch
-// and a prime retry at once (for a feed that is not a readyFeed).
+// and a prime retry at once.
 func (r *Relay) read(ctx context.Context, rk *rankState, feed Feed, msgs chan<- Message) {
 	for {
 		m, err := feed.Recv(ctx)

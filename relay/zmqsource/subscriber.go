@@ -191,16 +191,6 @@ func (s *Subscriber) Recv(ctx context.Context) (Message, error) {
 	}
 }
 
-// Ready is signalled after a message is queued, and stays signalled while
-// more are queued once TryRecv took one. A consumer that waits on it in its
-// own select (the relay's rank loop, beside its timers) needs no goroutine
-// of its own calling Recv: one goroutine hand-off less per message.
-func (s *Subscriber) Ready() <-chan struct{} { return s.queue.ready }
-
-// TryRecv returns the oldest queued message without waiting; false when
-// none is queued (a wake-up on Ready can find the queue already drained).
-func (s *Subscriber) TryRecv() (Message, bool) { return s.queue.pop() }
-
 // Connected reports whether a connection to the engine is up.
 func (s *Subscriber) Connected() bool { return s.connected.Load() }
 
