@@ -271,6 +271,19 @@ func (p *stageProbe) mark(stage latencyprobe.Stage, rank int32, seq uint64) {
 // the bench's gRPC subscriber.
 type stageSample [latencyprobe.NumStages + 2]int64
 
+// Indexes into a stageSample.
+const (
+	atPublish  = 0
+	atWritten  = int(latencyprobe.Written) + 1
+	atClient   = int(latencyprobe.NumStages) + 1
+	atDequeued = int(latencyprobe.Dequeued) + 1
+)
+
+// chain is the order every batch passes the points of a stageSample in.
+// Written is not on it: SendMsg returns once gRPC has queued the frame,
+// and the client can read it before the pump's goroutine runs again.
+var chain = []int{atPublish, 1, 2, 3, atDequeued, atClient}
+
 // collect reads the stage times of the step's samples; a batch with a
 // stage unmarked, or marked out of order (a slot left from an earlier
 // sequence), is left out.
@@ -279,48 +292,53 @@ func (p *stageProbe) collect(samples []sample) []stageSample {
 next:
 	for _, x := range samples {
 		var s stageSample
-		s[0] = int64(x.sentAt * 1e9)
+		s[atPublish] = int64(x.sentAt * 1e9)
 		for st := latencyprobe.Stage(0); st < latencyprobe.NumStages; st++ {
 			s[st+1] = p.slot(st, int32(x.rank), x.seq).Load()
 		}
-		s[len(s)-1] = s[0] + int64(x.latency)
-		for i := 1; i < len(s); i++ {
-			// Publisher and relay clocks are the same clock, but the
-			// publisher's is read as a float: allow it a microsecond.
-			if s[i] == 0 || s[i] < s[i-1]-int64(time.Microsecond) {
+		s[atClient] = s[atPublish] + int64(x.latency)
+		// Publisher and relay read the same clock, but the publisher's
+		// time travels as a float: allow it a microsecond.
+		const slack = int64(time.Microsecond)
+		for i := 1; i < len(chain); i++ {
+			if s[chain[i]] == 0 || s[chain[i]] < s[chain[i-1]]-slack {
 				continue next
 			}
+		}
+		if s[atWritten] < s[atDequeued] {
+			continue
 		}
 		out = append(out, s)
 	}
 	return out
 }
 
-// breakdownStages names the intervals of a stageSample, in order.
+// breakdownStages names the rows of a breakdown: the intervals along
+// chain, then SendMsg alone, then the total.
 var breakdownStages = []string{
 	"publish → relay's reader has it (ZeroMQ: the control's whole path)",
 	"→ decoded (rank goroutine hand-off, msgpack → protobuf)",
-	"→ in subscribers' queues (encode, record, history, fan-out)",
+	"→ admitted, going into subscribers' queues (encode, record, history)",
 	"→ taken by the subscriber's gRPC pump (hand-off)",
-	"→ gRPC SendMsg returned",
-	"→ read by the bench's gRPC client (HTTP/2 writer, loopback, client)",
+	"→ read by the bench's gRPC client (SendMsg, HTTP/2 writer, loopback, client)",
+	"(of the previous row: SendMsg until it returned)",
 	"total, publish → client",
 }
 
 func breakdown(pacing string, rate float64, samples []stageSample) StageBreakdown {
 	b := StageBreakdown{Pacing: pacing, Rate: rate, Batches: len(samples)}
-	n := len(stageSample{})
-	for i := 1; i <= n; i++ {
+	var spans [][2]int
+	for i := 1; i < len(chain); i++ {
+		spans = append(spans, [2]int{chain[i-1], chain[i]})
+	}
+	spans = append(spans, [2]int{atDequeued, atWritten}, [2]int{atPublish, atClient})
+	for i, sp := range spans {
 		d := make([]time.Duration, len(samples))
 		for j, s := range samples {
-			if i == n {
-				d[j] = time.Duration(s[n-1] - s[0])
-			} else {
-				d[j] = time.Duration(s[i] - s[i-1])
-			}
+			d[j] = time.Duration(s[sp[1]] - s[sp[0]])
 		}
 		slices.Sort(d)
-		b.Stages = append(b.Stages, StageDelta{Stage: breakdownStages[i-1], P50ms: ms(quantile(d, 0.5)), P99ms: ms(quantile(d, 0.99))})
+		b.Stages = append(b.Stages, StageDelta{Stage: breakdownStages[i], P50ms: ms(quantile(d, 0.5)), P99ms: ms(quantile(d, 0.99))})
 	}
 	return b
 }

@@ -95,10 +95,6 @@ func TestProbeMarksEveryStage(t *testing.T) {
 	if len(samples) != perRank*dpSize {
 		t.Fatalf("subscriber sampled %d batches, want %d", len(samples), perRank*dpSize)
 	}
-	got := probe.collect(samples)
-	if len(got) != len(samples) {
-		t.Errorf("%d of %d batches have every stage marked in order", len(got), len(samples))
-	}
 	// Written is marked after SendMsg returns, which can be after the
 	// client read the batch: wait for every mark before counting.
 	backstop := time.After(time.Minute) // only against a hang: a missing mark
@@ -114,6 +110,17 @@ func TestProbeMarksEveryStage(t *testing.T) {
 	case st := <-countCh:
 		t.Errorf("an extra mark at stage %v", st)
 	default:
+	}
+	got := probe.collect(samples)
+	if len(got) != len(samples) {
+		t.Errorf("%d of %d batches have every stage marked in order", len(got), len(samples))
+		for _, x := range samples {
+			var at []int64
+			for st := latencyprobe.Stage(0); st < latencyprobe.NumStages; st++ {
+				at = append(at, probe.slot(st, int32(x.rank), x.seq).Load()-int64(x.sentAt*1e9))
+			}
+			t.Logf("rank %d seq %d: stages at %v ns after publish, client at %d", x.rank, x.seq, at, x.latency)
+		}
 	}
 	for st, n := range counts {
 		if n != perRank*dpSize {

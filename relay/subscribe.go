@@ -375,6 +375,9 @@ func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]posBatch, error) {
 // held; it never blocks: a full queue marks the subscriber lagged, and it is
 // refilled from the history later.
 func (r *Relay) fanOut(pb posBatch) {
+	// Before the first append: a subscriber's pump may take the batch as
+	// soon as it is in its queue.
+	latencyprobe.Mark(latencyprobe.Queued, pb.batch.GetDpRank(), pb.batch.GetSequenceNumber())
 	r.tip.Store(pb.pos)
 	for s := range r.subs {
 		s.mu.Lock()
@@ -390,7 +393,6 @@ func (r *Relay) fanOut(pb posBatch) {
 		s.mu.Unlock()
 		s.wake()
 	}
-	latencyprobe.Mark(latencyprobe.Queued, pb.batch.GetDpRank(), pb.batch.GetSequenceNumber())
 }
 
 func (s *Subscription) wake() {

@@ -20,8 +20,7 @@ const (
 	// msgpack into a protobuf batch.
 	Decoded
 	// Queued: encoded, applied to the live-block record and the history,
-	// and appended to every subscriber's queue (the admission lock is
-	// about to be released).
+	// and about to be appended to every subscriber's queue.
 	Queued
 	// Dequeued: a subscriber's gRPC pump took it from its queue.
 	Dequeued
