@@ -42,8 +42,13 @@ type Options struct {
 	// inside the bench process, and its CPU and RSS are not reported.
 	ServeCommand []string
 	// Parts selects what runs: "sidebyside", "scale", "route", "policy",
-	// "fleetscale". Nil: all but "fleetscale", which runs only when named.
+	// "fleetscale", "latency". Nil: all but "fleetscale" and "latency", which
+	// run only when named.
 	Parts []string
+	// CompareServeCommand is a second `kvrelay serve` argv prefix (another
+	// build, e.g. the one before a change) that the latency part
+	// interleaves with ServeCommand. Nil: none.
+	CompareServeCommand []string
 	// Log receives progress; nil discards it.
 	Log *slog.Logger
 }
@@ -66,11 +71,13 @@ type environment struct {
 	python       string // empty when no interpreter was found
 	pythonErr    error
 	serveCommand []string
-	log          *slog.Logger
+	// compareCommand is Options.CompareServeCommand.
+	compareCommand []string
+	log            *slog.Logger
 }
 
 func (o Options) resolve() (*environment, error) {
-	env := &environment{quick: o.Quick, out: o.Out, serveCommand: o.ServeCommand, log: o.Log}
+	env := &environment{quick: o.Quick, out: o.Out, serveCommand: o.ServeCommand, compareCommand: o.CompareServeCommand, log: o.Log}
 	if env.log == nil {
 		env.log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -133,6 +140,7 @@ type Results struct {
 	Route      *RouteResults      `json:"route,omitempty"`
 	Policy     *PolicyResults     `json:"policy,omitempty"`
 	FleetScale *FleetScaleResults `json:"fleet_scale,omitempty"`
+	Latency    *LatencyResults    `json:"latency,omitempty"`
 	Plots      []string           `json:"plots"`
 	Profiles   []string           `json:"profiles"`
 }
@@ -160,7 +168,7 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 	}
 	want := func(part string) bool {
 		if len(opts.Parts) == 0 {
-			return true
+			return part != "latency" // minutes of interleaved rounds: only on request
 		}
 		for _, p := range opts.Parts {
 			if p == part {
@@ -215,6 +223,13 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 			return nil, err
 		}
 		res.FleetScale = fs
+	}
+	if want("latency") {
+		lt, err := runLatency(ctx, env)
+		if err != nil {
+			return nil, err
+		}
+		res.Latency = lt
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()

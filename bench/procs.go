@@ -251,9 +251,13 @@ func startPublisher(ctx context.Context, env *environment, dpSize int) (*publish
 	return p, nil
 }
 
-func (p *publisher) run(ctx context.Context, rate float64, seconds float64) (publishResult, error) {
+// run publishes at rate batches/s for seconds. burst is how many batches
+// go out back to back between looks at the clock: 1 (or 0) sends every
+// batch at its own time; 32 is the stream the bench published before
+// 2026-12-03 (see bench/publisher.py).
+func (p *publisher) run(ctx context.Context, rate float64, seconds float64, burst int) (publishResult, error) {
 	var res publishResult
-	cmd, _ := json.Marshal(map[string]any{"op": "run", "rate": rate, "seconds": seconds})
+	cmd, _ := json.Marshal(map[string]any{"op": "run", "rate": rate, "seconds": seconds, "burst": max(burst, 1)})
 	if _, err := p.stdin.Write(append(cmd, '\n')); err != nil {
 		return res, fmt.Errorf("publisher: %w", err)
 	}

@@ -21,8 +21,13 @@ publish only patches fixed-width fields of a copy:
 Protocol (stdin/stdout, one JSON object per line). Ready line:
   {"op": "ready", "ranks": [{"rank", "pub", "replay"}], "payload_bytes": [a, b]}
 Commands:
-  {"op": "run", "rate": R, "seconds": S}  publish round-robin over the ranks
-      at R batches/s in total for S seconds ->
+  {"op": "run", "rate": R, "seconds": S, "burst": B}  publish round-robin
+      over the ranks at R batches/s in total for S seconds. Batch i is due at
+      start + i/R; the publisher checks the clock after every B batches
+      (default 1) and sleeps until the next one is due. With B = 1 every
+      batch goes out at its own time, as an engine publishes one batch per
+      scheduler step; B = 32 (what the bench used before 2026-12-03) sends
+      32 batches back to back at the publisher's top speed, then sleeps ->
       {"op": "done", "first": [seq per rank], "last": [...], "sent": N,
        "elapsed": s, "achieved": batches/s}
   {"op": "quit"}
@@ -226,8 +231,9 @@ def main() -> None:
             continue
         rate = float(cmd.get("rate", 0))
         seconds = float(cmd.get("seconds", 0))
-        if rate <= 0 or seconds <= 0:
-            write({"op": "error", "error": "rate and seconds must be positive"})
+        burst = int(cmd.get("burst", 1))
+        if rate <= 0 or seconds <= 0 or burst < 1:
+            write({"op": "error", "error": "rate and seconds must be positive, burst at least 1"})
             continue
         first = [r.seq for r in ranks]
         total = int(rate * seconds)
@@ -235,7 +241,7 @@ def main() -> None:
         start = time.monotonic()
         for i in range(total):
             ranks[i % n].publish(pack_ts)
-            if i % 32 == 31:
+            if i % burst == burst - 1:
                 ahead = start + (i + 1) / rate - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)

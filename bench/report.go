@@ -33,6 +33,9 @@ func WriteMarkdown(w io.Writer, res *Results) {
 	if fs := res.FleetScale; fs != nil {
 		writeFleetScale(w, fs)
 	}
+	if lt := res.Latency; lt != nil {
+		writeLatency(w, lt)
+	}
 	if len(res.Plots) > 0 || len(res.Profiles) > 0 {
 		fmt.Fprintf(w, "Plots: %s. CPU profiles: %s.\n\n", baseNames(res.Plots), baseNames(res.Profiles))
 	}

@@ -40,6 +40,9 @@ type RelayRun struct {
 	// relay's own limit lies higher.
 	Sustained      float64 `json:"sustained_batches_per_s"`
 	PublisherBound bool    `json:"publisher_bound"`
+	// onSamples, when set, sees every step's samples (the latency part's
+	// stage breakdown).
+	onSamples func(rampStep, []sample)
 }
 
 // Step is one rate of the ramp.
@@ -74,11 +77,12 @@ type rampStep struct {
 	rate      float64
 	seconds   float64
 	mandatory bool // latency points of issue 7: run even after a failure
+	burst     int  // batches the publisher sends back to back; 0 or 1: each at its own time
 }
 
 func rampPlan(quick bool) []rampStep {
 	if quick {
-		return []rampStep{{1000, 1, true}, {10000, 0.5, true}}
+		return []rampStep{{rate: 1000, seconds: 1, mandatory: true}, {rate: 10000, seconds: 0.5, mandatory: true}}
 	}
 	var plan []rampStep
 	for _, r := range []float64{250, 500, 1000, 2000, 5000, 10000, 15000, 20000, 30000, 40000, 60000} {
@@ -154,6 +158,11 @@ func runSideBySide(ctx context.Context, env *environment) *SideBySide {
 }
 
 func rampRelay(ctx context.Context, env *environment, run *RelayRun, start func(context.Context, *publisher) (relayProc, error)) {
+	rampRelayPlan(ctx, env, run, rampPlan(env.quick), start)
+}
+
+// rampRelayPlan is rampRelay over the given steps.
+func rampRelayPlan(ctx context.Context, env *environment, run *RelayRun, plan []rampStep, start func(context.Context, *publisher) (relayProc, error)) {
 	log := env.log.With("relay", run.Name)
 	pub, err := startPublisher(ctx, env, dpSize)
 	if err != nil {
@@ -202,7 +211,7 @@ func rampRelay(ctx context.Context, env *environment, run *RelayRun, start func(
 		// until a batch of every rank has come through.
 		for attempt := 0; attempt < 40; attempt++ {
 			s.startStep(next)
-			res, err := pub.run(ctx, 400, 0.25)
+			res, err := pub.run(ctx, 400, 0.25, 1)
 			if err != nil {
 				return err
 			}
@@ -245,7 +254,7 @@ func rampRelay(ctx context.Context, env *environment, run *RelayRun, start func(
 		run.PeakRSS = max(run.PeakRSS, st.PeakRSS)
 		return st, true
 	}
-	for _, rs := range rampPlan(env.quick) {
+	for _, rs := range plan {
 		if ctx.Err() != nil {
 			return
 		}
@@ -349,7 +358,7 @@ func measureStep(ctx context.Context, env *environment, run *RelayRun, rel relay
 	selfBefore, _ := readProcUsage(os.Getpid())
 	sub.startStep(next)
 	t0 := time.Now()
-	res, err := pub.run(ctx, rs.rate, rs.seconds)
+	res, err := pub.run(ctx, rs.rate, rs.seconds, rs.burst)
 	if err != nil {
 		return st, err
 	}
@@ -382,6 +391,9 @@ func measureStep(ctx context.Context, env *environment, run *RelayRun, rel relay
 		st.DeliveredRate = float64(got) / res.Elapsed
 	}
 	samples := sub.stepSamples(res.First, res.Last)
+	if run.onSamples != nil {
+		run.onSamples(rs, samples)
+	}
 	lat := make([]time.Duration, len(samples))
 	for i, s := range samples {
 		lat[i] = s.latency

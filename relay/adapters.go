@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
@@ -79,6 +80,7 @@ func newWireNormalizer(d wire.Dialect) normalizer { return wireNormalizer{wire.N
 
 func (w wireNormalizer) normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, []dropCount, error) {
 	b, drops, err := w.n.Normalize(payload, seq, rank)
+	latencyprobe.Mark(latencyprobe.Decoded, rank, seq)
 	if err != nil || drops.Total() == 0 {
 		return b, nil, err
 	}

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 )
@@ -436,6 +437,7 @@ func (r *Relay) read(ctx context.Context, rk *rankState, feed Feed, msgs chan<- 
 			}
 			continue
 		}
+		latencyprobe.Mark(latencyprobe.Received, rk.rank, m.Seq)
 		select {
 		case msgs <- m:
 		case <-ctx.Done():

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 )
@@ -374,6 +375,9 @@ func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]posBatch, error) {
 // held; it never blocks: a full queue marks the subscriber lagged, and it is
 // refilled from the history later.
 func (r *Relay) fanOut(pb posBatch) {
+	// Before the first append: a subscriber's pump may take the batch as
+	// soon as it is in its queue.
+	latencyprobe.Mark(latencyprobe.Queued, pb.batch.GetDpRank(), pb.batch.GetSequenceNumber())
 	r.tip.Store(pb.pos)
 	for s := range r.subs {
 		s.mu.Lock()

@@ -23,7 +23,8 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	out := fs.String("out", "bench-out", "directory for results.json, results.md and CPU profiles (plots: go run ./cmd/kvrelay-plot DIR)")
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
 	python := fs.String("python", "", "interpreter with pyzmq, msgspec and the SMG packages (default: $KVRELAY_PYTHON or <repo>/.venv/bin/python)")
-	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy, fleetscale (default: all but fleetscale, the long fleet scale study)")
+	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy, fleetscale, latency (default: all but fleetscale and latency, the long ones)")
+	compareBin := fs.String("compare-bin", "", "another kvrelay binary whose serve the latency part interleaves with this one's (e.g. the build before a change)")
 	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as a kvrelay serve process (then its CPU and RSS are not reported)")
 	if err := fs.Parse(args); err != nil {
 		return flagExitCode(err)
@@ -39,10 +40,10 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	if *only != "" {
 		for _, p := range strings.Split(*only, ",") {
 			switch p = strings.TrimSpace(p); p {
-			case "sidebyside", "scale", "route", "policy", "fleetscale":
+			case "sidebyside", "scale", "route", "policy", "fleetscale", "latency":
 				opts.Parts = append(opts.Parts, p)
 			default:
-				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale, route, policy or fleetscale)\n", p)
+				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale, route, policy, fleetscale or latency)\n", p)
 				return 2
 			}
 		}
@@ -56,6 +57,9 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 			return 1
 		}
 		opts.ServeCommand = []string{self, "serve"}
+	}
+	if *compareBin != "" {
+		opts.CompareServeCommand = []string{*compareBin, "serve"}
 	}
 	res, err := bench.Run(ctx, opts)
 	if err != nil {

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 )
@@ -494,8 +495,14 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 		if err != nil {
 			return err
 		}
+		if b != nil {
+			latencyprobe.Mark(latencyprobe.Dequeued, b.GetDpRank(), b.GetSequenceNumber())
+		}
 		if err := p.send(b, payload); err != nil {
 			return err
+		}
+		if b != nil {
+			latencyprobe.Mark(latencyprobe.Written, b.GetDpRank(), b.GetSequenceNumber())
 		}
 	}
 }
