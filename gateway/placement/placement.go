@@ -307,17 +307,18 @@ func (s *Store) Extend(prefix []uint64, base index.Matches, now time.Time) Resul
 			out.Workers = append(out.Workers, m)
 		}
 	}
+	// out is sorted (base was); the few extended workers go in by binary
+	// search instead of sorting every candidate again.
+	order := func(a, b index.Match) int {
+		return cmp.Or(cmp.Compare(b.Blocks, a.Blocks), strings.Compare(a.Worker, b.Worker))
+	}
 	for w, j := range x.inferred {
 		if c := x.baseOf(w) + int(math.Round(s.opts.Weight*float64(j))); c > 0 {
-			out.Workers = append(out.Workers, index.Match{Worker: w, Blocks: c})
+			m := index.Match{Worker: w, Blocks: c}
+			at, _ := slices.BinarySearchFunc(out.Workers, m, order)
+			out.Workers = slices.Insert(out.Workers, at, m)
 		}
 	}
-	slices.SortFunc(out.Workers, func(a, b index.Match) int {
-		if a.Blocks != b.Blocks {
-			return cmp.Compare(b.Blocks, a.Blocks)
-		}
-		return strings.Compare(a.Worker, b.Worker)
-	})
 	return Result{Matches: out, Inferred: x.inferred}
 }
 
