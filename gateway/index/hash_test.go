@@ -1,6 +1,8 @@
 package index
 
 import (
+	"math"
+	"math/rand/v2"
 	"testing"
 )
 
@@ -122,5 +124,26 @@ func TestContentHashPortable(t *testing.T) {
 	nativeLittleEndian = false
 	if got := ContentHash(toks, BaseSeed); got != 0x1474c801f1576d1c {
 		t.Errorf("portable ContentHash = %#016x", got)
+	}
+}
+
+// TestChainHashIsXXH3: the inlined 16-byte XXH3 of ChainHash equals the
+// xxh3 package's over the two words, little-endian, seed 1337, on edge and
+// random words.
+func TestChainHashIsXXH3(t *testing.T) {
+	words := []uint64{0, 1, 1337, 1 << 63, math.MaxUint64, 0x9E3779B97F4A7C15}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for range 1000 {
+		words = append(words, rng.Uint64())
+	}
+	for _, a := range words {
+		for _, b := range words[:40] {
+			if got, want := ChainHash(a, b), chainHashXXH3(a, b); got != want {
+				t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 %#x", a, b, got, want)
+			}
+			if got, want := ChainHash(b, a), chainHashXXH3(b, a); got != want {
+				t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 %#x", b, a, got, want)
+			}
+		}
 	}
 }
