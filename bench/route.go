@@ -2,14 +2,12 @@ package bench
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
 	"slices"
 	"time"
 
-	"github.com/zeebo/xxh3"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
@@ -44,11 +42,6 @@ type RoutePoint struct {
 	// overlap placed on it (so later requests meet the placements).
 	PlacedRouteP50us    float64 `json:"placed_route_p50_us"`
 	PlacedRouteCPUP50us float64 `json:"placed_route_cpu_p50_us"`
-	// CalibrationCPUP50us is the median thread CPU time of a fixed loop of
-	// 512 16-byte XXH3 hashes (no heap memory), measured between the routes: on a
-	// shared host the same code runs up to twice as slow at times, in every
-	// process and on either CPU, and this says which speed a point ran at.
-	CalibrationCPUP50us float64 `json:"calibration_cpu_p50_us"`
 	Reps                int     `json:"reps"`
 }
 
@@ -107,7 +100,6 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 			pickCPUs := make([]time.Duration, 0, reps)
 			placed := make([]time.Duration, 0, reps)
 			placedCPUs := make([]time.Duration, 0, reps)
-			calib := make([]time.Duration, 0, reps)
 			now := time.Now()
 			runtime.GC() // the index build's garbage is not the lookup's
 			runtime.LockOSThread()
@@ -142,10 +134,6 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 				c1, t1 = threadCPU(), time.Now()
 				placed = append(placed, t1.Sub(t0))
 				placedCPUs = append(placedCPUs, c1-c0)
-
-				c0 = threadCPU()
-				calibSink = calibrate(calibSink)
-				calib = append(calib, threadCPU()-c0)
 			}
 			runtime.UnlockOSThread()
 			slices.Sort(finds)
@@ -154,10 +142,8 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 			slices.Sort(pickCPUs)
 			slices.Sort(placed)
 			slices.Sort(placedCPUs)
-			slices.Sort(calib)
 			p.PlacedRouteP50us = us(quantile(placed, 0.5))
 			p.PlacedRouteCPUP50us = us(quantile(placedCPUs, 0.5))
-			p.CalibrationCPUP50us = us(quantile(calib, 0.5))
 			p.PickCPUP50us = us(quantile(pickCPUs, 0.5))
 			p.RouteCPUP50us = us(quantile(cpus, 0.5))
 			p.FindP50us = us(quantile(finds, 0.5))
@@ -168,22 +154,6 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 		}
 	}
 	return rt, nil
-}
-
-// calibSink keeps calibrate's result live.
-var calibSink uint64
-
-// calibrate is a fixed amount of work on registers and the stack: 512
-// XXH3 hashes of 16 bytes through the xxh3 package (not the index's code,
-// so that it stays the same work when the index changes).
-func calibrate(h uint64) uint64 {
-	var b [16]byte
-	for i := range uint64(512) {
-		binary.LittleEndian.PutUint64(b[:8], h)
-		binary.LittleEndian.PutUint64(b[8:], i)
-		h = xxh3.HashSeed(b[:], 1337)
-	}
-	return h
 }
 
 func us(d time.Duration) float64 { return float64(d) / 1e3 }
