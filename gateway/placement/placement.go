@@ -15,8 +15,10 @@
 // the same identity as the event index) × worker → expiry. An entry ends:
 //
 //   - confirmed: a lookup finds the event index holding the block on that
-//     worker; the index is then the record, and the engine's later removal
-//     of the block drops it there;
+//     worker (at the block before the worker's index overlap, and the
+//     placements chained before it); the index is then the record, and the
+//     engine's later removal of the block drops it there. A confirmed
+//     placement no lookup meets that way waits for its TTL;
 //   - expired: its TTL passed (checked on lookup, and by Sweep, which one
 //     goroutine of the gateway calls periodically);
 //   - evicted: the store is at MaxEntries and a newer entry needs the room
@@ -49,7 +51,7 @@ const (
 	// when an engine's LRU cache would have evicted it under load.
 	DefaultTTL = 180 * time.Second
 	// DefaultMaxEntries bounds a model's placements: 262,144 blocks
-	// (about 25 MB at ~96 bytes an entry), 4 million tokens at block size
+	// (about 29 MB at ~112 bytes an entry), 4 million tokens at block size
 	// 16 recorded within one TTL.
 	DefaultMaxEntries = 1 << 18
 	// DefaultWeight scores an inferred block like a stored one.
@@ -57,9 +59,9 @@ const (
 )
 
 // EntryBytes is the estimated memory of one entry: the entry (hash, worker
-// name header, expiry, two list links) plus its share of the hash map and
-// holder slice.
-const EntryBytes = 96
+// name header, expiry, two list links, two chain links) plus its share of
+// the hash map and holder slice.
+const EntryBytes = 112
 
 // Options configures a Store. Zero values take the defaults.
 type Options struct {
