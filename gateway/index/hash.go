@@ -87,14 +87,6 @@ func ChainHash(prev, content uint64) uint64 {
 	return acc ^ acc>>32
 }
 
-// chainHashXXH3 is ChainHash through the xxh3 package (tests).
-func chainHashXXH3(prev, content uint64) uint64 {
-	var b [16]byte
-	binary.LittleEndian.PutUint64(b[:8], prev)
-	binary.LittleEndian.PutUint64(b[8:], content)
-	return xxh3.HashSeed(b[:], BaseSeed)
-}
-
 // ContentHashes cuts tokens into full blocks of blockSize from token 0 and
 // returns one content hash per block; a partial trailing block is dropped
 // because engines only cache full blocks. blockSize ≤ 0 gives nil.

@@ -1,9 +1,12 @@
 package index
 
 import (
+	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/zeebo/xxh3"
 )
 
 func seq(from, to uint32) []uint32 {
@@ -146,4 +149,12 @@ func TestChainHashIsXXH3(t *testing.T) {
 			}
 		}
 	}
+}
+
+// chainHashXXH3 is ChainHash through the xxh3 package.
+func chainHashXXH3(prev, content uint64) uint64 {
+	var b [16]byte
+	binary.LittleEndian.PutUint64(b[:8], prev)
+	binary.LittleEndian.PutUint64(b[8:], content)
+	return xxh3.HashSeed(b[:], BaseSeed)
 }
