@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -35,7 +36,13 @@ type RoutePoint struct {
 	RouteCPUP50us float64 `json:"route_cpu_p50_us"`
 	RouteP50us    float64 `json:"route_p50_us"`
 	RouteP99us    float64 `json:"route_p99_us"`
-	Reps          int     `json:"reps"`
+	// The same route with placements on, as the gateway runs by default:
+	// the request hashed once in full, the index's overlaps extended by
+	// the placements, and the request's blocks past the chosen worker's
+	// overlap placed on it (so later requests meet the placements).
+	PlacedRouteP50us    float64 `json:"placed_route_p50_us"`
+	PlacedRouteCPUP50us float64 `json:"placed_route_cpu_p50_us"`
+	Reps                int     `json:"reps"`
 }
 
 const (
@@ -53,7 +60,8 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 	rt := &RouteResults{Workload: fmt.Sprintf(
 		"%d shared %d-token documents; worker w holds document w mod %d to a random depth of 25-100%% and another document to 0-25%%; "+
 			"each request is a document's first N tokens, so the lookup walks every block up to 8k tokens (a holder has 25%% or more); block size %d; "+
-			"picker with SMG's default spill gate over a Fleet of random in-flight loads 0-7, as the gateway keeps it",
+			"picker with SMG's default spill gate over a Fleet of random in-flight loads 0-7, as the gateway keeps it; "+
+			"with placements: the gateway's default store, filled by the routes themselves",
 		routeDocs, routeDocTokens, routeDocs, blockSize)}
 	rng := rand.New(rand.NewPCG(7, 11))
 	docs := make([][]uint32, routeDocs)
@@ -77,6 +85,10 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 			fleet.Add(n)
 			fleet.Set(n, rng.IntN(8))
 		}
+		places, err := placement.New(placement.Options{})
+		if err != nil {
+			return nil, fmt.Errorf("bench: placements: %w", err)
+		}
 		for _, l := range prompts {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
@@ -86,6 +98,9 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 			routes := make([]time.Duration, 0, reps)
 			cpus := make([]time.Duration, 0, reps)
 			pickCPUs := make([]time.Duration, 0, reps)
+			placed := make([]time.Duration, 0, reps)
+			placedCPUs := make([]time.Duration, 0, reps)
+			now := time.Now()
 			runtime.GC() // the index build's garbage is not the lookup's
 			runtime.LockOSThread()
 			for i := range reps {
@@ -105,12 +120,30 @@ func runRoute(ctx context.Context, env *environment) (*RouteResults, error) {
 				routes = append(routes, t2.Sub(t0))
 				cpus = append(cpus, c2-c0)
 				pickCPUs = append(pickCPUs, c2-c1)
+
+				c0, t0 = threadCPU(), time.Now()
+				prefix := index.PrefixHashes(tokens, blockSize, index.Namespace{})
+				m = ix.FindMatchesHashes(prefix)
+				ext := places.Extend(prefix, m, now)
+				d, err := pk.PickFleet(fleet, picker.Request{}, ext.Matches)
+				if err != nil {
+					runtime.UnlockOSThread()
+					return nil, fmt.Errorf("bench: pick: %w", err)
+				}
+				places.Record(d.Worker, prefix, m.Blocks(d.Worker), now)
+				c1, t1 = threadCPU(), time.Now()
+				placed = append(placed, t1.Sub(t0))
+				placedCPUs = append(placedCPUs, c1-c0)
 			}
 			runtime.UnlockOSThread()
 			slices.Sort(finds)
 			slices.Sort(routes)
 			slices.Sort(cpus)
 			slices.Sort(pickCPUs)
+			slices.Sort(placed)
+			slices.Sort(placedCPUs)
+			p.PlacedRouteP50us = us(quantile(placed, 0.5))
+			p.PlacedRouteCPUP50us = us(quantile(placedCPUs, 0.5))
 			p.PickCPUP50us = us(quantile(pickCPUs, 0.5))
 			p.RouteCPUP50us = us(quantile(cpus, 0.5))
 			p.FindP50us = us(quantile(finds, 0.5))

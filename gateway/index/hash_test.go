@@ -1,7 +1,12 @@
 package index
 
 import (
+	"encoding/binary"
+	"math"
+	"math/rand/v2"
 	"testing"
+
+	"github.com/zeebo/xxh3"
 )
 
 func seq(from, to uint32) []uint32 {
@@ -123,4 +128,33 @@ func TestContentHashPortable(t *testing.T) {
 	if got := ContentHash(toks, BaseSeed); got != 0x1474c801f1576d1c {
 		t.Errorf("portable ContentHash = %#016x", got)
 	}
+}
+
+// TestChainHashIsXXH3: the inlined 16-byte XXH3 of ChainHash equals the
+// xxh3 package's over the two words, little-endian, seed 1337, on edge and
+// random words.
+func TestChainHashIsXXH3(t *testing.T) {
+	words := []uint64{0, 1, 1337, 1 << 63, math.MaxUint64, 0x9E3779B97F4A7C15}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for range 1000 {
+		words = append(words, rng.Uint64())
+	}
+	for _, a := range words {
+		for _, b := range words[:40] {
+			if got, want := ChainHash(a, b), chainHashXXH3(a, b); got != want {
+				t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 %#x", a, b, got, want)
+			}
+			if got, want := ChainHash(b, a), chainHashXXH3(b, a); got != want {
+				t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 %#x", b, a, got, want)
+			}
+		}
+	}
+}
+
+// chainHashXXH3 is ChainHash through the xxh3 package.
+func chainHashXXH3(prev, content uint64) uint64 {
+	var b [16]byte
+	binary.LittleEndian.PutUint64(b[:8], prev)
+	binary.LittleEndian.PutUint64(b[8:], content)
+	return xxh3.HashSeed(b[:], BaseSeed)
 }

@@ -40,6 +40,21 @@ const (
 	// is private to one writer and tags keep its lookups cheap, but removals
 	// shift whole clusters back, and clusters lengthen fast above 0.8.
 	revMaxLoad16 = 13 // 0.8125
+	// Below revMinLoad100 (in 1/100) a removal shrinks the table to
+	// revShrunkLoad100. A worker's table grows while its cache overshoots
+	// (a store lands before the engine evicts to make room) and the
+	// evictions then left it two fifths empty for good: at block size 128
+	// that was half the index's bytes a block.
+	// The gap between the thresholds is the hysteresis: after a shrink
+	// (load 0.72) the table takes an eighth more entries before growing,
+	// and after a growth (load 0.65) it loses a twentieth before
+	// shrinking, so a resize, O(table), is paid for by many cheap changes,
+	// and a cache's usual overshoot (a store's worth) moves between them.
+	// Shrinking at 0.58 changed nothing in the bs128 replay (its tables
+	// sit at 0.60, just after a growth); 0.62 takes them to 0.67 (a table's
+	// size is rounded up to the allocator's size class).
+	revMinLoad100    = 62
+	revShrunkLoad100 = 72
 )
 
 func newRevTable() *revTable {
@@ -118,9 +133,12 @@ func (t *revTable) counts(i int) uint8 { return uint8(t.meta[i]) }
 // setCounts sets slot i's non-zero copy counts.
 func (t *revTable) setCounts(i int, c uint8) { t.meta[i] = t.meta[i]&0xff00 | uint16(c) }
 
-func (t *revTable) grow() {
+func (t *revTable) grow() { t.resize(len(t.slots) + len(t.slots)/4) }
+
+// resize rehashes the table into size slots (at least its entries).
+func (t *revTable) resize(size int) {
 	slots, meta := t.slots, t.meta
-	t.alloc(len(slots) + len(slots)/4)
+	t.alloc(size)
 	n := len(t.slots)
 	for j, md := range meta {
 		if md&0xff == 0 {
@@ -164,8 +182,11 @@ func (t *revTable) del(i int) {
 	}
 	t.meta[i] = 0
 	t.n--
-	if t.n == 0 && len(t.slots) > 1<<16 {
+	switch {
+	case t.n == 0 && len(t.slots) > 1<<16:
 		t.alloc(revMinSlots) // give a drained rank's memory back
+	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
+		t.resize(max(revMinSlots, t.n*100/revShrunkLoad100))
 	}
 }
 

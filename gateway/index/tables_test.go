@@ -205,3 +205,55 @@ func TestFreedRunReadsEmpty(t *testing.T) {
 		t.Fatalf("a freed run still shows %d positions, read from its array's new owner", n)
 	}
 }
+
+// TestRevTableShrinksWithHysteresis: a table that grew while a cache
+// overshot gives the room back when the evictions come (its load stays at
+// or above revMinLoad100 while it is larger than its minimum), and a cache
+// that keeps overshooting by a twentieth and evicting it again does not
+// resize on every cycle.
+func TestRevTableShrinksWithHysteresis(t *testing.T) {
+	rt := newRevTable()
+	const n = 20000
+	for k := range uint64(n) {
+		rt.upsert(k+1, k, 1)
+	}
+	loadOK := func(when string) {
+		t.Helper()
+		if len(rt.slots) > revMinSlots && rt.n*100 < len(rt.slots)*revMinLoad100 {
+			t.Fatalf("%s: %d entries in %d slots, load %.2f < %.2f", when, rt.n, len(rt.slots),
+				float64(rt.n)/float64(len(rt.slots)), float64(revMinLoad100)/100)
+		}
+	}
+	for k := range uint64(3 * n / 4) {
+		rt.del(rt.find(k + 1))
+		loadOK("evicting")
+	}
+	// Overshoot and evict a twentieth, 200 times over: a handful of
+	// resizes at most, not one a cycle.
+	resizes, size := 0, len(rt.slots)
+	next := uint64(n + 1)
+	oldest := uint64(3*n/4 + 1)
+	for range 200 {
+		for range n / 4 / 20 {
+			rt.upsert(next, next, 1)
+			next++
+		}
+		for range n / 4 / 20 {
+			rt.del(rt.find(oldest))
+			oldest++
+		}
+		loadOK("cycling")
+		if len(rt.slots) != size {
+			resizes++
+			size = len(rt.slots)
+		}
+	}
+	if resizes > 4 {
+		t.Fatalf("%d resizes in 200 overshoot cycles", resizes)
+	}
+	for k := oldest; k < next; k++ {
+		if rt.find(k) < 0 {
+			t.Fatalf("entry %d lost", k)
+		}
+	}
+}

@@ -15,8 +15,10 @@
 // the same identity as the event index) × worker → expiry. An entry ends:
 //
 //   - confirmed: a lookup finds the event index holding the block on that
-//     worker; the index is then the record, and the engine's later removal
-//     of the block drops it there;
+//     worker (at the block before the worker's index overlap, and the
+//     placements chained before it); the index is then the record, and the
+//     engine's later removal of the block drops it there. A confirmed
+//     placement no lookup meets that way waits for its TTL;
 //   - expired: its TTL passed (checked on lookup, and by Sweep, which one
 //     goroutine of the gateway calls periodically);
 //   - evicted: the store is at MaxEntries and a newer entry needs the room
@@ -49,7 +51,7 @@ const (
 	// when an engine's LRU cache would have evicted it under load.
 	DefaultTTL = 180 * time.Second
 	// DefaultMaxEntries bounds a model's placements: 262,144 blocks
-	// (about 25 MB at ~96 bytes an entry), 4 million tokens at block size
+	// (about 29 MB at ~112 bytes an entry), 4 million tokens at block size
 	// 16 recorded within one TTL.
 	DefaultMaxEntries = 1 << 18
 	// DefaultWeight scores an inferred block like a stored one.
@@ -57,9 +59,9 @@ const (
 )
 
 // EntryBytes is the estimated memory of one entry: the entry (hash, worker
-// name header, expiry, two list links) plus its share of the hash map and
-// holder slice.
-const EntryBytes = 96
+// name header, expiry, two list links, two chain links) plus its share of
+// the hash map and holder slice.
+const EntryBytes = 112
 
 // Options configures a Store. Zero values take the defaults.
 type Options struct {
@@ -100,6 +102,12 @@ type entry struct {
 	worker     string
 	expires    int64 // unix nanoseconds
 	prev, next *entry
+	// chainPrev and chainNext link the entries one Record placed on
+	// consecutive blocks for this worker, so a lookup or a refresh that
+	// follows a placed prefix reads the next entry through a pointer and
+	// compares its hash with the request's next one instead of probing the
+	// map for every block. Both ends are cleared when an entry is dropped.
+	chainPrev, chainNext *entry
 }
 
 // Stats counts a store's entries and how they ended.
@@ -152,6 +160,13 @@ func (s *Store) pushBack(e *entry) {
 func (s *Store) drop(hs []*entry, i int) []*entry {
 	e := hs[i]
 	s.unlink(e)
+	if e.chainPrev != nil {
+		e.chainPrev.chainNext = nil
+	}
+	if e.chainNext != nil {
+		e.chainNext.chainPrev = nil
+	}
+	e.chainPrev, e.chainNext = nil, nil
 	last := len(hs) - 1
 	hs[i] = hs[last]
 	hs[last] = nil
@@ -178,42 +193,57 @@ func (s *Store) dropEntry(e *entry) {
 
 // Record places prefix[from:] on worker at now: blocks the event index
 // already holds for it (the first from) need no placement. An existing
-// placement is refreshed.
+// placement is refreshed. Consecutive blocks are chained, so recording a
+// prefix placed before costs one map probe, then a pointer walk.
 func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) {
 	if from < 0 || from >= len(prefix) || worker == "" {
 		return
 	}
 	exp := now.Add(s.opts.TTL).UnixNano()
+	slack := refreshSlack(s.opts.TTL)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	var last *entry // the entry placed on the block before, for the chain
 	for _, h := range prefix[from:] {
-		hs := s.byHash[h]
 		var e *entry
-		for _, x := range hs {
-			if x.worker == worker {
-				e = x
-				break
-			}
+		if last != nil && last.chainNext != nil && last.chainNext.hash == h && last.chainNext.worker == worker {
+			e = last.chainNext
+		} else {
+			e = s.find(h, worker)
 		}
 		if e != nil {
-			if e.expires >= exp-refreshSlack(s.opts.TTL) {
-				// Refreshed a moment ago (a hot prefix): leave it, and
-				// the list's order, as they are.
-				continue
+			if e.expires < exp-slack {
+				// Not refreshed a moment ago (a hot prefix is left
+				// alone, and so is the list's order).
+				s.unlink(e)
+				e.expires = exp
+				s.pushBack(e)
 			}
-			s.unlink(e)
 		} else {
-			e = &entry{hash: h, worker: worker}
-			s.byHash[h] = append(hs, e)
+			e = &entry{hash: h, worker: worker, expires: exp}
+			s.byHash[h] = append(s.byHash[h], e)
 			s.n++
+			s.pushBack(e)
 		}
-		e.expires = exp
-		s.pushBack(e)
+		if last != nil && last.chainNext == nil && e.chainPrev == nil {
+			last.chainNext, e.chainPrev = e, last
+		}
+		last = e
 	}
 	for s.n > s.opts.MaxEntries {
 		s.dropEntry(s.head.next)
 		s.stats.Evicted++
 	}
+}
+
+// find returns worker's entry on block hash h, or nil.
+func (s *Store) find(h uint64, worker string) *entry {
+	for _, x := range s.byHash[h] {
+		if x.worker == worker {
+			return x
+		}
+	}
+	return nil
 }
 
 // refreshSlack is how recently a placement may have been recorded for
@@ -235,71 +265,155 @@ type Result struct {
 // Extend extends base, the event index's overlaps for prefix, by the
 // placements: a worker's overlap continues past its index overlap for as
 // long as it has a placement on each next block. A placement on a block the
-// index already holds for its worker is confirmed and dropped; an expired
-// one is dropped.
+// index already holds for its worker is confirmed and dropped when a lookup
+// meets it; an expired one is dropped when a lookup meets it, else by Sweep.
+//
+// The cost grows with the placements that matter, not with the prompt: the
+// map is probed once per distinct overlap depth (where a worker's overlap
+// may continue, and the block before it, where confirmed placements end),
+// and a worker's placed blocks are then followed along their chain, a map
+// probe only where the chain breaks.
 func (s *Store) Extend(prefix []uint64, base index.Matches, now time.Time) Result {
-	t := now.UnixNano()
+	n := len(prefix)
 	s.mu.Lock()
-	empty := s.n == 0
-	s.mu.Unlock()
-	if empty || len(prefix) == 0 {
+	defer s.mu.Unlock()
+	if s.n == 0 || n == 0 {
 		return Result{Matches: base}
 	}
-	cur := make(map[string]int, len(base.Workers))
-	reach := 0
+	x := extension{s: s, prefix: prefix, base: base.Workers, now: now.UnixNano()}
+	// base.Workers is sorted deepest first: visit each distinct depth once,
+	// and depth 0 for the workers the index has nothing of.
+	for i := 0; i <= len(base.Workers); i++ {
+		d := 0
+		if i < len(base.Workers) {
+			d = base.Workers[i].Blocks
+			if i > 0 && base.Workers[i-1].Blocks == d {
+				continue
+			}
+		} else if len(base.Workers) > 0 && base.Workers[i-1].Blocks == 0 {
+			continue
+		}
+		if d > 0 {
+			x.confirm(d - 1)
+		}
+		if d < n {
+			x.extendAt(d)
+		}
+	}
+	if x.inferred == nil {
+		return Result{Matches: base}
+	}
+	out := index.Matches{RequestBlocks: base.RequestBlocks, Workers: make([]index.Match, 0, len(base.Workers)+len(x.inferred))}
 	for _, m := range base.Workers {
-		cur[m.Worker] = m.Blocks
-		reach = max(reach, m.Blocks)
+		if _, ok := x.inferred[m.Worker]; !ok && m.Blocks > 0 {
+			out.Workers = append(out.Workers, m)
+		}
 	}
-	var inferred map[string]int
-	s.mu.Lock()
-	for i, h := range prefix {
-		hs := s.byHash[h]
-		for j := 0; j < len(hs); {
-			e := hs[j]
-			if e.expires <= t {
-				hs = s.drop(hs, j)
-				s.stats.Expired++
-				continue
-			}
-			c := cur[e.worker]
-			if c > i {
-				hs = s.drop(hs, j)
-				s.stats.Confirmed++
-				continue
-			}
-			if c == i {
-				cur[e.worker] = i + 1
-				reach = max(reach, i+1)
-				if inferred == nil {
-					inferred = map[string]int{}
-				}
-				inferred[e.worker]++
-			}
+	// out is sorted (base was); the few extended workers go in by binary
+	// search instead of sorting every candidate again.
+	order := func(a, b index.Match) int {
+		return cmp.Or(cmp.Compare(b.Blocks, a.Blocks), strings.Compare(a.Worker, b.Worker))
+	}
+	for w, j := range x.inferred {
+		if c := x.baseOf(w) + int(math.Round(s.opts.Weight*float64(j))); c > 0 {
+			m := index.Match{Worker: w, Blocks: c}
+			at, _ := slices.BinarySearchFunc(out.Workers, m, order)
+			out.Workers = slices.Insert(out.Workers, at, m)
+		}
+	}
+	return Result{Matches: out, Inferred: x.inferred}
+}
+
+// extension is one Extend's working state (s.mu held).
+type extension struct {
+	s        *Store
+	prefix   []uint64
+	base     []index.Match // deepest first, then by name
+	now      int64
+	inferred map[string]int
+}
+
+// baseOf is w's index overlap: a scan of the candidates, which are few next
+// to the prompt's blocks (a map would cost more to build than it saves).
+func (x *extension) baseOf(w string) int {
+	for _, m := range x.base {
+		if m.Worker == w {
+			return m.Blocks
+		}
+	}
+	return 0
+}
+
+// live returns block i's entries with the expired ones dropped.
+func (x *extension) live(i int) []*entry {
+	hs := x.s.byHash[x.prefix[i]]
+	for j := 0; j < len(hs); {
+		if hs[j].expires <= x.now {
+			hs = x.s.drop(hs, j)
+			x.s.stats.Expired++
+			continue
+		}
+		j++
+	}
+	return hs
+}
+
+// confirm drops the placements on block i whose worker's index overlap
+// covers it, and those chained before them on the request's blocks.
+func (x *extension) confirm(i int) {
+	hs := x.live(i)
+	for j := 0; j < len(hs); {
+		e := hs[j]
+		if x.baseOf(e.worker) <= i {
 			j++
+			continue
 		}
-		if reach <= i {
-			break
+		p := e.chainPrev
+		for k := i - 1; k >= 0 && p != nil && p.hash == x.prefix[k]; k-- {
+			// p's worker is e's (a chain is one worker's), whose overlap
+			// covers block i and so block k.
+			before := p.chainPrev
+			x.s.dropEntry(p)
+			x.s.stats.Confirmed++
+			p = before
 		}
+		hs = x.s.drop(hs, j)
+		x.s.stats.Confirmed++
 	}
-	s.mu.Unlock()
-	if inferred == nil {
-		return Result{Matches: base}
-	}
-	out := index.Matches{RequestBlocks: base.RequestBlocks, Workers: make([]index.Match, 0, len(cur))}
-	for w, c := range cur {
-		stored := c - inferred[w]
-		if n := stored + int(math.Round(s.opts.Weight*float64(inferred[w]))); n > 0 {
-			out.Workers = append(out.Workers, index.Match{Worker: w, Blocks: n})
+}
+
+// extendAt extends every worker whose index overlap is d by its placements
+// from block d on.
+func (x *extension) extendAt(d int) {
+	n := len(x.prefix)
+	for _, e := range x.live(d) {
+		w := e.worker
+		if x.baseOf(w) != d {
+			continue // confirmed (dropped by confirm) or not contiguous
 		}
-	}
-	slices.SortFunc(out.Workers, func(a, b index.Match) int {
-		if a.Blocks != b.Blocks {
-			return cmp.Compare(b.Blocks, a.Blocks)
+		k := d + 1
+		for k < n {
+			next := e.chainNext
+			if next == nil || next.hash != x.prefix[k] || next.worker != w || next.expires <= x.now {
+				next = nil
+				for _, y := range x.live(k) {
+					if y.worker == w {
+						next = y
+						break
+					}
+				}
+				if next == nil {
+					break
+				}
+			}
+			e = next
+			k++
 		}
-		return strings.Compare(a.Worker, b.Worker)
-	})
-	return Result{Matches: out, Inferred: inferred}
+		if x.inferred == nil {
+			x.inferred = map[string]int{}
+		}
+		x.inferred[w] = k - d
+	}
 }
 
 // Sweep drops every placement expired at now and returns how many.

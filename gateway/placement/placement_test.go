@@ -1,7 +1,11 @@
 package placement
 
 import (
+	"cmp"
+	"math/rand/v2"
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -209,5 +213,98 @@ func TestOptionsValidation(t *testing.T) {
 	s := newStore(t, Options{})
 	if o := s.Options(); o.TTL != DefaultTTL || o.MaxEntries != DefaultMaxEntries || o.Weight != DefaultWeight {
 		t.Fatalf("defaults = %+v", o)
+	}
+}
+
+// TestExtendMatchesModel checks Extend against the rule it implements, on
+// random stores: worker w's overlap continues from its index overlap c for
+// as long as w has a live placement on each next block, whatever Record
+// calls put them there (chains overlapping, broken, refreshed, expired).
+// Prefix hashes come from a small tree of prompts, so records share blocks
+// and branch as conversations do.
+func TestExtendMatchesModel(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	const ttl = 10 * time.Second
+	workers := []string{"A", "B", "C", "D", "E"}
+	for trial := range 3000 {
+		// Four prompts of up to 12 blocks over a tree: prompt p shares its
+		// first split blocks with prompt p-1.
+		var prompts [][]uint64
+		next := uint64(1)
+		for p := range 4 {
+			n := 1 + rng.IntN(12)
+			var pr []uint64
+			if p > 0 {
+				split := rng.IntN(len(prompts[p-1]) + 1)
+				pr = append(pr, prompts[p-1][:min(split, n)]...)
+			}
+			for len(pr) < n {
+				pr = append(pr, next)
+				next++
+			}
+			prompts = append(prompts, pr)
+		}
+		s := newStore(t, Options{TTL: ttl})
+		type key struct {
+			h uint64
+			w string
+		}
+		model := map[key]int64{}
+		now := t0
+		for range 1 + rng.IntN(8) {
+			now = now.Add(time.Duration(rng.IntN(4000)) * time.Millisecond)
+			w := workers[rng.IntN(len(workers))]
+			pr := prompts[rng.IntN(len(prompts))]
+			pr = pr[:1+rng.IntN(len(pr))]
+			from := rng.IntN(len(pr))
+			s.Record(w, pr, from, now)
+			exp := now.Add(ttl).UnixNano()
+			for _, h := range pr[from:] {
+				if old, ok := model[key{h, w}]; !ok || old < exp-refreshSlack(ttl) {
+					model[key{h, w}] = exp
+				}
+			}
+		}
+		req := prompts[rng.IntN(len(prompts))]
+		var base []index.Match
+		for _, w := range workers {
+			if c := rng.IntN(len(req) + 2); c > 0 && c <= len(req) && rng.IntN(2) == 0 {
+				base = append(base, index.Match{Worker: w, Blocks: c})
+			}
+		}
+		slices.SortFunc(base, func(a, b index.Match) int {
+			return cmp.Or(cmp.Compare(b.Blocks, a.Blocks), strings.Compare(a.Worker, b.Worker))
+		})
+		at := now.Add(time.Duration(rng.IntN(8000)) * time.Millisecond)
+		got := s.Extend(req, index.Matches{RequestBlocks: len(req), Workers: base}, at)
+
+		wantInferred := map[string]int{}
+		var want []index.Match
+		for _, w := range workers {
+			c := index.Matches{Workers: base}.Blocks(w)
+			j := 0
+			for c+j < len(req) {
+				if exp, ok := model[key{req[c+j], w}]; !ok || exp <= at.UnixNano() {
+					break
+				}
+				j++
+			}
+			if j > 0 {
+				wantInferred[w] = j
+			}
+			if c+j > 0 {
+				want = append(want, index.Match{Worker: w, Blocks: c + j})
+			}
+		}
+		slices.SortFunc(want, func(a, b index.Match) int {
+			return cmp.Or(cmp.Compare(b.Blocks, a.Blocks), strings.Compare(a.Worker, b.Worker))
+		})
+		if len(wantInferred) == 0 {
+			wantInferred = nil
+		}
+		if !reflect.DeepEqual(got.Inferred, wantInferred) || !reflect.DeepEqual(got.Matches.Workers, want) {
+			t.Fatalf("trial %d: request %v, base %v:\ngot  %v inferred %v\nwant %v inferred %v",
+				trial, req, base, got.Matches.Workers, got.Inferred, want, wantInferred)
+		}
 	}
 }
