@@ -234,26 +234,58 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 		extra = w.extraOf(e.extra - 1)
 		n += len(extra)
 	}
+	// Room for the whole block at once, then plain stores: append's capacity check per byte was
+	// most of the encoding's time.
 	b := w.buf
-	b = append(b, tagStoredBlock)
-	b = protowire.AppendVarint(b, uint64(n))
+	need := 1 + protowire.SizeVarint(uint64(n)) + n
+	if cap(b)-len(b) < need {
+		b = append(b[:cap(b)], make([]byte, max(need, cap(b)/2))...)[:len(b)]
+	}
+	i := len(b)
+	b = b[:i+need]
+	b[i] = tagStoredBlock
+	i = putVarint(b, i+1, uint64(n))
 	if e.hash != 0 {
-		b = append(b, tagBlockHash)
-		b = protowire.AppendVarint(b, uint64(e.hash))
+		b[i] = tagBlockHash
+		i = putVarint(b, i+1, uint64(e.hash))
 	}
 	if len(toks) > 0 {
-		b = append(b, tagBlockTokens)
-		b = protowire.AppendVarint(b, uint64(tokBytes))
-		for _, t := range toks {
-			for t >= 0x80 {
-				b = append(b, byte(t)|0x80)
-				t >>= 7
-			}
-			b = append(b, byte(t))
-		}
+		b[i] = tagBlockTokens
+		i = putVarint(b, i+1, uint64(tokBytes))
+		i = putTokens(b, i, toks)
 	}
-	b = append(b, w.tail.block...)
-	w.buf = append(b, extra...)
+	i += copy(b[i:], w.tail.block)
+	if len(extra) > 0 {
+		i += copy(b[i:], extra)
+	}
+	w.buf = b[:i]
+}
+
+// putTokens writes the tokens' varints at b[i:], which has room, and returns the index after
+// them. (Spelling out the one- to three-byte forms, or one 4-byte store per token, measured no
+// fewer instructions under callgrind.)
+func putTokens(b []byte, i int, toks []uint32) int {
+	for _, t := range toks {
+		for t >= 0x80 {
+			b[i] = byte(t) | 0x80
+			t >>= 7
+			i++
+		}
+		b[i] = byte(t)
+		i++
+	}
+	return i
+}
+
+// putVarint writes v at b[i:], which has room, and returns the index after it.
+func putVarint(b []byte, i int, v uint64) int {
+	for v >= 0x80 {
+		b[i] = byte(v) | 0x80
+		v >>= 7
+		i++
+	}
+	b[i] = byte(v)
+	return i + 1
 }
 
 // close ends the open event: the Stored message's parent and tail fields, then the two lengths

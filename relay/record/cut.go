@@ -298,15 +298,22 @@ func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 	tailBytes := map[uint32]int{}
 	extraBytes := map[uint32]int{}
 	largest := 1
+	// Neighbours nearly always share a tail: remember the last one instead of a map access per
+	// entry.
+	lastTail, tb := noTail, 0
 	for _, slot := range order {
 		e := cr.entry(slot)
-		tb, ok := tailBytes[e.tail]
-		if !ok {
-			tb = proto.Size(c.tails[e.tail].storedEvent())
-			tailBytes[e.tail] = tb
+		if e.tail != lastTail {
+			var ok bool
+			if tb, ok = tailBytes[e.tail]; !ok {
+				tb = proto.Size(c.tails[e.tail].storedEvent())
+				tailBytes[e.tail] = tb
+			}
+			lastTail = e.tail
 		}
 		var xb int
 		if e.extra != 0 {
+			var ok bool
 			if xb, ok = extraBytes[e.extra]; !ok {
 				for _, k := range c.extras[e.extra-1] {
 					xb += proto.Size(k) + 6
