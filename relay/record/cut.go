@@ -550,6 +550,16 @@ func (c *Cut) orderRank(cr *cutRank) []uint32 {
 		if marks[slot]&markState != 0 {
 			continue
 		}
+		// An entry of one tier whose parent is none or the entry just emitted (a chain stored in
+		// order: nearly every entry) goes out as the walk below would send it, without its frames.
+		if marks[slot]&markMulti == 0 {
+			if e := cr.entry(slot); e.flags&flagParent == 0 || (haveLast && e.parent == lastHash) {
+				marks[slot] |= markDone
+				out = append(out, slot)
+				lastHash, haveLast = e.hash, true
+				continue
+			}
+		}
 		stack = append(stack[:0], open(slot))
 		for len(stack) > 0 {
 			f := &stack[len(stack)-1]
