@@ -35,7 +35,7 @@ type SnapshotPoint struct {
 	BytesPerBlock float64 `json:"heap_bytes_per_block"`
 	LockMs        float64 `json:"lock_ms"`     // median time under the admission lock
 	LockMaxMs     float64 `json:"lock_max_ms"` // worst of the repetitions
-	TotalMs       float64 `json:"total_ms"`    // median from Subscribe to the last chunk read: cut, order, encode
+	TotalMs       float64 `json:"total_ms"`    // median from Subscribe to the last chunk read: cut, order, encode, and decode (Next decodes the wire form)
 	Chunks        int     `json:"chunks"`
 	Reps          int     `json:"reps"`
 }
