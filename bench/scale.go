@@ -35,7 +35,7 @@ type SnapshotPoint struct {
 	BytesPerBlock float64 `json:"heap_bytes_per_block"`
 	LockMs        float64 `json:"lock_ms"`     // median time under the admission lock
 	LockMaxMs     float64 `json:"lock_max_ms"` // worst of the repetitions
-	TotalMs       float64 `json:"total_ms"`    // median from Subscribe to the last chunk read: cut, order, encode
+	TotalMs       float64 `json:"total_ms"`    // median from Subscribe to the last chunk read: cut, order, encode, and decode (Next decodes the wire form)
 	Chunks        int     `json:"chunks"`
 	Reps          int     `json:"reps"`
 }
@@ -72,6 +72,9 @@ type payloadEncoder struct {
 	buf    bytes.Buffer
 	enc    *msgpack.Encoder
 	tokens []uint32
+	// With a LoRA name, stores carry it and loraID (a namespaced stream).
+	loraName string
+	loraID   int64
 }
 
 func newPayloadEncoder() *payloadEncoder {
@@ -114,11 +117,19 @@ func (e *payloadEncoder) batch(rank int, seq uint64, evict int, ts time.Time) []
 	_ = w.EncodeString("block_size")
 	_ = w.EncodeInt(blockSize)
 	_ = w.EncodeString("lora_id")
-	_ = w.EncodeNil()
+	if e.loraName != "" {
+		_ = w.EncodeInt(e.loraID)
+	} else {
+		_ = w.EncodeNil()
+	}
 	_ = w.EncodeString("medium")
 	_ = w.EncodeString("GPU")
 	_ = w.EncodeString("lora_name")
-	_ = w.EncodeNil()
+	if e.loraName != "" {
+		_ = w.EncodeString(e.loraName)
+	} else {
+		_ = w.EncodeNil()
+	}
 	if removes {
 		_ = w.EncodeMapLen(3)
 		_ = w.EncodeString("type")

@@ -176,10 +176,11 @@ type pendingSnapshot struct {
 	stream  *record.ChunkStream
 }
 
-// nextSnapshotChunk is the next chunk of the pending snapshot, encoded now;
+// nextSnapshotChunk is the next chunk of the pending snapshot, encoded now
+// (record.ChunkStream.NextEncoded: straight to the wire form, no message);
 // nil when there is none (left). Only Next calls it; whoever swaps the
 // snapshot out (this at its end, or Close) releases the cut, exactly once.
-func (s *Subscription) nextSnapshotChunk() *kvpb.KvEventBatch {
+func (s *Subscription) nextSnapshotChunk() []byte {
 	p := s.snap.Load()
 	if p == nil {
 		return nil
@@ -191,9 +192,9 @@ func (s *Subscription) nextSnapshotChunk() *kvpb.KvEventBatch {
 				"lock", p.locked, "planned", time.Since(p.begin))
 		}
 	}
-	var b *kvpb.KvEventBatch
+	var b []byte
 	if p.stream != nil {
-		b = p.stream.Next()
+		b = p.stream.NextEncoded()
 	}
 	if (b == nil || p.stream.Left() == 0) && s.snap.CompareAndSwap(p, nil) {
 		// The last chunk is out (or Close released the cut under us, and
@@ -434,9 +435,10 @@ func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
 }
 
 // NextEncoded is Next for a sender: it returns the batch's protobuf
-// encoding, made once for every subscriber, and the message only where one
-// is at hand (a snapshot chunk, or a batch just relayed). At least one of the
-// two is set. The server sends the bytes as they are.
+// encoding, made once for every subscriber (a snapshot chunk's is made for
+// this subscriber alone, straight from the record), and the message only
+// where one is at hand (a batch just relayed). At least one of the two is
+// set. The server sends the bytes as they are.
 func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []byte, error) {
 	for {
 		s.mu.Lock()
@@ -445,8 +447,8 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 		if closed {
 			return nil, nil, ErrClosed
 		}
-		if b := s.nextSnapshotChunk(); b != nil {
-			return b, nil, nil
+		if enc := s.nextSnapshotChunk(); enc != nil {
+			return nil, enc, nil
 		}
 		if len(s.pending) > 0 {
 			pb := s.pending[0]

@@ -148,6 +148,9 @@ type ChunkStream struct {
 	chunk          uint64
 	pos            int
 	slotCopy, done uint64
+	// NextEncoded's encoder and the previous chunk's size, to size the next buffer.
+	enc     *chunkEncoder
+	lastLen int
 }
 
 type chunkPlan struct {
@@ -191,10 +194,10 @@ func (st *ChunkStream) Count() uint64 { return max(st.total, 1) }
 // Left is the number of chunks Next has yet to hand out.
 func (st *ChunkStream) Left() uint64 { return st.Count() - st.emitted }
 
-// Next encodes the next chunk; nil once all were handed out, or once the Cut was released.
+// Next builds the next chunk as a message; nil once all were handed out, or once the Cut was
+// released. NextEncoded is the same chunk in its wire encoding, without the message.
 func (st *ChunkStream) Next() *kvpb.KvEventBatch {
-	c := st.c
-	if c.released.Load() {
+	if st.c.released.Load() {
 		return nil
 	}
 	if st.total == 0 {
@@ -202,8 +205,45 @@ func (st *ChunkStream) Next() *kvpb.KvEventBatch {
 			return nil
 		}
 		st.emitted++
-		return c.emptyChunk(st.cursors, st.unknownBefore, st.timestamp)
+		return st.c.emptyChunk(st.cursors, st.unknownBefore, st.timestamp)
 	}
+	p := st.nextPlan()
+	if p == nil {
+		return nil
+	}
+	h := st.head(p)
+	w := chunkWriter{cut: st.c, cr: p.cr}
+	w.reset(min(p.size, p.cr.blocks-st.done))
+	if h.index == 0 {
+		w.events = append(w.events, clearEvent())
+	}
+	st.fill(p, w.add)
+	w.close()
+	b := &kvpb.KvEventBatch{
+		SequenceNumber: h.seq,
+		Timestamp:      st.timestamp,
+		Events:         w.events,
+		Snapshot: &kvpb.KvSnapshotChunk{
+			Index: h.index, Count: h.count, Blocks: h.blocks, UnknownBefore: h.unknownBefore,
+		},
+	}
+	if h.rank != NoRank {
+		b.DpRank = proto.Int32(h.rank)
+	}
+	st.finish(p)
+	return b
+}
+
+// chunkHead is what a chunk's batch says besides its events.
+type chunkHead struct {
+	seq                   uint64
+	rank                  int32
+	index, count          uint32
+	blocks, unknownBefore uint64
+}
+
+// nextPlan moves past the plans whose chunks are all out; nil when none is left.
+func (st *ChunkStream) nextPlan() *chunkPlan {
 	for st.plan < len(st.plans) && st.chunk == st.plans[st.plan].chunks {
 		st.plan++
 		st.chunk, st.pos, st.slotCopy, st.done = 0, 0, 0, 0
@@ -211,16 +251,28 @@ func (st *ChunkStream) Next() *kvpb.KvEventBatch {
 	if st.plan == len(st.plans) {
 		return nil
 	}
-	p := &st.plans[st.plan]
+	return &st.plans[st.plan]
+}
+
+// head stamps the plan's next chunk: chunk i of n ends at the cursor, cursor-(n-1-i), saturating
+// at 0.
+func (st *ChunkStream) head(p *chunkPlan) chunkHead {
 	cursor := st.cursors[p.cr.rank]
-	w := chunkWriter{cut: c, cr: p.cr}
-	w.reset(min(p.size, p.cr.blocks-st.done))
-	if st.emitted == 0 {
-		w.events = append(w.events, clearEvent())
+	seq := uint64(0)
+	if back := p.chunks - 1 - st.chunk; back <= cursor {
+		seq = cursor - back
 	}
+	return chunkHead{
+		seq: seq, rank: p.cr.rank, index: uint32(st.emitted), count: uint32(st.total),
+		blocks: st.c.blocks, unknownBefore: st.unknownBefore[p.cr.rank],
+	}
+}
+
+// fill hands the plan's next chunk of units, in order, to add.
+func (st *ChunkStream) fill(p *chunkPlan, add func(slot uint32, copyIdx uint64)) {
 	for n := uint64(0); n < p.size && st.pos < len(p.order); n++ {
 		slot := p.order[st.pos]
-		w.add(slot, st.slotCopy)
+		add(slot, st.slotCopy)
 		st.done++
 		st.slotCopy++
 		if st.slotCopy == uint64(p.cr.entry(slot).copies) {
@@ -228,30 +280,15 @@ func (st *ChunkStream) Next() *kvpb.KvEventBatch {
 			st.slotCopy = 0
 		}
 	}
-	w.close()
-	// Chunk i of n ends at the cursor: cursor-(n-1-i), saturating at 0.
-	seq := uint64(0)
-	if back := p.chunks - 1 - st.chunk; back <= cursor {
-		seq = cursor - back
-	}
-	b := &kvpb.KvEventBatch{
-		SequenceNumber: seq,
-		Timestamp:      st.timestamp,
-		Events:         w.events,
-		Snapshot: &kvpb.KvSnapshotChunk{
-			Index: uint32(st.emitted), Count: uint32(st.total),
-			Blocks: c.blocks, UnknownBefore: st.unknownBefore[p.cr.rank],
-		},
-	}
-	if p.cr.rank != NoRank {
-		b.DpRank = proto.Int32(p.cr.rank)
-	}
+}
+
+// finish counts the chunk out.
+func (st *ChunkStream) finish(p *chunkPlan) {
 	st.chunk++
 	st.emitted++
 	if st.chunk == p.chunks {
 		p.order = nil // done with this rank's order
 	}
-	return b
 }
 
 // maxUnitBytes bounds the encoding of any one unit of the rank, as if it were an event of its own
@@ -261,15 +298,22 @@ func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 	tailBytes := map[uint32]int{}
 	extraBytes := map[uint32]int{}
 	largest := 1
+	// Neighbours nearly always share a tail: remember the last one instead of a map access per
+	// entry.
+	lastTail, tb := noTail, 0
 	for _, slot := range order {
 		e := cr.entry(slot)
-		tb, ok := tailBytes[e.tail]
-		if !ok {
-			tb = proto.Size(c.tails[e.tail].storedEvent())
-			tailBytes[e.tail] = tb
+		if e.tail != lastTail {
+			var ok bool
+			if tb, ok = tailBytes[e.tail]; !ok {
+				tb = proto.Size(c.tails[e.tail].storedEvent())
+				tailBytes[e.tail] = tb
+			}
+			lastTail = e.tail
 		}
 		var xb int
 		if e.extra != 0 {
+			var ok bool
 			if xb, ok = extraBytes[e.extra]; !ok {
 				for _, k := range c.extras[e.extra-1] {
 					xb += proto.Size(k) + 6
@@ -505,6 +549,16 @@ func (c *Cut) orderRank(cr *cutRank) []uint32 {
 		slot := uint32(k)
 		if marks[slot]&markState != 0 {
 			continue
+		}
+		// An entry of one tier whose parent is none or the entry just emitted (a chain stored in
+		// order: nearly every entry) goes out as the walk below would send it, without its frames.
+		if marks[slot]&markMulti == 0 {
+			if e := cr.entry(slot); e.flags&flagParent == 0 || (haveLast && e.parent == lastHash) {
+				marks[slot] |= markDone
+				out = append(out, slot)
+				lastHash, haveLast = e.hash, true
+				continue
+			}
 		}
 		stack = append(stack[:0], open(slot))
 		for len(stack) > 0 {

@@ -137,6 +137,7 @@ func runRandom(t testing.TB, g *opGen, ops int, statsEvery int) {
 			fresh.Apply(b)
 		}
 		mustEqualStats(t, fresh.Stats(), p.stats.Entries, p.stats.Blocks, p.stats.Ranks)
+		requireEncodedEqualsMarshal(t, p.cut, p.cursors, p.unknown, 5)
 		p.cut.Release()
 	}
 	for i := range ops {
