@@ -85,20 +85,23 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var onStart func()
 	if prof := os.Getenv("KVRELAY_CORPUS_CPUPROFILE"); prof != "" {
 		pf, err := os.Create(prof)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := pprof.StartCPUProfile(pf); err != nil {
-			t.Fatal(err)
+		onStart = func() {
+			if err := pprof.StartCPUProfile(pf); err != nil {
+				t.Fatal(err)
+			}
 		}
 		defer func() {
 			pprof.StopCPUProfile()
 			pf.Close()
 		}()
 	}
-	_, r := replayCorpus(c)
+	_, r := replayCorpus(c, onStart)
 	slices.Sort(r.lat)
 	rank := func(p float64) time.Duration { // nearest rank, as the Rust harness
 		i := int(p/100*float64(len(r.lat)) + 0.999999)

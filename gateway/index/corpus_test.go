@@ -294,7 +294,8 @@ type corpusReplay struct {
 // replayCorpus replays c into a fresh index on the calling goroutine, as
 // the Rust harness does: every batch, Prepared and lookup is built first;
 // the timed part is ApplyPrepared and FindMatchesContent in corpus order.
-func replayCorpus(c opsCorpus) (*Index, corpusReplay) {
+// onStart, if set, runs right before the timed part (a CPU profile's start).
+func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
 	ix := New(Options{BlockSize: int(c.blockSize)})
 	names := make([]WorkerID, c.workers)
 	for i := range names {
@@ -324,6 +325,9 @@ func replayCorpus(c opsCorpus) (*Index, corpusReplay) {
 	}
 	var r corpusReplay
 	r.lat = make([]time.Duration, 0, len(c.ops))
+	if onStart != nil {
+		onStart()
+	}
 	cpu0, t0 := cpuTime(), time.Now()
 	for i, op := range c.ops {
 		if op.kind != corpusLookup {
@@ -396,7 +400,7 @@ func TestCorpusRoundTripAndReplay(t *testing.T) {
 			want += uint64(ref.FindMatches(op.find, Namespace{}).Best())
 		}
 	}
-	ix, r := replayCorpus(back)
+	ix, r := replayCorpus(back, nil)
 	if r.checksum != want || want == 0 {
 		t.Fatalf("replayed corpus: lookups' best depths sum to %d, the token replay to %d", r.checksum, want)
 	}
