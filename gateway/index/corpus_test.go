@@ -116,7 +116,7 @@ func chainOf(content []uint64) []uint64 {
 }
 
 func writeCorpus(w io.Writer, c opsCorpus) error {
-	bw := bufio.NewWriterSize(w, 1<<20)
+	bw := bufio.NewWriterSize(w, 64<<10)
 	var buf []byte
 	u8 := func(v uint8) { buf = append(buf, v) }
 	u32 := func(v uint32) { buf = binary.LittleEndian.AppendUint32(buf, v) }
@@ -171,7 +171,7 @@ func writeCorpus(w io.Writer, c opsCorpus) error {
 // naming what is wrong and where; no declared count sizes an allocation
 // before it is checked against the bounds above.
 func readCorpus(r io.Reader) (opsCorpus, error) {
-	br := bufio.NewReaderSize(r, 1<<20)
+	br := bufio.NewReaderSize(r, 64<<10)
 	var scratch [8]byte
 	read := func(n int) ([]byte, error) {
 		if _, err := io.ReadFull(br, scratch[:n]); err != nil {
