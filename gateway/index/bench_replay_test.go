@@ -59,6 +59,7 @@ func (in replayInput) String() string {
 type replayPlan struct {
 	workers []WorkerID
 	ops     [][]replayOp // by worker
+	order   []int        // the worker of each op, in the order the simulation made them (corpus.go's file keeps it)
 	blocks  int64
 	finds   int
 }
@@ -125,6 +126,7 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 		st := state[w]
 		st.reqs++
 		p.ops[w] = append(p.ops[w], replayOp{find: r.Tokens, content: ContentHashes(r.Tokens, bs, BaseSeed), blocks: n})
+		p.order = append(p.order, w)
 		p.blocks += int64(n)
 		p.finds++
 		hs := PrefixHashes(r.Tokens, bs, Namespace{})
@@ -135,6 +137,7 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 				b := batch(0, &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Stored{Stored: run}})
 				sim.Apply(p.workers[w], b)
 				p.ops[w] = append(p.ops[w], replayOp{batch: b, prep: Prepare(b), blocks: len(run.Blocks)})
+				p.order = append(p.order, w)
 				p.blocks += int64(len(run.Blocks))
 				run = nil
 			}
@@ -180,6 +183,7 @@ func planReplay(reqs []tracegen.Request, workers, bs, capacity int) replayPlan {
 			b := batch(0, removed(unspec, evict...))
 			sim.Apply(p.workers[w], b)
 			p.ops[w] = append(p.ops[w], replayOp{batch: b, prep: Prepare(b), blocks: len(evict)})
+			p.order = append(p.order, w)
 			p.blocks += int64(len(evict))
 		}
 	}

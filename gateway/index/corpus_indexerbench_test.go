@@ -1,0 +1,119 @@
+//go:build indexerbench
+
+package index
+
+// Entry points of bench/indexers/run.sh (issue 19.3), behind the
+// indexerbench tag: they need a full Mooncake trace, which CI does not have.
+//
+//	go test -c -tags indexerbench -o ix.test ./gateway/index
+//	KVRELAY_CORPUS_TRACE=conversation_trace.jsonl KVRELAY_CORPUS_OUT=c.kvr ./ix.test -test.run IndexerCorpusWrite
+//	KVRELAY_CORPUS=c.kvr ./ix.test -test.run IndexerCorpusReplay -test.v   # prints one "RESULT {json}" line
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"runtime/pprof"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvrelay/kvrelay/gateway/index/tracegen"
+)
+
+// TestIndexerCorpusWrite derives the neutral corpus from a Mooncake trace:
+// hash id = 512 tokens = 4 blocks of 128 (length factor 4), the trace
+// duplicated KVRELAY_CORPUS_DUP times (default 4) over disjoint id spaces,
+// routed over 128 workers each with an LRU cache of 512 blocks, exactly as
+// BenchmarkReplayMooncake plans it.
+func TestIndexerCorpusWrite(t *testing.T) {
+	trace, out := os.Getenv("KVRELAY_CORPUS_TRACE"), os.Getenv("KVRELAY_CORPUS_OUT")
+	if trace == "" || out == "" {
+		t.Skip("set KVRELAY_CORPUS_TRACE and KVRELAY_CORPUS_OUT")
+	}
+	f, err := os.Open(trace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs, err := tracegen.ReadMooncake(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dup := envInt("KVRELAY_CORPUS_DUP", 4)
+	reqs, err := tracegen.ExpandMooncake(recs, tracegen.ExpandConfig{BlockSize: 128, LengthFactor: 4, Duplication: dup})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan := planReplay(reqs, 128, 128, 65536/128)
+	c := corpusFromPlan(plan, 128)
+	w, err := os.Create(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := writeCorpus(w, c); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	var kinds [3]int
+	var blocks [3]uint64
+	for _, op := range c.ops {
+		kinds[op.kind]++
+		blocks[op.kind] += uint64(op.blocks())
+	}
+	fmt.Printf("CORPUS {\"records\":%d,\"duplication\":%d,\"requests\":%d,\"workers\":128,\"block_size\":128,\"capacity_blocks\":512,"+
+		"\"lookups\":%d,\"lookup_blocks\":%d,\"stores\":%d,\"stored_blocks\":%d,\"removes\":%d,\"removed_blocks\":%d,\"block_ops\":%d}\n",
+		len(recs), dup, len(reqs), kinds[0], blocks[0], kinds[1], blocks[1], kinds[2], blocks[2], c.blockOps)
+}
+
+// TestIndexerCorpusReplay replays KVRELAY_CORPUS into our index on one
+// goroutine and prints the result line run.sh collects; with
+// KVRELAY_CORPUS_CPUPROFILE it CPU-profiles the timed part.
+func TestIndexerCorpusReplay(t *testing.T) {
+	path := os.Getenv("KVRELAY_CORPUS")
+	if path == "" {
+		t.Skip("set KVRELAY_CORPUS")
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := readCorpus(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var onStart func()
+	if prof := os.Getenv("KVRELAY_CORPUS_CPUPROFILE"); prof != "" {
+		pf, err := os.Create(prof)
+		if err != nil {
+			t.Fatal(err)
+		}
+		onStart = func() {
+			if err := pprof.StartCPUProfile(pf); err != nil {
+				t.Fatal(err)
+			}
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			pf.Close()
+		}()
+	}
+	_, r := replayCorpus(c, onStart)
+	slices.Sort(r.lat)
+	rank := func(p float64) time.Duration { // nearest rank, as the Rust harness
+		i := int(p/100*float64(len(r.lat)) + 0.999999)
+		return r.lat[min(max(i, 1), len(r.lat))-1]
+	}
+	line, err := json.Marshal(map[string]any{
+		"indexer": "kvrelay", "name": "kvrelay gateway/index FindMatchesContent", "version": "this tree",
+		"block_ops": c.blockOps, "lookups": len(r.lat), "cpu_s": r.cpu.Seconds(), "wall_s": r.wall.Seconds(),
+		"p50_ns": rank(50).Nanoseconds(), "p99_ns": rank(99).Nanoseconds(), "checksum": r.checksum, "apply_errors": 0,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Printf("RESULT %s\n", line)
+}
