@@ -631,7 +631,8 @@ func TestNATSClusterDrill(t *testing.T) {
 			probers.Add(1)
 			go func() {
 				defer probers.Done()
-				hold := func() { scraped.Done(); <-start }
+				held := false
+				hold := func() { held = true; scraped.Done(); <-start }
 				var before map[string]int
 				for tries[i] = 1; ; tries[i]++ {
 					// A retry starts from the counts its failed try last
@@ -643,8 +644,9 @@ func TestNATSClusterDrill(t *testing.T) {
 						wait = time.Second
 					}
 					_, routed, _, ok, seen, err := offerProbe(r, wait, hold, before)
-					if hold != nil && err != nil {
-						scraped.Done() // never held
+					if !held {
+						held = true
+						scraped.Done() // failed before it held: the kill must not wait for it
 					}
 					hold, before = nil, seen
 					if !ok && err == nil {
