@@ -94,11 +94,14 @@ test-go: venv engines build
 
 # The longer tier (not run by .ci/run): the interop tests against every
 # engine release in the matrix, the oldest ones whose wire we decode too.
-# It also holds the heavy interop run: a 1 M-block snapshot and a
+# It also holds the NATS failover drill (three gateway replicas on an
+# in-process 3-node JetStream cluster losing one node per round, ~1 min)
+# and the heavy interop run: a 1 M-block snapshot and a
 # 131,072-block batch through SMG's gateway and ours (minutes, ~2 GiB).
 test-long: engines-long build
 	KVRELAY_ENGINE_TIER=long $(GO) test -race -count=1 -timeout 30m -run 'EngineRelease' ./relay/ ./cmd/kvrelay/
 	KVRELAY_HEAVY_INTEROP=1 $(GO) test -count=1 -timeout 30m -run 'TestGatewaysTakeAMillionBlockSnapshot' ./interop/
+	KVRELAY_NATS_DRILL=1 $(GO) test -race -count=1 -timeout 10m -run 'TestNATSClusterDrill' ./cmd/kvrelay/
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
+	"github.com/kvrelay/kvrelay/internal/testnats"
 )
 
 // TestGatewayNATSSharesLoadByDefault: two `kvrelay gateway --nats` replicas
@@ -16,15 +16,7 @@ import (
 // --nats-share-load=false shares placements only and is nobody's peer.
 func TestGatewayNATSSharesLoadByDefault(t *testing.T) {
 	verifyNoLeaks(t)
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats server not ready")
-	}
-	defer func() { ns.Shutdown(); ns.WaitForShutdown() }()
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
 	e := startFakeEngine(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -33,7 +25,7 @@ func TestGatewayNATSSharesLoadByDefault(t *testing.T) {
 		var stderr syncBuffer
 		exit = make(chan int, 1)
 		args := append([]string{"gateway", "--worker", "grpc://" + e.addr + ",model=m",
-			"--listen", "127.0.0.1:0", "--nats", ns.ClientURL()}, extra...)
+			"--listen", "127.0.0.1:0", "--nats", ns.URL()}, extra...)
 		go func() { exit <- dispatch(ctx, args, nil, io.Discard, &stderr) }()
 		addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
 		deadline := time.Now().Add(10 * time.Second)

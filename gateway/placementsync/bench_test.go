@@ -20,7 +20,7 @@ func (a arrivals) ApplyPlacement(string, string, []uint64) error {
 // it is latency, not throughput. Reports p50 and p99 in µs; run it with
 // -benchtime=1000x for 1,000 placements.
 func BenchmarkPropagation(b *testing.B) {
-	url, _ := runNATS(b, -1)
+	url := runNATS(b).URL()
 	pub, err := Start(arrivals(make(chan time.Time, 1)), Options{URL: url})
 	if err != nil {
 		b.Fatal(err)
@@ -84,7 +84,7 @@ func (p peerCounts) SetPeerRouted(map[string]int) {
 // for the rate limit, up to LoadInterval. Reports p50, p99 and max in µs;
 // run it with -benchtime=100x for 200 changes.
 func BenchmarkLoadPropagation(b *testing.B) {
-	url, _ := runNATS(b, -1)
+	url := runNATS(b).URL()
 	a := startReplica(b, url, 2) // placements only; the load sync below is the one measured
 	aLoad, err := Start(arrivals(make(chan time.Time, 1024)), Options{URL: url, Load: a.g})
 	if err != nil {

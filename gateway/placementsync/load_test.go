@@ -9,7 +9,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvrelay/kvrelay/gateway"
-	"github.com/kvrelay/kvrelay/internal/freeport"
 )
 
 // Short load-sharing periods, so peers age out within the tests; the
@@ -95,7 +94,7 @@ func loadOnA(t *testing.T, a, b *replica) []gateway.Decision {
 // them gives the worker back. Without shared counts, b's first request
 // would go to w0 (both idle to b, ties to the first name).
 func TestLoadSharedBetweenReplicas(t *testing.T) {
-	url, _ := runNATS(t, -1)
+	url := runNATS(t).URL()
 	a, b := startLoadReplica(t, url, 2), startLoadReplica(t, url, 2)
 	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })
 	if got := peersGauge(t, b.reg); got != 1 {
@@ -124,7 +123,7 @@ func TestLoadSharedBetweenReplicas(t *testing.T) {
 // TestLoadPeerAgesOut: a replica that stops (its connection closed, no
 // goodbye) stops counting on the others after the peer timeout.
 func TestLoadPeerAgesOut(t *testing.T) {
-	url, _ := runNATS(t, -1)
+	url := runNATS(t).URL()
 	a, b := startLoadReplica(t, url, 2), startLoadReplica(t, url, 2)
 	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })
 	loadOnA(t, a, b)
@@ -141,14 +140,13 @@ func TestLoadPeerAgesOut(t *testing.T) {
 // TestLoadNATSLost: the server goes away during a run; each replica drops
 // the other's counts, routes on its own, and shares again once NATS is back.
 func TestLoadNATSLost(t *testing.T) {
-	port := freeport.ForTest(t, 1)
-	_, stop := runNATS(t, port)
-	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	ns := runNATS(t)
+	url := ns.URL()
 	a, b := startLoadReplica(t, url, 2), startLoadReplica(t, url, 2)
 	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })
 	loadOnA(t, a, b)
 
-	stop()
+	ns.Stop()
 	eventually(t, "a's counts age out on b", func() bool { return peerRouted(b, "w0") == 0 && b.sync.Peers() == 0 })
 	if d := routeTracked(t, b, prompt(10000, 64)); d.Worker != "w0" {
 		t.Errorf("b routed to %s during the outage, want w0 (its own counts: all idle)", d.Worker)
@@ -160,7 +158,7 @@ func TestLoadNATSLost(t *testing.T) {
 		return testutil.ToFloat64(a.sync.load.shared.WithLabelValues("dropped")) >= 1
 	})
 
-	runNATS(t, port)
+	ns.Restart()
 	eventually(t, "a's counts back on b", func() bool { return peerRouted(b, "w0") == 3 && b.sync.Peers() == 1 })
 	eventually(t, "b's counts back on a", func() bool { return peerRouted(a, "w0") == 1 && peerRouted(a, "w1") == 1 })
 }
@@ -168,7 +166,7 @@ func TestLoadNATSLost(t *testing.T) {
 // TestLoadRejectsGarbageAndTooManyPeers: undecodable snapshots and peers
 // past MaxPeers are counted and ignored.
 func TestLoadRejectsGarbageAndTooManyPeers(t *testing.T) {
-	url, _ := runNATS(t, -1)
+	url := runNATS(t).URL()
 	// The fake peers never send again: a's timeout must outlast the test.
 	a, b := startLoadReplicaTimeout(t, url, 2, time.Hour), startLoadReplica(t, url, 2)
 	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })

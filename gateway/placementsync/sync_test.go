@@ -5,39 +5,23 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testnats"
 )
 
 const waitFor = 10 * time.Second
 
-// runNATS starts an embedded NATS server on port (-1: a random one) and
-// stops it at the test's end (or earlier, by the returned stop).
-func runNATS(t testing.TB, port int) (url string, stop func()) {
+// runNATS starts an embedded core NATS server (placements use no
+// JetStream) on a random port and stops it at the test's end; Stop and
+// Restart it in place to take it away and bring it back on its port.
+func runNATS(t testing.TB) *testnats.Node {
 	t.Helper()
-	s, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Start()
-	if !s.ReadyForConnections(waitFor) {
-		t.Fatal("nats server not ready")
-	}
-	stopped := false
-	stop = func() {
-		if !stopped {
-			stopped = true
-			s.Shutdown()
-			s.WaitForShutdown()
-		}
-	}
-	t.Cleanup(stop)
-	return s.ClientURL(), stop
+	return testnats.Start(t, testnats.Config{NoJetStream: true})
 }
 
 // replica is one gateway replica with its sync. Its workers never connect
@@ -108,7 +92,7 @@ func routeTracked(t testing.TB, r *replica, p []uint32) gateway.Decision {
 func TestSharedBetweenReplicas(t *testing.T) {
 	for _, n := range []int{2, 3} {
 		t.Run(fmt.Sprintf("%d replicas", n), func(t *testing.T) {
-			url, _ := runNATS(t, -1)
+			url := runNATS(t).URL()
 			var rs []*replica
 			for range n {
 				rs = append(rs, startReplica(t, url, 4))
@@ -164,7 +148,7 @@ func TestNATSUnavailableAtStart(t *testing.T) {
 	if placements(b) != 0 {
 		t.Fatalf("b has placements with NATS down")
 	}
-	runNATS(t, port)
+	testnats.Start(t, testnats.Config{Port: port, NoJetStream: true})
 	eventually(t, "both connected", func() bool { return a.sync.Connected() && b.sync.Connected() })
 	if got := testutil.ToFloat64(gaugeOf(t, a.reg)); got != 1 {
 		t.Fatalf("nats_connected = %v after connecting", got)
@@ -184,9 +168,8 @@ func TestNATSUnavailableAtStart(t *testing.T) {
 // TestNATSLostDuringARun: the server goes away and comes back on the same
 // port; routing never stops and sharing resumes.
 func TestNATSLostDuringARun(t *testing.T) {
-	port := freeport.ForTest(t, 1)
-	_, stop := runNATS(t, port)
-	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	ns := runNATS(t)
+	url := ns.URL()
 	a, b := startReplica(t, url, 4), startReplica(t, url, 4)
 	eventually(t, "both connected", func() bool { return a.sync.Connected() && b.sync.Connected() })
 	if err := b.sync.Flush(waitFor); err != nil {
@@ -195,7 +178,7 @@ func TestNATSLostDuringARun(t *testing.T) {
 	routeTracked(t, a, prompt(0, 64))
 	eventually(t, "shared before the outage", func() bool { return placements(b) == 4 })
 
-	stop()
+	ns.Stop()
 	eventually(t, "both see the outage", func() bool { return !a.sync.Connected() && !b.sync.Connected() })
 	if got := testutil.ToFloat64(gaugeOf(t, a.reg)); got != 0 {
 		t.Fatalf("nats_connected = %v during the outage", got)
@@ -205,7 +188,7 @@ func TestNATSLostDuringARun(t *testing.T) {
 		t.Fatalf("routing during the outage: %+v", d)
 	}
 
-	runNATS(t, port)
+	ns.Restart()
 	eventually(t, "both reconnected", func() bool { return a.sync.Connected() && b.sync.Connected() })
 	if err := b.sync.Flush(waitFor); err != nil {
 		t.Fatal(err)
@@ -223,7 +206,7 @@ func TestNATSLostDuringARun(t *testing.T) {
 // model this replica does not route, or an undecodable one, is counted and
 // ignored.
 func TestRejectsUnknownWorkersAndGarbage(t *testing.T) {
-	url, _ := runNATS(t, -1)
+	url := runNATS(t).URL()
 	a := startReplica(t, url, 2)
 	other := startReplica(t, url, 2)
 	eventually(t, "connected", func() bool { return a.sync.Connected() && other.sync.Connected() })
