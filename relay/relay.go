@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
+	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 )
@@ -142,7 +144,10 @@ type rankState struct {
 	hasLiveFrom bool
 	liveFrom    uint64
 
-	// Owned by the rank goroutine. A replay usually runs past the live
+	// Owned by the rank goroutine. encBuf is the scratch buffer its
+	// batches are encoded into.
+	encBuf []byte
+	// A replay usually runs past the live
 	// stream: the live copies of what it gave are still queued on the
 	// socket, and by the admission table alone they would read as a
 	// sequence regression. replayed holds the payload hash of every batch
@@ -530,14 +535,21 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	b.SequenceNumber = seq
 	// The socket's rank is authoritative: sequences are per socket.
 	b.DpRank = proto.Int32(rk.rank)
-	// Encoded once here, for the history and for every subscriber's send.
-	enc, err := proto.Marshal(b)
+	// Encoded once here, for the history and for every subscriber's send,
+	// by hand (kvenc writes proto.Marshal's bytes at a fraction of its
+	// cost) into the rank's reused buffer, then copied out at its exact
+	// size: the history keeps these bytes for a long time.
+	rk.encBuf, err = kvenc.AppendBatch(rk.encBuf[:0], b)
 	if err != nil {
-		// A message built by the normalizer always encodes; this would be a
-		// bug, and an empty batch keeps the sequence without a gap.
+		// A string that is not valid UTF-8 (a LoRA name, a salt) cannot be
+		// sent as proto3; an empty batch keeps the sequence without a gap.
 		r.log.Error("encoding a relayed batch failed; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
 		b = &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: proto.Int32(rk.rank)}
-		enc, _ = proto.Marshal(b)
+		rk.encBuf, _ = kvenc.AppendBatch(rk.encBuf[:0], b)
+	}
+	enc := bytes.Clone(rk.encBuf)
+	if cap(rk.encBuf) > maxKeptEncBuf {
+		rk.encBuf = nil // one huge batch should not pin its buffer for ever
 	}
 	var blocks int
 	for _, ev := range b.Events {
@@ -587,6 +599,9 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 }
 
+// maxKeptEncBuf is the largest encoding buffer a rank keeps between batches.
+const maxKeptEncBuf = 4 << 20
+
 // withoutEvents is b without the events at the indexes drop (ascending),
 // and its encoding: the stage that keeps report-mode re-announcements out of
 // the stream (Config.SuppressReannounced). The batch keeps its sequence, so
@@ -603,11 +618,11 @@ func withoutEvents(b *kvpb.KvEventBatch, drop []int) (*kvpb.KvEventBatch, []byte
 	}
 	clear(out.Events[len(kept):])
 	out.Events = kept
-	enc, err := proto.Marshal(out)
+	enc, err := kvenc.AppendBatch(nil, out)
 	if err != nil {
 		// Cannot happen for a message that encoded a moment ago; keep the
 		// engine's batch rather than lose its sequence.
-		enc, _ = proto.Marshal(b)
+		enc, _ = kvenc.AppendBatch(nil, b)
 		return b, enc
 	}
 	return out, enc

@@ -39,8 +39,9 @@
 //     that provides namespace inheritance from a parent, copy counting capped
 //     at 8, duplicate-store counting and per-rank clears.
 //
-// The output's blocks, block pointers and tokens come from one slab each per
-// batch, so a batch costs a handful of allocations whatever its block count.
+// The output's blocks, block pointers, tokens and extra keys come from one
+// slab each per batch, so a batch costs a handful of allocations whatever its
+// block count.
 //
 // # Where we differ from smg
 //

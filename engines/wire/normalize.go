@@ -757,6 +757,15 @@ func (n *Normalizer) build(out *batchOut, blocks, tokens int) {
 		blockPtrs = make([]*kvpb.KvBlock, blocks)
 		tokenSlab = make([]uint32, tokens)
 	}
+	// Extra keys (vLLM's per-block LoRA names, salts, multimodal ids) come
+	// from one slab too: a message, its oneof wrapper and its pointer each
+	// were an allocation per key.
+	var keySlab []extraKeyOut
+	var keyPtrs []*kvpb.KvBlockExtraKey
+	if n := n.countExtraKeys(); n > 0 {
+		keySlab = make([]extraKeyOut, n)
+		keyPtrs = make([]*kvpb.KvBlockExtraKey, n)
+	}
 	var removedSlab []int64
 	if len(n.removed) > 0 {
 		removedSlab = make([]int64, len(n.removed))
@@ -838,7 +847,10 @@ func (n *Normalizer) build(out *batchOut, blocks, tokens int) {
 				b.LoraId = loraID
 				b.CacheLevel = cacheLevel
 				if j < len(ev.extraKeys) && len(ev.extraKeys[j]) > 0 {
-					b.ExtraKeys = extraKeysProto(ev.extraKeys[j])
+					k := len(ev.extraKeys[j])
+					b.ExtraKeys = keyPtrs[:k:k]
+					extraKeysProto(ev.extraKeys[j], keySlab[:k], b.ExtraKeys)
+					keyPtrs, keySlab = keyPtrs[k:], keySlab[k:]
 				}
 				m.Blocks[j] = b
 			}
@@ -851,20 +863,55 @@ func (n *Normalizer) build(out *batchOut, blocks, tokens int) {
 	out.batch.Events = events
 }
 
-func extraKeysProto(keys []extraKey) []*kvpb.KvBlockExtraKey {
-	out := make([]*kvpb.KvBlockExtraKey, len(keys))
-	for i, k := range keys {
-		switch k.kind {
-		case extraText:
-			out[i] = &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: k.text}}
-		case extraNumber:
-			out[i] = &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Number{Number: k.num}}
-		case extraBlob:
-			out[i] = &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Blob{Blob: k.blob}}
-		case extraMultimodal:
-			out[i] = &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Multimodal{
-				Multimodal: &kvpb.KvMultimodalKey{Identifier: k.text, Offset: k.num}}}
+// extraKeyOut holds one extra key's message with every form its oneof can
+// take, so that a key costs no allocation of its own.
+type extraKeyOut struct {
+	key   kvpb.KvBlockExtraKey
+	text  kvpb.KvBlockExtraKey_Text
+	num   kvpb.KvBlockExtraKey_Number
+	blob  kvpb.KvBlockExtraKey_Blob
+	mm    kvpb.KvBlockExtraKey_Multimodal
+	mmKey kvpb.KvMultimodalKey
+}
+
+// countExtraKeys is the number of extra keys the planned stores' blocks
+// carry.
+func (n *Normalizer) countExtraKeys() int {
+	total := 0
+	for i := range n.plans {
+		ev := n.plans[i].ev
+		if ev.kind != kindStored {
+			continue
+		}
+		for j := 0; j < ev.hashN && j < len(ev.extraKeys); j++ {
+			total += len(ev.extraKeys[j])
 		}
 	}
-	return out
+	return total
+}
+
+// extraKeysProto fills out[i] with keys[i]'s message, built in slab[i].
+func extraKeysProto(keys []extraKey, slab []extraKeyOut, out []*kvpb.KvBlockExtraKey) {
+	for i, k := range keys {
+		o := &slab[i]
+		switch k.kind {
+		case extraText:
+			o.text.Text = k.text
+			o.key.Key = &o.text
+		case extraNumber:
+			o.num.Number = k.num
+			o.key.Key = &o.num
+		case extraBlob:
+			o.blob.Blob = k.blob
+			o.key.Key = &o.blob
+		case extraMultimodal:
+			o.mmKey.Identifier, o.mmKey.Offset = k.text, k.num
+			o.mm.Multimodal = &o.mmKey
+			o.key.Key = &o.mm
+		default:
+			out[i] = nil // the decoder keeps no other kind
+			continue
+		}
+		out[i] = &o.key
+	}
 }

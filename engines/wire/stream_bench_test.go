@@ -5,6 +5,11 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvenc"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // A realistic event stream, for the decode and normalize figures: distinct
@@ -313,5 +318,45 @@ func BenchmarkDecodeAndNormalize(b *testing.B) {
 			}
 			report(b, cpu0)
 		})
+		// The relay's encoding of each normalized batch (issue 19 item 1):
+		// proto.Marshal against kvenc.AppendBatch into a reused buffer
+		// copied out at its exact size, as relay.relay does; same batches.
+		n := NewNormalizer(f.dialect)
+		batches := make([]*kvpb.KvEventBatch, len(stream))
+		for i, sb := range stream {
+			out, _, err := n.Normalize(sb.payload, uint64(i), 0)
+			if err != nil {
+				b.Fatal(err)
+			}
+			batches[i] = out
+		}
+		b.Run("encode-marshal/"+f.name, func(b *testing.B) {
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuTime()
+			for i := 0; i < b.N; i++ {
+				if _, err := proto.Marshal(batches[i%len(batches)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			report(b, cpu0)
+		})
+		b.Run("encode-kvenc/"+f.name, func(b *testing.B) {
+			var buf []byte
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuTime()
+			for i := 0; i < b.N; i++ {
+				var err error
+				if buf, err = kvenc.AppendBatch(buf[:0], batches[i%len(batches)]); err != nil {
+					b.Fatal(err)
+				}
+				sink = append([]byte(nil), buf...)
+			}
+			report(b, cpu0)
+		})
 	}
 }
+
+// sink keeps the encoding benchmark's copies alive.
+var sink []byte

@@ -21,7 +21,23 @@ const (
 // benchFeed applies stores of 64 blocks of 16 tokens until blocks live blocks exist. Half the
 // stores extend a random earlier block (shared prefixes), the rest start new chains; the tail is
 // a vLLM-like GPU store. One batch is reused, as the record keeps nothing of it.
-func benchFeed(r *Record, blocks int, seed uint64) {
+func benchFeed(r *Record, blocks int, seed uint64) { benchFeedNS(r, blocks, seed, plainBlocks) }
+
+// benchNamespaces says which stores of benchFeedNS carry a namespace.
+type benchNamespaces int
+
+const (
+	plainBlocks benchNamespaces = iota
+	// mixedNamespaces: item 7's realistic stream, a quarter of the stores under one of 4 LoRA
+	// adapters (lora_name, lora_id on every block) and a sixth under one of 8 cache salts, the
+	// adapter and salt also as vLLM's extra_keys on the store's first block.
+	mixedNamespaces
+	// everyStoreSalted: every store under a LoRA adapter and a salt of its own (a per-request
+	// salt), the record's worst case for interned store tails.
+	everyStoreSalted
+)
+
+func benchFeedNS(r *Record, blocks int, seed uint64, ns benchNamespaces) {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	st := &kvpb.KvBlocksStored{
 		Medium: proto.String("GPU"), GroupIdx: proto.Uint32(0),
@@ -47,6 +63,35 @@ func benchFeed(r *Record, blocks int, seed uint64) {
 		}
 		for _, blk := range st.Blocks {
 			blk.BlockHash = int64(rng.Uint64())
+			blk.LoraId = nil
+		}
+		st.Blocks[0].ExtraKeys = nil
+		st.LoraName, st.CacheSalt = nil, nil
+		lora, salt := -1, -1
+		switch ns {
+		case mixedNamespaces:
+			if rng.IntN(4) == 0 {
+				lora = rng.IntN(4)
+			}
+			if rng.IntN(6) == 0 {
+				salt = rng.IntN(8)
+			}
+		case everyStoreSalted:
+			lora, salt = rng.IntN(4), done
+		}
+		if lora >= 0 {
+			name := fmt.Sprintf("adapter-%d", lora)
+			st.LoraName = proto.String(name)
+			id := int64(lora + 1)
+			for _, blk := range st.Blocks {
+				blk.LoraId = &id
+			}
+			st.Blocks[0].ExtraKeys = append(st.Blocks[0].ExtraKeys, &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: name}})
+		}
+		if salt >= 0 {
+			v := fmt.Sprintf("salt-%08x", salt)
+			st.CacheSalt = proto.String(v)
+			st.Blocks[0].ExtraKeys = append(st.Blocks[0].ExtraKeys, &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: v}})
 		}
 		if len(recent) < cap(recent) {
 			recent = append(recent, st.Blocks[rng.IntN(benchStoreBlocks)].BlockHash)
@@ -71,24 +116,31 @@ func heapAlloc() uint64 {
 // many again, so that freed slots, arenas and index cells are reused.
 func BenchmarkRecordMemory(b *testing.B) {
 	const blocks = 1_000_000
-	for _, churn := range []bool{false, true} {
-		name := "fresh"
-		if churn {
-			name = "churned"
-		}
-		b.Run(name, func(b *testing.B) {
+	for _, tc := range []struct {
+		name  string
+		churn bool
+		ns    benchNamespaces
+	}{
+		{"fresh", false, plainBlocks},
+		{"churned", true, plainBlocks},
+		{"fresh-namespaced-mix", false, mixedNamespaces},
+		{"churned-namespaced-mix", true, mixedNamespaces},
+		{"fresh-every-store-salted", false, everyStoreSalted},
+	} {
+		churn := tc.churn
+		b.Run(tc.name, func(b *testing.B) {
 			var perBlock, nsPerBlock, cpuPerBlock float64
 			for b.Loop() {
 				before := heapAlloc()
 				r := New()
 				cpu0 := processCPU()
 				start := time.Now()
-				benchFeed(r, blocks, 1)
+				benchFeedNS(r, blocks, 1, tc.ns)
 				nsPerBlock = float64(time.Since(start).Nanoseconds()) / blocks
 				cpuPerBlock = float64((processCPU() - cpu0).Nanoseconds()) / blocks
 				if churn {
 					evictHalf(r)
-					benchFeed(r, blocks/2, 5)
+					benchFeedNS(r, blocks/2, 5, tc.ns)
 				}
 				after := heapAlloc()
 				if got := r.Stats().Blocks; got != blocks {

@@ -1,0 +1,400 @@
+package kvenc_test
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"hash/fnv"
+	"math"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/proto/kvenc"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+const goldenDir = "../../testdata/golden"
+
+// goldenVector is the part of a testdata/golden vector set this test reads:
+// the engine payloads and the expected batches (see testdata/golden/README.md).
+type goldenVector struct {
+	Name     string `json:"name"`
+	Payloads []struct {
+		Hex      string `json:"hex"`
+		Seq      uint64 `json:"seq"`
+		Rank     int32  `json:"rank"`
+		Expected struct {
+			Batch json.RawMessage `json:"batch"`
+		} `json:"expected"`
+		ExpectedByEngine map[string]struct {
+			Batch json.RawMessage `json:"batch"`
+		} `json:"expected_by_engine"`
+	} `json:"payloads"`
+}
+
+func loadGolden(tb testing.TB) []goldenVector {
+	tb.Helper()
+	files, err := filepath.Glob(filepath.Join(goldenDir, "*.json"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	// A moved directory would make every check below pass over nothing.
+	if len(files) < 30 {
+		tb.Fatalf("found %d golden vector sets in %s, want at least 30", len(files), goldenDir)
+	}
+	var sets []goldenVector
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		var s goldenVector
+		if err := json.Unmarshal(raw, &s); err != nil {
+			tb.Fatalf("%s: %v", f, err)
+		}
+		sets = append(sets, s)
+	}
+	return sets
+}
+
+// sameAsMarshal fails unless AppendBatch writes exactly proto.Marshal's
+// bytes for b, or both refuse it. It also appends after a prefix, as the
+// relay does into a reused buffer.
+func sameAsMarshal(t testing.TB, b *kvpb.KvEventBatch) {
+	t.Helper()
+	want, wantErr := proto.Marshal(b)
+	got, gotErr := kvenc.AppendBatch(nil, b)
+	if (wantErr != nil) != (gotErr != nil) {
+		t.Fatalf("proto.Marshal error %v, AppendBatch error %v, for %v", wantErr, gotErr, b)
+	}
+	if wantErr != nil {
+		// EngineLoad is delegated to proto.Marshal, and so is its error.
+		if !errors.Is(gotErr, kvenc.ErrInvalidUTF8) && b.Load == nil {
+			t.Fatalf("AppendBatch refused with %v, want ErrInvalidUTF8 (proto.Marshal: %v)", gotErr, wantErr)
+		}
+		return
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("bytes differ for %v\n got  %x\n want %x", b, got, want)
+	}
+	prefix := []byte("prefix")
+	got2, err := kvenc.AppendBatch(prefix, b)
+	if err != nil || !bytes.Equal(got2[:len(prefix)], prefix) || !bytes.Equal(got2[len(prefix):], want) {
+		t.Fatalf("appending after a prefix: err %v, got %x", err, got2)
+	}
+}
+
+// TestGoldenVectorsEncodeLikeMarshal: every golden payload, normalized by a
+// normalizer of every dialect (state carried across a set's payloads, as the
+// golden test does), and every expected batch of the vectors, encode to
+// proto.Marshal's bytes.
+func TestGoldenVectorsEncodeLikeMarshal(t *testing.T) {
+	batches := 0
+	for _, set := range loadGolden(t) {
+		for d := wire.VLLM; d <= wire.TokenSpeed; d++ {
+			n := wire.NewNormalizer(d)
+			for i, p := range set.Payloads {
+				payload, err := hex.DecodeString(p.Hex)
+				if err != nil {
+					t.Fatalf("%s payload %d: %v", set.Name, i, err)
+				}
+				b, _, err := n.Normalize(payload, p.Seq, p.Rank)
+				if err != nil {
+					continue
+				}
+				sameAsMarshal(t, b)
+				batches++
+			}
+		}
+		for i, p := range set.Payloads {
+			raws := []json.RawMessage{p.Expected.Batch}
+			for _, e := range p.ExpectedByEngine {
+				raws = append(raws, e.Batch)
+			}
+			for _, raw := range raws {
+				if len(raw) == 0 {
+					continue
+				}
+				var b kvpb.KvEventBatch
+				if err := protojson.Unmarshal(raw, &b); err != nil {
+					t.Fatalf("%s payload %d: expected batch does not parse: %v", set.Name, i, err)
+				}
+				sameAsMarshal(t, &b)
+				batches++
+			}
+		}
+	}
+	if batches < 250 {
+		t.Fatalf("only %d batches checked", batches)
+	}
+}
+
+// TestGeneratedBatchesEncodeLikeMarshal covers what the golden vectors may
+// not: every optional field set and unset, negative and extreme values,
+// empty and long strings, nil elements, large messages whose lengths need
+// several varint bytes, the snapshot and load fields.
+func TestGeneratedBatchesEncodeLikeMarshal(t *testing.T) {
+	for seed := range uint64(3000) {
+		sameAsMarshal(t, genBatch(rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))))
+	}
+}
+
+func TestEdgeCases(t *testing.T) {
+	i32 := func(v int32) *int32 { return &v }
+	s := func(v string) *string { return &v }
+	stored := func(st *kvpb.KvBlocksStored) *kvpb.KvCacheEvent {
+		return &kvpb.KvCacheEvent{Data: &kvpb.KvCacheEvent_Stored{Stored: st}}
+	}
+	bigToks := make([]uint32, 5000)
+	for i := range bigToks {
+		bigToks[i] = math.MaxUint32 - uint32(i)
+	}
+	for name, b := range map[string]*kvpb.KvEventBatch{
+		"nil":                   nil,
+		"empty":                 {},
+		"negative zero ts":      {Timestamp: math.Copysign(0, -1)},
+		"nan ts":                {Timestamp: math.NaN()},
+		"negative rank":         {DpRank: i32(-1)},
+		"zero rank":             {DpRank: i32(0)},
+		"nil event":             {Events: []*kvpb.KvCacheEvent{nil}},
+		"event without data":    {Events: []*kvpb.KvCacheEvent{{EventId: 3}}},
+		"nil stored":            {Events: []*kvpb.KvCacheEvent{stored(nil)}},
+		"nil removed":           {Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Removed{}}}},
+		"nil cleared":           {Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Cleared{}}}},
+		"nil block":             {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{nil}})}},
+		"empty optional string": {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Medium: s("")})}},
+		"invalid utf8 medium":   {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Medium: s("\xff")})}},
+		"invalid utf8 extra key": {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{{
+			ExtraKeys: []*kvpb.KvBlockExtraKey{{Key: &kvpb.KvBlockExtraKey_Text{Text: "a\xc0"}}}}}})}},
+		"invalid utf8 multimodal": {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{{
+			ExtraKeys: []*kvpb.KvBlockExtraKey{{Key: &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: "\xfe"}}}}}}})}},
+		"nil extra key and nil multimodal": {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{{
+			ExtraKeys: []*kvpb.KvBlockExtraKey{nil, {}, {Key: &kvpb.KvBlockExtraKey_Multimodal{}}, {Key: &kvpb.KvBlockExtraKey_Blob{}},
+				{Key: &kvpb.KvBlockExtraKey_Number{}}, {Key: &kvpb.KvBlockExtraKey_Text{}}}}}})}},
+		"huge block": {Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{{
+			BlockHash: math.MinInt64, TokenIds: bigToks, BlockSize: int32(len(bigToks))}}})}},
+		"invalid utf8 load": {Load: &kvpb.EngineLoad{Disaggregation: &kvpb.EngineDisaggregation{Mode: "\xff"}}},
+	} {
+		t.Run(name, func(t *testing.T) { sameAsMarshal(t, b) })
+	}
+	// The refusals above must be refusals, not silently equal output.
+	if _, err := kvenc.AppendBatch(nil, &kvpb.KvEventBatch{Events: []*kvpb.KvCacheEvent{stored(&kvpb.KvBlocksStored{CacheSalt: s("\xff")})}}); !errors.Is(err, kvenc.ErrInvalidUTF8) {
+		t.Fatalf("an invalid UTF-8 salt: error %v, want ErrInvalidUTF8", err)
+	}
+}
+
+// FuzzAppendBatchMatchesMarshal normalizes arbitrary payloads with a
+// normalizer of each dialect and requires AppendBatch's bytes to equal
+// proto.Marshal's; the same input also seeds a generated batch that reaches
+// fields no decoder output has.
+func FuzzAppendBatchMatchesMarshal(f *testing.F) {
+	for _, set := range loadGolden(f) {
+		for _, p := range set.Payloads {
+			payload, err := hex.DecodeString(p.Hex)
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(uint8(0), payload)
+		}
+	}
+	f.Fuzz(func(t *testing.T, dialect uint8, payload []byte) {
+		n := wire.NewNormalizer(wire.Dialect(dialect%3) + 1)
+		for round := range uint64(2) {
+			b, _, err := n.Normalize(payload, round, int32(dialect%5)-1)
+			if err != nil {
+				break
+			}
+			sameAsMarshal(t, b)
+		}
+		h := fnv.New64a()
+		h.Write(payload)
+		sameAsMarshal(t, genBatch(rand.New(rand.NewPCG(h.Sum64(), uint64(dialect)))))
+	})
+}
+
+// genBatch makes a batch with every field of the event path chosen at
+// random, set or unset, with values drawn from the edges of their types.
+func genBatch(r *rand.Rand) *kvpb.KvEventBatch {
+	b := &kvpb.KvEventBatch{}
+	if r.IntN(4) > 0 {
+		b.SequenceNumber = genU64(r)
+	}
+	switch r.IntN(4) {
+	case 0:
+	case 1:
+		b.Timestamp = math.Copysign(0, -1)
+	default:
+		b.Timestamp = r.NormFloat64() * 1e9
+	}
+	if r.IntN(2) == 0 {
+		v := int32(genI64(r))
+		b.DpRank = &v
+	}
+	for range r.IntN(6) {
+		b.Events = append(b.Events, genEvent(r))
+	}
+	if r.IntN(8) == 0 {
+		b.Snapshot = &kvpb.KvSnapshotChunk{Index: uint32(genU64(r)), Count: uint32(genU64(r)), Blocks: genU64(r), UnknownBefore: genU64(r)}
+	}
+	if r.IntN(8) == 0 {
+		b.Load = &kvpb.EngineLoad{RunningRequests: uint32(r.IntN(100)), TokenUsage: r.Float64(),
+			Lora: &kvpb.EngineLora{SlotsUsed: int32(r.IntN(8))}}
+	}
+	if r.IntN(4) == 0 {
+		v := genU64(r)
+		b.LiveDigest = &v
+	}
+	if r.IntN(4) == 0 {
+		v := genU64(r)
+		b.LiveBlocks = &v
+	}
+	return b
+}
+
+func genU64(r *rand.Rand) uint64 {
+	switch r.IntN(5) {
+	case 0:
+		return 0
+	case 1:
+		return uint64(r.IntN(128))
+	case 2:
+		return math.MaxUint64 - uint64(r.IntN(3))
+	default:
+		return r.Uint64() >> r.IntN(64)
+	}
+}
+
+func genI64(r *rand.Rand) int64 {
+	v := int64(genU64(r))
+	if r.IntN(3) == 0 {
+		return -v
+	}
+	return v
+}
+
+func genString(r *rand.Rand) string {
+	switch r.IntN(8) {
+	case 0:
+		return ""
+	case 1:
+		return "\xff\xfe" // invalid UTF-8: both must refuse
+	case 2:
+		return string(bytes.Repeat([]byte("ü"), 100+r.IntN(100)))
+	default:
+		return []string{"GPU", "CPU", "lora-a", "salt-1", "full_attention", "kvcr"}[r.IntN(6)]
+	}
+}
+
+func optString(r *rand.Rand) *string {
+	if r.IntN(3) == 0 {
+		return nil
+	}
+	s := genString(r)
+	if r.IntN(4) > 0 && !isValid(s) {
+		s = "x"
+	}
+	return &s
+}
+
+func isValid(s string) bool { return s != "\xff\xfe" }
+
+func optI64(r *rand.Rand) *int64 {
+	if r.IntN(2) == 0 {
+		return nil
+	}
+	v := genI64(r)
+	return &v
+}
+
+func optI32(r *rand.Rand) *int32 {
+	if r.IntN(2) == 0 {
+		return nil
+	}
+	v := int32(genI64(r))
+	return &v
+}
+
+func optU32(r *rand.Rand) *uint32 {
+	if r.IntN(2) == 0 {
+		return nil
+	}
+	v := uint32(genU64(r))
+	return &v
+}
+
+func genEvent(r *rand.Rand) *kvpb.KvCacheEvent {
+	if r.IntN(30) == 0 {
+		return nil
+	}
+	ev := &kvpb.KvCacheEvent{EventId: genU64(r)}
+	switch r.IntN(8) {
+	case 0:
+		ev.Data = &kvpb.KvCacheEvent_Cleared{Cleared: &kvpb.KvCacheCleared{Ownership: optString(r)}}
+	case 1, 2:
+		rm := &kvpb.KvBlocksRemoved{CacheLevel: optI32(r), Medium: optString(r), GroupIdx: optU32(r), Ownership: optString(r)}
+		for range r.IntN(40) {
+			rm.BlockHashes = append(rm.BlockHashes, genI64(r))
+		}
+		if r.IntN(2) == 0 {
+			t := kvpb.KvCacheTier(r.IntN(6) - 1)
+			rm.Tier = &t
+		}
+		if r.IntN(2) == 0 {
+			l := kvpb.KvCacheLocality(r.IntN(3))
+			rm.Locality = &l
+		}
+		ev.Data = &kvpb.KvCacheEvent_Removed{Removed: rm}
+	case 3:
+	default:
+		ev.Data = &kvpb.KvCacheEvent_Stored{Stored: genStored(r)}
+	}
+	return ev
+}
+
+func genStored(r *rand.Rand) *kvpb.KvBlocksStored {
+	s := &kvpb.KvBlocksStored{ParentBlockHash: optI64(r), Medium: optString(r), GroupIdx: optU32(r),
+		KvCacheSpecKind: optString(r), KvCacheSpecSlidingWindow: optU32(r), Ownership: optString(r),
+		SessionId: optString(r), LoraName: optString(r), CacheSalt: optString(r)}
+	if r.IntN(2) == 0 {
+		t := kvpb.KvCacheTier(r.IntN(6))
+		s.Tier = &t
+	}
+	if r.IntN(2) == 0 {
+		l := kvpb.KvCacheLocality(r.IntN(4) - 1)
+		s.Locality = &l
+	}
+	width := []int{0, 1, 16, 64, 200}[r.IntN(5)]
+	for range r.IntN(70) {
+		if r.IntN(50) == 0 {
+			s.Blocks = append(s.Blocks, nil)
+			continue
+		}
+		blk := &kvpb.KvBlock{BlockHash: genI64(r), BlockSize: int32(genI64(r)), LoraId: optI64(r), CacheLevel: optI32(r)}
+		for range width {
+			blk.TokenIds = append(blk.TokenIds, uint32(genU64(r)))
+		}
+		for range r.IntN(3) {
+			var k kvpb.KvBlockExtraKey
+			switch r.IntN(5) {
+			case 0:
+				k.Key = &kvpb.KvBlockExtraKey_Text{Text: genString(r)}
+			case 1:
+				k.Key = &kvpb.KvBlockExtraKey_Blob{Blob: []byte(genString(r))}
+			case 2:
+				k.Key = &kvpb.KvBlockExtraKey_Number{Number: genI64(r)}
+			case 3:
+				k.Key = &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: genString(r), Offset: genI64(r)}}
+			}
+			blk.ExtraKeys = append(blk.ExtraKeys, &k)
+		}
+		s.Blocks = append(s.Blocks, blk)
+	}
+	return s
+}
