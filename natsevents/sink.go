@@ -340,14 +340,20 @@ func (s *Sink) follow(ctx context.Context) error {
 		last      jetstream.PubAckFuture // the newest publish
 		lastPos   uint64                 // its relay log position
 		pending   *pendingSnapshot
-		inChunks  bool         // a snapshot of the subscription is arriving
-		nextSnap  = time.Now() // a snapshot is due at once
+		inChunks  bool   // a snapshot of the subscription is arriving
+		due       = true // a snapshot is due (at once after subscribing)
+		nextSnap  time.Time
 		published int
 	)
 	for {
-		if !inChunks && pending == nil && !time.Now().Before(nextSnap) {
-			nextSnap = time.Now().Add(s.opts.SnapshotEvery)
+		if !due && !time.Now().Before(nextSnap) {
+			due = true
+		}
+		if due && !inChunks && pending == nil {
+			// With nothing relayed yet there is nothing to cut: the next
+			// batch tries again.
 			if chunks, pos := s.rel.SnapshotAt(); len(chunks) > 0 {
+				due, nextSnap = false, time.Now().Add(s.opts.SnapshotEvery)
 				pending = &pendingSnapshot{chunks: chunks, pos: pos}
 				if last != nil && lastPos == pos {
 					s.writeSnapshot(fctx, obs, pending, last)
@@ -355,7 +361,10 @@ func (s *Sink) follow(ctx context.Context) error {
 				}
 			}
 		}
-		wait, wcancel := context.WithDeadline(fctx, nextSnap)
+		wait, wcancel := fctx, context.CancelFunc(func() {})
+		if !due {
+			wait, wcancel = context.WithDeadline(fctx, nextSnap)
+		}
 		b, enc, err := sub.NextEncoded(wait)
 		wcancel()
 		if err != nil {
@@ -406,6 +415,11 @@ func (s *Sink) follow(ctx context.Context) error {
 		go s.countAck(fctx, f)
 		last, lastPos = f, pos
 		published++
+		if pending != nil && pos == pending.pos && !inChunks {
+			// The cut's last batch is out: nothing the cut covers is left.
+			s.writeSnapshot(fctx, obs, pending, last)
+			pending = nil
+		}
 		if published == 1 {
 			s.log.Info("publishing to JetStream", "stream", s.opts.Stream, "subject", msg.Subject)
 		}
