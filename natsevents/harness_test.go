@@ -31,6 +31,8 @@ import (
 // failure slower to report.
 const patience = 30 * time.Second
 
+func itoa(n int) string { return fmt.Sprint(n) }
+
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(patience)
@@ -62,8 +64,14 @@ type jetStreamServer struct {
 
 func startJetStream(t *testing.T) *jetStreamServer {
 	t.Helper()
+	return startJetStreamOn(t, -1)
+}
+
+// startJetStreamOn starts the server on port (-1: any free one).
+func startJetStreamOn(t *testing.T, port int) *jetStreamServer {
+	t.Helper()
 	j := &jetStreamServer{t: t, store: t.TempDir()}
-	j.opts = server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true, JetStream: true,
+	j.opts = server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true, JetStream: true,
 		StoreDir: j.store, MaxPayload: 8 << 20}
 	j.start()
 	t.Cleanup(j.stop)
@@ -280,7 +288,7 @@ func startReplica(t *testing.T, natsURL string, workers ...monitor.Worker) *repl
 		names[w.ID] = w.ID
 	}
 	if natsURL != "" {
-		src, err := NewSource(SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond})
+		src, err := NewSource(SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}

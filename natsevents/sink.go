@@ -1,6 +1,7 @@
 package natsevents
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -306,6 +307,11 @@ func (s *Sink) ensure(ctx context.Context) (jetstream.ObjectStore, error) {
 	return obs, nil
 }
 
+// streamSeqKey names the object metadata that repeats the snapshot's
+// stream sequence, so that a gateway can tell a snapshot's age without
+// downloading it.
+const streamSeqKey = "kvrelay-stream-sequence"
+
 // pendingSnapshot is a cut waiting for the stream sequence of the last
 // message it covers.
 type pendingSnapshot struct {
@@ -337,8 +343,8 @@ func (s *Sink) follow(ctx context.Context) error {
 	defer sub.Close()
 
 	var (
-		last      jetstream.PubAckFuture // the newest publish
-		lastPos   uint64                 // its relay log position
+		last      *ack   // the newest publish
+		lastPos   uint64 // its relay log position
 		pending   *pendingSnapshot
 		inChunks  bool   // a snapshot of the subscription is arriving
 		due       = true // a snapshot is due (at once after subscribing)
@@ -412,8 +418,9 @@ func (s *Sink) follow(ctx context.Context) error {
 			return fmt.Errorf("publishing sequence %d of rank %d to %s: %w", b.GetSequenceNumber(), b.GetDpRank(), msg.Subject, err)
 		}
 		s.m.bytes.Add(float64(len(enc)))
-		go s.countAck(fctx, f)
-		last, lastPos = f, pos
+		a := &ack{done: make(chan struct{})}
+		go s.awaitAck(fctx, f, a)
+		last, lastPos = a, pos
 		published++
 		if pending != nil && pos == pending.pos && !inChunks {
 			// The cut's last batch is out: nothing the cut covers is left.
@@ -426,39 +433,51 @@ func (s *Sink) follow(ctx context.Context) error {
 	}
 }
 
-// countAck counts how the server answered one publish. A failure is also
-// reported to the error handler, which ends the pass.
-func (s *Sink) countAck(ctx context.Context, f jetstream.PubAckFuture) {
+// ack is the server's answer to one publish, read once from its future
+// (whose channels deliver once) and kept for whoever waits on it.
+type ack struct {
+	done chan struct{} // closed when seq or err is set
+	seq  uint64
+	err  error
+}
+
+// awaitAck reads one publish's answer into a and counts it. A failure is
+// also reported to the error handler, which ends the pass.
+func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
+	defer close(a.done)
 	select {
-	case ack := <-f.Ok():
-		if ack.Duplicate {
+	case pa := <-f.Ok():
+		// For a duplicate, the sequence the stream already held it at.
+		a.seq = pa.Sequence
+		if pa.Duplicate {
 			s.m.published.WithLabelValues("duplicate").Inc()
 		} else {
 			s.m.published.WithLabelValues("stored").Inc()
 		}
-	case <-f.Err():
+	case a.err = <-f.Err():
 	case <-ctx.Done():
+		a.err = context.Cause(ctx)
 	}
 }
 
 // writeSnapshot stores a cut once the ack of last, the newest message it
 // covers, gives that message's stream sequence. A failure is counted and
 // logged; the next period tries again.
-func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *pendingSnapshot, last jetstream.PubAckFuture) {
-	var seq uint64
+func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *pendingSnapshot, last *ack) {
 	select {
-	case ack := <-last.Ok():
-		// For a duplicate, the sequence the stream already held it at:
-		// what follows it there (an earlier run's later batches, each
-		// after the cut or already in it) is what a consumer must read.
-		seq = ack.Sequence
-	case err := <-last.Err():
-		s.m.snapshots.WithLabelValues("failed").Inc()
-		s.log.Warn("snapshot not written: its last message was not stored", "err", err)
-		return
+	case <-last.done:
 	case <-ctx.Done():
 		return
 	}
+	if last.err != nil {
+		s.m.snapshots.WithLabelValues("failed").Inc()
+		s.log.Warn("snapshot not written: its last message was not stored", "err", last.err)
+		return
+	}
+	// For a duplicate, what follows the sequence the stream held it at
+	// (an earlier run's later batches, each after the cut or already in
+	// it) is what a consumer must read.
+	seq := last.seq
 	o := snapshotObject{StreamSeq: seq, Chunks: make([][]byte, 0, len(p.chunks))}
 	for _, c := range p.chunks {
 		enc, err := proto.Marshal(c)
@@ -472,7 +491,7 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 	data := encodeSnapshot(o)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	_, err := obs.PutBytes(wctx, s.token, data)
+	_, err := obs.Put(wctx, jetstream.ObjectMeta{Name: s.token, Metadata: map[string]string{streamSeqKey: strconv.FormatUint(seq, 10)}}, bytes.NewReader(data))
 	if err != nil {
 		s.m.snapshots.WithLabelValues("failed").Inc()
 		s.log.Warn("snapshot not written", "err", err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,10 +32,13 @@ type SourceOptions struct {
 	// is looked up by its address (host:port).
 	Names map[string]string
 	// RetryWait is the pause between reconnect attempts (1 s).
-	RetryWait   time.Duration
-	NATSOptions []nats.Option
-	Registerer  prometheus.Registerer
-	Logger      *slog.Logger
+	RetryWait time.Duration
+	// SwitchBackEvery is how often a worker following its gRPC stream
+	// checks whether JetStream can serve it exactly again (2 s).
+	SwitchBackEvery time.Duration
+	NATSOptions     []nats.Option
+	Registerer      prometheus.Registerer
+	Logger          *slog.Logger
 }
 
 // Source opens a gateway's worker subscriptions from the JetStream stream
@@ -78,6 +82,9 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.RetryWait <= 0 {
 		opts.RetryWait = time.Second
 	}
+	if opts.SwitchBackEvery <= 0 {
+		opts.SwitchBackEvery = 2 * time.Second
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -116,6 +123,14 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	var err error
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
 		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+	}
+	if !s.nc.IsConnected() {
+		// Unreachable at start: the sinks may have lost it too, so as
+		// after a reconnect, only a snapshot written once it is back will do.
+		s.mu.Lock()
+		s.needFloor = true
+		s.mu.Unlock()
+		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", opts.URL)
 	}
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		s.nc.Close()
@@ -156,7 +171,97 @@ func (s *Source) Open(ctx context.Context, w monitor.Worker, req *kvpb.Subscribe
 	}
 	s.log.Info("worker follows its gRPC stream", "worker", w.ID, "why", err)
 	s.setMode(w, "grpc")
-	return viaGRPC(ctx, req)
+	gctx, cancel := context.WithCancelCause(ctx)
+	gs, err := viaGRPC(gctx, req)
+	if err != nil {
+		cancel(nil)
+		return nil, err
+	}
+	go s.watchForSwitchBack(gctx, cancel, w)
+	return &grpcStream{BatchStream: gs, ctx: gctx}, nil
+}
+
+// errSwitchBack ends a worker's gRPC stream once JetStream can serve it.
+var errSwitchBack = errors.New("JetStream can serve this worker exactly again")
+
+// watchForSwitchBack ends the gRPC stream (cancel) as soon as JetStream
+// has a snapshot of w it can serve exactly; the monitor then subscribes
+// again, and Open takes the JetStream path.
+func (s *Source) watchForSwitchBack(ctx context.Context, cancel context.CancelCauseFunc, w monitor.Worker) {
+	t := time.NewTicker(s.opts.SwitchBackEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if _, _, err := s.snapshotInfo(ctx, w); err == nil {
+			s.log.Info("switching the worker back to JetStream", "worker", w.ID)
+			cancel(errSwitchBack)
+			return
+		}
+	}
+}
+
+// grpcStream is a worker's gRPC stream that the source may end to switch
+// it back to JetStream: that end reads as UNAVAILABLE, so the monitor
+// resubscribes at once, keeping its cursors.
+type grpcStream struct {
+	monitor.BatchStream
+	ctx context.Context
+}
+
+func (g *grpcStream) Recv() (*kvpb.KvEventBatch, error) {
+	b, err := g.BatchStream.Recv()
+	if err != nil && errors.Is(context.Cause(g.ctx), errSwitchBack) {
+		return nil, status.Error(codes.Unavailable, errSwitchBack.Error())
+	}
+	return b, err
+}
+
+// snapshotInfo checks, without downloading it, that w's snapshot object
+// exists, is not older than the floor, and that the stream still holds
+// its tail; it returns the bucket and the snapshot's stream sequence.
+func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.ObjectStore, uint64, error) {
+	if !s.nc.IsConnected() {
+		return nil, 0, errNotConnected
+	}
+	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	stream, err := s.js.Stream(octx, s.opts.Stream)
+	if err != nil {
+		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	info, err := stream.Info(octx)
+	if err != nil {
+		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	s.mu.Lock()
+	if s.needFloor {
+		s.floor, s.needFloor = info.State.LastSeq, false
+	}
+	floor := s.floor
+	s.mu.Unlock()
+	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
+	}
+	oi, err := obs.GetInfo(octx, WorkerToken(s.name(w)))
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+	}
+	seq, err := strconv.ParseUint(oi.Metadata[streamSeqKey], 10, 64)
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
+	}
+	if seq < floor {
+		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back (%d); waiting for a newer one", s.name(w), seq, floor)
+	}
+	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
+		return nil, 0, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
+	}
+	return obs, seq, nil
 }
 
 var errNotConnected = errors.New("NATS is not connected")
@@ -164,35 +269,13 @@ var errNotConnected = errors.New("NATS is not connected")
 func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream, error) {
 	s.mu.Lock()
 	lost := s.lost
-	needFloor := s.needFloor
 	s.mu.Unlock()
-	if !s.nc.IsConnected() {
-		return nil, errNotConnected
+	obs, seq, err := s.snapshotInfo(ctx, w)
+	if err != nil {
+		return nil, err
 	}
-	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	stream, err := s.js.Stream(octx, s.opts.Stream)
-	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
-	}
-	info, err := stream.Info(octx)
-	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
-	}
-	if needFloor {
-		s.mu.Lock()
-		if s.needFloor {
-			s.floor, s.needFloor = info.State.LastSeq, false
-		}
-		s.mu.Unlock()
-	}
-	s.mu.Lock()
-	floor := s.floor
-	s.mu.Unlock()
-	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
-	if err != nil {
-		return nil, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
-	}
 	token := WorkerToken(s.name(w))
 	data, err := obs.GetBytes(octx, token)
 	if err != nil {
@@ -202,11 +285,10 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("snapshot of %s: %w", s.name(w), err)
 	}
-	if snap.StreamSeq < floor {
-		return nil, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back (%d); waiting for a newer one", s.name(w), snap.StreamSeq, floor)
-	}
-	if info.State.Msgs > 0 && info.State.FirstSeq > snap.StreamSeq+1 {
-		return nil, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), snap.StreamSeq)
+	if snap.StreamSeq < seq {
+		// Replaced between the two reads by an older one: cannot happen
+		// with one sink per worker, and is not served if it does.
+		return nil, fmt.Errorf("snapshot of %s: its body says stream sequence %d, its metadata %d", s.name(w), snap.StreamSeq, seq)
 	}
 	chunks := make([]*kvpb.KvEventBatch, 0, len(snap.Chunks))
 	for i, c := range snap.Chunks {
@@ -277,6 +359,7 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 			j.log.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
 			continue
 		}
+		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
 		return b, nil
 	}
 }
