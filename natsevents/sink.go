@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/record"
 )
 
 // Relay is what the sink needs of a relay: the subscription every gRPC
@@ -336,6 +337,9 @@ func (s *Sink) follow(ctx context.Context) error {
 		s.mu.Unlock()
 	}()
 
+	if mp := s.nc.MaxPayload(); mp < record.MaxChunkBytes {
+		s.log.Warn("the NATS server's max_payload is below the relay's largest snapshot chunk: a larger chunk or batch cannot be published, and the sink resyncs at each", "max_payload", mp, "largest_chunk", record.MaxChunkBytes)
+	}
 	sub, err := s.rel.Subscribe(fctx, &kvpb.SubscribeKvEventsRequest{LiveDigests: true})
 	if err != nil {
 		return err
