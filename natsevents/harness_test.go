@@ -33,7 +33,7 @@ const patience = 30 * time.Second
 
 func itoa(n int) string { return fmt.Sprint(n) }
 
-func eventually(t *testing.T, what string, cond func() bool) {
+func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(patience)
 	for !cond() {
@@ -55,20 +55,20 @@ func testLogger() *slog.Logger {
 // port, its store in a test directory; it can be stopped and started again
 // on the same port and store.
 type jetStreamServer struct {
-	t     *testing.T
+	t     testing.TB
 	opts  server.Options
 	srv   *server.Server
 	url   string
 	store string
 }
 
-func startJetStream(t *testing.T) *jetStreamServer {
+func startJetStream(t testing.TB) *jetStreamServer {
 	t.Helper()
 	return startJetStreamOn(t, -1)
 }
 
 // startJetStreamOn starts the server on port (-1: any free one).
-func startJetStreamOn(t *testing.T, port int) *jetStreamServer {
+func startJetStreamOn(t testing.TB, port int) *jetStreamServer {
 	t.Helper()
 	j := &jetStreamServer{t: t, store: t.TempDir()}
 	j.opts = server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true, JetStream: true,
@@ -105,7 +105,7 @@ func (j *jetStreamServer) stop() {
 // worker is a simulated vLLM engine behind a real relay, its gRPC server
 // and (when started) its JetStream sink, all over loopback.
 type worker struct {
-	t      *testing.T
+	t      testing.TB
 	name   string
 	eng    *sim.Engine
 	dpSize int
@@ -116,7 +116,7 @@ type worker struct {
 	stops []func()
 }
 
-func startWorker(t *testing.T, name string, dpSize int) *worker {
+func startWorker(t testing.TB, name string, dpSize int) *worker {
 	t.Helper()
 	live := freeport.ForTest(t, 2*dpSize)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -270,7 +270,7 @@ func engineLive(e *sim.Engine) []index.LiveBlock {
 // replica is one gateway replica's event path: a monitor feeding an index,
 // its subscriptions opened by a Source (nil: plain gRPC).
 type replica struct {
-	t   *testing.T
+	t   testing.TB
 	ix  *index.Index
 	mon *monitor.Monitor
 	src *Source
@@ -279,7 +279,7 @@ type replica struct {
 
 // startReplica follows the workers; a worker's Addr is dialled for gRPC, so
 // a test that must prove the events came over NATS gives a dead address.
-func startReplica(t *testing.T, natsURL string, workers ...monitor.Worker) *replica {
+func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *replica {
 	t.Helper()
 	r := &replica{t: t, ix: index.New(index.Options{}), reg: prometheus.NewRegistry()}
 	mopts := monitor.Options{Registerer: r.reg, Logger: testLogger().With("replica", "monitor"), MaxBackoff: 200 * time.Millisecond}
