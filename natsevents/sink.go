@@ -402,9 +402,8 @@ func (s *Sink) follow(ctx context.Context) error {
 			}
 		}
 		if b == nil {
-			b = &kvpb.KvEventBatch{}
-			if err := proto.Unmarshal(enc, b); err != nil {
-				return fmt.Errorf("decoding a relayed batch: %w", err)
+			if b, err = batchHeader(enc); err != nil {
+				return fmt.Errorf("reading a relayed batch: %w", err)
 			}
 		}
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
