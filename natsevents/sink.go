@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"strconv"
 	"sync"
 	"time"
@@ -155,7 +156,7 @@ func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
 	for _, r := range []string{"start", "data_loss", "publish_failed", "nats_down"} {
 		m.resyncs.WithLabelValues(r)
 	}
-	for _, r := range []string{"written", "failed"} {
+	for _, r := range []string{"written", "failed", "deferred"} {
 		m.snapshots.WithLabelValues(r)
 	}
 	if reg != nil {
@@ -354,6 +355,7 @@ func (s *Sink) follow(ctx context.Context) error {
 		due       = true // a snapshot is due (at once after subscribing)
 		nextSnap  time.Time
 		published int
+		acks      = passAcks{fresh: map[int32]bool{}, seen: map[int32]bool{}}
 	)
 	for {
 		if !due && !time.Now().Before(nextSnap) {
@@ -366,7 +368,9 @@ func (s *Sink) follow(ctx context.Context) error {
 				due, nextSnap = false, time.Now().Add(s.opts.SnapshotEvery)
 				pending = &pendingSnapshot{chunks: chunks, pos: pos}
 				if last != nil && lastPos == pos {
-					s.writeSnapshot(fctx, obs, pending, last)
+					if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+						due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+					}
 					pending = nil
 				}
 			}
@@ -392,7 +396,9 @@ func (s *Sink) follow(ctx context.Context) error {
 		pos := sub.LogPosition()
 		if pending != nil && pos > pending.pos {
 			if last != nil {
-				s.writeSnapshot(fctx, obs, pending, last)
+				if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+					due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+				}
 			}
 			pending = nil
 		}
@@ -421,13 +427,17 @@ func (s *Sink) follow(ctx context.Context) error {
 			return fmt.Errorf("publishing sequence %d of rank %d to %s: %w", b.GetSequenceNumber(), b.GetDpRank(), msg.Subject, err)
 		}
 		s.m.bytes.Add(float64(len(enc)))
-		a := &ack{done: make(chan struct{})}
+		a := &ack{done: make(chan struct{}), pos: pos, rank: b.GetDpRank()}
 		go s.awaitAck(fctx, f, a)
 		last, lastPos = a, pos
+		acks.queue = append(acks.queue, a)
+		acks.read(fctx, pos, false)
 		published++
 		if pending != nil && pos == pending.pos && !inChunks {
 			// The cut's last batch is out: nothing the cut covers is left.
-			s.writeSnapshot(fctx, obs, pending, last)
+			if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+				due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+			}
 			pending = nil
 		}
 		if published == 1 {
@@ -441,7 +451,58 @@ func (s *Sink) follow(ctx context.Context) error {
 type ack struct {
 	done chan struct{} // closed when seq or err is set
 	seq  uint64
+	dup  bool // the stream held the message already (at seq)
 	err  error
+	pos  uint64 // the batch's relay log position
+	rank int32
+}
+
+// passAcks is what one pass's answers say about its snapshots. A
+// duplicate was stored by an earlier run, at a sequence that may be below
+// a cut's even when the batch is after the cut (a restarted relay primes
+// the ranks in another order than the earlier run relayed them), so a
+// consumer reading after the cut's sequence would miss it. A rank's
+// batches come in order, and once one is new, none of the rank's later
+// ones can be a duplicate: so while the pass has seen duplicates, a cut is
+// written only when every rank it holds already had a new message.
+type passAcks struct {
+	queue []*ack // not yet read, in publish order
+	dup   bool
+	fresh map[int32]bool
+	seen  map[int32]bool // ranks with any message in the pass
+}
+
+// read takes in the answers up to position upTo, waiting for them when
+// wait is set, else only those already there; false if one failed.
+func (p *passAcks) read(ctx context.Context, upTo uint64, wait bool) bool {
+	for len(p.queue) > 0 && p.queue[0].pos <= upTo {
+		a := p.queue[0]
+		if wait {
+			select {
+			case <-a.done:
+			case <-ctx.Done():
+				return false
+			}
+		} else {
+			select {
+			case <-a.done:
+			default:
+				return true
+			}
+		}
+		if a.err != nil {
+			return false
+		}
+		p.seen[a.rank] = true
+		if a.dup {
+			p.dup = true
+		} else {
+			p.fresh[a.rank] = true
+		}
+		p.queue[0] = nil
+		p.queue = p.queue[1:]
+	}
+	return true
 }
 
 // awaitAck reads one publish's answer into a and counts it. A failure is
@@ -451,7 +512,7 @@ func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
 	select {
 	case pa := <-f.Ok():
 		// For a duplicate, the sequence the stream already held it at.
-		a.seq = pa.Sequence
+		a.seq, a.dup = pa.Sequence, pa.Duplicate
 		if pa.Duplicate {
 			s.m.published.WithLabelValues("duplicate").Inc()
 		} else {
@@ -466,20 +527,33 @@ func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
 // writeSnapshot stores a cut once the ack of last, the newest message it
 // covers, gives that message's stream sequence. A failure is counted and
 // logged; the next period tries again.
-func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *pendingSnapshot, last *ack) {
+func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *pendingSnapshot, last *ack, acks *passAcks) (done bool) {
 	select {
 	case <-last.done:
 	case <-ctx.Done():
-		return
+		return true
 	}
-	if last.err != nil {
+	if last.err != nil || !acks.read(ctx, p.pos, true) {
 		s.m.snapshots.WithLabelValues("failed").Inc()
-		s.log.Warn("snapshot not written: its last message was not stored", "err", last.err)
-		return
+		s.log.Warn("snapshot not written: a message it covers was not stored", "err", last.err)
+		return true // the pass ends on the failure anyway
 	}
-	// For a duplicate, what follows the sequence the stream held it at
-	// (an earlier run's later batches, each after the cut or already in
-	// it) is what a consumer must read.
+	if acks.dup {
+		ranks := maps.Clone(acks.seen)
+		for _, c := range p.chunks {
+			ranks[c.GetDpRank()] = true
+		}
+		for rank := range ranks {
+			if !acks.fresh[rank] {
+				// Cut again a little later.
+				s.m.snapshots.WithLabelValues("deferred").Inc()
+				s.log.Debug("snapshot deferred: the stream held some of this pass's batches already, and a rank has had no new one yet", "rank", rank)
+				return false
+			}
+		}
+	}
+	// last is new here (see passAcks), so no message the cut covers is
+	// stored above it.
 	seq := last.seq
 	o := snapshotObject{StreamSeq: seq, Chunks: make([][]byte, 0, len(p.chunks))}
 	for _, c := range p.chunks {
@@ -487,7 +561,7 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 		if err != nil {
 			s.m.snapshots.WithLabelValues("failed").Inc()
 			s.log.Warn("snapshot not written", "err", err)
-			return
+			return true
 		}
 		o.Chunks = append(o.Chunks, enc)
 	}
@@ -498,10 +572,11 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 	if err != nil {
 		s.m.snapshots.WithLabelValues("failed").Inc()
 		s.log.Warn("snapshot not written", "err", err)
-		return
+		return true
 	}
 	s.m.snapshots.WithLabelValues("written").Inc()
 	s.m.snapshotBytes.Set(float64(len(data)))
 	s.m.snapshotSeq.Set(float64(seq))
 	s.log.Debug("snapshot written", "stream_sequence", seq, "chunks", len(o.Chunks), "bytes", len(data), "object", s.token+" in "+BucketFor(s.opts.Stream)+" at "+strconv.FormatUint(seq, 10))
+	return true
 }
