@@ -277,7 +277,19 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	token := WorkerToken(s.name(w))
-	data, err := obs.GetBytes(octx, token)
+	// A read that overlaps the sink replacing the object waits for chunks
+	// the replacement purged: it is given a few seconds, then the newest
+	// object is read again.
+	var data []byte
+	for attempt := 1; ; attempt++ {
+		gctx, gcancel := context.WithTimeout(octx, 5*time.Second)
+		data, err = obs.GetBytes(gctx, token)
+		gcancel()
+		if err == nil || attempt == 3 || octx.Err() != nil {
+			break
+		}
+		s.log.Debug("reading the snapshot again", "worker", w.ID, "err", err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
 	}
