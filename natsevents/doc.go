@@ -41,7 +41,12 @@
 // batch of the worker stored at or below that sequence and none above, so
 // snapshot + the worker's messages after it is exactly what a gRPC
 // subscriber from zero gets. A cut is never taken while the subscription's
-// own snapshot is arriving, so a tail never starts inside one.
+// own snapshot is arriving, so a tail never starts inside one. In a pass
+// that re-published batches the stream already held (a restarted relay),
+// a duplicate's sequence is the earlier run's, possibly below a cut the
+// batch follows; such a pass writes a cut only once every rank has had a
+// new message, after which none of its batches can be a duplicate (see
+// passAcks).
 //
 // # Source (the gateway's side)
 //
