@@ -69,6 +69,12 @@ type Subscription struct {
 	closed  bool
 	lastPos uint64 // the newest log position delivered or already pending
 	notify  chan struct{}
+
+	// cutPos is the log position a snapshot was cut at (the tip when
+	// Subscribe returned); delivered is the position of the batch Next
+	// returned last. Both are read and written by the goroutine calling
+	// Next only.
+	cutPos, delivered uint64
 }
 
 // Subscribe opens a stream for req (relay-semantics §3.7 and issue #4):
@@ -142,6 +148,7 @@ func (r *Relay) Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsReques
 		return nil, err
 	}
 	s.lastPos = r.hist.tip()
+	s.cutPos = s.lastPos
 	r.subs[s] = struct{}{}
 	locked := time.Since(begin)
 	r.mu.Unlock()
@@ -217,6 +224,35 @@ func (r *Relay) cutLocked(ranks []int32) (recordCut, map[int32]uint64, map[int32
 		unknown[rank] = rk.unknownBefore
 	}
 	return r.rec.cut(ranks), cursors, unknown
+}
+
+// LogPosition is the relay log position of the batch Next or NextEncoded
+// returned last (a snapshot chunk's is the position its cut was taken at),
+// 0 before the first. Positions grow within one relay process; compare
+// them with SnapshotAt's. Call it from the goroutine that calls Next.
+func (s *Subscription) LogPosition() uint64 { return s.delivered }
+
+// SnapshotAt is Snapshot and the log position it was cut at: the cut holds
+// every batch at or below that position and none above it, so a subscriber
+// that forwards its batches elsewhere (the JetStream sink) knows which of
+// them the snapshot already covers.
+func (r *Relay) SnapshotAt() ([]*kvpb.KvEventBatch, uint64) {
+	r.mu.Lock()
+	var ranks []int32
+	for _, rk := range r.ranks {
+		if rk.hasCursor {
+			ranks = append(ranks, rk.rank)
+		}
+	}
+	pos := r.hist.tip()
+	if len(ranks) == 0 {
+		r.mu.Unlock()
+		return nil, pos
+	}
+	cut, cursors, unknown := r.cutLocked(ranks)
+	r.mu.Unlock()
+	defer cut.Release()
+	return cut.Chunks(cursors, unknown, unixSeconds(time.Now())), pos
 }
 
 // Snapshot is the live-block record of every rank that relayed anything,
@@ -448,12 +484,14 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			return nil, nil, ErrClosed
 		}
 		if enc := s.nextSnapshotChunk(); enc != nil {
+			s.delivered = s.cutPos
 			return nil, enc, nil
 		}
 		if len(s.pending) > 0 {
 			pb := s.pending[0]
 			s.pending[0] = posBatch{}
 			s.pending = s.pending[1:]
+			s.delivered = pb.pos
 			return s.out(pb)
 		}
 		s.mu.Lock()
@@ -481,6 +519,7 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 				continue
 			}
 			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
+			s.delivered = pb.pos
 			return s.out(pb)
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed

@@ -119,6 +119,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
+	natsEvents := addGatewayNATSEventsFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -187,6 +188,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	case lim.ReadTimeout <= 0:
 		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
 	}
+	if err := natsEvents.check(*natsURL); err != nil {
+		return fail("%v", err)
+	}
 	log, err := newLogger(stderr, *logLevel, *logFormat)
 	if err != nil {
 		return fail("%v", err)
@@ -220,9 +224,20 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
+	mopts := monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv}
+	// --nats-events: the workers' events from JetStream, each worker on
+	// its gRPC stream while that cannot be exact.
+	events, err := natsEvents.source(*natsURL, log, reg)
+	if err != nil {
+		return fail("%v", err)
+	}
+	if events != nil {
+		defer events.Close()
+		mopts.OpenStream = events.Open
+	}
 	g, err := gateway.New(gateway.Config{
 		Workers: named,
-		Monitor: monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv},
+		Monitor: mopts,
 		Index:   index.Options{BlockSize: *blockSize, TTL: *indexTTL, MaxEntries: *indexMax, ReportModeFull: *reportModeFull},
 		Picker: picker.Config{
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,

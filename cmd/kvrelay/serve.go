@@ -156,11 +156,16 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --metrics-listen")
 	allowUnknownKeys := fs.Bool("allow-unknown-config-keys", false, "accept --kv-events-config keys this engine does not read (a config shared with other engines); default: refuse them")
 	limits := addServerLimitFlags(fs)
+	natsSink := addServeNATSFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return flagExitCode(err)
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay serve: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	if err := natsSink.check(*configPath != ""); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
 
@@ -295,7 +300,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays, *limits); err != nil {
+	if err := serve(ctx, log, file.MetricsListen, file.WebConfigFile, relays, *limits, natsSink); err != nil {
 		log.Error("kvrelay serve failed", "err", err)
 		return 1
 	}
@@ -512,7 +517,7 @@ func warnReportModeDigests(log *slog.Logger, rc resolvedRelay) {
 
 // serve runs the relays, their gRPC listeners and the HTTP endpoint until ctx
 // ends, then shuts down in order: stop accepting, end streams, stop relays.
-func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay, limits serverLimitFlags) error {
+func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig string, relays []resolvedRelay, limits serverLimitFlags, natsSink *serveNATSFlags) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	tlsMetrics, err := tlsconfig.NewMetrics(reg)
@@ -654,6 +659,15 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 				errs <- fmt.Errorf("relay %q: %w", r.cfg.Name, err)
 			}
 		}(r)
+	}
+	// The JetStream sink (--nats) is one more subscriber of its relay.
+	for _, r := range all {
+		if err := natsSink.start(runCtx, &wg, log, reg, r.relay, r.cfg.Listen); err != nil {
+			cancel()
+			closeAll()
+			wg.Wait()
+			return err
+		}
 	}
 	serving = true
 	for _, l := range servers {

@@ -160,6 +160,10 @@ type Options struct {
 	// and logged only, so that a lasting cause (an event kind the index does
 	// not apply as the relay does) cannot turn into a snapshot every second.
 	DigestEvery, DigestResyncEvery time.Duration
+	// OpenStream, if set, opens every subscription in place of the gRPC
+	// call (it may make that call itself): a worker's batches then come
+	// from another transport through the same admission.
+	OpenStream StreamOpener
 }
 
 // Digester is a Sink that can tell its live digest of a worker's rank

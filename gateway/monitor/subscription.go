@@ -17,22 +17,45 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
-// subscribeFunc opens the SubscribeKvEvents stream of one service flavour.
-type subscribeFunc func(ctx context.Context, in *kvpb.SubscribeKvEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[kvpb.KvEventBatch], error)
+// BatchStream is one subscription's batches: a gRPC SubscribeKvEvents
+// stream, or what an Options.OpenStream serves in its place. Header answers
+// once the subscription is accepted (nil metadata with a nil error: the call
+// ended, and Recv tells how); Recv returns io.EOF or a status error at the
+// end, whose codes are read as a relay's (OUT_OF_RANGE and DATA_LOSS
+// resync from zero, UNIMPLEMENTED disables the worker).
+type BatchStream interface {
+	Header() (metadata.MD, error)
+	Recv() (*kvpb.KvEventBatch, error)
+}
 
-func clientFor(svc Service, cc grpc.ClientConnInterface) subscribeFunc {
+// SubscribeFunc opens one subscription with req.
+type SubscribeFunc func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (BatchStream, error)
+
+// StreamOpener opens a worker's subscription from another source than the
+// worker's gRPC stream (a JetStream stream, package natsevents); viaGRPC is
+// the monitor's own gRPC call, for a source that falls back on it. The
+// batches must be what the worker's relay would serve (snapshot chunks,
+// then batches in order): they go through the same admission.
+type StreamOpener func(ctx context.Context, w Worker, req *kvpb.SubscribeKvEventsRequest, viaGRPC SubscribeFunc) (BatchStream, error)
+
+func clientFor(svc Service, cc grpc.ClientConnInterface) SubscribeFunc {
+	var call func(ctx context.Context, in *kvpb.SubscribeKvEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[kvpb.KvEventBatch], error)
 	switch svc {
 	case ServiceSGLang:
-		return kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents
+		call = kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents
 	case ServiceTokenSpeed:
-		return kvpb.NewTokenSpeedSchedulerClient(cc).SubscribeKvEvents
+		call = kvpb.NewTokenSpeedSchedulerClient(cc).SubscribeKvEvents
 	default:
-		return kvpb.NewVllmEngineClient(cc).SubscribeKvEvents
+		call = kvpb.NewVllmEngineClient(cc).SubscribeKvEvents
+	}
+	return func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (BatchStream, error) {
+		return call(ctx, req)
 	}
 }
 
@@ -183,6 +206,12 @@ func (s *subscription) run(ctx context.Context) {
 	}
 	defer cc.Close()
 	subscribe := clientFor(s.w.Service, cc)
+	if open := opts.OpenStream; open != nil {
+		viaGRPC := subscribe
+		subscribe = func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (BatchStream, error) {
+			return open(ctx, s.w, req, viaGRPC)
+		}
+	}
 
 	delay := opts.InitialBackoff
 	resyncs := 0 // resyncs in a row with no live batch applied in between
@@ -254,7 +283,7 @@ func (e noAnswerError) GRPCStatus() *status.Status {
 
 // attempt runs one subscribe call and reads its stream to the end; answered
 // says the call got its headers.
-func (s *subscription) attempt(ctx context.Context, subscribe subscribeFunc) (out outcome, answered bool, err error) {
+func (s *subscription) attempt(ctx context.Context, subscribe SubscribeFunc) (out outcome, answered bool, err error) {
 	s.mu.Lock()
 	start, perRank := s.cur.resume()
 	s.mu.Unlock()
@@ -302,7 +331,7 @@ func (s *subscription) attempt(ctx context.Context, subscribe subscribeFunc) (ou
 // deadline, leaving the stream's own context open for the stream's life.
 // Servers send headers before any batch (an idle engine may publish nothing
 // for minutes), so headers are the answer the deadline waits for.
-func (s *subscription) awaitHeaders(stream grpc.ServerStreamingClient[kvpb.KvEventBatch], cancel context.CancelFunc) error {
+func (s *subscription) awaitHeaders(stream BatchStream, cancel context.CancelFunc) error {
 	d := s.m.opts.SubscribeDeadline
 	var expired atomic.Bool
 	t := time.AfterFunc(d, func() {
@@ -387,7 +416,7 @@ func (s *subscription) abandonSnapshot() {
 }
 
 // read consumes the stream until it ends or a gap asks for a reconnect.
-func (s *subscription) read(stream grpc.ServerStreamingClient[kvpb.KvEventBatch]) (outcome, error) {
+func (s *subscription) read(stream BatchStream) (outcome, error) {
 	for {
 		b, err := stream.Recv()
 		if err == io.EOF {

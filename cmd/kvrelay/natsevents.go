@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/natsevents"
+	"github.com/kvrelay/kvrelay/relay"
+)
+
+// serveNATSFlags are kvrelay serve's JetStream sink flags (--nats …).
+type serveNATSFlags struct {
+	url, stream, worker *string
+}
+
+func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
+	return &serveNATSFlags{
+		url:    fs.String("nats", "", "also publish every relayed batch to a JetStream stream on this NATS server (nats://HOST:4222[,…]), for gateways started with --nats-events; NATS down never holds the relay up"),
+		stream: fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
+		worker: fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
+	}
+}
+
+// check refuses a bad combination before anything starts.
+func (f *serveNATSFlags) check(usesConfigFile bool) error {
+	if *f.url == "" {
+		if *f.worker != "" {
+			return errors.New("--nats-worker needs --nats")
+		}
+		return nil
+	}
+	if usesConfigFile {
+		return errors.New("--nats cannot be combined with --config yet (one sink per relay needs a name per relay)")
+	}
+	return nil
+}
+
+// start runs one sink for the relay until ctx ends; wg tracks it. listen
+// names the worker when --nats-worker does not.
+func (f *serveNATSFlags) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string) error {
+	if f == nil || *f.url == "" || rel == nil {
+		return nil
+	}
+	name := *f.worker
+	if name == "" {
+		host, _ := os.Hostname()
+		_, port, err := net.SplitHostPort(listen)
+		if err != nil {
+			return fmt.Errorf("--nats: naming the worker after --listen %s: %w", listen, err)
+		}
+		name = net.JoinHostPort(host, port)
+	}
+	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
+		URL: *f.url, Stream: *f.stream, Worker: name, Registerer: reg,
+		Logger: log.With("component", "natsevents", "worker", name),
+	})
+	if err != nil {
+		return fmt.Errorf("--nats: %w", err)
+	}
+	log.Info("publishing to JetStream", "nats", *f.url, "stream", *f.stream, "worker", name,
+		"subjects", natsevents.DefaultSubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer sink.Close()
+		_ = sink.Run(ctx)
+	}()
+	return nil
+}
+
+// gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.
+type gatewayNATSEventsFlags struct {
+	on     *bool
+	stream *string
+	names  map[string]string
+}
+
+func addGatewayNATSEventsFlags(fs *flag.FlagSet) *gatewayNATSEventsFlags {
+	g := &gatewayNATSEventsFlags{names: map[string]string{}}
+	g.on = fs.Bool("nats-events", false, "with --nats: build the index from the JetStream stream the workers' relays publish (kvrelay serve --nats) instead of dialling each worker's stream; a worker falls back to its gRPC stream while that cannot be exact (NATS down, no snapshot yet)")
+	g.stream = fs.String("nats-stream", natsevents.DefaultStream, "with --nats-events: the JetStream stream the relays publish to")
+	fs.Func("nats-worker-name", "with --nats-events: WORKER=NAME, the name a worker's relay publishes under (its --nats-worker) when it is not the worker's HOST:PORT (repeat)", func(v string) error {
+		id, name, ok := cutLast(v, "=")
+		if !ok || id == "" || name == "" {
+			return fmt.Errorf("want WORKER=NAME, got %q", v)
+		}
+		g.names[id] = name
+		return nil
+	})
+	return g
+}
+
+func cutLast(s, sep string) (before, after string, found bool) {
+	for i := len(s) - len(sep); i >= 0; i-- {
+		if s[i:i+len(sep)] == sep {
+			return s[:i], s[i+len(sep):], true
+		}
+	}
+	return s, "", false
+}
+
+func (g *gatewayNATSEventsFlags) check(natsURL string) error {
+	if !*g.on {
+		if len(g.names) > 0 {
+			return errors.New("--nats-worker-name needs --nats-events")
+		}
+		return nil
+	}
+	if natsURL == "" {
+		return errors.New("--nats-events needs --nats")
+	}
+	return nil
+}
+
+// source connects the gateway's event source; nil when --nats-events is off.
+func (g *gatewayNATSEventsFlags) source(natsURL string, log *slog.Logger, reg prometheus.Registerer) (*natsevents.Source, error) {
+	if !*g.on {
+		return nil, nil
+	}
+	src, err := natsevents.NewSource(natsevents.SourceOptions{
+		URL: natsURL, Stream: *g.stream, Names: g.names, Registerer: reg,
+		Logger: log.With("component", "natsevents"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("--nats-events: %w", err)
+	}
+	return src, nil
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"go.uber.org/goleak"
+
+	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/sim"
+)
+
+// TestServeNATSFeedsGatewayNATSEvents: `kvrelay serve --nats` publishes a
+// simulated engine's batches to JetStream, and `kvrelay gateway --nats
+// --nats-events`, whose only address for the worker is dead, indexes the
+// engine's blocks from the stream and says it reads them from NATS.
+func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
+	// As verifyNoLeaks, less zmq4's PUB writer, which outlives its
+	// socket's Close (the simulator's publisher; see relay's TestMain).
+	opt := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		http.DefaultClient.CloseIdleConnections()
+		goleak.VerifyNone(t, opt, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+	})
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true,
+		JetStream: true, StoreDir: t.TempDir(), MaxPayload: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats server not ready")
+	}
+	defer func() { ns.Shutdown(); ns.WaitForShutdown() }()
+
+	live := freeport.ForTest(t, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
+	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+
+	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
+		"--metrics-listen", "", "--nats", ns.ClientURL(), "--nats-worker", "engine-a")
+	gw := runInBackground(t, "gateway", "--worker", "grpc://127.0.0.1:1", "--listen", "127.0.0.1:0",
+		"--nats", ns.ClientURL(), "--nats-events", "--nats-worker-name", "grpc://127.0.0.1:1=engine-a")
+	addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
+	var addr string
+	deadline := time.Now().Add(30 * time.Second)
+	for blocks := 0; ; {
+		if addr == "" {
+			if m := addrRE.FindStringSubmatch(gw.stderr.String()); m != nil {
+				addr = m[1]
+			}
+		}
+		if _, err := eng.RunWorkload(5); err != nil {
+			t.Fatal(err)
+		}
+		if addr != "" {
+			m := getBody(t, "http://"+addr+"/metrics")
+			if strings.Contains(m, `kvrelay_gateway_events_source{source="nats",worker="grpc://127.0.0.1:1"} 1`) &&
+				strings.Contains(getBody(t, "http://"+addr+"/v1/workers"), `"index_blocks"`) {
+				fmt.Sscan(indexBlocks(getBody(t, "http://"+addr+"/v1/workers")), &blocks)
+				if blocks > 0 {
+					break
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the gateway never indexed the engine over NATS; serve:\n%s\ngateway:\n%s", srv.stderr.String(), gw.stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	gw.stop(t)
+	srv.stop(t)
+}
+
+var indexBlocksRE = regexp.MustCompile(`"index_blocks":\s*(\d+)`)
+
+func indexBlocks(workersJSON string) string {
+	if m := indexBlocksRE.FindStringSubmatch(workersJSON); m != nil {
+		return m[1]
+	}
+	return "0"
+}
+
+// TestNATSEventsFlagsRefused: the JetStream flags refuse what they cannot do,
+// naming the flag, before anything starts.
+func TestNATSEventsFlagsRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"serve worker name without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-worker", "a"}, "--nats-worker needs --nats"},
+		{"serve --nats with --config", []string{"serve", "--config", "x.json", "--nats", "nats://127.0.0.1:1"}, "--nats"},
+		{"gateway --nats-events without --nats", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events"}, "--nats-events needs --nats"},
+		{"gateway worker name without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "a=b"}, "--nats-worker-name needs --nats-events"},
+		{"gateway malformed worker name", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "ab"}, "WORKER=NAME"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var stderr syncBuffer
+			code := dispatch(context.Background(), tc.args, strings.NewReader(""), io.Discard, &stderr)
+			if code == 0 || !strings.Contains(stderr.String(), tc.want) {
+				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,73 @@
+// Package natsevents carries a relay's KV-cache event batches over NATS
+// JetStream, so that gateway replicas can build their indexes from one
+// stream instead of each dialling every worker (kvrelay serve --nats,
+// kvrelay gateway --nats-events). Both halves live here, as they share the
+// names, the snapshot object format and the exactness argument; nothing of
+// NATS is in package relay or gateway/monitor.
+//
+// # Sink (the relay's side)
+//
+// A Sink is one more subscriber of its relay, through relay.Subscribe, the
+// API the gRPC server uses. It publishes each batch's encoded bytes, as the
+// relay encoded them for every subscriber (with live digests), to
+// <prefix>.<WorkerToken(worker)>.<rank> (default prefix kvrelay.events) on
+// one stream (default KVRELAY_EVENTS, created if missing: limits
+// retention, 1 h max age, file storage, 10 min duplicate window). A batch's
+// Nats-Msg-Id is worker.rank.sequence.timestamp: an engine stamps every
+// batch and counts from 0 again only in a new process, later, so the id
+// names one engine batch whichever relay run publishes it, and a restarted
+// relay's re-publication of the engine's replayed history is dropped by
+// the stream. Snapshot chunks carry no id: publishing a snapshot again is
+// a new resync point, which consumers may apply again.
+//
+// Publishing is asynchronous with a bounded window (MaxPending acks
+// outstanding). The relay never waits on the sink: a sink that falls
+// behind is refilled from the relay's history or ended with DATA_LOSS like
+// any subscriber. Any failure (a publish not acknowledged, NATS lost, the
+// relay's DATA_LOSS) ends the pass, and the next pass subscribes from zero
+// again, so the stream's next messages are a snapshot (or the engine's
+// complete history): whatever a hole in the stream lost, a snapshot
+// follows it, and a consumer applies it as it would on gRPC (clear, then
+// the chunks).
+//
+// # Snapshots for late replicas
+//
+// After each (re)subscription and then every SnapshotEvery, the sink cuts
+// the relay's record (Relay.SnapshotAt, which also tells the log position
+// of the cut) and, once it has published the last batch at or below that
+// position, stores the chunks in the object store bucket <stream>_SNAPSHOTS
+// under the worker's token, with the stream sequence of that batch's
+// message (in the object and in its metadata). The chunks then hold every
+// batch of the worker stored at or below that sequence and none above, so
+// snapshot + the worker's messages after it is exactly what a gRPC
+// subscriber from zero gets. A cut is never taken while the subscription's
+// own snapshot is arriving, so a tail never starts inside one. In a pass
+// that re-published batches the stream already held (a restarted relay),
+// a duplicate's sequence is the earlier run's, possibly below a cut the
+// batch follows; such a pass writes a cut only once every rank has had a
+// new message, after which none of its batches can be a duplicate (see
+// passAcks).
+//
+// # Source (the gateway's side)
+//
+// A Source's Open is a monitor.StreamOpener: each subscription the monitor
+// makes for a worker is served from the snapshot object then an ordered
+// consumer on the worker's subjects from the next sequence, and goes
+// through the monitor's admission unchanged (stale, gap, restart, snapshot
+// rules). Where that cannot be exact it serves the worker's own gRPC
+// stream instead, with the monitor's cursors: NATS unreachable, no
+// snapshot of the worker, the stream no longer holding the snapshot's
+// tail, or, after NATS came back (or was unreachable at start), a snapshot
+// older than the stream's end at that moment (the sinks may have lost
+// messages meanwhile; their resync writes a newer one). Losing NATS ends
+// every JetStream-served subscription at once, and the monitor resubscribes
+// over gRPC from its cursors; a worker on gRPC checks every SwitchBackEvery
+// whether JetStream could serve it exactly, and if so ends its gRPC stream
+// so the next subscription comes from JetStream (a snapshot: the worker's
+// blocks are replaced, not merged). kvrelay_gateway_events_source{worker,
+// source="nats"|"grpc"} says which one each worker is on.
+//
+// Engine load records are not carried: they are added by the gRPC server,
+// not the relay's subscription, so a gateway reading from JetStream has no
+// engine load (overlap decay and the KV-pressure thresholds see none).
+package natsevents

@@ -1,0 +1,371 @@
+package natsevents
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+	relaypkg "github.com/kvrelay/kvrelay/relay"
+	relayserver "github.com/kvrelay/kvrelay/relay/server"
+	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/sim/prefixcache"
+)
+
+// patience bounds every wait for something that must happen; the waits
+// poll and end as soon as it does, so a loaded machine only makes a
+// failure slower to report.
+const patience = 30 * time.Second
+
+func itoa(n int) string { return fmt.Sprint(n) }
+
+func eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(patience)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func testLogger() *slog.Logger {
+	if os.Getenv("NATSEVENTS_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// jetStreamServer is an embedded nats-server with JetStream on a random
+// port, its store in a test directory; it can be stopped and started again
+// on the same port and store.
+type jetStreamServer struct {
+	t     testing.TB
+	opts  server.Options
+	srv   *server.Server
+	url   string
+	store string
+}
+
+func startJetStream(t testing.TB) *jetStreamServer {
+	t.Helper()
+	return startJetStreamOn(t, -1)
+}
+
+// startJetStreamOn starts the server on port (-1: any free one).
+func startJetStreamOn(t testing.TB, port int) *jetStreamServer {
+	t.Helper()
+	j := &jetStreamServer{t: t, store: t.TempDir()}
+	j.opts = server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true, JetStream: true,
+		StoreDir: j.store, MaxPayload: 8 << 20}
+	j.start()
+	t.Cleanup(j.stop)
+	return j
+}
+
+func (j *jetStreamServer) start() {
+	j.t.Helper()
+	opts := j.opts
+	s, err := server.NewServer(&opts)
+	if err != nil {
+		j.t.Fatal(err)
+	}
+	go s.Start()
+	if !s.ReadyForConnections(patience) {
+		j.t.Fatal("nats server not ready")
+	}
+	j.srv = s
+	j.url = s.ClientURL()
+	j.opts.Port = s.Addr().(*net.TCPAddr).Port // the same port when started again
+}
+
+func (j *jetStreamServer) stop() {
+	if j.srv != nil {
+		j.srv.Shutdown()
+		j.srv.WaitForShutdown()
+		j.srv = nil
+	}
+}
+
+// worker is a simulated vLLM engine behind a real relay, its gRPC server
+// and (when started) its JetStream sink, all over loopback.
+type worker struct {
+	t      testing.TB
+	name   string
+	eng    *sim.Engine
+	dpSize int
+	rel    *relaypkg.Relay
+	addr   string
+	reg    *prometheus.Registry // the sink's metrics
+
+	stops []func()
+}
+
+func startWorker(t testing.TB, name string, dpSize int) *worker {
+	t.Helper()
+	live := freeport.ForTest(t, 2*dpSize)
+	ctx, cancel := context.WithCancel(context.Background())
+	eng, err := sim.Start(ctx, sim.Options{
+		Engine: "vllm", DPSize: dpSize, BlockSize: 16, CapacityBlocks: 128,
+		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+dpSize),
+	})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	w := &worker{t: t, name: name, eng: eng, dpSize: dpSize, addr: "127.0.0.1:0"}
+	t.Cleanup(func() {
+		w.down()
+		cancel()
+		_ = eng.Close()
+	})
+	w.startRelay()
+	return w
+}
+
+// startRelay starts a fresh relay and its gRPC server (on the same address
+// as before, if there was one).
+func (w *worker) startRelay() {
+	w.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	rel, err := relaypkg.New(relaypkg.Config{Engine: vllm.Engine, KV: w.eng.Config(), DPSize: w.dpSize, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		cancel()
+		w.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = rel.Run(ctx) }()
+	w.rel = rel
+	w.stops = append(w.stops, func() { cancel(); <-done })
+	eventually(w.t, "relay connected", rel.Ready)
+
+	srv, err := relayserver.New(relayserver.Options{Logger: slog.New(slog.DiscardHandler), Services: []relayserver.Service{{
+		Engine: vllm.Engine,
+		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (relayserver.Stream, error) {
+			return rel.Subscribe(ctx, req)
+		},
+		Ready: rel.Ready,
+	}}})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	var lis net.Listener
+	eventually(w.t, "listen on "+w.addr, func() bool {
+		lis, err = net.Listen("tcp", w.addr)
+		return err == nil
+	})
+	w.addr = lis.Addr().String()
+	sdone := make(chan struct{})
+	go func() { defer close(sdone); _ = srv.Serve(lis) }()
+	w.stops = append(w.stops, func() { srv.Stop(); <-sdone })
+}
+
+// startSink publishes the current relay to url.
+func (w *worker) startSink(url string, tweak ...func(*SinkOptions)) *Sink {
+	w.t.Helper()
+	w.reg = prometheus.NewRegistry()
+	opts := SinkOptions{URL: url, Worker: w.name, Registerer: w.reg, Logger: testLogger().With("sink", w.name),
+		RetryWait: 50 * time.Millisecond, SnapshotEvery: time.Hour}
+	for _, f := range tweak {
+		f(&opts)
+	}
+	s, err := NewSink(w.rel, opts)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	w.stops = append(w.stops, func() { cancel(); <-done; s.Close() })
+	return s
+}
+
+// down stops the sink, the server and the relay, newest first.
+func (w *worker) down() {
+	for i := len(w.stops) - 1; i >= 0; i-- {
+		w.stops[i]()
+	}
+	w.stops = nil
+}
+
+func (w *worker) sinkCount(name string, labels ...string) float64 {
+	mfs, err := w.reg.Gather()
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || (l.GetName() == labels[i] && l.GetValue() == labels[i+1])
+				}
+				if !found {
+					continue metric
+				}
+			}
+			if c := m.GetCounter(); c != nil {
+				return c.GetValue()
+			}
+			return m.GetGauge().GetValue()
+		}
+	}
+	return 0
+}
+
+func (w *worker) run(steps int) {
+	w.t.Helper()
+	if _, err := w.eng.RunWorkload(steps); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// engineLive is the engine's true live set in the index's terms.
+func engineLive(e *sim.Engine) []index.LiveBlock {
+	var out []index.LiveBlock
+	for _, rl := range e.LiveSet() {
+		for _, b := range rl.Blocks {
+			tier := index.TierDevice
+			if b.Tier == prefixcache.Host {
+				tier = index.TierHost
+			}
+			out = append(out, index.LiveBlock{Rank: int32(rl.Rank), Tier: tier, EngineHash: b.Hash, Copies: b.Copies})
+		}
+	}
+	slices.SortFunc(out, func(a, b index.LiveBlock) int {
+		switch {
+		case a.Rank != b.Rank:
+			return int(a.Rank - b.Rank)
+		case a.Tier != b.Tier:
+			return int(a.Tier) - int(b.Tier)
+		case a.EngineHash < b.EngineHash:
+			return -1
+		case a.EngineHash > b.EngineHash:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// replica is one gateway replica's event path: a monitor feeding an index,
+// its subscriptions opened by a Source (nil: plain gRPC).
+type replica struct {
+	t   testing.TB
+	ix  *index.Index
+	mon *monitor.Monitor
+	src *Source
+	reg *prometheus.Registry
+}
+
+// startReplica follows the workers; a worker's Addr is dialled for gRPC, so
+// a test that must prove the events came over NATS gives a dead address.
+func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *replica {
+	t.Helper()
+	r := &replica{t: t, ix: index.New(index.Options{}), reg: prometheus.NewRegistry()}
+	mopts := monitor.Options{Registerer: r.reg, Logger: testLogger().With("replica", "monitor"), MaxBackoff: 200 * time.Millisecond}
+	names := map[string]string{}
+	for _, w := range workers {
+		names[w.ID] = w.ID
+	}
+	if natsURL != "" {
+		src, err := NewSource(SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.src = src
+		mopts.OpenStream = src.Open
+	}
+	mon, err := monitor.New(mopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.mon = mon
+	for _, w := range workers {
+		if err := mon.Add(w, r.ix); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = mon.Run(ctx) }()
+	var once sync.Once
+	t.Cleanup(func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			if r.src != nil {
+				r.src.Close()
+			}
+		})
+	})
+	return r
+}
+
+// exact waits until the replica's index holds exactly the engine's live
+// set for worker id, copies included (a duplicate applied twice shows as
+// a second copy).
+func (r *replica) exact(id string, e *sim.Engine, when string) {
+	r.t.Helper()
+	want := engineLive(e)
+	deadline := time.Now().Add(patience)
+	for {
+		got := r.ix.LiveSet(id)
+		if slices.Equal(got, want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("%s: the index holds %d rows for %s, the engine %d; workers %+v", when, len(got), id, len(want), r.mon.Workers())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func (r *replica) mode(id, source string) float64 {
+	return testutil.ToFloat64(r.src.mode.WithLabelValues(id, source))
+}
+
+func (r *replica) counter(name string, labels map[string]string) float64 {
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue metric
+				}
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	return 0
+}

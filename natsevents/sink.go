@@ -1,0 +1,582 @@
+package natsevents
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/record"
+)
+
+// Relay is what the sink needs of a relay: the subscription every gRPC
+// subscriber gets, and a snapshot cut with its log position.
+type Relay interface {
+	Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (*relay.Subscription, error)
+	SnapshotAt() ([]*kvpb.KvEventBatch, uint64)
+}
+
+// SinkOptions configures a Sink.
+type SinkOptions struct {
+	// URL is the NATS server list (nats://host:4222, comma-separated).
+	URL string
+	// Worker names this relay's engine on the stream; gateways use the
+	// same name (see Source). Required.
+	Worker string
+	// Stream is the JetStream stream (DefaultStream); its snapshots go to
+	// the object store bucket BucketFor(Stream).
+	Stream string
+	// SubjectPrefix is where the stream's subjects live
+	// (DefaultSubjectPrefix): <prefix>.<WorkerToken(worker)>.<rank>.
+	SubjectPrefix string
+	// MaxAge is the retention of the stream when the sink creates it
+	// (DefaultMaxAge); Duplicates its duplicate window (DefaultDuplicates).
+	// An existing stream is used as it is.
+	MaxAge, Duplicates time.Duration
+	// SnapshotEvery is how often the worker's snapshot object is
+	// rewritten (DefaultSnapshotEvery); it is also written after every
+	// (re)subscription.
+	SnapshotEvery time.Duration
+	// MaxPending bounds the publishes awaiting their acks
+	// (DefaultMaxPending); AckTimeout is how long one may wait (5 s).
+	MaxPending int
+	AckTimeout time.Duration
+	// RetryWait is the pause before a resync after a failure (1 s).
+	RetryWait   time.Duration
+	NATSOptions []nats.Option
+	Registerer  prometheus.Registerer
+	Logger      *slog.Logger
+}
+
+// Defaults of SinkOptions.
+const (
+	DefaultMaxAge        = time.Hour
+	DefaultDuplicates    = 10 * time.Minute
+	DefaultSnapshotEvery = 30 * time.Second
+	DefaultMaxPending    = 1024
+)
+
+func (o SinkOptions) withDefaults() (SinkOptions, error) {
+	if o.Worker == "" {
+		return o, errors.New("natsevents: the sink needs a worker name")
+	}
+	if o.Stream == "" {
+		o.Stream = DefaultStream
+	}
+	if o.SubjectPrefix == "" {
+		o.SubjectPrefix = DefaultSubjectPrefix
+	}
+	if err := checkStreamName(o.Stream); err != nil {
+		return o, fmt.Errorf("natsevents: %w", err)
+	}
+	if err := checkSubjectPrefix(o.SubjectPrefix); err != nil {
+		return o, fmt.Errorf("natsevents: %w", err)
+	}
+	if o.MaxAge <= 0 {
+		o.MaxAge = DefaultMaxAge
+	}
+	if o.Duplicates <= 0 {
+		o.Duplicates = DefaultDuplicates
+	}
+	if o.SnapshotEvery <= 0 {
+		o.SnapshotEvery = DefaultSnapshotEvery
+	}
+	if o.MaxPending <= 0 {
+		o.MaxPending = DefaultMaxPending
+	}
+	if o.AckTimeout <= 0 {
+		o.AckTimeout = 5 * time.Second
+	}
+	if o.RetryWait <= 0 {
+		o.RetryWait = time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return o, nil
+}
+
+// Sink publishes one relay's batches to JetStream. It is one more
+// subscriber of the relay: a slow or unreachable NATS makes it lag or
+// resync, never the relay wait.
+type Sink struct {
+	opts  SinkOptions
+	rel   Relay
+	token string
+	log   *slog.Logger
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	m     *sinkMetrics
+
+	mu   sync.Mutex
+	fail func(error) // cancels the current follow when an async publish fails
+}
+
+type sinkMetrics struct {
+	published                  *prometheus.CounterVec // result: stored, duplicate, failed
+	bytes                      prometheus.Counter
+	resyncs                    *prometheus.CounterVec // reason
+	snapshots                  *prometheus.CounterVec // result
+	connected                  prometheus.Gauge
+	snapshotBytes, snapshotSeq prometheus.Gauge
+}
+
+func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
+	m := &sinkMetrics{
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_nats_events_published_total",
+			Help: "Batches and snapshot chunks published to JetStream, by the server's answer (stored, duplicate: dropped by the stream's duplicate window, failed)."}, []string{"result"}),
+		bytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrelay_nats_events_published_bytes_total",
+			Help: "Payload bytes handed to JetStream."}),
+		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_nats_events_resyncs_total",
+			Help: "Times the sink subscribed to the relay again from zero (its stream then carries a snapshot), by reason."}, []string{"reason"}),
+		snapshots: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_nats_events_snapshots_total",
+			Help: "Snapshot objects written, by result."}, []string{"result"}),
+		connected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_nats_events_connected",
+			Help: "1 while the sink is connected to NATS."}),
+		snapshotBytes: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_nats_events_snapshot_bytes",
+			Help: "Size of the last snapshot object written."}),
+		snapshotSeq: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_nats_events_snapshot_stream_sequence",
+			Help: "Stream sequence the last snapshot object is consistent with."}),
+	}
+	for _, r := range []string{"stored", "duplicate", "failed"} {
+		m.published.WithLabelValues(r)
+	}
+	for _, r := range []string{"start", "data_loss", "publish_failed", "nats_down"} {
+		m.resyncs.WithLabelValues(r)
+	}
+	for _, r := range []string{"written", "failed", "deferred"} {
+		m.snapshots.WithLabelValues(r)
+	}
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.published, m.bytes, m.resyncs, m.snapshots, m.connected, m.snapshotBytes, m.snapshotSeq} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("natsevents: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// NewSink connects to NATS without waiting for it: an unreachable server
+// is retried in the background, and Run publishes once it answers.
+func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	m, err := newSinkMetrics(opts.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m}
+	nopts := append([]nats.Option{
+		nats.Name("kvrelay-serve " + opts.Worker),
+		nats.RetryOnFailedConnect(true),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(opts.RetryWait),
+		nats.ConnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS connected") }),
+		nats.ReconnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS reconnected") }),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			m.connected.Set(0)
+			s.log.Warn("NATS disconnected; the stream will get a snapshot when it is back", "err", err)
+			s.failFollow(fmt.Errorf("NATS disconnected: %w", err))
+		}),
+	}, opts.NATSOptions...)
+	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
+		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+	}
+	s.js, err = jetstream.New(s.nc,
+		jetstream.WithPublishAsyncMaxPending(opts.MaxPending),
+		jetstream.WithPublishAsyncTimeout(opts.AckTimeout),
+		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, _ *nats.Msg, err error) {
+			m.published.WithLabelValues("failed").Inc()
+			s.failFollow(fmt.Errorf("a publish failed: %w", err))
+		}))
+	if err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	return s, nil
+}
+
+func (s *Sink) failFollow(err error) {
+	s.mu.Lock()
+	f := s.fail
+	s.mu.Unlock()
+	if f != nil {
+		f(err)
+	}
+}
+
+// Close closes the NATS connection (after Run returned).
+func (s *Sink) Close() { s.nc.Close() }
+
+// Run publishes until ctx ends. Each pass subscribes to the relay from
+// zero, so the stream first gets the relay's snapshot (or its complete
+// history, whose batches the duplicate window drops when they are there
+// already), then every batch; any failure ends the pass, and the next one,
+// RetryWait later, starts with a snapshot again, so the stream is never
+// left with a hole that no snapshot follows.
+func (s *Sink) Run(ctx context.Context) error {
+	reason := "start"
+	for ctx.Err() == nil {
+		if !s.nc.IsConnected() {
+			reason = "nats_down"
+			if !sleep(ctx, s.opts.RetryWait) {
+				break
+			}
+			continue
+		}
+		s.m.resyncs.WithLabelValues(reason).Inc()
+		err := s.follow(ctx)
+		if ctx.Err() != nil {
+			break
+		}
+		switch {
+		case errors.Is(err, relay.ErrDataLoss), errors.Is(err, relay.ErrOutOfRange):
+			reason = "data_loss"
+		case errors.Is(err, relay.ErrDisabled):
+			s.log.Warn("the engine's KV events are off; nothing to publish", "err", err)
+			<-ctx.Done()
+			return nil
+		default:
+			reason = "publish_failed"
+		}
+		s.log.Warn("JetStream sink resyncs from a snapshot", "err", err, "reason", reason)
+		if !sleep(ctx, s.opts.RetryWait) {
+			break
+		}
+	}
+	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// ensure creates the stream and the bucket when they are missing.
+func (s *Sink) ensure(ctx context.Context) (jetstream.ObjectStore, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := s.js.Stream(ctx, s.opts.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
+		_, err = s.js.CreateStream(ctx, jetstream.StreamConfig{
+			Name:        s.opts.Stream,
+			Description: "kvrelay KV-cache event batches, one subject per worker and DP rank",
+			Subjects:    []string{s.opts.SubjectPrefix + ".>"},
+			Retention:   jetstream.LimitsPolicy,
+			Discard:     jetstream.DiscardOld,
+			Storage:     jetstream.FileStorage,
+			MaxAge:      s.opts.MaxAge,
+			Duplicates:  s.opts.Duplicates,
+		})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return nil, fmt.Errorf("create stream %s: %w", s.opts.Stream, err)
+		}
+	} else if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	bucket := BucketFor(s.opts.Stream)
+	obs, err := s.js.ObjectStore(ctx, bucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		obs, err = s.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: bucket, Storage: jetstream.FileStorage,
+			Description: "kvrelay snapshots of each worker's live blocks, with the stream sequence they are consistent with"})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			obs, err = s.js.ObjectStore(ctx, bucket)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("object store %s: %w", bucket, err)
+	}
+	return obs, nil
+}
+
+// streamSeqKey names the object metadata that repeats the snapshot's
+// stream sequence, so that a gateway can tell a snapshot's age without
+// downloading it.
+const streamSeqKey = "kvrelay-stream-sequence"
+
+// pendingSnapshot is a cut waiting for the stream sequence of the last
+// message it covers.
+type pendingSnapshot struct {
+	chunks []*kvpb.KvEventBatch
+	pos    uint64 // the relay log position of the cut
+}
+
+// follow is one pass: subscribe from zero and publish until a failure.
+func (s *Sink) follow(ctx context.Context) error {
+	obs, err := s.ensure(ctx)
+	if err != nil {
+		return err
+	}
+	fctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	s.mu.Lock()
+	s.fail = cancel
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.fail = nil
+		s.mu.Unlock()
+	}()
+
+	if mp := s.nc.MaxPayload(); mp < record.MaxChunkBytes {
+		s.log.Warn("the NATS server's max_payload is below the relay's largest snapshot chunk: a larger chunk or batch cannot be published, and the sink resyncs at each", "max_payload", mp, "largest_chunk", record.MaxChunkBytes)
+	}
+	sub, err := s.rel.Subscribe(fctx, &kvpb.SubscribeKvEventsRequest{LiveDigests: true})
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+
+	var (
+		last      *ack   // the newest publish
+		lastPos   uint64 // its relay log position
+		pending   *pendingSnapshot
+		inChunks  bool   // a snapshot of the subscription is arriving
+		due       = true // a snapshot is due (at once after subscribing)
+		nextSnap  time.Time
+		published int
+		acks      = passAcks{fresh: map[int32]bool{}, seen: map[int32]bool{}}
+	)
+	for {
+		if !due && !time.Now().Before(nextSnap) {
+			due = true
+		}
+		if due && !inChunks && pending == nil {
+			// With nothing relayed yet there is nothing to cut: the next
+			// batch tries again.
+			if chunks, pos := s.rel.SnapshotAt(); len(chunks) > 0 {
+				due, nextSnap = false, time.Now().Add(s.opts.SnapshotEvery)
+				pending = &pendingSnapshot{chunks: chunks, pos: pos}
+				if last != nil && lastPos == pos {
+					if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+						due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+					}
+					pending = nil
+				}
+			}
+		}
+		wait, wcancel := fctx, context.CancelFunc(func() {})
+		if !due {
+			wait, wcancel = context.WithDeadline(fctx, nextSnap)
+		}
+		b, enc, err := sub.NextEncoded(wait)
+		wcancel()
+		if err != nil {
+			if cause := context.Cause(fctx); cause != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return cause
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				continue // a snapshot is due
+			}
+			return err
+		}
+		pos := sub.LogPosition()
+		if pending != nil && pos > pending.pos {
+			if last != nil {
+				if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+					due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+				}
+			}
+			pending = nil
+		}
+		if enc == nil {
+			if enc, err = proto.Marshal(b); err != nil {
+				return fmt.Errorf("encoding a batch: %w", err)
+			}
+		}
+		if b == nil {
+			if b, err = batchHeader(enc); err != nil {
+				return fmt.Errorf("reading a relayed batch: %w", err)
+			}
+		}
+		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
+		msg.Data = enc
+		if snap := b.GetSnapshot(); snap != nil {
+			// Chunks carry no message id: a snapshot published again is
+			// a new resync point, harmless to apply again.
+			inChunks = snap.GetIndex()+1 < snap.GetCount()
+		} else {
+			msg.Header.Set(jetstream.MsgIDHeader, msgID(s.token, b, enc))
+		}
+		f, err := s.js.PublishMsgAsync(msg)
+		if err != nil {
+			s.m.published.WithLabelValues("failed").Inc()
+			return fmt.Errorf("publishing sequence %d of rank %d to %s: %w", b.GetSequenceNumber(), b.GetDpRank(), msg.Subject, err)
+		}
+		s.m.bytes.Add(float64(len(enc)))
+		a := &ack{done: make(chan struct{}), pos: pos, rank: b.GetDpRank()}
+		go s.awaitAck(fctx, f, a)
+		last, lastPos = a, pos
+		acks.queue = append(acks.queue, a)
+		acks.read(fctx, pos, false)
+		published++
+		if pending != nil && pos == pending.pos && !inChunks {
+			// The cut's last batch is out: nothing the cut covers is left.
+			if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
+				due, nextSnap = false, time.Now().Add(min(time.Second, s.opts.SnapshotEvery))
+			}
+			pending = nil
+		}
+		if published == 1 {
+			s.log.Info("publishing to JetStream", "stream", s.opts.Stream, "subject", msg.Subject)
+		}
+	}
+}
+
+// ack is the server's answer to one publish, read once from its future
+// (whose channels deliver once) and kept for whoever waits on it.
+type ack struct {
+	done chan struct{} // closed when seq or err is set
+	seq  uint64
+	dup  bool // the stream held the message already (at seq)
+	err  error
+	pos  uint64 // the batch's relay log position
+	rank int32
+}
+
+// passAcks is what one pass's answers say about its snapshots. A
+// duplicate was stored by an earlier run, at a sequence that may be below
+// a cut's even when the batch is after the cut (a restarted relay primes
+// the ranks in another order than the earlier run relayed them), so a
+// consumer reading after the cut's sequence would miss it. A rank's
+// batches come in order, and once one is new, none of the rank's later
+// ones can be a duplicate: so while the pass has seen duplicates, a cut is
+// written only when every rank it holds already had a new message.
+type passAcks struct {
+	queue []*ack // not yet read, in publish order
+	dup   bool
+	fresh map[int32]bool
+	seen  map[int32]bool // ranks with any message in the pass
+}
+
+// read takes in the answers up to position upTo, waiting for them when
+// wait is set, else only those already there; false if one failed.
+func (p *passAcks) read(ctx context.Context, upTo uint64, wait bool) bool {
+	for len(p.queue) > 0 && p.queue[0].pos <= upTo {
+		a := p.queue[0]
+		if wait {
+			select {
+			case <-a.done:
+			case <-ctx.Done():
+				return false
+			}
+		} else {
+			select {
+			case <-a.done:
+			default:
+				return true
+			}
+		}
+		if a.err != nil {
+			return false
+		}
+		p.seen[a.rank] = true
+		if a.dup {
+			p.dup = true
+		} else {
+			p.fresh[a.rank] = true
+		}
+		p.queue[0] = nil
+		p.queue = p.queue[1:]
+	}
+	return true
+}
+
+// awaitAck reads one publish's answer into a and counts it. A failure is
+// also reported to the error handler, which ends the pass.
+func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
+	defer close(a.done)
+	select {
+	case pa := <-f.Ok():
+		// For a duplicate, the sequence the stream already held it at.
+		a.seq, a.dup = pa.Sequence, pa.Duplicate
+		if pa.Duplicate {
+			s.m.published.WithLabelValues("duplicate").Inc()
+		} else {
+			s.m.published.WithLabelValues("stored").Inc()
+		}
+	case a.err = <-f.Err():
+	case <-ctx.Done():
+		a.err = context.Cause(ctx)
+	}
+}
+
+// writeSnapshot stores a cut once the ack of last, the newest message it
+// covers, gives that message's stream sequence. A failure is counted and
+// logged; the next period tries again.
+func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *pendingSnapshot, last *ack, acks *passAcks) (done bool) {
+	select {
+	case <-last.done:
+	case <-ctx.Done():
+		return true
+	}
+	if last.err != nil || !acks.read(ctx, p.pos, true) {
+		s.m.snapshots.WithLabelValues("failed").Inc()
+		s.log.Warn("snapshot not written: a message it covers was not stored", "err", last.err)
+		return true // the pass ends on the failure anyway
+	}
+	if acks.dup {
+		ranks := maps.Clone(acks.seen)
+		for _, c := range p.chunks {
+			ranks[c.GetDpRank()] = true
+		}
+		for rank := range ranks {
+			if !acks.fresh[rank] {
+				// Cut again a little later.
+				s.m.snapshots.WithLabelValues("deferred").Inc()
+				s.log.Debug("snapshot deferred: the stream held some of this pass's batches already, and a rank has had no new one yet", "rank", rank)
+				return false
+			}
+		}
+	}
+	// last is new here (see passAcks), so no message the cut covers is
+	// stored above it.
+	seq := last.seq
+	o := snapshotObject{StreamSeq: seq, Chunks: make([][]byte, 0, len(p.chunks))}
+	for _, c := range p.chunks {
+		enc, err := proto.Marshal(c)
+		if err != nil {
+			s.m.snapshots.WithLabelValues("failed").Inc()
+			s.log.Warn("snapshot not written", "err", err)
+			return true
+		}
+		o.Chunks = append(o.Chunks, enc)
+	}
+	data := encodeSnapshot(o)
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err := obs.Put(wctx, jetstream.ObjectMeta{Name: s.token, Metadata: map[string]string{streamSeqKey: strconv.FormatUint(seq, 10)}}, bytes.NewReader(data))
+	if err != nil {
+		s.m.snapshots.WithLabelValues("failed").Inc()
+		s.log.Warn("snapshot not written", "err", err)
+		return true
+	}
+	s.m.snapshots.WithLabelValues("written").Inc()
+	s.m.snapshotBytes.Set(float64(len(data)))
+	s.m.snapshotSeq.Set(float64(seq))
+	s.log.Debug("snapshot written", "stream_sequence", seq, "chunks", len(o.Chunks), "bytes", len(data), "object", s.token+" in "+BucketFor(s.opts.Stream)+" at "+strconv.FormatUint(seq, 10))
+	return true
+}

@@ -1,0 +1,377 @@
+package natsevents
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// SourceOptions configures a Source.
+type SourceOptions struct {
+	URL           string
+	Stream        string // DefaultStream
+	SubjectPrefix string // DefaultSubjectPrefix
+	// Names maps a gateway worker ID to the name its relay's sink
+	// publishes under (kvrelay serve --nats-worker); a worker not listed
+	// is looked up by its address (host:port).
+	Names map[string]string
+	// RetryWait is the pause between reconnect attempts (1 s).
+	RetryWait time.Duration
+	// SwitchBackEvery is how often a worker following its gRPC stream
+	// checks whether JetStream can serve it exactly again (2 s).
+	SwitchBackEvery time.Duration
+	NATSOptions     []nats.Option
+	Registerer      prometheus.Registerer
+	Logger          *slog.Logger
+}
+
+// Source opens a gateway's worker subscriptions from the JetStream stream
+// the workers' sinks publish, and from each worker's gRPC stream where that
+// cannot be exact: NATS unreachable, no snapshot of the worker yet, or the
+// stream no longer holding the snapshot's tail. Its Open is a
+// monitor.StreamOpener.
+type Source struct {
+	opts SourceOptions
+	log  *slog.Logger
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	mode *prometheus.GaugeVec
+
+	mu sync.Mutex
+	// lost is closed when the connection drops, ending every stream read
+	// from NATS; a new one is made when it is back.
+	lost chan struct{}
+	// floor: after a reconnect, only a snapshot written since (at or above
+	// the stream's last sequence then) is used, so that what the sinks
+	// could not publish meanwhile is covered by a snapshot, not read as a
+	// gap. needFloor says it is still to be read.
+	floor     uint64
+	needFloor bool
+}
+
+// NewSource connects without waiting for the server.
+func NewSource(opts SourceOptions) (*Source, error) {
+	if opts.Stream == "" {
+		opts.Stream = DefaultStream
+	}
+	if opts.SubjectPrefix == "" {
+		opts.SubjectPrefix = DefaultSubjectPrefix
+	}
+	if err := checkStreamName(opts.Stream); err != nil {
+		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	if err := checkSubjectPrefix(opts.SubjectPrefix); err != nil {
+		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	if opts.RetryWait <= 0 {
+		opts.RetryWait = time.Second
+	}
+	if opts.SwitchBackEvery <= 0 {
+		opts.SwitchBackEvery = 2 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{})}
+	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
+		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
+		[]string{"worker", "source"})
+	if opts.Registerer != nil {
+		if err := opts.Registerer.Register(s.mode); err != nil {
+			return nil, fmt.Errorf("natsevents: %w", err)
+		}
+	}
+	nopts := append([]nats.Option{
+		nats.Name("kvrelay-gateway events"),
+		nats.RetryOnFailedConnect(true),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(opts.RetryWait),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			s.mu.Lock()
+			select {
+			case <-s.lost:
+			default:
+				close(s.lost)
+			}
+			s.mu.Unlock()
+			s.log.Warn("NATS lost; workers read from JetStream fall back to their gRPC streams", "err", err)
+		}),
+		nats.ReconnectHandler(func(*nats.Conn) {
+			s.mu.Lock()
+			s.lost = make(chan struct{})
+			s.needFloor = true
+			s.mu.Unlock()
+			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
+		}),
+	}, opts.NATSOptions...)
+	var err error
+	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
+		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+	}
+	if !s.nc.IsConnected() {
+		// Unreachable at start: the sinks may have lost it too, so as
+		// after a reconnect, only a snapshot written once it is back will do.
+		s.mu.Lock()
+		s.needFloor = true
+		s.mu.Unlock()
+		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", opts.URL)
+	}
+	if s.js, err = jetstream.New(s.nc); err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	return s, nil
+}
+
+// Close closes the connection (after the monitor stopped).
+func (s *Source) Close() { s.nc.Close() }
+
+func (s *Source) name(w monitor.Worker) string {
+	if n, ok := s.opts.Names[w.ID]; ok {
+		return n
+	}
+	return w.Addr
+}
+
+func (s *Source) setMode(w monitor.Worker, src string) {
+	other := "grpc"
+	if src == "grpc" {
+		other = "nats"
+	}
+	s.mode.WithLabelValues(w.ID, src).Set(1)
+	s.mode.WithLabelValues(w.ID, other).Set(0)
+}
+
+// Open is a monitor.StreamOpener: the worker's snapshot and stream tail
+// from JetStream when that is exact, else its gRPC stream.
+func (s *Source) Open(ctx context.Context, w monitor.Worker, req *kvpb.SubscribeKvEventsRequest, viaGRPC monitor.SubscribeFunc) (monitor.BatchStream, error) {
+	st, err := s.openJetStream(ctx, w)
+	if err == nil {
+		s.setMode(w, "nats")
+		return st, nil
+	}
+	if ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	s.log.Info("worker follows its gRPC stream", "worker", w.ID, "why", err)
+	s.setMode(w, "grpc")
+	gctx, cancel := context.WithCancelCause(ctx)
+	gs, err := viaGRPC(gctx, req)
+	if err != nil {
+		cancel(nil)
+		return nil, err
+	}
+	go s.watchForSwitchBack(gctx, cancel, w)
+	return &grpcStream{BatchStream: gs, ctx: gctx}, nil
+}
+
+// errSwitchBack ends a worker's gRPC stream once JetStream can serve it.
+var errSwitchBack = errors.New("JetStream can serve this worker exactly again")
+
+// watchForSwitchBack ends the gRPC stream (cancel) as soon as JetStream
+// has a snapshot of w it can serve exactly; the monitor then subscribes
+// again, and Open takes the JetStream path.
+func (s *Source) watchForSwitchBack(ctx context.Context, cancel context.CancelCauseFunc, w monitor.Worker) {
+	t := time.NewTicker(s.opts.SwitchBackEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if _, _, err := s.snapshotInfo(ctx, w); err == nil {
+			s.log.Info("switching the worker back to JetStream", "worker", w.ID)
+			cancel(errSwitchBack)
+			return
+		}
+	}
+}
+
+// grpcStream is a worker's gRPC stream that the source may end to switch
+// it back to JetStream: that end reads as UNAVAILABLE, so the monitor
+// resubscribes at once, keeping its cursors.
+type grpcStream struct {
+	monitor.BatchStream
+	ctx context.Context
+}
+
+func (g *grpcStream) Recv() (*kvpb.KvEventBatch, error) {
+	b, err := g.BatchStream.Recv()
+	if err != nil && errors.Is(context.Cause(g.ctx), errSwitchBack) {
+		return nil, status.Error(codes.Unavailable, errSwitchBack.Error())
+	}
+	return b, err
+}
+
+// snapshotInfo checks, without downloading it, that w's snapshot object
+// exists, is not older than the floor, and that the stream still holds
+// its tail; it returns the bucket and the snapshot's stream sequence.
+func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.ObjectStore, uint64, error) {
+	if !s.nc.IsConnected() {
+		return nil, 0, errNotConnected
+	}
+	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	stream, err := s.js.Stream(octx, s.opts.Stream)
+	if err != nil {
+		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	info, err := stream.Info(octx)
+	if err != nil {
+		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	s.mu.Lock()
+	if s.needFloor {
+		s.floor, s.needFloor = info.State.LastSeq, false
+	}
+	floor := s.floor
+	s.mu.Unlock()
+	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
+	}
+	oi, err := obs.GetInfo(octx, WorkerToken(s.name(w)))
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+	}
+	seq, err := strconv.ParseUint(oi.Metadata[streamSeqKey], 10, 64)
+	if err != nil {
+		return nil, 0, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
+	}
+	if seq < floor {
+		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back (%d); waiting for a newer one", s.name(w), seq, floor)
+	}
+	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
+		return nil, 0, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
+	}
+	return obs, seq, nil
+}
+
+var errNotConnected = errors.New("NATS is not connected")
+
+func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream, error) {
+	s.mu.Lock()
+	lost := s.lost
+	s.mu.Unlock()
+	obs, seq, err := s.snapshotInfo(ctx, w)
+	if err != nil {
+		return nil, err
+	}
+	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	token := WorkerToken(s.name(w))
+	// A read that overlaps the sink replacing the object waits for chunks
+	// the replacement purged: it is given a few seconds, then the newest
+	// object is read again.
+	var data []byte
+	for attempt := 1; ; attempt++ {
+		gctx, gcancel := context.WithTimeout(octx, 5*time.Second)
+		data, err = obs.GetBytes(gctx, token)
+		gcancel()
+		if err == nil || attempt == 3 || octx.Err() != nil {
+			break
+		}
+		s.log.Debug("reading the snapshot again", "worker", w.ID, "err", err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+	}
+	snap, err := decodeSnapshot(data)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot of %s: %w", s.name(w), err)
+	}
+	if snap.StreamSeq < seq {
+		// Replaced between the two reads by an older one: cannot happen
+		// with one sink per worker, and is not served if it does.
+		return nil, fmt.Errorf("snapshot of %s: its body says stream sequence %d, its metadata %d", s.name(w), snap.StreamSeq, seq)
+	}
+	chunks := make([]*kvpb.KvEventBatch, 0, len(snap.Chunks))
+	for i, c := range snap.Chunks {
+		b := &kvpb.KvEventBatch{}
+		if err := proto.Unmarshal(c, b); err != nil || b.GetSnapshot() == nil {
+			return nil, fmt.Errorf("snapshot of %s: chunk %d is not a snapshot chunk (%v)", s.name(w), i, err)
+		}
+		chunks = append(chunks, b)
+	}
+	cons, err := s.js.OrderedConsumer(octx, s.opts.Stream, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{workerFilter(s.opts.SubjectPrefix, token)},
+		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:    snap.StreamSeq + 1,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
+	}
+	it, err := cons.Messages()
+	if err != nil {
+		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
+	}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID)}
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-lost:
+			js.lostNATS.Store(true)
+		case <-js.done:
+		}
+		it.Stop()
+	}()
+	return js, nil
+}
+
+// jsStream is one subscription served from JetStream: the snapshot's
+// chunks, then the worker's messages after it, as a relay would serve them.
+type jsStream struct {
+	chunks   []*kvpb.KvEventBatch
+	it       jetstream.MessagesContext
+	done     chan struct{}
+	once     sync.Once
+	lostNATS atomic.Bool
+	log      *slog.Logger
+}
+
+func (j *jsStream) Header() (metadata.MD, error) { return metadata.MD{}, nil }
+
+func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
+	if len(j.chunks) > 0 {
+		b := j.chunks[0]
+		j.chunks[0] = nil
+		j.chunks = j.chunks[1:]
+		return b, nil
+	}
+	for {
+		msg, err := j.it.Next()
+		if err != nil {
+			j.once.Do(func() { close(j.done) })
+			if j.lostNATS.Load() {
+				return nil, status.Error(codes.Unavailable, "NATS connection lost")
+			}
+			return nil, status.Errorf(codes.Unavailable, "JetStream consumer ended: %v", err)
+		}
+		b := &kvpb.KvEventBatch{}
+		if err := proto.Unmarshal(msg.Data(), b); err != nil {
+			// Skipped: if it mattered, admission sees its sequence
+			// missing, as it would a gap on a gRPC stream.
+			j.log.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
+			continue
+		}
+		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
+		return b, nil
+	}
+}
