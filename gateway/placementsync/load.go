@@ -114,11 +114,18 @@ func newLoadShare(src LoadSource, opts Options) *loadShare {
 	return l
 }
 
-// livePeers is the number of peers whose counts are applied now.
+// livePeers is the number of peers whose counts are applied now: not
+// those only part of whose first snapshot came.
 func (l *loadShare) livePeers() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return len(l.peers)
+	n := 0
+	for _, p := range l.peers {
+		if p.counts != nil {
+			n++
+		}
+	}
+	return n
 }
 
 // run publishes snapshots and ages peers out until stop closes. A change
@@ -307,8 +314,9 @@ func (l *loadShare) receive(msg *nats.Msg) {
 	// getting lost ages out rather than keeping its last counts forever.
 	p.heard = time.Now()
 	l.shared.WithLabelValues("received").Inc()
-	if !maps.Equal(p.counts, counts) {
-		p.counts = counts
+	changed := !maps.Equal(p.counts, counts)
+	p.counts = counts // non-nil even when empty: the peer is live
+	if changed {
 		l.applyLocked()
 	}
 }
