@@ -137,7 +137,7 @@ func (l *loadShare) run(nc *nats.Conn) {
 	t := time.NewTicker(l.interval)
 	defer t.Stop()
 	var sentVersion uint64
-	var gen uint64 // the snapshots' generation, for their parts
+	var gen uint64           // the snapshots' generation, for their parts
 	var sentAt time.Time     // the last attempt, sent or not
 	sentOK := false          // whether it was sent
 	var due <-chan time.Time // a change waiting for the rate limit
