@@ -1,11 +1,13 @@
 package placementsync
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
 	"maps"
-	"sort"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -45,7 +47,8 @@ type LoadSource interface {
 	// RoutedChanged receives after the counts change (nil: never; the
 	// version is polled every LoadInterval all the same).
 	RoutedChanged() <-chan struct{}
-	// SetPeerRouted sets the sum of the live peers' counts per worker.
+	// SetPeerRouted sets the sum of the live peers' counts per worker;
+	// the map is the caller's, to read during the call only.
 	SetPeerRouted(map[string]int)
 }
 
@@ -89,6 +92,9 @@ type loadShare struct {
 	done                             sync.WaitGroup
 	mu                               sync.Mutex // peers, and the order of SetPeerRouted calls
 	peers                            map[string]*peer
+	// totals is the live peers' counts summed, kept as they change: a
+	// snapshot costs its own workers, not every peer's.
+	totals map[string]int
 }
 
 func newLoadShare(src LoadSource, opts Options) *loadShare {
@@ -106,7 +112,7 @@ func newLoadShare(src LoadSource, opts Options) *loadShare {
 			Help: "Workers with requests in flight left out of a published snapshot, the least loaded past MaxLoadParts parts (256 × 4,096 workers or more).",
 		}),
 		stop:  make(chan struct{}),
-		peers: map[string]*peer{},
+		peers: map[string]*peer{}, totals: map[string]int{},
 	}
 	for _, d := range []string{"published", "received", "dropped", "rejected", "incomplete"} {
 		l.shared.WithLabelValues(d)
@@ -198,67 +204,65 @@ func partBytes(nc *nats.Conn) int {
 
 // encodeSnapshot encodes counts' non-zero entries as one version 1
 // message when they fit in MaxLoadWorkers entries and maxBytes, else as
-// generation gen's parts, each within both, the most loaded workers first.
-// cut is the workers left out past MaxLoadParts parts (the least loaded).
+// generation gen's parts, each within both; past MaxLoadParts parts the
+// least loaded are left out, and cut is how many.
 func encodeSnapshot(id string, gen uint64, counts map[string]int, maxBytes int) (msgs [][]byte, cut int) {
 	names := make([]string, 0, len(counts))
 	vals := make([]int, 0, len(counts))
 	for w, n := range counts {
 		if n > 0 {
-			names = append(names, w)
+			names, vals = append(names, w), append(vals, min(n, MaxLoadCount))
 		}
 	}
 	budget := max(maxBytes-loadHeaderBytes, minLoadPartBytes)
-	entryBytes := func(w string, n int) int {
-		return uvarintLen(uint64(len(w))) + len(w) + uvarintLen(uint64(n))
-	}
-	total := 0
-	for _, w := range names {
-		total += entryBytes(w, min(counts[w], MaxLoadCount))
-	}
-	if len(names) <= MaxLoadWorkers && total <= budget {
-		sort.Strings(names)
-		for _, w := range names {
-			vals = append(vals, min(counts[w], MaxLoadCount))
-		}
+	bounds := splitLoad(names, vals, budget)
+	if len(bounds) == 1 {
 		return [][]byte{encodeLoad(nil, id, names, vals)}, 0
 	}
-	// Most loaded first, so what MaxLoadParts cuts is the least loaded.
-	sort.Slice(names, func(i, j int) bool {
-		if ni, nj := counts[names[i]], counts[names[j]]; ni != nj {
-			return ni > nj
+	if len(bounds) > MaxLoadParts {
+		// Rare (over a million workers, or names so long a part holds
+		// few): sort only then, most loaded first, and cut the tail.
+		order := make([]int, len(names))
+		for i := range order {
+			order[i] = i
 		}
-		return names[i] < names[j]
-	})
-	for _, w := range names {
-		vals = append(vals, min(counts[w], MaxLoadCount))
-	}
-	var bounds []int // the end of each part in names
-	size := 0
-	for i, w := range names {
-		e := entryBytes(w, vals[i])
-		start := 0
-		if len(bounds) > 0 {
-			start = bounds[len(bounds)-1]
-		}
-		if i > start && (i-start == MaxLoadWorkers || size+e > budget) {
-			if len(bounds) == MaxLoadParts-1 {
-				cut = len(names) - i
-				names, vals = names[:i], vals[:i]
-				break
+		slices.SortFunc(order, func(i, j int) int {
+			if c := cmp.Compare(vals[j], vals[i]); c != 0 {
+				return c
 			}
-			bounds = append(bounds, i)
-			size = 0
+			return strings.Compare(names[i], names[j])
+		})
+		sortedNames, sortedVals := make([]string, len(order)), make([]int, len(order))
+		for k, i := range order {
+			sortedNames[k], sortedVals[k] = names[i], vals[i]
 		}
-		size += e
+		names, vals = sortedNames, sortedVals
+		bounds = splitLoad(names, vals, budget)[:MaxLoadParts]
+		end := bounds[MaxLoadParts-1]
+		cut = len(names) - end
+		names, vals = names[:end], vals[:end]
 	}
-	bounds = append(bounds, len(names))
 	start := 0
 	for part, end := range bounds {
 		msgs = append(msgs, encodeLoadPart(nil, id, gen, part, len(bounds), names[start:end], vals[start:end]))
 		start = end
 	}
 	return msgs, cut
+}
+
+// splitLoad returns the end of each part in names: at most MaxLoadWorkers
+// entries and budget bytes each.
+func splitLoad(names []string, vals []int, budget int) (bounds []int) {
+	start, size := 0, 0
+	for i, w := range names {
+		e := uvarintLen(uint64(len(w))) + len(w) + uvarintLen(uint64(vals[i]))
+		if i > start && (i-start == MaxLoadWorkers || size+e > budget) {
+			bounds = append(bounds, i)
+			start, size = i, 0
+		}
+		size += e
+	}
+	return append(bounds, len(names))
 }
 
 // minLoadPartBytes is the least entry budget of a part, for a server
@@ -315,6 +319,10 @@ func (l *loadShare) receive(msg *nats.Msg) {
 	p.heard = time.Now()
 	l.shared.WithLabelValues("received").Inc()
 	changed := !maps.Equal(p.counts, counts)
+	if changed {
+		l.addLocked(p.counts, -1)
+		l.addLocked(counts, 1)
+	}
 	p.counts = counts // non-nil even when empty: the peer is live
 	if changed {
 		l.applyLocked()
@@ -363,6 +371,7 @@ func (l *loadShare) ageOut(now time.Time) {
 	dropped := false
 	for id, p := range l.peers {
 		if now.Sub(p.heard) > l.peerTimeout {
+			l.addLocked(p.counts, -1)
 			delete(l.peers, id)
 			dropped = true
 		}
@@ -375,13 +384,18 @@ func (l *loadShare) ageOut(now time.Time) {
 // applyLocked hands the live peers' summed counts to the gateway; l.mu is
 // held, so two calls never overtake each other.
 func (l *loadShare) applyLocked() {
-	totals := map[string]int{}
-	for _, p := range l.peers {
-		for w, n := range p.counts {
-			totals[w] += n
+	l.src.SetPeerRouted(l.totals)
+}
+
+// addLocked adds sign × counts to the totals, dropping the zeros.
+func (l *loadShare) addLocked(counts map[string]int, sign int) {
+	for w, n := range counts {
+		if t := l.totals[w] + sign*n; t != 0 {
+			l.totals[w] = t
+		} else {
+			delete(l.totals, w)
 		}
 	}
-	l.src.SetPeerRouted(totals)
 }
 
 // close stops publishing and clears the peers' counts from the gateway.
@@ -391,7 +405,7 @@ func (l *loadShare) close() {
 		l.done.Wait()
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		l.peers = map[string]*peer{}
+		l.peers, l.totals = map[string]*peer{}, map[string]int{}
 		l.src.SetPeerRouted(nil)
 	})
 }
