@@ -67,6 +67,7 @@ const (
 type peer struct {
 	counts  map[string]int
 	heard   time.Time // when the last whole snapshot came
+	gen     uint64    // the last split snapshot's generation applied
 	pending *partial
 }
 
@@ -334,6 +335,9 @@ func (l *loadShare) receive(msg *nats.Msg) {
 // generation drops the one being collected: core NATS delivers at most
 // once and in order, so its missing parts will not come.
 func (l *loadShare) collectLocked(p *peer, m loadMsg) map[string]int {
+	if m.gen <= p.gen || p.pending != nil && m.gen < p.pending.gen {
+		return nil // a part of a generation over or dropped already
+	}
 	if p.pending != nil && (p.pending.gen != m.gen || len(p.pending.got) != m.parts) {
 		l.shared.WithLabelValues("incomplete").Inc()
 		p.pending = nil
@@ -360,7 +364,7 @@ func (l *loadShare) collectLocked(p *peer, m loadMsg) map[string]int {
 		return nil
 	}
 	counts := p.pending.counts
-	p.pending = nil
+	p.gen, p.pending = p.pending.gen, nil
 	return counts
 }
 

@@ -2,6 +2,7 @@ package placementsync
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -327,4 +328,67 @@ func TestLoadLostPart(t *testing.T) {
 	}
 	f.send(6) // whole again: back
 	eventually(t, "the peer back with a whole snapshot", func() bool { return allEqual(peerRoutedAll(b), 6) && b.sync.Peers() == 1 })
+}
+
+// lastPeerRouted is a LoadSource with nothing of its own that keeps the
+// peers' counts it was last given.
+type lastPeerRouted struct{ got map[string]int }
+
+func (*lastPeerRouted) RoutedCounts() (map[string]int, uint64) { return nil, 0 }
+func (*lastPeerRouted) RoutedVersion() uint64                  { return 0 }
+func (*lastPeerRouted) RoutedChanged() <-chan struct{}         { return nil }
+func (s *lastPeerRouted) SetPeerRouted(m map[string]int)       { s.got = maps.Clone(m) }
+
+// TestLoadPartsCollected: how a receiver collects one peer's parts, message
+// by message (no NATS: the order and losses are the test's).
+func TestLoadPartsCollected(t *testing.T) {
+	part := func(gen uint64, i, n int, counts map[string]int) []byte {
+		names, vals := []string{}, []int{}
+		for w, c := range counts {
+			names, vals = append(names, w), append(vals, c)
+		}
+		return encodeLoadPart(nil, "p", gen, i, n, names, vals)
+	}
+	whole := encodeLoad(nil, "p", []string{"z"}, []int{9})
+	for _, tc := range []struct {
+		name     string
+		msgs     [][]byte
+		want     map[string]int // nil: nothing applied
+		rejected float64
+		incompl  float64
+	}{
+		{"in order", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 1, 2, map[string]int{"b": 2})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"out of order", [][]byte{part(1, 1, 2, map[string]int{"b": 2}), part(1, 0, 2, map[string]int{"a": 1})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"one part missing", [][]byte{part(1, 0, 3, map[string]int{"a": 1}), part(1, 2, 3, map[string]int{"c": 1})}, nil, 0, 0},
+		{"a part repeated", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 0, 2, map[string]int{"a": 5}), part(1, 1, 2, map[string]int{"b": 2})}, map[string]int{"a": 1, "b": 2}, 1, 0},
+		{"a worker in two parts", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 1, 2, map[string]int{"a": 2})}, nil, 1, 0},
+		{"next generation drops the unfinished one, whose late part is ignored", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 1, 2, map[string]int{"x": 1}), part(2, 0, 2, map[string]int{"c": 3})}, map[string]int{"b": 2, "c": 3}, 0, 1},
+		{"a part of a generation applied already", [][]byte{part(2, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 0, 2, map[string]int{"x": 1}), part(1, 1, 2, map[string]int{"y": 1})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"a whole snapshot drops the unfinished one", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), whole}, map[string]int{"z": 9}, 0, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := &lastPeerRouted{}
+			l := newLoadShare(src, Options{})
+			for _, m := range tc.msgs {
+				l.receive(&nats.Msg{Data: m})
+			}
+			if !maps.Equal(src.got, tc.want) || (src.got == nil) != (tc.want == nil) {
+				t.Errorf("applied %v, want %v", src.got, tc.want)
+			}
+			if got := testutil.ToFloat64(l.shared.WithLabelValues("rejected")); got != tc.rejected {
+				t.Errorf("rejected %v, want %v", got, tc.rejected)
+			}
+			if got := testutil.ToFloat64(l.shared.WithLabelValues("incomplete")); got != tc.incompl {
+				t.Errorf("incomplete %v, want %v", got, tc.incompl)
+			}
+			// A peer is live once one whole snapshot of it is in.
+			wantLive := 0
+			if tc.want != nil {
+				wantLive = 1
+			}
+			if live := l.livePeers(); live != wantLive {
+				t.Errorf("%d live peers, want %d", live, wantLive)
+			}
+		})
+	}
 }
