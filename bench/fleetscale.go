@@ -155,9 +155,10 @@ type NATSLoadRow struct {
 	// DefaultLoadInterval.
 	LoadWorkers  int     `json:"load_snapshot_workers"` // non-zero counts in one replica's snapshot
 	LoadBytes    int     `json:"load_snapshot_bytes"`
-	LoadCapped   bool    `json:"load_snapshot_capped"` // over MaxLoadWorkers: the rest is not shared
-	LoadIn       float64 `json:"load_in_per_s"`
-	LoadOut      float64 `json:"load_out_per_s"`
+	LoadCapped   bool    `json:"load_snapshot_capped"`   // over MaxLoadParts parts: the rest is not shared
+	LoadParts    int     `json:"load_snapshot_messages"` // messages one snapshot takes (parts past MaxLoadWorkers or the payload limit)
+	LoadIn       float64 `json:"load_in_per_s"`          // messages
+	LoadOut      float64 `json:"load_out_per_s"`         // messages delivered
 	LoadBytesIn  float64 `json:"load_bytes_in_per_s"`
 	LoadBytesOut float64 `json:"load_bytes_out_per_s"`
 }
@@ -632,14 +633,20 @@ func natsLoad(wl *FleetWorkload) []NATSLoadRow {
 				counts[workerName(w)] = n
 			}
 		}
-		row.LoadWorkers = min(len(counts), placementsync.MaxLoadWorkers)
-		row.LoadCapped = len(counts) > placementsync.MaxLoadWorkers
-		row.LoadBytes = len(loadSubject) + len(placementsync.LoadSnapshotMessage("0123456789abcdef", counts))
+		msgs, cut := placementsync.LoadSnapshotMessages("0123456789abcdef", counts, 0)
+		row.LoadWorkers = len(counts) - cut
+		row.LoadCapped = cut > 0
+		row.LoadParts = len(msgs)
+		for _, m := range msgs {
+			row.LoadBytes += len(loadSubject) + len(m)
+		}
 		if r > 1 {
-			row.LoadIn = float64(r) * snapshotsPerSec
+			snapshotsIn := float64(r) * snapshotsPerSec
+			row.LoadIn = snapshotsIn * float64(len(msgs))
 			row.LoadOut = row.LoadIn * float64(r-1)
-			row.LoadBytesIn = row.LoadIn * float64(row.LoadBytes)
-			row.LoadBytesOut = row.LoadOut * float64(row.LoadBytes)
+			// LoadBytes is a whole snapshot's, all its parts.
+			row.LoadBytesIn = snapshotsIn * float64(row.LoadBytes)
+			row.LoadBytesOut = row.LoadBytesIn * float64(r-1)
 		}
 		rows = append(rows, row)
 	}

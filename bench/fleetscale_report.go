@@ -80,14 +80,14 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 		pr.RouteP50us, pr.RouteCPUP99us, wl.RanksPerRelay, pr.Replicas, pr.RelayCPUPerBatchUs, pr.RelayCPUPerSecond)
 	fmt.Fprintf(w, "NATS at %d workers (computed: %.0f requests/s a worker, each placing %d new blocks; %d requests in flight a worker; message sizes from gateway/placementsync's encoders, subject included, protocol framing not):\n\n",
 		wl.TargetWorkers, wl.RequestsPerWorkerPerSec, wl.NewBlocksPerRequest, wl.InFlightPerWorker)
-	fmt.Fprintf(w, "| replicas | placement (B) | placements in / out per s | placement MB/s in / out | load snapshot: workers, bytes | snapshots in / out per s | load MB/s in / out |\n|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(w, "| replicas | placement (B) | placements in / out per s | placement MB/s in / out | load snapshot: workers, messages, bytes | load messages in / out per s | load MB/s in / out |\n|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range fs.NATS {
 		capped := ""
 		if r.LoadCapped {
 			capped = " (capped)"
 		}
-		fmt.Fprintf(w, "| %d | %d | %.0f / %.0f | %.1f / %.1f | %d%s, %d | %.0f / %.0f | %.1f / %.1f |\n", r.Replicas, r.PlacementBytes,
-			r.PlacementsIn, r.PlacementsOut, r.PlacementBytesIn/1e6, r.PlacementBytesOut/1e6, r.LoadWorkers, capped, r.LoadBytes,
+		fmt.Fprintf(w, "| %d | %d | %.0f / %.0f | %.1f / %.1f | %d%s, %d, %d | %.0f / %.0f | %.1f / %.1f |\n", r.Replicas, r.PlacementBytes,
+			r.PlacementsIn, r.PlacementsOut, r.PlacementBytesIn/1e6, r.PlacementBytesOut/1e6, r.LoadWorkers, capped, r.LoadParts, r.LoadBytes,
 			r.LoadIn, r.LoadOut, r.LoadBytesIn/1e6, r.LoadBytesOut/1e6)
 	}
 	fmt.Fprintln(w)

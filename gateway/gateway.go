@@ -47,6 +47,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -319,7 +320,10 @@ func (g *Gateway) AddWorker(w Worker) error {
 		}
 	}
 	m.workers[w.ID] = true
-	m.relist()
+	// Inserted in place rather than m.relist(): a sort per worker made
+	// New with 10,000 workers take seconds (quadratic).
+	i, _ := slices.BinarySearch(m.list, w.ID)
+	m.list = slices.Insert(m.list, i, w.ID)
 	m.fleet.Add(w.ID)
 	g.reachDirty.Store(true) // a worker that is alone reachable takes over from unreachable ones
 	g.workerOf[w.ID] = w.Model

@@ -18,14 +18,20 @@ import (
 
 // serveNATSFlags are kvrelay serve's JetStream sink flags (--nats …).
 type serveNATSFlags struct {
-	url, stream, worker *string
+	url, stream, worker, subjects *string
 }
+
+// eventSubjectsUsage is --nats-events-subject-prefix's, the same on both
+// sides: a stream per model group needs its own prefix, because JetStream
+// refuses two streams whose subjects overlap.
+const eventSubjectsUsage = "the subjects' prefix: <prefix>.<worker>.<rank>; relays and gateways of one stream use the same, and each stream (one per model group, say) needs its own"
 
 func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
 	return &serveNATSFlags{
-		url:    fs.String("nats", "", "also publish every relayed batch to a JetStream stream on this NATS server (nats://HOST:4222[,…]), for gateways started with --nats-events; NATS down never holds the relay up"),
-		stream: fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
-		worker: fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
+		url:      fs.String("nats", "", "also publish every relayed batch to a JetStream stream on this NATS server (nats://HOST:4222[,…]), for gateways started with --nats-events; NATS down never holds the relay up"),
+		stream:   fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
+		subjects: fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats: "+eventSubjectsUsage),
+		worker:   fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
 	}
 }
 
@@ -34,6 +40,9 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	if *f.url == "" {
 		if *f.worker != "" {
 			return errors.New("--nats-worker needs --nats")
+		}
+		if *f.subjects != natsevents.DefaultSubjectPrefix {
+			return errors.New("--nats-events-subject-prefix needs --nats")
 		}
 		return nil
 	}
@@ -59,14 +68,14 @@ func (f *serveNATSFlags) start(ctx context.Context, wg *sync.WaitGroup, log *slo
 		name = net.JoinHostPort(host, port)
 	}
 	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
-		URL: *f.url, Stream: *f.stream, Worker: name, Registerer: reg,
+		URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: name, Registerer: reg,
 		Logger: log.With("component", "natsevents", "worker", name),
 	})
 	if err != nil {
 		return fmt.Errorf("--nats: %w", err)
 	}
 	log.Info("publishing to JetStream", "nats", *f.url, "stream", *f.stream, "worker", name,
-		"subjects", natsevents.DefaultSubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
+		"subjects", *f.subjects+"."+natsevents.WorkerToken(name)+".<rank>")
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -78,15 +87,17 @@ func (f *serveNATSFlags) start(ctx context.Context, wg *sync.WaitGroup, log *slo
 
 // gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.
 type gatewayNATSEventsFlags struct {
-	on     *bool
-	stream *string
-	names  map[string]string
+	on       *bool
+	stream   *string
+	subjects *string
+	names    map[string]string
 }
 
 func addGatewayNATSEventsFlags(fs *flag.FlagSet) *gatewayNATSEventsFlags {
 	g := &gatewayNATSEventsFlags{names: map[string]string{}}
 	g.on = fs.Bool("nats-events", false, "with --nats: build the index from the JetStream stream the workers' relays publish (kvrelay serve --nats) instead of dialling each worker's stream; a worker falls back to its gRPC stream while that cannot be exact (NATS down, no snapshot yet)")
 	g.stream = fs.String("nats-stream", natsevents.DefaultStream, "with --nats-events: the JetStream stream the relays publish to")
+	g.subjects = fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats-events: "+eventSubjectsUsage)
 	fs.Func("nats-worker-name", "with --nats-events: WORKER=NAME, the name a worker's relay publishes under (its --nats-worker) when it is not the worker's HOST:PORT (repeat)", func(v string) error {
 		id, name, ok := cutLast(v, "=")
 		if !ok || id == "" || name == "" {
@@ -112,6 +123,9 @@ func (g *gatewayNATSEventsFlags) check(natsURL string) error {
 		if len(g.names) > 0 {
 			return errors.New("--nats-worker-name needs --nats-events")
 		}
+		if *g.subjects != natsevents.DefaultSubjectPrefix {
+			return errors.New("--nats-events-subject-prefix needs --nats-events")
+		}
 		return nil
 	}
 	if natsURL == "" {
@@ -126,7 +140,7 @@ func (g *gatewayNATSEventsFlags) source(natsURL string, log *slog.Logger, reg pr
 		return nil, nil
 	}
 	src, err := natsevents.NewSource(natsevents.SourceOptions{
-		URL: natsURL, Stream: *g.stream, Names: g.names, Registerer: reg,
+		URL: natsURL, Stream: *g.stream, SubjectPrefix: *g.subjects, Names: g.names, Registerer: reg,
 		Logger: log.With("component", "natsevents"),
 	})
 	if err != nil {

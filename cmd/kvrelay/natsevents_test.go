@@ -40,6 +40,29 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 	}
 	defer func() { ns.Shutdown(); ns.WaitForShutdown() }()
 
+	// Two streams on one server, as two model groups would have them: the
+	// default, and one with its own stream and subject prefix (JetStream
+	// refuses a second stream over the first one's subjects).
+	for _, tc := range []struct{ name, stream, subjects string }{
+		{"default stream", "", ""},
+		{"a model group's own stream", "KVRELAY_EVENTS_LLAMA", "kvrelay.llama-events"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var serveArgs, gatewayArgs []string
+			if tc.stream != "" {
+				serveArgs = []string{"--nats-stream", tc.stream, "--nats-events-subject-prefix", tc.subjects}
+				gatewayArgs = serveArgs
+			}
+			feedGatewayOverNATS(t, ns.ClientURL(), serveArgs, gatewayArgs)
+		})
+	}
+}
+
+// feedGatewayOverNATS runs a simulated engine, kvrelay serve --nats and
+// kvrelay gateway --nats-events (each with its extra flags) until the
+// gateway has indexed the engine's blocks through JetStream alone (its
+// worker's gRPC address is dead).
+func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []string) {
 	live := freeport.ForTest(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -50,10 +73,10 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 	}
 	defer eng.Close()
 
-	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
-		"--metrics-listen", "", "--nats", ns.ClientURL(), "--nats-worker", "engine-a")
-	gw := runInBackground(t, "gateway", "--worker", "grpc://127.0.0.1:1", "--listen", "127.0.0.1:0",
-		"--nats", ns.ClientURL(), "--nats-events", "--nats-worker-name", "grpc://127.0.0.1:1=engine-a")
+	srv := runInBackground(t, append([]string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
+		"--metrics-listen", "", "--nats", natsURL, "--nats-worker", "engine-a"}, serveArgs...)...)
+	gw := runInBackground(t, append([]string{"gateway", "--worker", "grpc://127.0.0.1:1", "--listen", "127.0.0.1:0",
+		"--nats", natsURL, "--nats-events", "--nats-worker-name", "grpc://127.0.0.1:1=engine-a"}, gatewayArgs...)...)
 	addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
 	var addr string
 	deadline := time.Now().Add(30 * time.Second)
@@ -106,6 +129,8 @@ func TestNATSEventsFlagsRefused(t *testing.T) {
 		{"serve --nats with --config", []string{"serve", "--config", "x.json", "--nats", "nats://127.0.0.1:1"}, "--nats"},
 		{"gateway --nats-events without --nats", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events"}, "--nats-events needs --nats"},
 		{"gateway worker name without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "a=b"}, "--nats-worker-name needs --nats-events"},
+		{"serve subject prefix without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-events-subject-prefix", "x.y"}, "--nats-events-subject-prefix needs --nats"},
+		{"gateway subject prefix without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events-subject-prefix", "x.y"}, "--nats-events-subject-prefix needs --nats-events"},
 		{"gateway malformed worker name", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "ab"}, "WORKER=NAME"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

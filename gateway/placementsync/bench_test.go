@@ -1,9 +1,15 @@
 package placementsync
 
 import (
+	"fmt"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrelay/kvrelay/gateway"
 )
 
 // arrivals is a Target that reports when each placement arrived.
@@ -127,4 +133,84 @@ func BenchmarkLoadPropagation(b *testing.B) {
 	b.ReportMetric(q(0.50), "p50-µs")
 	b.ReportMetric(q(0.99), "p99-µs")
 	b.ReportMetric(float64(lat[len(lat)-1].Microseconds()), "max-µs")
+}
+
+// addressNames are n worker names as the gateway names workers by address.
+func addressNames(n int) []string {
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("grpc://10.%d.%d.%d:50051", i>>16, i>>8&0xff, i&0xff)
+	}
+	return names
+}
+
+// cpuTime is the process's user and system CPU time.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkLoadSnapshot measures one replica's snapshot with a request in
+// flight on every one of n workers (named by address, as the gateway
+// does): its messages and bytes, the CPU to encode it, and the CPU for a
+// receiving replica (a real gateway with those workers) to decode, collect
+// and apply it while other peers' snapshots of the same size are live.
+// Every iteration's snapshot differs from the last, so each is applied.
+func BenchmarkLoadSnapshot(b *testing.B) {
+	for _, tc := range []struct{ workers, peers int }{{4096, 1}, {10000, 1}, {10000, 7}} {
+		b.Run(fmt.Sprintf("workers=%d/peers=%d", tc.workers, tc.peers), func(b *testing.B) {
+			names := addressNames(tc.workers)
+			ws := make([]gateway.Worker, len(names))
+			counts := [2]map[string]int{{}, {}}
+			for i, w := range names {
+				ws[i] = gateway.Worker{ID: w, Addr: w, Model: "llama"}
+				counts[0][w], counts[1][w] = 1, 2
+			}
+			g, err := gateway.New(gateway.Config{Workers: ws})
+			if err != nil {
+				b.Fatal(err)
+			}
+			l := newLoadShare(g, Options{})
+			for p := 1; p < tc.peers; p++ {
+				msgs, _ := encodeSnapshot(fmt.Sprintf("peer%d", p), 1, counts[0], 1<<20)
+				for _, m := range msgs {
+					l.receive(&nats.Msg{Data: m})
+				}
+			}
+			msgs, _ := encodeSnapshot("peer0", 1, counts[0], 1<<20)
+			size := 0
+			for _, m := range msgs {
+				size += len(m)
+			}
+			var encode, receive time.Duration
+			b.ResetTimer()
+			for i := range b.N {
+				start := cpuTime(b)
+				msgs, cut := encodeSnapshot("peer0", uint64(i+2), counts[i%2], 1<<20)
+				mid := cpuTime(b)
+				for _, m := range msgs {
+					l.receive(&nats.Msg{Data: m})
+				}
+				end := cpuTime(b)
+				encode, receive = encode+mid-start, receive+end-mid
+				if cut != 0 {
+					b.Fatalf("%d workers cut", cut)
+				}
+			}
+			b.StopTimer()
+			if got := l.livePeers(); got != tc.peers {
+				b.Fatalf("%d live peers, want %d", got, tc.peers)
+			}
+			if got := peerRouted(&replica{g: g}, names[len(names)-1]); got != tc.peers-1+1+(b.N-1)%2 {
+				b.Fatalf("last worker's peer count %d", got)
+			}
+			b.ReportMetric(float64(len(msgs)), "msgs/snapshot")
+			b.ReportMetric(float64(size), "bytes/snapshot")
+			b.ReportMetric(float64(encode.Microseconds())/float64(b.N), "encode-cpu-µs/op")
+			b.ReportMetric(float64(receive.Microseconds())/float64(b.N), "receive-cpu-µs/op")
+		})
+	}
 }

@@ -2,9 +2,12 @@ package placementsync
 
 import (
 	"fmt"
+	"maps"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -188,5 +191,202 @@ func TestLoadRejectsGarbageAndTooManyPeers(t *testing.T) {
 	}
 	if got := peerRouted(a, "w1"); got != MaxPeers-1 {
 		t.Errorf("a counts %d peer requests on w1, want %d", got, MaxPeers-1)
+	}
+}
+
+// peerRoutedAll is r's view of the other replicas' tracked requests per
+// worker, every worker listed.
+func peerRoutedAll(r *replica) map[string]int {
+	out := map[string]int{}
+	for _, ws := range r.g.Workers() {
+		out[ws.ID] = ws.PeerRouted
+	}
+	return out
+}
+
+// allEqual says whether every worker of counts has n.
+func allEqual(counts map[string]int, n int) bool {
+	for _, c := range counts {
+		if c != n {
+			return false
+		}
+	}
+	return true
+}
+
+// fleetSize is past MaxLoadWorkers by enough for three parts.
+const fleetSize = 10000
+
+// TestLoadSharedAt10000Workers: a replica with requests in flight on
+// 10,000 workers shares every one of them (before parts, the peer saw the
+// most loaded 4,096), and when it stops they all age out on the peer.
+func TestLoadSharedAt10000Workers(t *testing.T) {
+	url := runNATS(t).URL()
+	a, b := startLoadReplica(t, url, fleetSize), startLoadReplica(t, url, fleetSize)
+	eventually(t, "each sees the other", func() bool { return a.sync.Peers() == 1 && b.sync.Peers() == 1 })
+	// Distinct prompts go to the least loaded worker: one on each.
+	for i := range fleetSize {
+		routeTracked(t, a, prompt(1000*i, 16))
+	}
+	if own, _ := a.g.RoutedCounts(); len(own) != fleetSize || !allEqual(own, 1) {
+		t.Fatalf("a tracks requests on %d workers, want one on each of %d", len(own), fleetSize)
+	}
+	eventually(t, "b counts a's request on every worker", func() bool { return allEqual(peerRoutedAll(b), 1) })
+	if got := testutil.ToFloat64(b.sync.load.shared.WithLabelValues("rejected")); got != 0 {
+		t.Errorf("b rejected %v messages", got)
+	}
+	if got := testutil.ToFloat64(a.sync.load.cut); got != 0 {
+		t.Errorf("a cut %v workers", got)
+	}
+
+	a.sync.nc.Close() // as a crashed process: no goodbye
+	eventually(t, "a's counts age out on b", func() bool { return b.sync.Peers() == 0 && allEqual(peerRoutedAll(b), 0) })
+}
+
+// fakeLoadPeer publishes load messages as replica id on r's subject.
+type fakeLoadPeer struct {
+	t       *testing.T
+	nc      *nats.Conn
+	subject string
+	id      string
+	gen     uint64
+}
+
+func newFakeLoadPeer(t *testing.T, url string, r *replica, id string) *fakeLoadPeer {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return &fakeLoadPeer{t: t, nc: nc, subject: r.sync.load.subject, id: id}
+}
+
+// send publishes a new generation with n on every one of fleetSize
+// workers, leaving out the parts in lose; it returns the part count.
+func (f *fakeLoadPeer) send(n int, lose ...int) int {
+	counts := map[string]int{}
+	for i := range fleetSize {
+		counts[fmt.Sprintf("w%d", i)] = n
+	}
+	f.gen++
+	msgs, _ := encodeSnapshot(f.id, f.gen, counts, int(f.nc.MaxPayload()))
+	for i, msg := range msgs {
+		if slices.Contains(lose, i) {
+			continue
+		}
+		if err := f.nc.Publish(f.subject, msg); err != nil {
+			f.t.Error(err)
+		}
+	}
+	if err := f.nc.Flush(); err != nil {
+		f.t.Error(err)
+	}
+	return len(msgs)
+}
+
+// TestLoadLostPart: a snapshot one of whose parts is lost is never applied
+// in part (the peer's previous snapshot stays whole), the next whole one
+// is, and a peer whose parts keep getting lost ages out even though it
+// keeps sending.
+func TestLoadLostPart(t *testing.T) {
+	url := runNATS(t).URL()
+	b := startLoadReplica(t, url, fleetSize)
+	f := newFakeLoadPeer(t, url, b, "fake")
+	if parts := f.send(1); parts != 3 {
+		t.Fatalf("%d parts for %d workers, want 3", parts, fleetSize)
+	}
+	eventually(t, "b counts the fake's snapshot", func() bool { return allEqual(peerRoutedAll(b), 1) })
+
+	// Its next snapshot loses its middle part, then one loses its last:
+	// the second replaces the first before completing.
+	f.send(2, 1)
+	f.send(3, 2)
+	f.send(4) // whole
+	eventually(t, "the whole snapshot after the broken ones applied", func() bool { return allEqual(peerRoutedAll(b), 4) })
+	if got := testutil.ToFloat64(b.sync.load.shared.WithLabelValues("incomplete")); got != 2 {
+		t.Errorf("%v incomplete snapshots counted, want 2", got)
+	}
+
+	// From now on every snapshot loses a part: b keeps the last whole one,
+	// never a mix, until the peer times out.
+	deadline := time.Now().Add(waitFor)
+	for n := 5; ; n++ {
+		f.send(n, n%3)
+		counts := peerRoutedAll(b)
+		if allEqual(counts, 0) && b.sync.Peers() == 0 {
+			break
+		}
+		if !allEqual(counts, 4) {
+			t.Fatalf("b applied part of a broken snapshot: w0=%d, w9999=%d", counts["w0"], counts["w9999"])
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a peer whose parts keep getting lost never aged out")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	f.send(6) // whole again: back
+	eventually(t, "the peer back with a whole snapshot", func() bool { return allEqual(peerRoutedAll(b), 6) && b.sync.Peers() == 1 })
+}
+
+// lastPeerRouted is a LoadSource with nothing of its own that keeps the
+// peers' counts it was last given.
+type lastPeerRouted struct{ got map[string]int }
+
+func (*lastPeerRouted) RoutedCounts() (map[string]int, uint64) { return nil, 0 }
+func (*lastPeerRouted) RoutedVersion() uint64                  { return 0 }
+func (*lastPeerRouted) RoutedChanged() <-chan struct{}         { return nil }
+func (s *lastPeerRouted) SetPeerRouted(m map[string]int)       { s.got = maps.Clone(m) }
+
+// TestLoadPartsCollected: how a receiver collects one peer's parts, message
+// by message (no NATS: the order and losses are the test's).
+func TestLoadPartsCollected(t *testing.T) {
+	part := func(gen uint64, i, n int, counts map[string]int) []byte {
+		names, vals := []string{}, []int{}
+		for w, c := range counts {
+			names, vals = append(names, w), append(vals, c)
+		}
+		return encodeLoadPart(nil, "p", gen, i, n, names, vals)
+	}
+	whole := encodeLoad(nil, "p", []string{"z"}, []int{9})
+	for _, tc := range []struct {
+		name     string
+		msgs     [][]byte
+		want     map[string]int // nil: nothing applied
+		rejected float64
+		incompl  float64
+	}{
+		{"in order", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 1, 2, map[string]int{"b": 2})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"out of order", [][]byte{part(1, 1, 2, map[string]int{"b": 2}), part(1, 0, 2, map[string]int{"a": 1})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"one part missing", [][]byte{part(1, 0, 3, map[string]int{"a": 1}), part(1, 2, 3, map[string]int{"c": 1})}, nil, 0, 0},
+		{"a part repeated", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 0, 2, map[string]int{"a": 5}), part(1, 1, 2, map[string]int{"b": 2})}, map[string]int{"a": 1, "b": 2}, 1, 0},
+		{"a worker in two parts", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 1, 2, map[string]int{"a": 2})}, nil, 1, 0},
+		{"next generation drops the unfinished one, whose late part is ignored", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 1, 2, map[string]int{"x": 1}), part(2, 0, 2, map[string]int{"c": 3})}, map[string]int{"b": 2, "c": 3}, 0, 1},
+		{"a part of a generation applied already", [][]byte{part(2, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 0, 2, map[string]int{"x": 1}), part(1, 1, 2, map[string]int{"y": 1})}, map[string]int{"a": 1, "b": 2}, 0, 0},
+		{"a whole snapshot drops the unfinished one", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), whole}, map[string]int{"z": 9}, 0, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := &lastPeerRouted{}
+			l := newLoadShare(src, Options{})
+			for _, m := range tc.msgs {
+				l.receive(&nats.Msg{Data: m})
+			}
+			if !maps.Equal(src.got, tc.want) || (src.got == nil) != (tc.want == nil) {
+				t.Errorf("applied %v, want %v", src.got, tc.want)
+			}
+			if got := testutil.ToFloat64(l.shared.WithLabelValues("rejected")); got != tc.rejected {
+				t.Errorf("rejected %v, want %v", got, tc.rejected)
+			}
+			if got := testutil.ToFloat64(l.shared.WithLabelValues("incomplete")); got != tc.incompl {
+				t.Errorf("incomplete %v, want %v", got, tc.incompl)
+			}
+			// A peer is live once one whole snapshot of it is in.
+			wantLive := 0
+			if tc.want != nil {
+				wantLive = 1
+			}
+			if live := l.livePeers(); live != wantLive {
+				t.Errorf("%d live peers, want %d", live, wantLive)
+			}
+		})
 	}
 }

@@ -23,8 +23,14 @@ func PlacementSubject(prefix, model string) string {
 	return prefix + "." + subjectToken(model)
 }
 
-// LoadSnapshotMessage is the snapshot a replica sharing load publishes
-// for its in-flight counts: the non-zero ones, at most MaxLoadWorkers.
-func LoadSnapshotMessage(id string, counts map[string]int) []byte {
-	return encodeSnapshot(id, counts)
+// LoadSnapshotMessages is the snapshot a replica sharing load publishes
+// for its in-flight counts: the non-zero ones, in one message or in parts
+// that each fit MaxLoadWorkers entries and maxPayload bytes (a server's
+// max_payload; 0: NATS's default, 1 MiB). cut is how many workers were left
+// out past MaxLoadParts parts, as the publisher leaves them out.
+func LoadSnapshotMessages(id string, counts map[string]int, maxPayload int) (msgs [][]byte, cut int) {
+	if maxPayload <= 0 {
+		maxPayload = 1 << 20
+	}
+	return encodeSnapshot(id, 1, counts, maxPayload)
 }

@@ -51,7 +51,8 @@ type Options struct {
 	ReconnectWait time.Duration
 	// Registerer receives kvrelay_gateway_nats_connected,
 	// kvrelay_gateway_placements_shared_total and, sharing load,
-	// kvrelay_gateway_nats_peers and kvrelay_gateway_load_shared_total;
+	// kvrelay_gateway_nats_peers, kvrelay_gateway_load_shared_total and
+	// kvrelay_gateway_load_workers_cut_total;
 	// nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -176,7 +177,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 				Name: "kvrelay_gateway_nats_peers",
 				Help: "Other gateway replicas whose in-flight counts this one adds to its own (heard from within the peer timeout).",
 			}, func() float64 { return float64(s.load.livePeers()) })
-			collectors = append(collectors, peers, s.load.shared)
+			collectors = append(collectors, peers, s.load.shared, s.load.cut)
 		}
 		for _, c := range collectors {
 			if err := opts.Registerer.Register(c); err != nil {
