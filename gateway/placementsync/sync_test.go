@@ -1,7 +1,12 @@
 package placementsync
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -256,4 +261,47 @@ func gaugeOf(t testing.TB, reg *prometheus.Registry) prometheus.Collector {
 	}
 	t.Fatal("no kvrelay_gateway_nats_connected")
 	return nil
+}
+
+// TestAsyncErrorsGoToTheLog: nats.go's asynchronous errors reach the
+// replica's logger; without a handler of ours, nats.go writes them to
+// stderr, past slog and --log-format json.
+func TestAsyncErrorsGoToTheLog(t *testing.T) {
+	url := runNATS(t).URL()
+	g, err := gateway.New(gateway.Config{Workers: []gateway.Worker{{ID: "w0", Addr: "127.0.0.1:1", Model: "llama"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs safeBuffer
+	s, err := Start(g, Options{URL: url, Registerer: prometheus.NewRegistry(), Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	h := s.nc.ErrorHandler()
+	if h == nil {
+		t.Fatal("no asynchronous error handler: nats.go would write its errors to stderr")
+	}
+	h(s.nc, nil, errors.New("write on a broken pipe"))
+	if !strings.Contains(logs.String(), `"err":"write on a broken pipe"`) {
+		t.Fatalf("the error did not reach the log: %q", logs.String())
+	}
+}
+
+// safeBuffer is a bytes.Buffer a logger and a test may share.
+type safeBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *safeBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *safeBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
