@@ -157,10 +157,19 @@ func streamState(b *testing.B, url string) jetstream.StreamState {
 	return info.State
 }
 
-// counterValue reads a counter or gauge of reg whose labels include the
-// given name/value pairs, 0 if absent.
+// counterValue is metricValue for a benchmark, 0 when reg cannot be read.
 func counterValue(reg *prometheus.Registry, name string, labels ...string) float64 {
-	mfs, _ := reg.Gather()
+	v, _ := metricValue(reg, name, labels...)
+	return v
+}
+
+// metricValue reads a counter or gauge of reg whose labels include the
+// given name/value pairs, 0 if absent.
+func metricValue(reg prometheus.Gatherer, name string, labels ...string) (float64, error) {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0, err
+	}
 	for _, mf := range mfs {
 		if mf.GetName() != name {
 			continue
@@ -177,10 +186,10 @@ func counterValue(reg *prometheus.Registry, name string, labels ...string) float
 				}
 			}
 			if c := m.GetCounter(); c != nil {
-				return c.GetValue()
+				return c.GetValue(), nil
 			}
-			return m.GetGauge().GetValue()
+			return m.GetGauge().GetValue(), nil
 		}
 	}
-	return 0
+	return 0, nil
 }

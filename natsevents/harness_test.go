@@ -204,32 +204,12 @@ func (w *worker) down() {
 }
 
 func (w *worker) sinkCount(name string, labels ...string) float64 {
-	mfs, err := w.reg.Gather()
+	w.t.Helper()
+	v, err := metricValue(w.reg, name, labels...)
 	if err != nil {
 		w.t.Fatal(err)
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(labels); i += 2 {
-				found := false
-				for _, l := range m.GetLabel() {
-					found = found || (l.GetName() == labels[i] && l.GetValue() == labels[i+1])
-				}
-				if !found {
-					continue metric
-				}
-			}
-			if c := m.GetCounter(); c != nil {
-				return c.GetValue()
-			}
-			return m.GetGauge().GetValue()
-		}
-	}
-	return 0
+	return v
 }
 
 func (w *worker) run(steps int) {
@@ -345,27 +325,14 @@ func (r *replica) mode(id, source string) float64 {
 }
 
 func (r *replica) counter(name string, labels map[string]string) float64 {
-	mfs, err := r.reg.Gather()
+	r.t.Helper()
+	var pairs []string
+	for k, v := range labels {
+		pairs = append(pairs, k, v)
+	}
+	v, err := metricValue(r.reg, name, pairs...)
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range mf.GetMetric() {
-			have := map[string]string{}
-			for _, l := range m.GetLabel() {
-				have[l.GetName()] = l.GetValue()
-			}
-			for k, v := range labels {
-				if have[k] != v {
-					continue metric
-				}
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
+	return v
 }
