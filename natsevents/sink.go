@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
@@ -188,16 +190,7 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 		nats.ReconnectWait(opts.RetryWait),
 		nats.ConnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS connected") }),
 		nats.ReconnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS reconnected") }),
-		// nats.go writes asynchronous errors (a slow consumer, a write on
-		// a broken connection) straight to stderr unless it has a handler,
-		// past slog and --log-format json: they go to the log instead.
-		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-			if sub != nil {
-				s.log.Warn("nats: asynchronous error", "err", err, "subject", sub.Subject)
-				return
-			}
-			s.log.Warn("nats: asynchronous error", "err", err)
-		}),
+		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			m.connected.Set(0)
 			s.log.Warn("NATS disconnected; the stream will get a snapshot when it is back", "err", err)

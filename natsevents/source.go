@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
@@ -102,16 +104,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(opts.RetryWait),
-		// nats.go writes asynchronous errors (a slow consumer, a write on
-		// a broken connection) straight to stderr unless it has a handler,
-		// past slog and --log-format json: they go to the log instead.
-		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-			if sub != nil {
-				s.log.Warn("nats: asynchronous error", "err", err, "subject", sub.Subject)
-				return
-			}
-			s.log.Warn("nats: asynchronous error", "err", err)
-		}),
+		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.mu.Lock()
 			select {

@@ -30,6 +30,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -139,16 +141,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 		nats.ReconnectBufSize(-1),
 		nats.ConnectHandler(func(*nats.Conn) { s.log.Info("nats connected: sharing placements") }),
 		nats.ReconnectHandler(func(*nats.Conn) { s.log.Info("nats reconnected: sharing placements again") }),
-		// nats.go writes asynchronous errors (a slow consumer, a write on
-		// a broken connection) straight to stderr unless it has a handler,
-		// past slog and --log-format json: they go to the log instead.
-		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-			if sub != nil {
-				s.log.Warn("nats: asynchronous error", "err", err, "subject", sub.Subject)
-				return
-			}
-			s.log.Warn("nats: asynchronous error", "err", err)
-		}),
+		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.log.Warn("nats disconnected: placements stay local until it reconnects", "err", err)
 		}),
