@@ -1082,25 +1082,34 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 		c.single, c.isSingle = id, true
 		return true, true
 	}
-	// AND the live words only, compacting in place as words go to zero.
+	// AND the live words only, compacting in place as words go to zero. A
+	// word whose candidates all hold the block (the common case) is left
+	// untouched unless an earlier word was dropped.
+	active := c.active
 	kept := 0
-	for _, lw := range c.active {
+	for k := range active {
+		lw := &active[k]
 		var x uint64
 		if int(lw.idx) < len(set) {
 			x = atomic.LoadUint64(&set[lw.idx])
 		}
 		gone := lw.bits &^ x
-		for gone != 0 {
-			b := bits.TrailingZeros64(gone)
-			gone &= gone - 1
-			c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(b), blocks: int32(pos)})
+		if gone == 0 {
+			if kept != k {
+				active[kept] = *lw
+			}
+			kept++
+			continue
 		}
-		if lw.bits &= x; lw.bits != 0 {
-			c.active[kept] = lw
+		for g := gone; g != 0; g &= g - 1 {
+			c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(bits.TrailingZeros64(g)), blocks: int32(pos)})
+		}
+		if lw.bits &^= gone; lw.bits != 0 {
+			active[kept] = *lw
 			kept++
 		}
 	}
-	c.active = c.active[:kept]
+	c.active = active[:kept]
 	return kept > 0, true
 }
 
