@@ -1008,17 +1008,31 @@ func (c *hashCursor) get(i int) uint64 {
 
 // candidates is a lookup's set of workers still matching, and those that
 // dropped out with their depth.
+//
+// A multi-worker set is kept sparse: only the words of the slot bitset that
+// still have a candidate, with their word index, in ascending order. A holder
+// bitset is as wide as the shard's widest worker slot, so ANDing it whole at
+// every block would cost O(fleet) per block; ANDing only the live words costs
+// O(overlapping candidates). The first step reads the whole bitset once.
 type candidates struct {
-	active   []uint64 // bitset over worker slots, when !isSingle
+	active   []liveWord // the non-zero words, when !isSingle
 	single   uint32
 	isSingle bool
 	started  bool
 	done     []slotMatch
 }
 
+// liveWord is one non-zero word of the candidates' slot bitset: slots
+// idx*64 .. idx*64+63.
+type liveWord struct {
+	idx  uint32
+	bits uint64
+}
+
 // step applies position pos's holder word: workers not holding it drop out
 // with depth pos. It returns false when no candidate is left, and ok false
-// when the word names a bitset the slab does not have (a torn read).
+// when the word names a bitset the slab does not have (a torn read); then it
+// has changed nothing.
 func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 	if h == 0 {
 		return false, true
@@ -1038,9 +1052,11 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 			return true, true
 		}
 		for i := range set {
-			c.active = append(c.active, atomic.LoadUint64(&set[i]))
+			if x := atomic.LoadUint64(&set[i]); x != 0 {
+				c.active = append(c.active, liveWord{idx: uint32(i), bits: x})
+			}
 		}
-		return true, true
+		return len(c.active) > 0, true
 	}
 	if c.isSingle {
 		if set == nil {
@@ -1051,7 +1067,13 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 	}
 	if set == nil {
 		id := h >> 1
-		keep := int(id>>6) < len(c.active) && c.active[id>>6]&(1<<(id&63)) != 0
+		keep := false
+		for _, lw := range c.active {
+			if lw.idx == id>>6 {
+				keep = lw.bits&(1<<(id&63)) != 0
+				break
+			}
+		}
 		c.done = dropAll(c.active, c.done, pos, id, keep)
 		c.active = c.active[:0]
 		if !keep {
@@ -1060,22 +1082,35 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 		c.single, c.isSingle = id, true
 		return true, true
 	}
-	alive := uint64(0)
-	for wi := range c.active {
+	// AND the live words only, compacting in place as words go to zero. A
+	// word whose candidates all hold the block (the common case) is left
+	// untouched unless an earlier word was dropped.
+	active := c.active
+	kept := 0
+	for k := range active {
+		lw := &active[k]
 		var x uint64
-		if wi < len(set) {
-			x = atomic.LoadUint64(&set[wi])
+		if int(lw.idx) < len(set) {
+			x = atomic.LoadUint64(&set[lw.idx])
 		}
-		gone := c.active[wi] &^ x
-		for gone != 0 {
-			b := bits.TrailingZeros64(gone)
-			gone &= gone - 1
-			c.done = append(c.done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
+		gone := lw.bits &^ x
+		if gone == 0 {
+			if kept != k {
+				active[kept] = *lw
+			}
+			kept++
+			continue
 		}
-		c.active[wi] &= x
-		alive |= c.active[wi]
+		for g := gone; g != 0; g &= g - 1 {
+			c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(bits.TrailingZeros64(g)), blocks: int32(pos)})
+		}
+		if lw.bits &^= gone; lw.bits != 0 {
+			active[kept] = *lw
+			kept++
+		}
 	}
-	return alive != 0, true
+	c.active = active[:kept]
+	return kept > 0, true
 }
 
 // walkState is a lookup's working memory, pooled: its buffers point into
@@ -1085,7 +1120,7 @@ type walkState struct {
 	c         candidates
 	saved     savedCandidates
 	hashes    []uint64 // grown for long requests and kept
-	activeBuf [16]uint64
+	activeBuf [16]liveWord
 	doneBuf   [32]slotMatch
 }
 
@@ -1097,7 +1132,7 @@ func (w *walkState) put() {
 	}
 	w.hc = hashCursor{}
 	w.c = candidates{}
-	if cap(w.saved.active) > 1024 {
+	if cap(w.saved.active) > 512 {
 		w.saved.active = nil
 	}
 	walkPool.Put(w)
@@ -1105,7 +1140,7 @@ func (w *walkState) put() {
 
 // savedCandidates is what a lookup rolls back to when a run it read changed.
 type savedCandidates struct {
-	active   []uint64
+	active   []liveWord
 	single   uint32
 	isSingle bool
 	started  bool
@@ -1170,11 +1205,9 @@ func (ix *Index) walk(cur hashCursor) Matches {
 	if c.isSingle {
 		c.done = append(c.done, slotMatch{id: c.single, blocks: int32(pos)})
 	} else {
-		for wi, x := range c.active {
-			for x != 0 {
-				b := bits.TrailingZeros64(x)
-				x &= x - 1
-				c.done = append(c.done, slotMatch{id: uint32(wi<<6 + b), blocks: int32(pos)})
+		for _, lw := range c.active {
+			for x := lw.bits; x != 0; x &= x - 1 {
+				c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(bits.TrailingZeros64(x)), blocks: int32(pos)})
 			}
 		}
 	}
@@ -1272,12 +1305,10 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 }
 
 // dropAll records every active worker except keep-id as ending at pos.
-func dropAll(active []uint64, done []slotMatch, pos int, id uint32, keep bool) []slotMatch {
-	for wi, x := range active {
-		for x != 0 {
-			b := bits.TrailingZeros64(x)
-			x &= x - 1
-			if s := uint32(wi<<6 + b); !keep || s != id {
+func dropAll(active []liveWord, done []slotMatch, pos int, id uint32, keep bool) []slotMatch {
+	for _, lw := range active {
+		for x := lw.bits; x != 0; x &= x - 1 {
+			if s := lw.idx<<6 + uint32(bits.TrailingZeros64(x)); !keep || s != id {
 				done = append(done, slotMatch{id: s, blocks: int32(pos)})
 			}
 		}
