@@ -424,7 +424,11 @@ func (s *Sink) follow(ctx context.Context) error {
 		} else {
 			msg.Header.Set(jetstream.MsgIDHeader, msgID(s.token, b, enc))
 		}
-		f, err := s.js.PublishMsgAsync(msg)
+		// No resend on "no responders" (nats.go's default resends twice,
+		// 250 ms apart): the publishes after it go on meanwhile, so a
+		// resend could be stored behind later batches of its rank. The
+		// failure ends the pass instead, and the resync's snapshot follows.
+		f, err := s.js.PublishMsgAsync(msg, jetstream.WithRetryAttempts(0))
 		if err != nil {
 			s.m.published.WithLabelValues("failed").Inc()
 			return fmt.Errorf("publishing sequence %d of rank %d to %s: %w", b.GetSequenceNumber(), b.GetDpRank(), msg.Subject, err)

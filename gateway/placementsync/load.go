@@ -68,6 +68,7 @@ type peer struct {
 	counts  map[string]int
 	heard   time.Time // when the last whole snapshot came
 	gen     uint64    // the last split snapshot's generation applied
+	dropped uint64    // the last generation dropped as inconsistent
 	pending *partial
 }
 
@@ -335,7 +336,7 @@ func (l *loadShare) receive(msg *nats.Msg) {
 // generation drops the one being collected: core NATS delivers at most
 // once and in order, so its missing parts will not come.
 func (l *loadShare) collectLocked(p *peer, m loadMsg) map[string]int {
-	if m.gen <= p.gen || p.pending != nil && m.gen < p.pending.gen {
+	if m.gen <= p.gen || m.gen <= p.dropped || p.pending != nil && m.gen < p.pending.gen {
 		return nil // a part of a generation over or dropped already
 	}
 	if p.pending != nil && (p.pending.gen != m.gen || len(p.pending.got) != m.parts) {
@@ -352,7 +353,7 @@ func (l *loadShare) collectLocked(p *peer, m loadMsg) map[string]int {
 		for w, n := range m.counts {
 			if _, dup := p.pending.counts[w]; dup {
 				l.shared.WithLabelValues("rejected").Inc()
-				p.pending = nil // inconsistent: wait for the next generation
+				p.dropped, p.pending = m.gen, nil // inconsistent: wait for the next generation
 				return nil
 			}
 			p.pending.counts[w] = n

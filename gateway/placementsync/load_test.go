@@ -360,6 +360,7 @@ func TestLoadPartsCollected(t *testing.T) {
 		{"one part missing", [][]byte{part(1, 0, 3, map[string]int{"a": 1}), part(1, 2, 3, map[string]int{"c": 1})}, nil, 0, 0},
 		{"a part repeated", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 0, 2, map[string]int{"a": 5}), part(1, 1, 2, map[string]int{"b": 2})}, map[string]int{"a": 1, "b": 2}, 1, 0},
 		{"a worker in two parts", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(1, 1, 2, map[string]int{"a": 2})}, nil, 1, 0},
+		{"a generation dropped for a worker in two parts ignores its later parts", [][]byte{part(1, 0, 3, map[string]int{"a": 1}), part(1, 1, 3, map[string]int{"a": 2}), part(1, 2, 3, map[string]int{"c": 1}), whole}, map[string]int{"z": 9}, 1, 0},
 		{"next generation drops the unfinished one, whose late part is ignored", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 1, 2, map[string]int{"x": 1}), part(2, 0, 2, map[string]int{"c": 3})}, map[string]int{"b": 2, "c": 3}, 0, 1},
 		{"a part of a generation applied already", [][]byte{part(2, 0, 2, map[string]int{"a": 1}), part(2, 1, 2, map[string]int{"b": 2}), part(1, 0, 2, map[string]int{"x": 1}), part(1, 1, 2, map[string]int{"y": 1})}, map[string]int{"a": 1, "b": 2}, 0, 0},
 		{"a whole snapshot drops the unfinished one", [][]byte{part(1, 0, 2, map[string]int{"a": 1}), whole}, map[string]int{"z": 9}, 0, 1},
