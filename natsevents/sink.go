@@ -562,6 +562,13 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 	// last is new here (see passAcks), so no message the cut covers is
 	// stored above it.
 	seq := last.seq
+	if len(p.chunks) > maxSnapshotChunks {
+		// Replicas would refuse the object: write none rather than one
+		// they all fail on; they stay on the stream or their gRPC streams.
+		s.m.snapshots.WithLabelValues("failed").Inc()
+		s.log.Warn("snapshot not written: too many chunks for a snapshot object", "chunks", len(p.chunks), "max", maxSnapshotChunks)
+		return true
+	}
 	o := snapshotObject{StreamSeq: seq, Chunks: make([][]byte, 0, len(p.chunks))}
 	for _, c := range p.chunks {
 		enc, err := proto.Marshal(c)

@@ -23,6 +23,14 @@ type snapshotObject struct {
 
 const snapshotMagic = "KVRSNAP1"
 
+// maxSnapshotChunks bounds an object's chunk count. A chunk costs the
+// decoder a 24-byte slice header however few bytes it takes in the object
+// (an empty one takes one), so the count, not only the object's size, must
+// be bounded. A relay's chunks carry up to 4 MiB each: 1 M blocks take
+// about 500 chunks and the record's default cap (2 Mi entries) about
+// 1,000, so 65,536 leaves room and bounds the headers at 1.5 MiB.
+const maxSnapshotChunks = 1 << 16
+
 // errSnapshotFormat marks an object that is not a snapshot this code wrote.
 var errSnapshotFormat = errors.New("malformed snapshot object")
 
@@ -43,8 +51,10 @@ func encodeSnapshot(o snapshotObject) []byte {
 }
 
 // decodeSnapshot parses an object. Every declared count and length is
-// checked against the bytes that are left before anything is allocated
-// for it, so a corrupt or hostile object costs at most its own size.
+// checked against the bytes that are left, and the chunk count against
+// maxSnapshotChunks, before anything is allocated for it: a corrupt or
+// hostile object costs at most its own size plus 1.5 MiB of chunk headers
+// (the chunks alias data).
 func decodeSnapshot(data []byte) (snapshotObject, error) {
 	var o snapshotObject
 	if len(data) < len(snapshotMagic) || string(data[:len(snapshotMagic)]) != snapshotMagic {
@@ -66,6 +76,9 @@ func decodeSnapshot(data []byte) (snapshotObject, error) {
 	count, err := next("chunk count")
 	if err != nil {
 		return o, err
+	}
+	if count > maxSnapshotChunks {
+		return o, fmt.Errorf("%w: %d chunks declared, at most %d taken", errSnapshotFormat, count, maxSnapshotChunks)
 	}
 	if count > uint64(len(rest)) { // every chunk takes at least its length byte
 		return o, fmt.Errorf("%w: %d chunks declared in %d bytes", errSnapshotFormat, count, len(rest))

@@ -239,8 +239,11 @@ func encodeSnapshot(id string, gen uint64, counts map[string]int, maxBytes int) 
 			sortedNames[k], sortedVals[k] = names[i], vals[i]
 		}
 		names, vals = sortedNames, sortedVals
-		bounds = splitLoad(names, vals, budget)[:MaxLoadParts]
-		end := bounds[MaxLoadParts-1]
+		bounds = splitLoad(names, vals, budget)
+		// Sorted, the entries split again, and entries of other sizes can
+		// make that fewer parts than before: keep what there is.
+		bounds = bounds[:min(len(bounds), MaxLoadParts)]
+		end := bounds[len(bounds)-1]
 		cut = len(names) - end
 		names, vals = names[:end], vals[:end]
 	}
