@@ -57,7 +57,9 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	a.run(10)
 	r.exact(a.name, a.eng, "on JetStream")
 	assertAnnouncementsNotStored(t, js.url)
-	silences := func() float64 { return r.counter("kvrelay_gateway_events_sink_silent_total", map[string]string{"worker": a.name}) }
+	silences := func() float64 {
+		return r.counter("kvrelay_gateway_events_sink_silent_total", map[string]string{"worker": a.name})
+	}
 	if n := silences(); n != 0 {
 		t.Fatalf("a publishing sink was called silent %v times", n)
 	}
