@@ -15,8 +15,8 @@ import (
 )
 
 // Sink liveness. A sink that goes silent while the gateway's own NATS
-// connection stays up (its relay killed, its connection partitioned, its
-// pass stuck) leaves a JetStream stream that simply stops moving; without
+// connection stays up (its relay killed, its connection partitioned)
+// leaves a JetStream stream that simply stops moving; without
 // a signal a replica would keep following it and its index for that
 // worker would go stale unnoticed. So each sink announces itself on core
 // NATS every AliveEvery while a pass is publishing, and a source that has
@@ -24,7 +24,7 @@ import (
 // ends that worker's JetStream subscription and serves it from its gRPC
 // stream (see Source). The announcements are not stored: they go to
 // <prefix>-alive.<token>, which the stream's <prefix>.> does not capture
-// (its first tokens differ: "events-alive" is not "events").
+// (the prefix's last token differs: "events-alive" is not "events").
 
 // DefaultAliveEvery is how often a sink announces itself.
 const DefaultAliveEvery = time.Second

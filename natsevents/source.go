@@ -267,11 +267,15 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.
 	floor := s.floor
 	s.mu.Unlock()
 	token := WorkerToken(s.name(w))
-	if err := s.alive.check(token, w.ID); err != nil {
-		return nil, 0, err
-	}
+	// A silence found here or by the worker's JetStream subscription sets
+	// the worker's floor to the stream's end now, before the sink's return
+	// can write a snapshot that the floor must not exclude.
+	silent := s.alive.check(token, w.ID)
 	if f := s.alive.floor(token, info.State.LastSeq); f > floor {
 		floor = f
+	}
+	if silent != nil {
+		return nil, 0, silent
 	}
 	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
 	if err != nil {
