@@ -40,8 +40,8 @@ func (w *worker) startSinkStoppable(url string, tweak ...func(*SinkOptions)) (st
 func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	js := startJetStream(t)
 	a := startWorker(t, "a", 2)
-	// 300 ms: a bound of 900 ms, far above a loaded machine's timer lag.
-	sinkOpts := func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond; o.AliveEvery = 300 * time.Millisecond }
+	// 500 ms: a bound of 1.5 s, far above a loaded machine's timer lag.
+	sinkOpts := func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond; o.AliveEvery = 500 * time.Millisecond }
 	stopSink := a.startSinkStoppable(js.url, sinkOpts)
 	a.run(15)
 	eventually(t, "the first snapshot object", func() bool {
