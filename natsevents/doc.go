@@ -67,6 +67,32 @@
 // blocks are replaced, not merged). kvrelay_gateway_events_source{worker,
 // source="nats"|"grpc"} says which one each worker is on.
 //
+// # Silent sinks
+//
+// A sink that stops publishing while the gateway's own connection stays up
+// (its relay killed, its connection partitioned from NATS, or failing to
+// start a pass for longer than the bound) leaves a stream that just stops moving; over gRPC the
+// monitor would have seen the stream break. So a sink announces itself
+// every AliveEvery (1 s, kvrelay serve --nats-alive-every) while a pass is
+// publishing, on core NATS at <prefix>-alive.<token> (not captured by the
+// stream's <prefix>.>, so never stored), with its incarnation, pass and
+// the stream sequence of its newest stored message, and its interval. A
+// source whose worker's sink, once heard, has been silent for longer than
+// 3 of its intervals (SilentAfter) ends that worker's JetStream
+// subscription; the monitor resubscribes and Open serves the gRPC stream,
+// the fallback above, counted in
+// kvrelay_gateway_events_sink_silent_total{worker}. The worker returns by
+// the switch-back rule once the sink announces again and a snapshot at or
+// above the stream's end when the silence was found is there (the restarted
+// pass writes one). A replica that reconnects to NATS restarts every sink's
+// clock. A worker whose sink never announced is served as before: that is
+// a relay from before announcements (or with them off), and treating it as
+// silent would send every worker of a fleet being upgraded to gRPC at once;
+// the price is that such a sink's death goes unnoticed, as it did before.
+// Not covered: a sink stuck inside a pass still announces; the sequence it
+// announces is logged at a silence but not acted on, as a sequence that
+// stops moving is also what an idle engine looks like.
+//
 // Engine load records are not carried: they are added by the gRPC server,
 // not the relay's subscription, so a gateway reading from JetStream has no
 // engine load (overlap decay and the KV-pressure thresholds see none).

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -56,7 +58,12 @@ type SinkOptions struct {
 	MaxPending int
 	AckTimeout time.Duration
 	// RetryWait is the pause before a resync after a failure (1 s).
-	RetryWait   time.Duration
+	RetryWait time.Duration
+	// AliveEvery is how often the sink announces itself on core NATS
+	// while a pass is publishing (DefaultAliveEvery; negative: never, as
+	// a relay from before announcements), so that gateways can tell a
+	// silent sink from an idle engine (see alive.go).
+	AliveEvery  time.Duration
 	NATSOptions []nats.Option
 	Registerer  prometheus.Registerer
 	Logger      *slog.Logger
@@ -104,6 +111,15 @@ func (o SinkOptions) withDefaults() (SinkOptions, error) {
 	if o.RetryWait <= 0 {
 		o.RetryWait = time.Second
 	}
+	if o.AliveEvery == 0 {
+		o.AliveEvery = DefaultAliveEvery
+	}
+	if o.AliveEvery > maxAliveEvery {
+		return o, fmt.Errorf("natsevents: announcement interval %s above %s", o.AliveEvery, maxAliveEvery)
+	}
+	if o.AliveEvery > 0 && o.AliveEvery < time.Millisecond {
+		return o, fmt.Errorf("natsevents: announcement interval %s below 1ms", o.AliveEvery)
+	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -124,6 +140,13 @@ type Sink struct {
 
 	mu   sync.Mutex
 	fail func(error) // cancels the current follow when an async publish fails
+
+	// What the announcements say (alive.go): this process's random
+	// incarnation, the current pass (0: none publishing) and the newest
+	// stored message's stream sequence.
+	incarnation uint64
+	pass        atomic.Uint64
+	lastSeq     atomic.Uint64
 }
 
 type sinkMetrics struct {
@@ -182,7 +205,7 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m}
+	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64()}
 	nopts := append([]nats.Option{
 		nats.Name("kvrelay-serve " + opts.Worker),
 		nats.RetryOnFailedConnect(true),
@@ -233,7 +256,14 @@ func (s *Sink) Close() { s.nc.Close() }
 // RetryWait later, starts with a snapshot again, so the stream is never
 // left with a hole that no snapshot follows.
 func (s *Sink) Run(ctx context.Context) error {
+	if s.opts.AliveEvery > 0 {
+		actx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); s.announce(actx) }()
+		defer func() { cancel(); <-done }()
+	}
 	reason := "start"
+	passes := uint64(0)
 	for ctx.Err() == nil {
 		if !s.nc.IsConnected() {
 			reason = "nats_down"
@@ -243,7 +273,10 @@ func (s *Sink) Run(ctx context.Context) error {
 			continue
 		}
 		s.m.resyncs.WithLabelValues(reason).Inc()
+		passes++
+		s.pass.Store(passes)
 		err := s.follow(ctx)
+		s.pass.Store(0)
 		if ctx.Err() != nil {
 			break
 		}
@@ -520,6 +553,8 @@ func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
 	case pa := <-f.Ok():
 		// For a duplicate, the sequence the stream already held it at.
 		a.seq, a.dup = pa.Sequence, pa.Duplicate
+		for cur := s.lastSeq.Load(); pa.Sequence > cur && !s.lastSeq.CompareAndSwap(cur, pa.Sequence); cur = s.lastSeq.Load() {
+		}
 		if pa.Duplicate {
 			s.m.published.WithLabelValues("duplicate").Inc()
 		} else {

@@ -38,9 +38,16 @@ type SourceOptions struct {
 	// SwitchBackEvery is how often a worker following its gRPC stream
 	// checks whether JetStream can serve it exactly again (2 s).
 	SwitchBackEvery time.Duration
-	NATSOptions     []nats.Option
-	Registerer      prometheus.Registerer
-	Logger          *slog.Logger
+	// SilentAfter is how long a worker's sink, once heard, may go without
+	// announcing itself before the worker is moved to its gRPC stream (0:
+	// DefaultSilentIntervals of the interval the sink announces);
+	// SilenceCheckEvery is how often a JetStream-served worker checks it
+	// (250 ms).
+	SilentAfter       time.Duration
+	SilenceCheckEvery time.Duration
+	NATSOptions       []nats.Option
+	Registerer        prometheus.Registerer
+	Logger            *slog.Logger
 }
 
 // Source opens a gateway's worker subscriptions from the JetStream stream
@@ -54,6 +61,8 @@ type Source struct {
 	nc   *nats.Conn
 	js   jetstream.JetStream
 	mode *prometheus.GaugeVec
+	// alive tracks the sinks' announcements (alive.go).
+	alive *aliveTracker
 
 	mu sync.Mutex
 	// lost is closed when the connection drops, ending every stream read
@@ -87,16 +96,21 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.SwitchBackEvery <= 0 {
 		opts.SwitchBackEvery = 2 * time.Second
 	}
+	if opts.SilenceCheckEvery <= 0 {
+		opts.SilenceCheckEvery = 250 * time.Millisecond
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{})}
+	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger)}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
 	if opts.Registerer != nil {
-		if err := opts.Registerer.Register(s.mode); err != nil {
-			return nil, fmt.Errorf("natsevents: %w", err)
+		for _, c := range []prometheus.Collector{s.mode, s.alive.silences} {
+			if err := opts.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("natsevents: %w", err)
+			}
 		}
 	}
 	nopts := append([]nats.Option{
@@ -120,6 +134,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 			s.lost = make(chan struct{})
 			s.needFloor = true
 			s.mu.Unlock()
+			s.alive.reconnected()
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
 		}),
 	}, opts.NATSOptions...)
@@ -138,6 +153,11 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	// A subscription made before the server answers is sent when it does.
+	if s.alive.sub, err = s.nc.Subscribe(aliveFilter(opts.SubjectPrefix), s.alive.handle); err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: subscribe to the sinks' announcements: %w", err)
 	}
 	return s, nil
 }
@@ -246,6 +266,17 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.
 	}
 	floor := s.floor
 	s.mu.Unlock()
+	token := WorkerToken(s.name(w))
+	// A silence found here or by the worker's JetStream subscription sets
+	// the worker's floor to the stream's end now, before the sink's return
+	// can write a snapshot that the floor must not exclude.
+	silent := s.alive.check(token, w.ID)
+	if f := s.alive.floor(token, info.State.LastSeq); f > floor {
+		floor = f
+	}
+	if silent != nil {
+		return nil, 0, silent
+	}
 	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
 	if err != nil {
 		return nil, 0, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
@@ -259,7 +290,7 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.
 		return nil, 0, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
 	}
 	if seq < floor {
-		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back (%d); waiting for a newer one", s.name(w), seq, floor)
+		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back or its sink went silent (%d); waiting for a newer one", s.name(w), seq, floor)
 	}
 	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
 		return nil, 0, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
@@ -327,13 +358,28 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	}
 	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID)}
 	go func() {
-		select {
-		case <-ctx.Done():
-		case <-lost:
-			js.lostNATS.Store(true)
-		case <-js.done:
+		defer it.Stop()
+		check := time.NewTicker(s.opts.SilenceCheckEvery)
+		defer check.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-lost:
+				js.lostNATS.Store(true)
+				return
+			case <-js.done:
+				return
+			case <-check.C:
+				// The stream of a silent sink no longer moves: ending the
+				// subscription sends the monitor back to Open, which takes
+				// the gRPC path while the sink stays silent.
+				if err := s.alive.check(token, w.ID); err != nil {
+					js.silent.Store(true)
+					return
+				}
+			}
 		}
-		it.Stop()
 	}()
 	return js, nil
 }
@@ -346,6 +392,7 @@ type jsStream struct {
 	done     chan struct{}
 	once     sync.Once
 	lostNATS atomic.Bool
+	silent   atomic.Bool // ended because the worker's sink went silent
 	log      *slog.Logger
 }
 
@@ -364,6 +411,9 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 			j.once.Do(func() { close(j.done) })
 			if j.lostNATS.Load() {
 				return nil, status.Error(codes.Unavailable, "NATS connection lost")
+			}
+			if j.silent.Load() {
+				return nil, status.Error(codes.Unavailable, errSinkSilent.Error())
 			}
 			return nil, status.Errorf(codes.Unavailable, "JetStream consumer ended: %v", err)
 		}

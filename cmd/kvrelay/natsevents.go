@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -19,6 +20,7 @@ import (
 // serveNATSFlags are kvrelay serve's JetStream sink flags (--nats …).
 type serveNATSFlags struct {
 	url, stream, worker, subjects *string
+	aliveEvery                    *time.Duration
 }
 
 // eventSubjectsUsage is --nats-events-subject-prefix's, the same on both
@@ -28,10 +30,11 @@ const eventSubjectsUsage = "the subjects' prefix: <prefix>.<worker>.<rank>; rela
 
 func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
 	return &serveNATSFlags{
-		url:      fs.String("nats", "", "also publish every relayed batch to a JetStream stream on this NATS server (nats://HOST:4222[,…]), for gateways started with --nats-events; NATS down never holds the relay up"),
-		stream:   fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
-		subjects: fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats: "+eventSubjectsUsage),
-		worker:   fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
+		url:        fs.String("nats", "", "also publish every relayed batch to a JetStream stream on this NATS server (nats://HOST:4222[,…]), for gateways started with --nats-events; NATS down never holds the relay up"),
+		stream:     fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
+		subjects:   fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats: "+eventSubjectsUsage),
+		aliveEvery: fs.Duration("nats-alive-every", natsevents.DefaultAliveEvery, "with --nats: how often the sink announces itself (core NATS, <prefix>-alive.<worker>, not stored); a gateway moves a worker whose sink is silent for 3 intervals to its gRPC stream; 1ms to 1m, 0: never (a gateway then cannot tell a dead sink from an idle engine)"),
+		worker:     fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
 	}
 }
 
@@ -44,7 +47,13 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 		if *f.subjects != natsevents.DefaultSubjectPrefix {
 			return errors.New("--nats-events-subject-prefix needs --nats")
 		}
+		if *f.aliveEvery != natsevents.DefaultAliveEvery {
+			return errors.New("--nats-alive-every needs --nats")
+		}
 		return nil
+	}
+	if *f.aliveEvery < 0 || *f.aliveEvery > time.Minute || (*f.aliveEvery > 0 && *f.aliveEvery < time.Millisecond) {
+		return fmt.Errorf("--nats-alive-every %s: want 0 (off) or 1ms to 1m", *f.aliveEvery)
 	}
 	if usesConfigFile {
 		return errors.New("--nats cannot be combined with --config yet (one sink per relay needs a name per relay)")
@@ -67,8 +76,12 @@ func (f *serveNATSFlags) start(ctx context.Context, wg *sync.WaitGroup, log *slo
 		}
 		name = net.JoinHostPort(host, port)
 	}
+	aliveEvery := *f.aliveEvery
+	if aliveEvery == 0 {
+		aliveEvery = -1 // off; SinkOptions reads 0 as the default
+	}
 	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
-		URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: name, Registerer: reg,
+		URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: name, Registerer: reg, AliveEvery: aliveEvery,
 		Logger: log.With("component", "natsevents", "worker", name),
 	})
 	if err != nil {
