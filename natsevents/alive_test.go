@@ -93,18 +93,9 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 // rank subjects and none of the announcements.
 func assertAnnouncementsNotStored(t *testing.T, url string) {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
-	st, err := jsc.Stream(ctx, DefaultStream)
+	st, err := openDefaultStream(ctx, t, url)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -75,3 +75,21 @@ func msgID(token string, b *kvpb.KvEventBatch, enc []byte) string {
 	}
 	return id + "h" + strconv.FormatUint(xxh3.Hash(enc), 16)
 }
+
+// streamDefaults fills an empty stream name and subject prefix with the
+// defaults and checks both: the sink and the source must agree on them.
+func streamDefaults(stream, prefix string) (string, string, error) {
+	if stream == "" {
+		stream = DefaultStream
+	}
+	if prefix == "" {
+		prefix = DefaultSubjectPrefix
+	}
+	if err := checkStreamName(stream); err != nil {
+		return stream, prefix, fmt.Errorf("natsevents: %w", err)
+	}
+	if err := checkSubjectPrefix(prefix); err != nil {
+		return stream, prefix, fmt.Errorf("natsevents: %w", err)
+	}
+	return stream, prefix, nil
+}

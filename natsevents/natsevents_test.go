@@ -107,19 +107,10 @@ func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
 // streamBatches reads every message of worker on the stream.
 func streamBatches(t *testing.T, url, worker string) []*kvpb.KvEventBatch {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	filter := workerFilter(DefaultSubjectPrefix, WorkerToken(worker))
-	st, err := jsc.Stream(ctx, DefaultStream)
+	st, err := openDefaultStream(ctx, t, url)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +122,7 @@ func streamBatches(t *testing.T, url, worker string) []*kvpb.KvEventBatch {
 	for _, n := range info.State.Subjects {
 		want += n
 	}
-	cons, err := jsc.OrderedConsumer(ctx, DefaultStream, jetstream.OrderedConsumerConfig{FilterSubjects: []string{filter}})
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{filter}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,4 +144,20 @@ func streamBatches(t *testing.T, url, worker string) []*kvpb.KvEventBatch {
 		}
 	}
 	return out
+}
+
+// openDefaultStream connects to url (closed when the test ends) and opens
+// the default stream.
+func openDefaultStream(ctx context.Context, t *testing.T, url string) (jetstream.Stream, error) {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	jsc, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return jsc.Stream(ctx, DefaultStream)
 }

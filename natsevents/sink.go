@@ -81,17 +81,9 @@ func (o SinkOptions) withDefaults() (SinkOptions, error) {
 	if o.Worker == "" {
 		return o, errors.New("natsevents: the sink needs a worker name")
 	}
-	if o.Stream == "" {
-		o.Stream = DefaultStream
-	}
-	if o.SubjectPrefix == "" {
-		o.SubjectPrefix = DefaultSubjectPrefix
-	}
-	if err := checkStreamName(o.Stream); err != nil {
-		return o, fmt.Errorf("natsevents: %w", err)
-	}
-	if err := checkSubjectPrefix(o.SubjectPrefix); err != nil {
-		return o, fmt.Errorf("natsevents: %w", err)
+	var err error
+	if o.Stream, o.SubjectPrefix, err = streamDefaults(o.Stream, o.SubjectPrefix); err != nil {
+		return o, err
 	}
 	if o.MaxAge <= 0 {
 		o.MaxAge = DefaultMaxAge

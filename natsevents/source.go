@@ -78,17 +78,9 @@ type Source struct {
 
 // NewSource connects without waiting for the server.
 func NewSource(opts SourceOptions) (*Source, error) {
-	if opts.Stream == "" {
-		opts.Stream = DefaultStream
-	}
-	if opts.SubjectPrefix == "" {
-		opts.SubjectPrefix = DefaultSubjectPrefix
-	}
-	if err := checkStreamName(opts.Stream); err != nil {
-		return nil, fmt.Errorf("natsevents: %w", err)
-	}
-	if err := checkSubjectPrefix(opts.SubjectPrefix); err != nil {
-		return nil, fmt.Errorf("natsevents: %w", err)
+	var err error
+	if opts.Stream, opts.SubjectPrefix, err = streamDefaults(opts.Stream, opts.SubjectPrefix); err != nil {
+		return nil, err
 	}
 	if opts.RetryWait <= 0 {
 		opts.RetryWait = time.Second
@@ -138,7 +130,6 @@ func NewSource(opts SourceOptions) (*Source, error) {
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
 		}),
 	}, opts.NATSOptions...)
-	var err error
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
 		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
 	}
