@@ -453,3 +453,18 @@ func (s *kvStream) waitBatches(t testing.TB, what string, cond func([]*kvpb.KvEv
 	}, logs...)
 	return got
 }
+
+// smgGatewayCommand is SMG's gateway with the cache_aware policy over
+// workerURL, on a free port, its Prometheus endpoint on another, and no
+// tokenizer (the stubs have none, and the gateway would otherwise fetch one
+// over the network); metricsURL is that endpoint.
+func smgGatewayCommand(t testing.TB, smgBin, workerURL string) (cmd *exec.Cmd, metricsURL string) {
+	t.Helper()
+	smgPort, promPort := freePort(t), freePort(t)
+	cmd = exec.Command(smgBin, "launch",
+		"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
+		"--worker-urls", workerURL, "--policy", "cache_aware",
+		"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
+		"--disable-tokenizer-autoload", "--log-level", "debug")
+	return cmd, fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
+}

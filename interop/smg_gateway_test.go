@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -123,17 +122,9 @@ func TestSMGGatewayConsumesKvrelay(t *testing.T) {
 	publish(0, 2)
 	publish(1, 1)
 
-	smgPort, promPort := freePort(t), freePort(t)
 	workerURL := fmt.Sprintf("grpc://127.0.0.1:%d", kvPort)
-	smg := startProc(t, "smg gateway", exec.Command(smgBin, "launch",
-		"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
-		"--worker-urls", workerURL, "--policy", "cache_aware",
-		"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
-		// No tokenizer: the stub has none, and the gateway would otherwise
-		// try HuggingFace over the network.
-		"--disable-tokenizer-autoload",
-		"--log-level", "debug"))
-	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
+	smgCmd, metricsURL := smgGatewayCommand(t, smgBin, workerURL)
+	smg := startProc(t, "smg gateway", smgCmd)
 	logs := []*proc{smg, kv.proc, stub}
 
 	// 1. The gateway registers the worker (through kvrelay's proxy to the

@@ -6,7 +6,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -84,15 +83,11 @@ func TestGatewaysTakeAMillionBlockSnapshotAndA131kBlockBatch(t *testing.T) {
 	}, kv.proc)
 
 	workerURL := fmt.Sprintf("grpc://127.0.0.1:%d", kvPort)
-	smgPort, promPort, ourPort := freePort(t), freePort(t), freePort(t)
-	smg := startProc(t, "smg gateway", exec.Command(smgBin, "launch",
-		"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
-		"--worker-urls", workerURL, "--policy", "cache_aware",
-		"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
-		"--disable-tokenizer-autoload", "--log-level", "debug"))
+	ourPort := freePort(t)
+	smgCmd, smgMetrics := smgGatewayCommand(t, smgBin, workerURL)
+	smg := startProc(t, "smg gateway", smgCmd)
 	ours := startProc(t, "kvrelay gateway", exec.Command(kvrelayBin(t), "gateway",
 		"--worker", workerURL, "--listen", fmt.Sprintf("127.0.0.1:%d", ourPort)))
-	smgMetrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
 	ourMetrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", ourPort)
 	logs := []*proc{smg, ours, kv.proc}
 	smg.waitLine(t, regexp.MustCompile(`KV event stream connected`), startTimeout)

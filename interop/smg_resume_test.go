@@ -5,10 +5,8 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"sync"
 	"testing"
 
@@ -140,15 +138,9 @@ func TestSMGGatewayResumesExactlyAcrossAKvrelayRestart(t *testing.T) {
 			publish(0, 3)
 			publish(1, 3)
 
-			smgPort, promPort := freePort(t), freePort(t)
 			workerURL := fmt.Sprintf("grpc://127.0.0.1:%d", fwd.port())
-			smg := startProc(t, "smg gateway", exec.Command(smgBin, "launch",
-				"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
-				"--worker-urls", workerURL, "--policy", "cache_aware",
-				"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
-				"--disable-tokenizer-autoload",
-				"--log-level", "debug"))
-			metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
+			smgCmd, metricsURL := smgGatewayCommand(t, smgBin, workerURL)
+			smg := startProc(t, "smg gateway", smgCmd)
 			logs := []*proc{smg, kv.proc, stub}
 			smg.waitLine(t, regexp.MustCompile(`KV event stream connected`), startTimeout)
 			for i := 0; i < 10; i++ { // the ranks step together
@@ -219,15 +211,9 @@ func TestSMGGatewayResumeOnTheSameKvrelay(t *testing.T) {
 	live := liveSet{}
 	next := make([]int, dp) // the next chainBatch index per rank
 	publish := chainPublisher(t, peer, live, next)
-	smgPort, promPort := freePort(t), freePort(t)
 	workerURL := fmt.Sprintf("grpc://127.0.0.1:%d", fwd.port())
-	smg := startProc(t, "smg gateway", exec.Command(smgBin, "launch",
-		"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
-		"--worker-urls", workerURL, "--policy", "cache_aware",
-		"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
-		"--disable-tokenizer-autoload",
-		"--log-level", "debug"))
-	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
+	smgCmd, metricsURL := smgGatewayCommand(t, smgBin, workerURL)
+	smg := startProc(t, "smg gateway", smgCmd)
 	logs := []*proc{smg, kv.proc, stub}
 	smg.waitLine(t, regexp.MustCompile(`KV event stream connected`), startTimeout)
 	resyncs := func(reason string) float64 {

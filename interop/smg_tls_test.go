@@ -3,10 +3,8 @@ package interop
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"testing"
 	"time"
 
@@ -71,16 +69,10 @@ func TestSMGGatewayOverTLS(t *testing.T) {
 	}
 	publish(2)
 
-	smgPort, promPort := freePort(t), freePort(t)
 	workerURL := fmt.Sprintf("grpcs://127.0.0.1:%d", kvPort)
-	cmd := exec.Command(smgBin, "launch",
-		"--host", "127.0.0.1", "--port", strconv.Itoa(smgPort),
-		"--worker-urls", workerURL, "--policy", "cache_aware",
-		"--prometheus-port", strconv.Itoa(promPort), "--prometheus-host", "127.0.0.1",
-		"--disable-tokenizer-autoload", "--log-level", "debug")
+	cmd, metricsURL := smgGatewayCommand(t, smgBin, workerURL)
 	cmd.Env = append(os.Environ(), "SSL_CERT_FILE="+caFile)
 	smg := startProc(t, "smg gateway (grpcs)", cmd)
-	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", promPort)
 	logs := []*proc{smg, kv.proc, stub}
 
 	smg.waitLine(t, regexp.MustCompile(`KV event stream connected`), 35*time.Second)
