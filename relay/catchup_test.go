@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -31,16 +30,7 @@ func startCatchUpLab(t *testing.T) (*enginepeer.Peer, *Relay, *lab) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
-	l := &lab{t: t, r: r}
+	l := runRelay(t, r)
 	l.waitFor("the rank to connect", r.Ready)
 	return peer, r, l
 }

@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -76,16 +75,8 @@ func TestARedeliveryOfTheCursorBatchAfterACatchUpIsADuplicate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
-	l := &lab{t: t, r: r, pubs: []*fakePub{p}, reg: reg}
+	l := runRelay(t, r)
+	l.pubs, l.reg = []*fakePub{p}, reg
 	l.waitFor("the start replay", func() bool { return len(p.askedFrom()) > 0 })
 
 	p.publish(payload(0, stored(-1, 1)))

@@ -54,16 +54,7 @@ func startReleaseRig(t *testing.T, engine string) *releaseRig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
-	l := &lab{t: t, r: r}
+	l := runRelay(t, r)
 	l.waitFor("the rank connected", r.Ready)
 	rig := &releaseRig{t: t, peer: peer, r: r, l: l, reg: reg}
 	// A marker batch to resume after (start_sequence_number is the last
