@@ -12,7 +12,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 )
@@ -33,14 +32,8 @@ type servedRelay struct {
 // serveRelay runs r and serves it on a loopback port until stop.
 func serveRelay(ctx context.Context, r *relay.Relay) (*servedRelay, error) {
 	srv, err := server.New(server.Options{
-		Services: []server.Service{{
-			Engine: vllm.Engine,
-			Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-				return r.Subscribe(ctx, req)
-			},
-			Ready: r.Ready,
-		}},
-		Logger: quietLog, Registerer: prometheus.NewRegistry(),
+		Services: []server.Service{server.RelayService(vllm.Engine, r)},
+		Logger:   quietLog, Registerer: prometheus.NewRegistry(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bench: server: %w", err)

@@ -19,7 +19,6 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
@@ -146,14 +145,8 @@ func (w *worker) startRelay(ctx context.Context) error {
 		return fmt.Errorf("relay for %s: %w", w.id, err)
 	}
 	srv, err := server.New(server.Options{
-		Services: []server.Service{{
-			Engine: w.kind.engine,
-			Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-				return rel.Subscribe(ctx, req)
-			},
-			Ready: rel.Ready,
-		}},
-		Logger: w.log.With("component", "grpc"), Registerer: reg, ShutdownGrace: time.Second,
+		Services: []server.Service{server.RelayService(w.kind.engine, rel)},
+		Logger:   w.log.With("component", "grpc"), Registerer: reg, ShutdownGrace: time.Second,
 	})
 	if err != nil {
 		return fmt.Errorf("gRPC server for %s: %w", w.id, err)

@@ -16,7 +16,6 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
@@ -83,13 +82,7 @@ func (r *relayedEngine) startRelay() {
 func (r *relayedEngine) startServer() {
 	r.t.Helper()
 	rel := r.rel
-	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{{
-		Engine: vllm.Engine,
-		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-			return rel.Subscribe(ctx, req)
-		},
-		Ready: rel.Ready,
-	}}})
+	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{server.RelayService(vllm.Engine, rel)}})
 	if err != nil {
 		r.t.Fatal(err)
 	}

@@ -14,7 +14,6 @@ import (
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/internal/enginepeer"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 )
@@ -80,13 +79,7 @@ func TestReportModeFullEndsExactInTheRecordASnapshotAndTheIndex(t *testing.T) {
 			go func() { defer close(relDone); _ = rel.Run(ctx) }()
 			t.Cleanup(func() { cancel(); <-relDone })
 			eventually(t, "relay connected", rel.Ready)
-			srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{{
-				Engine: vllm.Engine,
-				Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-					return rel.Subscribe(ctx, req)
-				},
-				Ready: rel.Ready,
-			}}})
+			srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{server.RelayService(vllm.Engine, rel)}})
 			if err != nil {
 				t.Fatal(err)
 			}

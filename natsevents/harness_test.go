@@ -19,7 +19,6 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	relayserver "github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
@@ -154,13 +153,7 @@ func (w *worker) startRelay() {
 	w.stops = append(w.stops, func() { cancel(); <-done })
 	eventually(w.t, "relay connected", rel.Ready)
 
-	srv, err := relayserver.New(relayserver.Options{Logger: slog.New(slog.DiscardHandler), Services: []relayserver.Service{{
-		Engine: vllm.Engine,
-		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (relayserver.Stream, error) {
-			return rel.Subscribe(ctx, req)
-		},
-		Ready: rel.Ready,
-	}}})
+	srv, err := relayserver.New(relayserver.Options{Logger: slog.New(slog.DiscardHandler), Services: []relayserver.Service{relayserver.RelayService(vllm.Engine, rel)}})
 	if err != nil {
 		w.t.Fatal(err)
 	}

@@ -25,7 +25,6 @@ import (
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
@@ -608,13 +607,9 @@ func serve(ctx context.Context, log *slog.Logger, metricsListen, webConfig strin
 		}
 		reloaders = append(reloaders, security.reloaders...)
 		for _, r := range byListen[addr] {
-			svc := server.Service{Engine: r.cfg.engine}
+			svc := server.Service{Engine: r.cfg.engine} // events off: UNIMPLEMENTED
 			if r.relay != nil {
-				rel := r.relay
-				svc.Subscribe = func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-					return rel.Subscribe(ctx, req)
-				}
-				svc.Ready = rel.Ready
+				svc = server.RelayService(r.cfg.engine, r.relay)
 			}
 			services = append(services, svc)
 			if r.cfg.Upstream != "" {

@@ -55,6 +55,18 @@ type Service struct {
 	Ready func() bool
 }
 
+// RelayService serves rel's stream as engine's service: every caller that
+// serves a relay wires it the same way.
+func RelayService(engine engines.Engine, rel *relay.Relay) Service {
+	return Service{
+		Engine: engine,
+		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (Stream, error) {
+			return rel.Subscribe(ctx, req)
+		},
+		Ready: rel.Ready,
+	}
+}
+
 // Options configure a Server.
 type Options struct {
 	Services []Service

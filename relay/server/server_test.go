@@ -78,13 +78,7 @@ func startStack(t *testing.T, o stackOptions) *stack {
 		defer close(done)
 		_ = r.Run(ctx)
 	}()
-	svc := server.Service{
-		Engine: vllm.Engine,
-		Subscribe: func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (server.Stream, error) {
-			return r.Subscribe(ctx, req)
-		},
-		Ready: r.Ready,
-	}
+	svc := server.RelayService(vllm.Engine, r)
 	opts := server.Options{Services: []server.Service{svc}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: 2 * time.Second}
 	if o.upstream != "" {
 		opts.Upstreams = map[string]string{"vllm": o.upstream}
