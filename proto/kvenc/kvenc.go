@@ -279,18 +279,25 @@ func appendPackedUint32(dst []byte, vs []uint32) []byte {
 		copy(grown, dst)
 		dst = grown
 	}
-	buf := dst[n : n+5*len(vs)]
-	i := 0
+	return dst[:PutVarints32(dst[:n+5*len(vs)], n, vs)]
+}
+
+// PutVarints32 writes vs as consecutive varints at b[i:], which has room
+// (at most 5 bytes a value), and returns the index after them: a packed
+// repeated uint32's payload. The snapshot chunk encoder writes its tokens
+// with it too. (Spelling out the one- to three-byte forms, or one 4-byte
+// store per value, measured no fewer instructions under callgrind.)
+func PutVarints32(b []byte, i int, vs []uint32) int {
 	for _, v := range vs {
 		for v >= 0x80 {
-			buf[i] = byte(v) | 0x80
+			b[i] = byte(v) | 0x80
 			v >>= 7
 			i++
 		}
-		buf[i] = byte(v)
+		b[i] = byte(v)
 		i++
 	}
-	return dst[:n+i]
+	return i
 }
 
 func appendExtraKey(dst []byte, k *kvpb.KvBlockExtraKey) ([]byte, error) {

@@ -7,6 +7,8 @@ import (
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvenc"
 )
 
 // NextEncoded is Next in wire form: the chunk's KvEventBatch encoding, byte for byte what
@@ -252,29 +254,13 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 	if len(toks) > 0 {
 		b[i] = tagBlockTokens
 		i = putVarint(b, i+1, uint64(tokBytes))
-		i = putTokens(b, i, toks)
+		i = kvenc.PutVarints32(b, i, toks)
 	}
 	i += copy(b[i:], w.tail.block)
 	if len(extra) > 0 {
 		i += copy(b[i:], extra)
 	}
 	w.buf = b[:i]
-}
-
-// putTokens writes the tokens' varints at b[i:], which has room, and returns the index after
-// them. (Spelling out the one- to three-byte forms, or one 4-byte store per token, measured no
-// fewer instructions under callgrind.)
-func putTokens(b []byte, i int, toks []uint32) int {
-	for _, t := range toks {
-		for t >= 0x80 {
-			b[i] = byte(t) | 0x80
-			t >>= 7
-			i++
-		}
-		b[i] = byte(t)
-		i++
-	}
-	return i
 }
 
 // putVarint writes v at b[i:], which has room, and returns the index after it.
