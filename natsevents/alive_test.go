@@ -42,12 +42,12 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	// 500 ms: a bound of 1.5 s, far above a loaded machine's timer lag.
 	sinkOpts := func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond; o.AliveEvery = 500 * time.Millisecond }
-	stopSink := a.startSinkStoppable(js.url, sinkOpts)
+	stopSink := a.startSinkStoppable(js.URL(), sinkOpts)
 	a.run(15)
 	eventually(t, "the first snapshot object", func() bool {
 		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
 	})
-	r := startReplica(t, js.url, monitor.Worker{ID: a.name, Addr: a.addr})
+	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
 	eventually(t, "the replica on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	eventually(t, "an announcement of the sink", func() bool {
 		r.src.alive.mu.Lock()
@@ -56,7 +56,7 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	})
 	a.run(10)
 	r.exact(a.name, a.eng, "on JetStream")
-	assertAnnouncementsNotStored(t, js.url)
+	assertAnnouncementsNotStored(t, js.URL())
 	silences := func() float64 {
 		return r.counter("kvrelay_gateway_events_sink_silent_total", map[string]string{"worker": a.name})
 	}
@@ -75,7 +75,7 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	a.run(20)
 	r.exact(a.name, a.eng, "sink stopped, NATS up")
 
-	a.startSink(js.url, sinkOpts)
+	a.startSink(js.URL(), sinkOpts)
 	// The new pass re-publishes what the stream holds; its snapshot waits
 	// for a new batch on every rank, so the engine goes on meanwhile.
 	eventually(t, "the return to JetStream", func() bool {

@@ -75,7 +75,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 	js := startJetStream(b)
 	w := startWorker(b, "bench", 1)
 	reg := prometheus.NewRegistry()
-	sink, err := NewSink(w.rel, SinkOptions{URL: js.url, Worker: w.name, Registerer: reg, RetryWait: 50 * time.Millisecond})
+	sink, err := NewSink(w.rel, SinkOptions{URL: js.URL(), Worker: w.name, Registerer: reg, RetryWait: 50 * time.Millisecond})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -88,7 +88,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 		return counterValue(reg, "kvrelay_nats_events_snapshots_total", "result", "written") >= 1
 	})
 
-	src, err := NewSource(SourceOptions{URL: js.url, Names: map[string]string{"n": w.name}})
+	src, err := NewSource(SourceOptions{URL: js.URL(), Names: map[string]string{"n": w.name}})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -109,7 +109,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 	viaGRPC.mu.Unlock()
 	msgs0 := counterValue(reg, "kvrelay_nats_events_published_total", "result", "stored")
 	bytes0 := counterValue(reg, "kvrelay_nats_events_published_bytes_total")
-	info0 := streamState(b, js.url)
+	info0 := streamState(b, js.URL())
 
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
@@ -130,7 +130,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 	msgs := counterValue(reg, "kvrelay_nats_events_published_total", "result", "stored") - msgs0
 	if msgs > 0 {
 		b.ReportMetric((counterValue(reg, "kvrelay_nats_events_published_bytes_total")-bytes0)/msgs, "payload-B/batch")
-		info := streamState(b, js.url)
+		info := streamState(b, js.URL())
 		b.ReportMetric(float64(info.Bytes-info0.Bytes)/float64(info.Msgs-info0.Msgs), "stored-B/msg")
 		b.ReportMetric(float64(info.Msgs-info0.Msgs)/msgs, "msgs/batch")
 	}

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -19,6 +18,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testnats"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	relayserver "github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
@@ -50,55 +50,18 @@ func testLogger() *slog.Logger {
 	return slog.New(slog.DiscardHandler)
 }
 
-// jetStreamServer is an embedded nats-server with JetStream on a random
-// port, its store in a test directory; it can be stopped and started again
-// on the same port and store.
-type jetStreamServer struct {
-	t     testing.TB
-	opts  server.Options
-	srv   *server.Server
-	url   string
-	store string
-}
-
-func startJetStream(t testing.TB) *jetStreamServer {
+// startJetStream is an embedded JetStream server on a random port, its
+// max_payload large enough for a snapshot chunk (NATS's default 1 MiB is
+// not); it can be stopped and restarted on the same port and store.
+func startJetStream(t testing.TB) *testnats.Node {
 	t.Helper()
-	return startJetStreamOn(t, -1)
+	return startJetStreamOn(t, 0)
 }
 
-// startJetStreamOn starts the server on port (-1: any free one).
-func startJetStreamOn(t testing.TB, port int) *jetStreamServer {
+// startJetStreamOn starts the server on port (0: any free one).
+func startJetStreamOn(t testing.TB, port int) *testnats.Node {
 	t.Helper()
-	j := &jetStreamServer{t: t, store: t.TempDir()}
-	j.opts = server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true, JetStream: true,
-		StoreDir: j.store, MaxPayload: 8 << 20}
-	j.start()
-	t.Cleanup(j.stop)
-	return j
-}
-
-func (j *jetStreamServer) start() {
-	j.t.Helper()
-	opts := j.opts
-	s, err := server.NewServer(&opts)
-	if err != nil {
-		j.t.Fatal(err)
-	}
-	go s.Start()
-	if !s.ReadyForConnections(patience) {
-		j.t.Fatal("nats server not ready")
-	}
-	j.srv = s
-	j.url = s.ClientURL()
-	j.opts.Port = s.Addr().(*net.TCPAddr).Port // the same port when started again
-}
-
-func (j *jetStreamServer) stop() {
-	if j.srv != nil {
-		j.srv.Shutdown()
-		j.srv.WaitForShutdown()
-		j.srv = nil
-	}
+	return testnats.Start(t, testnats.Config{Port: port, MaxPayload: 8 << 20})
 }
 
 // worker is a simulated vLLM engine behind a real relay, its gRPC server

@@ -26,8 +26,8 @@ func TestLateReplicaCatchesUpExactly(t *testing.T) {
 	js := startJetStream(t)
 	a := startWorker(t, "a.example:50061", 2)
 	b := startWorker(t, "b", 1)
-	a.startSink(js.url)
-	b.startSink(js.url)
+	a.startSink(js.URL())
+	b.startSink(js.URL())
 	overGRPC := startReplica(t, "", monitor.Worker{ID: a.name, Addr: a.addr}, monitor.Worker{ID: b.name, Addr: b.addr})
 
 	a.run(30)
@@ -40,7 +40,7 @@ func TestLateReplicaCatchesUpExactly(t *testing.T) {
 	a.run(20) // a tail after the snapshot
 	b.run(20)
 
-	late := startReplica(t, js.url, monitor.Worker{ID: a.name, Addr: deadAddr}, monitor.Worker{ID: b.name, Addr: deadAddr})
+	late := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr}, monitor.Worker{ID: b.name, Addr: deadAddr})
 	for _, w := range []*worker{a, b} {
 		late.exact(w.name, w.eng, "late replica")
 		overGRPC.exact(w.name, w.eng, "gRPC replica")
@@ -65,17 +65,17 @@ func TestLateReplicaCatchesUpExactly(t *testing.T) {
 func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
 	js := startJetStream(t)
 	a := startWorker(t, "a", 2)
-	a.startSink(js.url)
+	a.startSink(js.URL())
 	a.run(20)
 	eventually(t, "the first snapshot object", func() bool {
 		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
 	})
-	follower := startReplica(t, js.url, monitor.Worker{ID: a.name, Addr: deadAddr})
+	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
 
 	a.down()
 	a.startRelay()
-	a.startSink(js.url)
+	a.startSink(js.URL())
 	a.run(15)
 	follower.exact(a.name, a.eng, "after the restart")
 	if got := a.sinkCount("kvrelay_nats_events_published_total", "result", "duplicate"); got == 0 {
@@ -84,11 +84,11 @@ func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
 	if got := follower.counter("kvrelay_gateway_resyncs_total", map[string]string{"worker": a.name, "reason": "publisher_restart"}); got != 0 {
 		t.Errorf("the follower read the re-published history as %v publisher restarts (each clears its index)", got)
 	}
-	late := startReplica(t, js.url, monitor.Worker{ID: a.name, Addr: deadAddr})
+	late := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	late.exact(a.name, a.eng, "a replica started after the restart")
 
 	seen := map[string]int{}
-	for _, b := range streamBatches(t, js.url, a.name) {
+	for _, b := range streamBatches(t, js.URL(), a.name) {
 		if b.GetSnapshot() != nil {
 			continue
 		}

@@ -18,7 +18,7 @@ import (
 // snapshot reads as a gap, until the next periodic snapshot.
 func TestNoRespondersEndsThePass(t *testing.T) {
 	js := startJetStream(t)
-	nc, err := nats.Connect(js.url)
+	nc, err := nats.Connect(js.URL())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,7 +66,7 @@ func TestNoRespondersEndsThePass(t *testing.T) {
 
 	a := startWorker(t, "a", 1)
 	a.run(5)
-	a.startSink(js.url)
+	a.startSink(js.URL())
 	eventually(t, "the pass to end on the unanswered publish", func() bool {
 		return a.sinkCount("kvrelay_nats_events_resyncs_total", "reason", "publish_failed") >= 1
 	})

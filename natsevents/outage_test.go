@@ -24,7 +24,7 @@ func TestNATSUnavailableAtStart(t *testing.T) {
 	}
 
 	js := startJetStreamOn(t, port)
-	a.startSink(js.url, func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond })
+	a.startSink(js.URL(), func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond })
 	a.run(10)
 	eventually(t, "the replica on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	a.run(10)
@@ -38,23 +38,23 @@ func TestNATSUnavailableAtStart(t *testing.T) {
 func TestNATSLostDuringRun(t *testing.T) {
 	js := startJetStream(t)
 	a := startWorker(t, "a", 2)
-	a.startSink(js.url, func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond })
+	a.startSink(js.URL(), func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond })
 	a.run(15)
 	eventually(t, "the first snapshot object", func() bool {
 		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
 	})
-	r := startReplica(t, js.url, monitor.Worker{ID: a.name, Addr: a.addr})
+	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
 	r.exact(a.name, a.eng, "on JetStream")
 	if r.mode(a.name, "nats") != 1 {
 		t.Fatalf("the replica does not follow JetStream: grpc=%v nats=%v", r.mode(a.name, "grpc"), r.mode(a.name, "nats"))
 	}
 
-	js.stop()
+	js.Stop()
 	eventually(t, "the fallback to gRPC", func() bool { return r.mode(a.name, "grpc") == 1 })
 	a.run(20)
 	r.exact(a.name, a.eng, "NATS down")
 
-	js.start()
+	js.Restart()
 	// The sink's resync re-publishes what the stream holds already; its
 	// snapshot waits for a new batch on every rank, so the engine goes on.
 	eventually(t, "the return to JetStream", func() bool {

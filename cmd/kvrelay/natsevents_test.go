@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"go.uber.org/goleak"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testnats"
 	"github.com/kvrelay/kvrelay/sim"
 )
 
@@ -29,16 +29,8 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 		http.DefaultClient.CloseIdleConnections()
 		goleak.VerifyNone(t, opt, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
 	})
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true,
-		JetStream: true, StoreDir: t.TempDir(), MaxPayload: 8 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats server not ready")
-	}
-	defer func() { ns.Shutdown(); ns.WaitForShutdown() }()
+	// max_payload takes a snapshot chunk (NATS's default 1 MiB does not).
+	ns := testnats.Start(t, testnats.Config{MaxPayload: 8 << 20})
 
 	// Two streams on one server, as two model groups would have them: the
 	// default, and one with its own stream and subject prefix (JetStream
@@ -53,7 +45,7 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 				serveArgs = []string{"--nats-stream", tc.stream, "--nats-events-subject-prefix", tc.subjects}
 				gatewayArgs = serveArgs
 			}
-			feedGatewayOverNATS(t, ns.ClientURL(), serveArgs, gatewayArgs)
+			feedGatewayOverNATS(t, ns.URL(), serveArgs, gatewayArgs)
 		})
 	}
 }

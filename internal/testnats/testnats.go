@@ -50,6 +50,8 @@ type Config struct {
 	Port int
 	// NoJetStream starts the server without JetStream (core NATS only).
 	NoJetStream bool
+	// MaxPayload is the server's max_payload; 0 keeps NATS's default (1 MiB).
+	MaxPayload int32
 }
 
 // Start runs one server on 127.0.0.1 and stops it when the test ends.
@@ -62,6 +64,9 @@ func Start(t testing.TB, cfg Config) *Node {
 	opts := baseOptions(t, "single")
 	opts.Port = port
 	opts.JetStream = !cfg.NoJetStream
+	if cfg.MaxPayload > 0 {
+		opts.MaxPayload = cfg.MaxPayload
+	}
 	n := &Node{t: t, name: "single", opts: opts}
 	if err := n.start(); err != nil {
 		t.Fatal(err)
