@@ -2,9 +2,6 @@ package gateway
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
-	"net"
 	"slices"
 	"sync"
 	"testing"
@@ -12,12 +9,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
-	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testrelay"
 	"github.com/kvrelay/kvrelay/relay"
-	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
@@ -38,23 +33,8 @@ type relayedEngine struct {
 
 func startRelayedEngine(t *testing.T, dpSize int) *relayedEngine {
 	t.Helper()
-	live := freeport.ForTest(t, 2*dpSize)
-	ctx, cancel := context.WithCancel(context.Background())
-	eng, err := sim.Start(ctx, sim.Options{
-		Engine: "vllm", DPSize: dpSize, BlockSize: 16, CapacityBlocks: 256,
-		// TCP on loopback: zmq4's inproc transport panics under this load.
-		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+dpSize),
-	})
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	r := &relayedEngine{t: t, eng: eng, dpSize: dpSize, addr: "127.0.0.1:0"}
-	t.Cleanup(func() {
-		r.down()
-		cancel()
-		_ = eng.Close()
-	})
+	r := &relayedEngine{t: t, eng: testrelay.StartEngine(t, dpSize, 256), dpSize: dpSize, addr: "127.0.0.1:0"}
+	t.Cleanup(r.down)
 	r.startRelay()
 	r.startServer()
 	return r
@@ -64,37 +44,14 @@ func startRelayedEngine(t *testing.T, dpSize int) *relayedEngine {
 // it is connected to every rank.
 func (r *relayedEngine) startRelay() {
 	r.t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	rel, err := relay.New(relay.Config{Engine: vllm.Engine, KV: r.eng.Config(), DPSize: r.dpSize, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		cancel()
-		r.t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); _ = rel.Run(ctx) }()
-	r.rel = rel
-	r.stopRelay = func() { cancel(); <-done }
-	eventually(r.t, "relay connected", rel.Ready)
+	r.rel, r.stopRelay = testrelay.StartRelay(r.t, r.eng, r.dpSize)
 }
 
 // startServer serves the current relay on r.addr (a fresh port the first
 // time, the same one afterwards).
 func (r *relayedEngine) startServer() {
 	r.t.Helper()
-	rel := r.rel
-	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{server.RelayService(vllm.Engine, rel)}})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	var lis net.Listener
-	eventually(r.t, "listen on "+r.addr, func() bool {
-		lis, err = net.Listen("tcp", r.addr)
-		return err == nil
-	})
-	r.addr = lis.Addr().String()
-	done := make(chan struct{})
-	go func() { defer close(done); _ = srv.Serve(lis) }()
-	r.stopServer = func() { srv.Stop(); <-done }
+	r.addr, r.stopServer = testrelay.Serve(r.t, r.rel, r.addr)
 }
 
 // down stops whatever runs of the server and the relay.

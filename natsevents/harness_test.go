@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"slices"
 	"sync"
@@ -14,13 +13,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/internal/testnats"
+	"github.com/kvrelay/kvrelay/internal/testrelay"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
-	relayserver "github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
@@ -80,22 +77,8 @@ type worker struct {
 
 func startWorker(t testing.TB, name string, dpSize int) *worker {
 	t.Helper()
-	live := freeport.ForTest(t, 2*dpSize)
-	ctx, cancel := context.WithCancel(context.Background())
-	eng, err := sim.Start(ctx, sim.Options{
-		Engine: "vllm", DPSize: dpSize, BlockSize: 16, CapacityBlocks: 128,
-		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+dpSize),
-	})
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	w := &worker{t: t, name: name, eng: eng, dpSize: dpSize, addr: "127.0.0.1:0"}
-	t.Cleanup(func() {
-		w.down()
-		cancel()
-		_ = eng.Close()
-	})
+	w := &worker{t: t, name: name, eng: testrelay.StartEngine(t, dpSize, 128), dpSize: dpSize, addr: "127.0.0.1:0"}
+	t.Cleanup(w.down)
 	w.startRelay()
 	return w
 }
@@ -104,31 +87,12 @@ func startWorker(t testing.TB, name string, dpSize int) *worker {
 // as before, if there was one).
 func (w *worker) startRelay() {
 	w.t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	rel, err := relaypkg.New(relaypkg.Config{Engine: vllm.Engine, KV: w.eng.Config(), DPSize: w.dpSize, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		cancel()
-		w.t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); _ = rel.Run(ctx) }()
+	rel, stopRelay := testrelay.StartRelay(w.t, w.eng, w.dpSize)
 	w.rel = rel
-	w.stops = append(w.stops, func() { cancel(); <-done })
-	eventually(w.t, "relay connected", rel.Ready)
-
-	srv, err := relayserver.New(relayserver.Options{Logger: slog.New(slog.DiscardHandler), Services: []relayserver.Service{relayserver.RelayService(vllm.Engine, rel)}})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	var lis net.Listener
-	eventually(w.t, "listen on "+w.addr, func() bool {
-		lis, err = net.Listen("tcp", w.addr)
-		return err == nil
-	})
-	w.addr = lis.Addr().String()
-	sdone := make(chan struct{})
-	go func() { defer close(sdone); _ = srv.Serve(lis) }()
-	w.stops = append(w.stops, func() { srv.Stop(); <-sdone })
+	w.stops = append(w.stops, stopRelay)
+	addr, stopServer := testrelay.Serve(w.t, rel, w.addr)
+	w.addr = addr
+	w.stops = append(w.stops, stopServer)
 }
 
 // startSink publishes the current relay to url.
