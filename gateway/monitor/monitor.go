@@ -82,7 +82,10 @@ type Worker struct {
 
 // Sink receives what the monitor admits for a worker. Calls for one worker
 // come from one goroutine in stream order; calls for different workers may be
-// concurrent.
+// concurrent. A batch read from a gRPC stream lives in storage the stream
+// reuses for the next one (package kvdec): Apply must not keep b, or
+// anything it points to, after it returns; a sink that needs to keep a part
+// copies it (proto.Clone). Only b.Load is the sink's to keep.
 type Sink interface {
 	// Apply applies an admitted batch (live, replayed or a snapshot chunk).
 	Apply(worker string, b *kvpb.KvEventBatch)
