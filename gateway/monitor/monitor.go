@@ -26,6 +26,12 @@
 // TestOldServerIgnoresRankCursors checks this against a server compiled
 // without the field, and the gateway package's TestSMGPythonRelay against
 // SMG's own Python relay), so the map is always sent.
+//
+// Batches are read off the gRPC stream with a client-side codec that decodes
+// each frame with package kvdec into storage the stream reuses (decode.go),
+// not with the generated client's proto.Unmarshal: the same messages, without
+// an allocation per block. Hence the Sink contract: Apply must not keep a
+// batch.
 package monitor
 
 import (

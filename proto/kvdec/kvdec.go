@@ -60,7 +60,7 @@ type Decoder struct {
 	removed  slab[kvpb.KvBlocksRemoved]
 	removedW slab[kvpb.KvCacheEvent_Removed]
 	blocks   slab[kvpb.KvBlock]
-	ints     slab[int64] // the blocks' optional lora_id
+	ints     slab[int64] // the blocks' lora_id, the stores' parent_block_hash
 
 	eventPtrs []*kvpb.KvCacheEvent
 	blockPtrs []*kvpb.KvBlock
@@ -486,8 +486,9 @@ func (d *Decoder) decodeStored(b []byte, m *kvpb.KvBlocksStored) error {
 			}
 			switch num {
 			case 2:
-				h := int64(v)
-				m.ParentBlockHash = &h
+				h := d.ints.next()
+				*h = int64(v)
+				m.ParentBlockHash = h
 			case 3:
 				t := kvpb.KvCacheTier(int32(v))
 				m.Tier = &t
