@@ -81,6 +81,15 @@ type slab[T any] struct {
 
 const slabChunk = 512
 
+// Storage a Decoder keeps between batches is bounded: a batch far larger
+// than usual (a 131k-block live batch is 8 MB on the wire) would otherwise
+// pin its slabs for the stream's life, once per worker. What a snapshot
+// chunk (about 2,000 blocks) or a live batch needs stays.
+const (
+	keepSlabChunks = 16      // 8,192 values of each kind
+	keepFlat       = 1 << 18 // tokens, hashes or pointers
+)
+
 func (s *slab[T]) next() *T {
 	c, i := s.n/slabChunk, s.n%slabChunk
 	if c == len(s.chunks) {
@@ -93,7 +102,23 @@ func (s *slab[T]) next() *T {
 	return p
 }
 
-func (s *slab[T]) reset() { s.n = 0 }
+func (s *slab[T]) reset() {
+	s.n = 0
+	if len(s.chunks) > keepSlabChunks {
+		clear(s.chunks[keepSlabChunks:])
+		s.chunks = s.chunks[:keepSlabChunks]
+	}
+}
+
+// resetFlat empties s for the next batch, dropping it when it grew past
+// keepFlat.
+func resetFlat[T any](s []T) []T {
+	if cap(s) > keepFlat {
+		return nil
+	}
+	clear(s)
+	return s[:0]
+}
 
 // Decode decodes one KvEventBatch from data. data is not retained: strings,
 // bytes and unknown fields are copied.
@@ -105,12 +130,16 @@ func (d *Decoder) Decode(data []byte) (*kvpb.KvEventBatch, error) {
 	d.removedW.reset()
 	d.blocks.reset()
 	d.ints.reset()
-	clear(d.eventPtrs)
-	clear(d.blockPtrs)
-	d.eventPtrs = d.eventPtrs[:0]
-	d.blockPtrs = d.blockPtrs[:0]
+	d.eventPtrs = resetFlat(d.eventPtrs)
+	d.blockPtrs = resetFlat(d.blockPtrs)
 	d.tokens = d.tokens[:0]
 	d.hashes = d.hashes[:0]
+	if cap(d.tokens) > keepFlat {
+		d.tokens = nil
+	}
+	if cap(d.hashes) > keepFlat {
+		d.hashes = nil
+	}
 	d.batch = kvpb.KvEventBatch{}
 	if err := d.decodeBatch(data, &d.batch); err != nil {
 		return nil, fmt.Errorf("kvdec: KvEventBatch: %w", err)
