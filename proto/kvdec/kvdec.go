@@ -147,13 +147,6 @@ func (d *Decoder) Decode(data []byte) (*kvpb.KvEventBatch, error) {
 	return &d.batch, nil
 }
 
-// Decode decodes one KvEventBatch from data into fresh storage, for callers
-// that decode one batch now and then.
-func Decode(data []byte) (*kvpb.KvEventBatch, error) {
-	var d Decoder
-	return d.Decode(data)
-}
-
 // field reads the tag at the head of b as proto.Unmarshal does: a varint of
 // up to ten bytes whose field number must lie in the valid range.
 func field(b []byte) (protowire.Number, protowire.Type, int, error) {
