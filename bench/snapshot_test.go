@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 )
@@ -31,6 +32,8 @@ const snapshotBlocks = 1_000_000
 //
 //   - "decode": a gRPC client that takes each chunk's bytes and proto.Unmarshals it (what any
 //     gateway's generated client does in Recv); client-decode-ms is the Unmarshal time alone;
+//   - "kvdec": the same client decoding each chunk with proto/kvdec into reused storage (what
+//     gateway/monitor does); client-decode-ms is the Decode time alone;
 //   - "monitor": gateway/monitor, our SMG-compatible subscription (admission, cursors, snapshot
 //     progress), into a sink that counts the blocks; it dials per snapshot, so the connection's
 //     setup is in its time.
@@ -45,7 +48,7 @@ func BenchmarkSnapshotDelivery(b *testing.B) {
 		b.Run(wl.name, func(b *testing.B) {
 			ctx := b.Context()
 			m, sr := filledRelay(b, snapshotBlocks, wl.lora)
-			for _, client := range []string{"decode", "monitor"} {
+			for _, client := range []string{"decode", "kvdec", "monitor"} {
 				b.Run(client, func(b *testing.B) {
 					var delivered, cpu, decode, server []time.Duration
 					for b.Loop() {
@@ -55,8 +58,8 @@ func BenchmarkSnapshotDelivery(b *testing.B) {
 						var blocks uint64
 						var dec time.Duration
 						var err error
-						if client == "decode" {
-							blocks, dec, err = takeSnapshotDecoding(ctx, sr.addr())
+						if client != "monitor" {
+							blocks, dec, err = takeSnapshotDecoding(ctx, sr.addr(), client == "kvdec")
 						} else {
 							blocks, err = takeSnapshotThroughMonitor(ctx, sr.addr())
 						}
@@ -87,7 +90,7 @@ func BenchmarkSnapshotDelivery(b *testing.B) {
 					b.ReportMetric(ms(slices.Min(delivered)), "best-delivered-ms")
 					report(cpu, "cpu-ms")
 					report(server, "server-ms")
-					if client == "decode" {
+					if client != "monitor" {
 						report(decode, "client-decode-ms")
 					}
 				})
@@ -127,9 +130,10 @@ func filledRelay(b *testing.B, n int, lora bool) (*memRelay, *servedRelay) {
 	return m, sr
 }
 
-// takeSnapshotDecoding subscribes from zero and decodes every chunk of the snapshot; it returns
-// the blocks the chunks carried and the time spent decoding.
-func takeSnapshotDecoding(ctx context.Context, addr string) (uint64, time.Duration, error) {
+// takeSnapshotDecoding subscribes from zero and decodes every chunk of the snapshot, with
+// proto.Unmarshal or, withKvdec, with one kvdec.Decoder; it returns the blocks the chunks carried
+// and the time spent decoding.
+func takeSnapshotDecoding(ctx context.Context, addr string, withKvdec bool) (uint64, time.Duration, error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -152,6 +156,7 @@ func takeSnapshotDecoding(ctx context.Context, addr string) (uint64, time.Durati
 		msg    rawMessage
 		blocks uint64
 		decode time.Duration
+		dec    kvdec.Decoder
 	)
 	for {
 		if err := stream.RecvMsg(&msg); err != nil {
@@ -159,7 +164,13 @@ func takeSnapshotDecoding(ctx context.Context, addr string) (uint64, time.Durati
 		}
 		start := time.Now()
 		batch := &kvpb.KvEventBatch{}
-		if err := proto.Unmarshal(msg.b, batch); err != nil {
+		var err error
+		if withKvdec {
+			batch, err = dec.Decode(msg.b)
+		} else {
+			err = proto.Unmarshal(msg.b, batch)
+		}
+		if err != nil {
 			return blocks, decode, fmt.Errorf("decoding a chunk: %w", err)
 		}
 		decode += time.Since(start)

@@ -26,6 +26,12 @@
 // TestOldServerIgnoresRankCursors checks this against a server compiled
 // without the field, and the gateway package's TestSMGPythonRelay against
 // SMG's own Python relay), so the map is always sent.
+//
+// Batches are read off the gRPC stream with a client-side codec that decodes
+// each frame with package kvdec into storage the stream reuses (decode.go),
+// not with the generated client's proto.Unmarshal: the same messages, without
+// an allocation per block. Hence the Sink contract: Apply must not keep a
+// batch.
 package monitor
 
 import (
@@ -82,7 +88,10 @@ type Worker struct {
 
 // Sink receives what the monitor admits for a worker. Calls for one worker
 // come from one goroutine in stream order; calls for different workers may be
-// concurrent.
+// concurrent. A batch read from a gRPC stream lives in storage the stream
+// reuses for the next one (package kvdec): Apply must not keep b, or
+// anything it points to, after it returns; a sink that needs to keep a part
+// copies it (proto.Clone). Only b.Load is the sink's to keep.
 type Sink interface {
 	// Apply applies an admitted batch (live, replayed or a snapshot chunk).
 	Apply(worker string, b *kvpb.KvEventBatch)

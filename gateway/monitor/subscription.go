@@ -44,21 +44,6 @@ type SubscribeFunc func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest)
 // then batches in order): they go through the same admission.
 type StreamOpener func(ctx context.Context, w Worker, req *kvpb.SubscribeKvEventsRequest, viaGRPC SubscribeFunc) (BatchStream, error)
 
-func clientFor(svc Service, cc grpc.ClientConnInterface) SubscribeFunc {
-	var call func(ctx context.Context, in *kvpb.SubscribeKvEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[kvpb.KvEventBatch], error)
-	switch svc {
-	case ServiceSGLang:
-		call = kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents
-	case ServiceTokenSpeed:
-		call = kvpb.NewTokenSpeedSchedulerClient(cc).SubscribeKvEvents
-	default:
-		call = kvpb.NewVllmEngineClient(cc).SubscribeKvEvents
-	}
-	return func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (BatchStream, error) {
-		return call(ctx, req)
-	}
-}
-
 // snapshotProgress tracks a relay snapshot that is arriving in chunks.
 type snapshotProgress struct {
 	count, applied uint32
