@@ -293,9 +293,13 @@ type corpusReplay struct {
 
 // replayCorpus replays c into a fresh index on the calling goroutine, as
 // the Rust harness does: every batch, Prepared and lookup is built first;
-// the timed part is ApplyPrepared and FindMatchesContent in corpus order.
+// the timed part is ApplyPrepared and FindMatchesContentInto in corpus order,
+// every lookup into the same Matches (as SMG's score_into reuses its output),
+// so that lookups allocate nothing.
+// With allocating, the lookups are FindMatchesContent instead, a new result
+// each (the harness's A/B of the two forms in one binary).
 // onStart, if set, runs right before the timed part (a CPU profile's start).
-func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
+func replayCorpus(c opsCorpus, allocating bool, onStart func()) (*Index, corpusReplay) {
 	ix := New(Options{BlockSize: int(c.blockSize)})
 	names := make([]WorkerID, c.workers)
 	for i := range names {
@@ -324,6 +328,7 @@ func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
 		}
 	}
 	var r corpusReplay
+	var m Matches
 	r.lat = make([]time.Duration, 0, len(c.ops))
 	if onStart != nil {
 		onStart()
@@ -335,7 +340,11 @@ func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
 			continue
 		}
 		s := time.Now()
-		m := ix.FindMatchesContent(op.content)
+		if allocating {
+			m = ix.FindMatchesContent(op.content)
+		} else {
+			ix.FindMatchesContentInto(&m, op.content)
+		}
 		r.lat = append(r.lat, time.Since(s))
 		r.checksum += uint64(m.Best())
 	}
@@ -400,7 +409,7 @@ func TestCorpusRoundTripAndReplay(t *testing.T) {
 			want += uint64(ref.FindMatches(op.find, Namespace{}).Best())
 		}
 	}
-	ix, r := replayCorpus(back, nil)
+	ix, r := replayCorpus(back, false, nil)
 	if r.checksum != want || want == 0 {
 		t.Fatalf("replayed corpus: lookups' best depths sum to %d, the token replay to %d", r.checksum, want)
 	}
