@@ -11,6 +11,9 @@ package index
 //
 // KVRELAY_CORPUS_LOOKUP=alloc makes the replay's lookups FindMatchesContent
 // (a new result each) instead of FindMatchesContentInto into one result.
+// KVRELAY_CORPUS_STALLS=path logs every lookup slower than
+// KVRELAY_CORPUS_STALL_NS (default 5000) with the thread's CPU time, page
+// faults and context switches around it (Linux; see stallProbe).
 
 import (
 	"encoding/json"
@@ -119,7 +122,14 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	default:
 		t.Fatalf("KVRELAY_CORPUS_LOOKUP=%q: want into or alloc", mode)
 	}
-	_, r := replayCorpus(c, allocating, onStart)
+	probe, finish, err := stallProbeFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, r := replayCorpus(c, replayOptions{allocating: allocating, onStart: onStart, probe: probe})
+	if err := finish(); err != nil {
+		t.Fatal(err)
+	}
 	slices.Sort(r.lat)
 	rank := func(p float64) time.Duration { // nearest rank, as the Rust harness
 		i := int(p/100*float64(len(r.lat)) + 0.999999)
