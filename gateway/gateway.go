@@ -442,19 +442,23 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	blockSize := m.ix.BlockSize()
 	ns := index.Namespace{LoraName: req.LoraName, CacheSalt: req.CacheSalt}
 	var prefix []uint64
-	var matches index.Matches
+	// The lookup writes into a pooled result, so that it allocates nothing;
+	// nothing of it outlives this call (the picker copies the overlaps it
+	// answers with).
+	matches := getMatches()
+	defer putMatches(matches)
 	switch {
 	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
 		prefix = textPrefixHashes(req.Text, ns)
-		matches = index.Matches{RequestBlocks: len(prefix)}
+		matches.RequestBlocks = len(prefix)
 		blockSize = TextBlockBytes
 	case m.places != nil:
 		// The placements are keyed by the same prefix hashes, so the
 		// request is hashed once, in full, for both.
 		prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
-		matches = m.ix.FindMatchesHashes(prefix)
+		m.ix.FindMatchesHashesInto(matches, prefix)
 	default:
-		matches = m.ix.FindMatches(req.TokenIDs, ns)
+		m.ix.FindMatchesInto(matches, req.TokenIDs, ns)
 	}
 	out := Decision{Model: name, BlockSize: blockSize, RequestBlocks: matches.RequestBlocks, Done: func() {}}
 	// The picker weighs the index's overlaps extended by the placements,
@@ -468,9 +472,9 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	if g.picker.UsesEngineLoad() {
 		engine = g.engineSignalsLocked(m.list, g.now())
 	}
-	combined := matches
+	combined := *matches
 	if m.places != nil {
-		r := m.places.Extend(prefix, matches, g.now())
+		r := m.places.Extend(prefix, *matches, g.now())
 		combined, inferred = r.Matches, r.Inferred
 	}
 	d, err := g.picker.PickFleet(m.fleet, picker.Request{BlockSize: blockSize, Engine: engine}, combined)
@@ -507,6 +511,26 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	g.metrics.routeSeconds.Observe(time.Since(start).Seconds())
 	g.logDecision(name, d, inferred[d.Worker], inflight, engine)
 	return out, nil
+}
+
+// matchesPool holds the lookup results Route reuses, one per route in
+// flight.
+var matchesPool = sync.Pool{New: func() any { return new(index.Matches) }}
+
+// maxPooledMatches bounds the overlaps a pooled result keeps room for, so
+// that one lookup over a huge fleet does not pin its array.
+const maxPooledMatches = 1 << 14
+
+func getMatches() *index.Matches { return matchesPool.Get().(*index.Matches) }
+
+func putMatches(m *index.Matches) {
+	if cap(m.Workers) > maxPooledMatches {
+		m.Workers = nil
+	}
+	// Emptied, so that a pooled result keeps no worker names reachable.
+	clear(m.Workers)
+	*m = index.Matches{Workers: m.Workers[:0]}
+	matchesPool.Put(m)
 }
 
 // logDecision writes SMG's per-decision debug line: the branch and what

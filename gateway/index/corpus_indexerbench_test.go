@@ -8,6 +8,12 @@ package index
 //	go test -c -tags indexerbench -o ix.test ./gateway/index
 //	KVRELAY_CORPUS_TRACE=conversation_trace.jsonl KVRELAY_CORPUS_OUT=c.kvr ./ix.test -test.run IndexerCorpusWrite
 //	KVRELAY_CORPUS=c.kvr ./ix.test -test.run IndexerCorpusReplay -test.v   # prints one "RESULT {json}" line
+//
+// KVRELAY_CORPUS_LOOKUP=alloc makes the replay's lookups FindMatchesContent
+// (a new result each) instead of FindMatchesContentInto into one result.
+// KVRELAY_CORPUS_STALLS=path logs every lookup slower than
+// KVRELAY_CORPUS_STALL_NS (default 5000) with the thread's CPU time, page
+// faults and context switches around it (Linux; see stallProbe).
 
 import (
 	"encoding/json"
@@ -71,6 +77,13 @@ func TestIndexerCorpusWrite(t *testing.T) {
 // TestIndexerCorpusReplay replays KVRELAY_CORPUS into our index on one
 // goroutine and prints the result line run.sh collects; with
 // KVRELAY_CORPUS_CPUPROFILE it CPU-profiles the timed part.
+func lookupName(allocating bool) string {
+	if allocating {
+		return "kvrelay gateway/index FindMatchesContent"
+	}
+	return "kvrelay gateway/index FindMatchesContentInto"
+}
+
 func TestIndexerCorpusReplay(t *testing.T) {
 	path := os.Getenv("KVRELAY_CORPUS")
 	if path == "" {
@@ -101,14 +114,29 @@ func TestIndexerCorpusReplay(t *testing.T) {
 			pf.Close()
 		}()
 	}
-	_, r := replayCorpus(c, onStart)
+	allocating := false
+	switch mode := os.Getenv("KVRELAY_CORPUS_LOOKUP"); mode {
+	case "", "into":
+	case "alloc":
+		allocating = true
+	default:
+		t.Fatalf("KVRELAY_CORPUS_LOOKUP=%q: want into or alloc", mode)
+	}
+	probe, finish, err := stallProbeFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, r := replayCorpus(c, replayOptions{allocating: allocating, onStart: onStart, probe: probe})
+	if err := finish(); err != nil {
+		t.Fatal(err)
+	}
 	slices.Sort(r.lat)
 	rank := func(p float64) time.Duration { // nearest rank, as the Rust harness
 		i := int(p/100*float64(len(r.lat)) + 0.999999)
 		return r.lat[min(max(i, 1), len(r.lat))-1]
 	}
 	line, err := json.Marshal(map[string]any{
-		"indexer": "kvrelay", "name": "kvrelay gateway/index FindMatchesContent", "version": "this tree",
+		"indexer": "kvrelay", "name": lookupName(allocating), "version": "this tree",
 		"block_ops": c.blockOps, "lookups": len(r.lat), "cpu_s": r.cpu.Seconds(), "wall_s": r.wall.Seconds(),
 		"p50_ns": rank(50).Nanoseconds(), "p99_ns": rank(99).Nanoseconds(), "checksum": r.checksum, "apply_errors": 0,
 	})

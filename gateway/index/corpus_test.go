@@ -284,6 +284,25 @@ func readCorpus(r io.Reader) (opsCorpus, error) {
 	return c, nil
 }
 
+// replayOptions vary replayCorpus's timed part.
+type replayOptions struct {
+	// allocating: the lookups are FindMatchesContent, a new result each,
+	// instead of FindMatchesContentInto one result (an A/B in one binary).
+	allocating bool
+	// onStart, if set, runs right before the timed part (a CPU profile's start).
+	onStart func()
+	// probe, if set, is called around every lookup, outside its timed
+	// window (the stall diagnosis of the indexerbench harness).
+	probe lookupProbe
+}
+
+// lookupProbe observes each timed lookup: before runs right before its
+// clock starts, after right after it stops, with its wall time and blocks.
+type lookupProbe interface {
+	before()
+	after(wall time.Duration, blocks int)
+}
+
 // corpusReplay is what one replay of a corpus into our index measured.
 type corpusReplay struct {
 	cpu, wall time.Duration
@@ -293,9 +312,10 @@ type corpusReplay struct {
 
 // replayCorpus replays c into a fresh index on the calling goroutine, as
 // the Rust harness does: every batch, Prepared and lookup is built first;
-// the timed part is ApplyPrepared and FindMatchesContent in corpus order.
-// onStart, if set, runs right before the timed part (a CPU profile's start).
-func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
+// the timed part is ApplyPrepared and FindMatchesContentInto in corpus order,
+// every lookup into the same Matches (as SMG's score_into reuses its output),
+// so that lookups allocate nothing.
+func replayCorpus(c opsCorpus, opts replayOptions) (*Index, corpusReplay) {
 	ix := New(Options{BlockSize: int(c.blockSize)})
 	names := make([]WorkerID, c.workers)
 	for i := range names {
@@ -324,9 +344,10 @@ func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
 		}
 	}
 	var r corpusReplay
+	var m Matches
 	r.lat = make([]time.Duration, 0, len(c.ops))
-	if onStart != nil {
-		onStart()
+	if opts.onStart != nil {
+		opts.onStart()
 	}
 	cpu0, t0 := cpuTime(), time.Now()
 	for i, op := range c.ops {
@@ -334,9 +355,20 @@ func replayCorpus(c opsCorpus, onStart func()) (*Index, corpusReplay) {
 			ix.ApplyPrepared(names[op.worker], preps[i])
 			continue
 		}
+		if opts.probe != nil {
+			opts.probe.before()
+		}
 		s := time.Now()
-		m := ix.FindMatchesContent(op.content)
-		r.lat = append(r.lat, time.Since(s))
+		if opts.allocating {
+			m = ix.FindMatchesContent(op.content)
+		} else {
+			ix.FindMatchesContentInto(&m, op.content)
+		}
+		lat := time.Since(s)
+		if opts.probe != nil {
+			opts.probe.after(lat, len(op.content))
+		}
+		r.lat = append(r.lat, lat)
 		r.checksum += uint64(m.Best())
 	}
 	r.wall, r.cpu = time.Since(t0), cpuTime()-cpu0
@@ -400,7 +432,7 @@ func TestCorpusRoundTripAndReplay(t *testing.T) {
 			want += uint64(ref.FindMatches(op.find, Namespace{}).Best())
 		}
 	}
-	ix, r := replayCorpus(back, nil)
+	ix, r := replayCorpus(back, replayOptions{})
 	if r.checksum != want || want == 0 {
 		t.Fatalf("replayed corpus: lookups' best depths sum to %d, the token replay to %d", r.checksum, want)
 	}

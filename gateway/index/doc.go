@@ -52,7 +52,10 @@
 // The content hashes of a stored batch can be computed before the index is
 // touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that
 // keeps a request's content or prefix hashes can look up with them
-// (FindMatchesContent, FindMatchesHashes).
+// (FindMatchesContent, FindMatchesHashes). Each lookup has an Into form
+// (FindMatchesInto, …) that writes into a caller's Matches and reuses its
+// array, so that a caller keeping one per goroutine looks up without
+// allocating.
 //
 // Pruning by TTL and by a maximum entry count (to 90 %) follows SMG's G1
 // indexer (an entry is a held position; pruning clears its holders, and the

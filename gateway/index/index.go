@@ -949,15 +949,20 @@ func (m Matches) Best() int {
 // them under ns, and returns each worker's longest consecutive prefix overlap.
 // Blocks are hashed lazily, so the walk stops at the first block no candidate
 // holds. Lookups write nothing but (with pruning on) an entry's stamp.
+//
+// It allocates the result's Workers slice; FindMatchesInto reuses one.
 func (ix *Index) FindMatches(tokens []uint32, ns Namespace) Matches {
-	bs := ix.BlockSize()
-	return ix.walk(hashCursor{tokens: tokens, bs: bs, seed: ns.Seed(), n: len(tokens) / bs})
+	var m Matches
+	ix.FindMatchesInto(&m, tokens, ns)
+	return m
 }
 
 // FindMatchesHashes is FindMatches for prefix hashes already computed with
 // PrefixHashes.
 func (ix *Index) FindMatchesHashes(prefix []uint64) Matches {
-	return ix.walk(hashCursor{prefix: prefix, n: len(prefix)})
+	var m Matches
+	ix.FindMatchesHashesInto(&m, prefix)
+	return m
 }
 
 // FindMatchesContent is FindMatches for a request's content hashes (as
@@ -965,7 +970,31 @@ func (ix *Index) FindMatchesHashes(prefix []uint64) Matches {
 // SMG's and Dynamo's indexes take, for callers that keep a conversation's
 // block hashes. The prefix chain is computed here, lazily.
 func (ix *Index) FindMatchesContent(content []uint64) Matches {
-	return ix.walk(hashCursor{content: content, n: len(content)})
+	var m Matches
+	ix.FindMatchesContentInto(&m, content)
+	return m
+}
+
+// FindMatchesInto is FindMatches writing its answer into dst, overwriting
+// what dst held and reusing dst.Workers' array. A caller that keeps one
+// Matches per goroutine (or per request, pooled) looks up without
+// allocating once that array has grown to the overlaps it sees: a lookup's
+// own working memory is pooled inside the index. dst.Workers is valid until
+// dst is passed to the next lookup.
+func (ix *Index) FindMatchesInto(dst *Matches, tokens []uint32, ns Namespace) {
+	bs := ix.BlockSize()
+	ix.walk(dst, hashCursor{tokens: tokens, bs: bs, seed: ns.Seed(), n: len(tokens) / bs})
+}
+
+// FindMatchesHashesInto is FindMatchesHashes into dst (see FindMatchesInto).
+func (ix *Index) FindMatchesHashesInto(dst *Matches, prefix []uint64) {
+	ix.walk(dst, hashCursor{prefix: prefix, n: len(prefix)})
+}
+
+// FindMatchesContentInto is FindMatchesContent into dst (see
+// FindMatchesInto).
+func (ix *Index) FindMatchesContentInto(dst *Matches, content []uint64) {
+	ix.walk(dst, hashCursor{content: content, n: len(content)})
 }
 
 type slotMatch struct {
@@ -1113,29 +1142,49 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 	return kept > 0, true
 }
 
-// walkState is a lookup's working memory, pooled: its buffers point into
-// itself, which would send them to the heap on every lookup.
+// walkState is a lookup's working memory, pooled. Its buffers are kept
+// across lookups (up to walkKeepCap entries each, so that one huge request
+// does not pin its memory), so that a lookup allocates nothing once they
+// have grown to the fleet's overlaps.
 type walkState struct {
-	hc        hashCursor
-	c         candidates
-	saved     savedCandidates
-	hashes    []uint64 // grown for long requests and kept
-	activeBuf [16]liveWord
-	doneBuf   [32]slotMatch
+	hc     hashCursor
+	c      candidates
+	saved  savedCandidates
+	hashes []uint64 // the request's prefix chain
+	active []liveWord
+	done   []slotMatch
+	keys   []uint64 // the sort keys of the answer
 }
 
-var walkPool = sync.Pool{New: func() any { return new(walkState) }}
+// walkKeepCap bounds what a pooled walkState keeps of each buffer.
+const walkKeepCap = 1 << 14
+
+var walkPool = sync.Pool{New: func() any {
+	return &walkState{active: make([]liveWord, 0, 16), done: make([]slotMatch, 0, 32)}
+}}
 
 func (w *walkState) put() {
-	if cap(w.hc.hs) <= 1<<14 {
-		w.hashes = w.hc.hs[:0]
-	}
+	w.hashes = keepBuf(w.hashes, w.hc.hs)
+	w.active = keepBuf(w.active, w.c.active)
+	w.done = keepBuf(w.done, w.c.done)
 	w.hc = hashCursor{}
 	w.c = candidates{}
 	if cap(w.saved.active) > 512 {
 		w.saved.active = nil
 	}
+	if cap(w.keys) > walkKeepCap {
+		w.keys = nil
+	}
 	walkPool.Put(w)
+}
+
+// keepBuf returns the buffer a pooled walkState keeps: used, emptied, if a
+// lookup grew it (and it is not too large), else the one it had.
+func keepBuf[T any](had, used []T) []T {
+	if cap(used) > cap(had) && cap(used) <= walkKeepCap {
+		return used[:0]
+	}
+	return had[:0]
 }
 
 // savedCandidates is what a lookup rolls back to when a run it read changed.
@@ -1163,11 +1212,11 @@ func (c *candidates) restore(s *savedCandidates) {
 // that follow in the same run are compared in place. The heads table is read
 // under its shard's seqlock and a run under its own, and read again, from
 // the same state, if it changed.
-func (ix *Index) walk(cur hashCursor) Matches {
+func (ix *Index) walk(res *Matches, cur hashCursor) {
 	n := cur.n
-	res := Matches{RequestBlocks: n}
+	res.RequestBlocks, res.Workers = n, res.Workers[:0]
 	if n == 0 {
-		return res
+		return
 	}
 	var stamp uint32
 	if ix.pruning {
@@ -1177,7 +1226,7 @@ func (ix *Index) walk(cur hashCursor) Matches {
 	defer ws.put()
 	ws.hc = cur
 	ws.hc.hs = ws.hashes[:0]
-	ws.c = candidates{active: ws.activeBuf[:0], done: ws.doneBuf[:0]}
+	ws.c = candidates{active: ws.active[:0], done: ws.done[:0]}
 	hc, c, saved := &ws.hc, &ws.c, &ws.saved
 	sb := ix.shardBits
 	pos := 0
@@ -1213,10 +1262,10 @@ func (ix *Index) walk(cur hashCursor) Matches {
 	}
 	done := c.done
 	if len(done) == 0 {
-		return res
+		return
 	}
 	// Sort by depth, then name, on packed integer keys: (max − blocks, rank).
-	keys := make([]uint64, 0, len(done))
+	keys := ws.keys[:0]
 	ix.wmu.RLock()
 	for _, d := range done {
 		if d.blocks > 0 && int(d.id) < len(ix.slots) && ix.slots[d.id] != nil {
@@ -1224,12 +1273,14 @@ func (ix *Index) walk(cur hashCursor) Matches {
 		}
 	}
 	slices.Sort(keys)
-	res.Workers = make([]Match, len(keys))
-	for i, k := range keys {
-		res.Workers[i] = Match{Worker: ix.slots[ix.byRank[uint32(k)]].name, Blocks: int(math.MaxInt32 - int32(k>>32))}
+	ws.keys = keys
+	// Grow once, to the exact size when res had no array (the allocating
+	// wrappers), so that the loop below appends without reallocating.
+	res.Workers = slices.Grow(res.Workers, len(keys))
+	for _, k := range keys {
+		res.Workers = append(res.Workers, Match{Worker: ix.slots[ix.byRank[uint32(k)]].name, Blocks: int(math.MaxInt32 - int32(k>>32))})
 	}
 	ix.wmu.RUnlock()
-	return res
 }
 
 // readRun finds request block pos (prefix hash h) through sh's heads table

@@ -295,10 +295,21 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 	// cands: eligible matched workers, deepest first, then by name (the order
 	// index.Matches already has; other orders are sorted below).
 	// Stack buffers for the usual candidate counts (up to an eighth of a
-	// 512-worker fleet); more spill to the heap.
+	// 512-worker fleet); more take pooled buffers, so that a pick over many
+	// overlaps allocates nothing but its Matched map either.
 	var candBuf [64]candidate
 	var scoreBuf [64]float64
-	cands := candBuf[:0]
+	cands, scoreDst := candBuf[:0], scoreBuf[:0]
+	if len(m.Workers) > len(candBuf) {
+		// Sized for every overlap up front: cands and scores never grow
+		// past it, so nothing is written back (which would send the stack
+		// buffers to the heap too).
+		sc := scratchPool.Get().(*pickScratch)
+		defer sc.put()
+		sc.cands = slices.Grow(sc.cands[:0], len(m.Workers))
+		sc.scores = slices.Grow(sc.scores[:0], len(m.Workers))
+		cands, scoreDst = sc.cands[:0], sc.scores[:0]
+	}
 	for _, x := range m.Workers {
 		if x.Blocks <= 0 {
 			continue
@@ -325,7 +336,7 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 		d.Score = float64(d.Blocks)
 		return d
 	}
-	scores := p.decayed(scoreBuf[:0], cands, req, m.RequestBlocks)
+	scores := p.decayed(scoreDst, cands, req, m.RequestBlocks)
 	trips := func(load int) bool {
 		l := float64(load)
 		return l > mean*p.cfg.RelThreshold && l > mean+p.cfg.AbsThreshold
@@ -371,6 +382,27 @@ func (p *Picker) choose(fleet loadView, req Request, m index.Matches) Decision {
 
 // candidate is an eligible worker holding a prefix of the request, with
 // its in-flight count.
+// pickScratch is a pick's candidate and score buffers past the stack's,
+// pooled.
+type pickScratch struct {
+	cands  []candidate
+	scores []float64
+}
+
+var scratchPool = sync.Pool{New: func() any { return new(pickScratch) }}
+
+// maxPooledCandidates bounds what a pooled pickScratch keeps room for.
+const maxPooledCandidates = 1 << 14
+
+func (sc *pickScratch) put() {
+	if cap(sc.cands) > maxPooledCandidates {
+		sc.cands, sc.scores = nil, nil
+	}
+	clear(sc.cands[:cap(sc.cands)]) // no worker names kept reachable
+	sc.cands, sc.scores = sc.cands[:0], sc.scores[:0]
+	scratchPool.Put(sc)
+}
+
 type candidate struct {
 	index.Match
 	load int

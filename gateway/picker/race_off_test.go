@@ -1,0 +1,5 @@
+//go:build !race
+
+package picker
+
+const raceEnabled = false
