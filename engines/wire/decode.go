@@ -206,7 +206,10 @@ type decoder struct {
 	events []wireEvent
 	hashes []int64
 	tokens []uint32
-	intern map[string]string
+	// keys and keyLists hold extra keys and the per-block lists of them.
+	keys     []extraKey
+	keyLists [][]extraKey
+	intern   map[string]string
 
 	ts      float64
 	rank    int32
@@ -572,6 +575,10 @@ func (x *decoder) decode(payload []byte) error {
 	x.events = x.events[:0]
 	x.hashes = x.hashes[:0]
 	x.tokens = x.tokens[:0]
+	clear(x.keys) // drop the last batch's blobs and lists
+	clear(x.keyLists)
+	x.keys = x.keys[:0]
+	x.keyLists = x.keyLists[:0]
 	x.ts, x.rank, x.hasRank = 0, 0, false
 	x.total, x.unknown, x.malformed = 0, 0, 0
 	x.skipped = x.skipped[:0]
@@ -1161,7 +1168,13 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 	if err != nil {
 		return nil, err
 	}
-	var perBlock [][]extraKey
+	// The keys and the per-block lists live in the decoder's slabs, reused
+	// batch after batch (vLLM puts a LoRA name on every block of an
+	// adapter's store: two allocations a block were most of a vLLM batch's
+	// decoding allocations). A slab that grows leaves earlier lists
+	// pointing at its old array, whose contents never change.
+	start := len(x.keyLists)
+	present := false
 	for i := 0; i < n; i++ {
 		c, err := x.peek()
 		if err != nil {
@@ -1171,32 +1184,32 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 			if err := x.skip(); err != nil {
 				return nil, err
 			}
+			x.keyLists = append(x.keyLists, nil)
 			continue
 		}
 		items, err := x.arrayLen()
 		if err != nil {
 			return nil, err
 		}
-		if perBlock == nil {
-			perBlock = make([][]extraKey, n)
-		}
-		keys := make([]extraKey, 0, min(items, 8))
+		present = true
+		off := len(x.keys)
 		for j := 0; j < items; j++ {
 			key, ok, err := x.extraKey()
 			if err != nil {
 				return nil, err
 			}
 			if ok {
-				keys = append(keys, key)
+				x.keys = append(x.keys, key)
 			}
 		}
-		perBlock[i] = keys
+		x.keyLists = append(x.keyLists, x.keys[off:len(x.keys):len(x.keys)])
 	}
-	if perBlock == nil && n > 0 {
-		// Every block said nil: present, but carrying nothing.
-		perBlock = make([][]extraKey, 0)
+	if !present {
+		// Absent, or every block said nil: nothing to carry.
+		x.keyLists = x.keyLists[:start]
+		return nil, nil
 	}
-	return perBlock, nil
+	return x.keyLists[start:len(x.keyLists):len(x.keyLists)], nil
 }
 
 // extraKey reads one item: text, an int64, bytes, or [text, int] as a

@@ -241,6 +241,8 @@ type Normalizer struct {
 	plans   []plan
 	removed []int64
 	seen    map[int64]struct{}
+
+	enc encodeScratch // AppendNormalized's reused messages and slabs
 }
 
 // plan is an admitted event, waiting for its proto.
@@ -258,6 +260,7 @@ type plan struct {
 // NewNormalizer returns a Normalizer for one engine dialect.
 func NewNormalizer(d Dialect) *Normalizer {
 	n := &Normalizer{dec: newDecoder(d), seen: make(map[int64]struct{})}
+	n.enc.n = n
 	n.Reset()
 	return n
 }
