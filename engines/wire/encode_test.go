@@ -157,8 +157,8 @@ func TestAppendNormalizedMatchesMarshalOnEveryField(t *testing.T) {
 		batch(t, 0, append(stored([]any{8, 9}, nil, toks(1, 8), 4), "group_idx", 1, "kv_cache_spec_kind", "sliding_window"),
 			removed([]any{8}, "group_idx", 1)),
 		batch(t, 0, stored([]any{10, 11, 12, 13}, nil, longTokens[:4*300], 300, "lora_id", 1)), // blocks over 127 bytes
-		batch(t, 0, stored([]any{14}, 10, toks(1, 2), 2)),                                     // inherits the chain's namespace
-		batch(t, 0, stored([]any{15}, nil, toks(1, 2), 2, "cache_salt", "\xff\xfe")),          // invalid UTF-8
+		batch(t, 0, stored([]any{14}, 10, toks(1, 2), 2)),                                      // inherits the chain's namespace
+		batch(t, 0, stored([]any{15}, nil, toks(1, 2), 2, "cache_salt", "\xff\xfe")),           // invalid UTF-8
 		batch(t, 0, stored([]any{16}, nil, toks(1, 2), 2, "extra_keys", []any{[]any{"\xff", "ok"}})),
 		batch(t, 0, stored([]any{17}, nil, toks(1, 2), 2, "extra_keys", []any{[]any{[]any{"\xc3", 1}}})),
 		batch(t, 0, stored([]any{18}, nil, toks(1, 2), 2), removed([]any{18})),

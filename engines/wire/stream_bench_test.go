@@ -318,6 +318,43 @@ func BenchmarkDecodeAndNormalize(b *testing.B) {
 			}
 			report(b, cpu0)
 		})
+		// Decode, normalize and encode, the relay's way today (Normalize's
+		// messages, then kvenc into a reused buffer) and straight from the
+		// decoder's slabs (AppendNormalized into a reused buffer): the same
+		// bytes either way (TestAppendNormalizedMatchesMarshalOnGoldenVectors).
+		b.Run("normalize+kvenc/"+f.name, func(b *testing.B) {
+			n := NewNormalizer(f.dialect)
+			var buf []byte
+			b.SetBytes(int64(bytes / len(stream)))
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuTime()
+			for i := 0; i < b.N; i++ {
+				out, _, err := n.Normalize(stream[i%len(stream)].payload, uint64(i), 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if buf, err = kvenc.AppendBatch(buf[:0], out); err != nil {
+					b.Fatal(err)
+				}
+			}
+			report(b, cpu0)
+		})
+		b.Run("wire/"+f.name, func(b *testing.B) {
+			n := NewNormalizer(f.dialect)
+			var buf []byte
+			b.SetBytes(int64(bytes / len(stream)))
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuTime()
+			for i := 0; i < b.N; i++ {
+				var err error
+				if buf, _, err = n.AppendNormalized(buf[:0], stream[i%len(stream)].payload, uint64(i), 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+			report(b, cpu0)
+		})
 		// The relay's encoding of each normalized batch (issue 19 item 1):
 		// proto.Marshal against kvenc.AppendBatch into a reused buffer
 		// copied out at its exact size, as relay.relay does; same batches.
