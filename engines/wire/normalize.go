@@ -240,7 +240,7 @@ type Normalizer struct {
 
 	plans   []plan
 	removed []int64
-	seen    map[int64]struct{}
+	seen    hashSet
 
 	enc encodeScratch // AppendNormalized's reused messages and slabs
 }
@@ -259,7 +259,7 @@ type plan struct {
 
 // NewNormalizer returns a Normalizer for one engine dialect.
 func NewNormalizer(d Dialect) *Normalizer {
-	n := &Normalizer{dec: newDecoder(d), seen: make(map[int64]struct{})}
+	n := &Normalizer{dec: newDecoder(d)}
 	n.enc.n = n
 	n.Reset()
 	return n
@@ -513,7 +513,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 		return plan{}, false
 	}
 	hashes := n.dec.hashes[ev.hashOff : ev.hashOff+ev.hashN]
-	if selfReferencing(hashes, ev.parent, n.seen) {
+	if selfReferencing(hashes, ev.parent, &n.seen) {
 		n.drop(drops, DropSelfReferencingHashes, id)
 		return plan{}, false
 	}
@@ -575,7 +575,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 
 // selfReferencing reports a hash repeated within the store or equal to its
 // parent (N15). seen is scratch, reused across stores.
-func selfReferencing(hashes []int64, parent optI64, seen map[int64]struct{}) bool {
+func selfReferencing(hashes []int64, parent optI64, seen *hashSet) bool {
 	if len(hashes) <= 16 {
 		for i, h := range hashes {
 			if parent.ok && h == parent.v {
@@ -589,20 +589,14 @@ func selfReferencing(hashes []int64, parent optI64, seen map[int64]struct{}) boo
 		}
 		return false
 	}
-	if len(hashes) > 4096 {
-		// Do not let one huge store leave a huge scratch map behind.
-		seen = make(map[int64]struct{}, len(hashes)+1)
-	} else {
-		clear(seen)
-	}
+	seen.reset(len(hashes) + 1)
 	if parent.ok {
-		seen[parent.v] = struct{}{}
+		seen.add(parent.v)
 	}
 	for _, h := range hashes {
-		if _, dup := seen[h]; dup {
+		if seen.add(h) {
 			return true
 		}
-		seen[h] = struct{}{}
 	}
 	return false
 }
