@@ -2,6 +2,7 @@ package wire
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -1040,31 +1041,35 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 	p := x.p
 	pos := x.pos()
 	ok = true
-	plain, pairs := 0, 0
-	for i := 0; i < count; i++ {
+	// Every cell that is not a pair and not bad is plain, so the mix check
+	// needs only the pairs counted.
+	pairs := 0
+	for i := range out {
+		// The widths token ids use, inline; everything else below.
+		if pos < len(p) {
+			switch c := p[pos]; {
+			case c <= 0x7f:
+				out[i] = uint32(c)
+				pos++
+				continue
+			case c == 0xcd:
+				if q := p[pos:]; len(q) >= 3 {
+					out[i] = uint32(q[1])<<8 | uint32(q[2])
+					pos += 3
+					continue
+				}
+			case c == 0xce:
+				if q := p[pos:]; len(q) >= 5 {
+					out[i] = binary.BigEndian.Uint32(q[1:5])
+					pos += 5
+					continue
+				}
+			}
+		}
 		if pos >= len(p) {
 			return 0, 0, false, false, x.undecodable(pos, "token_ids: %v", errTruncated)
 		}
 		c := p[pos]
-		// The widths token ids use, inline; everything else below.
-		if c <= 0x7f {
-			out[i] = uint32(c)
-			plain++
-			pos++
-			continue
-		}
-		if c == 0xcd && pos+2 < len(p) {
-			out[i] = uint32(p[pos+1])<<8 | uint32(p[pos+2])
-			plain++
-			pos += 3
-			continue
-		}
-		if c == 0xce && pos+4 < len(p) {
-			out[i] = uint32(p[pos+1])<<24 | uint32(p[pos+2])<<16 | uint32(p[pos+3])<<8 | uint32(p[pos+4])
-			plain++
-			pos += 5
-			continue
-		}
 		if c == 0x92 {
 			first, next, good, gerr := uint32At(p, pos+1)
 			if gerr == nil && good {
@@ -1083,7 +1088,6 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 			v, next, good, gerr := uint32At(p, pos)
 			if gerr == nil && good {
 				out[i] = v
-				plain++
 				pos = next
 				continue
 			}
@@ -1096,7 +1100,7 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 		pos = end
 	}
 	x.seek(pos)
-	if !ok || (plain > 0 && pairs > 0) {
+	if !ok || (pairs > 0 && pairs < count) {
 		return 0, 0, false, false, nil
 	}
 	x.tokens = x.tokens[:off+count]
