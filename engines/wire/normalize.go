@@ -191,6 +191,8 @@ type blockRecord struct {
 type rankState struct {
 	// tiers[t-1] holds tier t's records (DEVICE=1 … EXTERNAL=4).
 	tiers [4]map[int64]blockRecord
+	// filters[t-1] is a superset of tiers[t-1]'s keys, cheap to ask.
+	filters [4]recordFilter
 	// groups maps a cache group to whether it is a main-attention group.
 	groups map[uint32]bool
 	// windowForwarded holds hashes forwarded from a sliding-window group
@@ -526,6 +528,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 	}
 	state := n.rank(key)
 	records := state.tier(a.tier, true)
+	filter := &state.filters[a.tier-1]
 	if (!ns.lora.ok || !ns.salt.ok) && ev.parent.ok {
 		if rec, ok := records[ev.parent.v]; ok && rec.ns != 0 {
 			parent := n.nsList[rec.ns]
@@ -540,10 +543,14 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 	nsID := n.namespaceID(ns)
 	if nsID != 0 || len(records) > 0 {
 		for _, h := range hashes {
+			if nsID == 0 && !filter.mayHold(h) {
+				continue // not recorded, and a block without a namespace is not recorded
+			}
 			rec, ok := records[h]
 			if !ok {
 				if nsID != 0 {
 					records[h] = blockRecord{ns: nsID, copies: 1}
+					filter.add(h, records)
 				}
 				continue
 			}
@@ -649,13 +656,18 @@ func (n *Normalizer) removedEvent(ev *wireEvent, key int32, id uint64, drops *Dr
 	if state != nil {
 		// One physical copy goes; the record goes with the last.
 		if records := state.tier(a.tier, false); records != nil {
+			filter := &state.filters[a.tier-1]
 			for _, h := range kept {
+				if !filter.mayHold(h) {
+					continue
+				}
 				rec, ok := records[h]
 				if !ok {
 					continue
 				}
 				if rec.copies <= 1 {
 					delete(records, h)
+					filter.removed(records)
 				} else {
 					rec.copies--
 					records[h] = rec
