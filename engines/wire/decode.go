@@ -995,8 +995,20 @@ func (x *decoder) hashList() (off, n int, ok bool, err error) {
 	}
 	off = len(x.hashes)
 	ok = true
+	p, pos := x.p, x.pos()
 	for i := 0; i < count; i++ {
+		// The common 64-bit hash, straight from the payload; every other
+		// form goes through hash.
+		if q := p[pos:]; len(q) >= 9 && (q[0] == 0xcf || q[0] == 0xd3) {
+			if ok {
+				x.hashes = append(x.hashes, int64(binary.BigEndian.Uint64(q[1:9])))
+			}
+			pos += 9
+			continue
+		}
+		x.seek(pos)
 		v, good, err := x.hash()
+		pos = x.pos()
 		if err != nil {
 			return 0, 0, false, err
 		}
@@ -1008,6 +1020,7 @@ func (x *decoder) hashList() (off, n int, ok bool, err error) {
 			x.hashes = append(x.hashes, v)
 		}
 	}
+	x.seek(pos)
 	if !ok {
 		x.hashes = x.hashes[:off]
 		return 0, 0, false, nil
