@@ -14,6 +14,11 @@
 // proto.Marshal refuses it. Unknown fields are not written: the batches the
 // relay encodes are built by its normalizer and have none. EngineLoad, which
 // the relay never puts in an event batch, is delegated to proto.Marshal.
+//
+// AppendBatchFunc, AppendEvent and AppendStoredEvent write the same bytes
+// from parts: the wire normalizer's direct path (wire.AppendNormalized)
+// writes a store's blocks from flat hash and token slices (BlockRun)
+// without building a KvBlock message each.
 package kvenc
 
 import (
