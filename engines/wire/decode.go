@@ -2,6 +2,7 @@ package wire
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -206,7 +207,10 @@ type decoder struct {
 	events []wireEvent
 	hashes []int64
 	tokens []uint32
-	intern map[string]string
+	// keys and keyLists hold extra keys and the per-block lists of them.
+	keys     []extraKey
+	keyLists [][]extraKey
+	intern   map[string]string
 
 	ts      float64
 	rank    int32
@@ -572,6 +576,10 @@ func (x *decoder) decode(payload []byte) error {
 	x.events = x.events[:0]
 	x.hashes = x.hashes[:0]
 	x.tokens = x.tokens[:0]
+	clear(x.keys) // drop the last batch's blobs and lists
+	clear(x.keyLists)
+	x.keys = x.keys[:0]
+	x.keyLists = x.keyLists[:0]
 	x.ts, x.rank, x.hasRank = 0, 0, false
 	x.total, x.unknown, x.malformed = 0, 0, 0
 	x.skipped = x.skipped[:0]
@@ -987,8 +995,20 @@ func (x *decoder) hashList() (off, n int, ok bool, err error) {
 	}
 	off = len(x.hashes)
 	ok = true
+	p, pos := x.p, x.pos()
 	for i := 0; i < count; i++ {
+		// The common 64-bit hash, straight from the payload; every other
+		// form goes through hash.
+		if q := p[pos:]; len(q) >= 9 && (q[0] == 0xcf || q[0] == 0xd3) {
+			if ok {
+				x.hashes = append(x.hashes, int64(binary.BigEndian.Uint64(q[1:9])))
+			}
+			pos += 9
+			continue
+		}
+		x.seek(pos)
 		v, good, err := x.hash()
+		pos = x.pos()
 		if err != nil {
 			return 0, 0, false, err
 		}
@@ -1000,6 +1020,7 @@ func (x *decoder) hashList() (off, n int, ok bool, err error) {
 			x.hashes = append(x.hashes, v)
 		}
 	}
+	x.seek(pos)
 	if !ok {
 		x.hashes = x.hashes[:off]
 		return 0, 0, false, nil
@@ -1033,31 +1054,35 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 	p := x.p
 	pos := x.pos()
 	ok = true
-	plain, pairs := 0, 0
-	for i := 0; i < count; i++ {
+	// Every cell that is not a pair and not bad is plain, so the mix check
+	// needs only the pairs counted.
+	pairs := 0
+	for i := range out {
+		// The widths token ids use, inline; everything else below.
+		if pos < len(p) {
+			switch c := p[pos]; {
+			case c <= 0x7f:
+				out[i] = uint32(c)
+				pos++
+				continue
+			case c == 0xcd:
+				if q := p[pos:]; len(q) >= 3 {
+					out[i] = uint32(q[1])<<8 | uint32(q[2])
+					pos += 3
+					continue
+				}
+			case c == 0xce:
+				if q := p[pos:]; len(q) >= 5 {
+					out[i] = binary.BigEndian.Uint32(q[1:5])
+					pos += 5
+					continue
+				}
+			}
+		}
 		if pos >= len(p) {
 			return 0, 0, false, false, x.undecodable(pos, "token_ids: %v", errTruncated)
 		}
 		c := p[pos]
-		// The widths token ids use, inline; everything else below.
-		if c <= 0x7f {
-			out[i] = uint32(c)
-			plain++
-			pos++
-			continue
-		}
-		if c == 0xcd && pos+2 < len(p) {
-			out[i] = uint32(p[pos+1])<<8 | uint32(p[pos+2])
-			plain++
-			pos += 3
-			continue
-		}
-		if c == 0xce && pos+4 < len(p) {
-			out[i] = uint32(p[pos+1])<<24 | uint32(p[pos+2])<<16 | uint32(p[pos+3])<<8 | uint32(p[pos+4])
-			plain++
-			pos += 5
-			continue
-		}
 		if c == 0x92 {
 			first, next, good, gerr := uint32At(p, pos+1)
 			if gerr == nil && good {
@@ -1076,7 +1101,6 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 			v, next, good, gerr := uint32At(p, pos)
 			if gerr == nil && good {
 				out[i] = v
-				plain++
 				pos = next
 				continue
 			}
@@ -1089,7 +1113,7 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 		pos = end
 	}
 	x.seek(pos)
-	if !ok || (plain > 0 && pairs > 0) {
+	if !ok || (pairs > 0 && pairs < count) {
 		return 0, 0, false, false, nil
 	}
 	x.tokens = x.tokens[:off+count]
@@ -1161,7 +1185,13 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 	if err != nil {
 		return nil, err
 	}
-	var perBlock [][]extraKey
+	// The keys and the per-block lists live in the decoder's slabs, reused
+	// batch after batch (vLLM puts a LoRA name on every block of an
+	// adapter's store: two allocations a block were most of a vLLM batch's
+	// decoding allocations). A slab that grows leaves earlier lists
+	// pointing at its old array, whose contents never change.
+	start := len(x.keyLists)
+	present := false
 	for i := 0; i < n; i++ {
 		c, err := x.peek()
 		if err != nil {
@@ -1171,32 +1201,32 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 			if err := x.skip(); err != nil {
 				return nil, err
 			}
+			x.keyLists = append(x.keyLists, nil)
 			continue
 		}
 		items, err := x.arrayLen()
 		if err != nil {
 			return nil, err
 		}
-		if perBlock == nil {
-			perBlock = make([][]extraKey, n)
-		}
-		keys := make([]extraKey, 0, min(items, 8))
+		present = true
+		off := len(x.keys)
 		for j := 0; j < items; j++ {
 			key, ok, err := x.extraKey()
 			if err != nil {
 				return nil, err
 			}
 			if ok {
-				keys = append(keys, key)
+				x.keys = append(x.keys, key)
 			}
 		}
-		perBlock[i] = keys
+		x.keyLists = append(x.keyLists, x.keys[off:len(x.keys):len(x.keys)])
 	}
-	if perBlock == nil && n > 0 {
-		// Every block said nil: present, but carrying nothing.
-		perBlock = make([][]extraKey, 0)
+	if !present {
+		// Absent, or every block said nil: nothing to carry.
+		x.keyLists = x.keyLists[:start]
+		return nil, nil
 	}
-	return perBlock, nil
+	return x.keyLists[start:len(x.keyLists):len(x.keyLists)], nil
 }
 
 // extraKey reads one item: text, an int64, bytes, or [text, int] as a

@@ -7,8 +7,8 @@
 // A payload goes through two stages inside Normalizer.Normalize:
 //
 //  1. Decode. A streaming msgpack walk (vmihailenco/msgpack/v5 Decoder
-//     primitives over a bytes.Reader, plus a hand-rolled loop for the token
-//     arrays, which are most of the bytes) reads the envelope — [ts, events,
+//     primitives over a bytes.Reader, plus hand-rolled loops for the token
+//     and hash arrays, which are most of the bytes) reads the envelope — [ts, events,
 //     rank?] with the rank omitted, nil or followed by extra elements, or a
 //     map {ts, events, data_parallel_rank|attn_dp_rank} — and every event,
 //     whether a tagged map (any key order, unknown keys skipped) or a
@@ -37,11 +37,25 @@
 //     ids advance once per input event either way. Admitted events update a
 //     compact per-rank record (rank → tier → hash → {namespace id, copies})
 //     that provides namespace inheritance from a parent, copy counting capped
-//     at 8, duplicate-store counting and per-rank clears.
+//     at 8, duplicate-store counting and per-rank clears. Only namespaced
+//     blocks are recorded, and a Bloom filter per table lets the other
+//     stores and the removals skip it for blocks it never held.
 //
 // The output's blocks, block pointers, tokens and extra keys come from one
 // slab each per batch, so a batch costs a handful of allocations whatever its
 // block count.
+//
+// # Two outputs
+//
+// Normalize returns the batch as messages (kvpb.KvEventBatch), fresh each
+// call, for callers that keep or inspect it. AppendNormalized runs the same
+// decode and gates (they share one planning step, so the two cannot disagree
+// on what is forwarded) and appends the batch's protobuf wire bytes instead,
+// written by proto/kvenc straight from the decoder's hash and token slabs:
+// no message per block, no allocation per batch in the steady state. Its
+// bytes equal proto.Marshal's of Normalize's batch; the differential test
+// over the golden vectors and FuzzAppendNormalizedMatchesMarshal hold it to
+// that.
 //
 // # Where we differ from smg
 //

@@ -191,6 +191,8 @@ type blockRecord struct {
 type rankState struct {
 	// tiers[t-1] holds tier t's records (DEVICE=1 … EXTERNAL=4).
 	tiers [4]map[int64]blockRecord
+	// filters[t-1] is a superset of tiers[t-1]'s keys, cheap to ask.
+	filters [4]recordFilter
 	// groups maps a cache group to whether it is a main-attention group.
 	groups map[uint32]bool
 	// windowForwarded holds hashes forwarded from a sliding-window group
@@ -240,7 +242,9 @@ type Normalizer struct {
 
 	plans   []plan
 	removed []int64
-	seen    map[int64]struct{}
+	seen    hashSet
+
+	enc encodeScratch // AppendNormalized's reused messages and slabs
 }
 
 // plan is an admitted event, waiting for its proto.
@@ -257,7 +261,8 @@ type plan struct {
 
 // NewNormalizer returns a Normalizer for one engine dialect.
 func NewNormalizer(d Dialect) *Normalizer {
-	n := &Normalizer{dec: newDecoder(d), seen: make(map[int64]struct{})}
+	n := &Normalizer{dec: newDecoder(d)}
+	n.enc.n = n
 	n.Reset()
 	return n
 }
@@ -312,24 +317,49 @@ func (n *Normalizer) drop(d *Drops, reason DropReason, eventID uint64) {
 // then no event id is consumed. A bad event costs only itself and is
 // counted in the returned Drops.
 func (n *Normalizer) Normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, Drops, error) {
-	var drops Drops
-	x := n.dec
-	if err := x.decode(payload); err != nil {
-		n.counts.UndecodableBatches++
+	h, drops, err := n.plan(payload, rank)
+	if err != nil {
 		return nil, drops, err
 	}
 	out := &batchOut{}
 	batch := &out.batch
 	batch.SequenceNumber = seq
-	batch.Timestamp = x.ts
+	batch.Timestamp = h.ts
+	if h.hasRank {
+		out.rank = h.rank
+		batch.DpRank = &out.rank
+	}
+	n.build(out, h.blocks, h.tokens)
+	return batch, drops, nil
+}
+
+// batchHead is what a planned batch says besides its events.
+type batchHead struct {
+	ts             float64
+	rank           int32
+	hasRank        bool
+	blocks, tokens int // in the admitted stores
+}
+
+// plan decodes a payload and runs every event through the gates and the
+// per-rank record, leaving the admitted events in n.plans for build or
+// encode. Both output paths share it, so they cannot disagree on what is
+// forwarded.
+func (n *Normalizer) plan(payload []byte, rank int32) (batchHead, Drops, error) {
+	var drops Drops
+	var h batchHead
+	x := n.dec
+	if err := x.decode(payload); err != nil {
+		n.counts.UndecodableBatches++
+		return h, drops, err
+	}
+	h.ts = x.ts
 	key := int32(-1)
 	switch {
 	case rank >= 0:
-		out.rank, key = rank, rank
-		batch.DpRank = &out.rank
+		h.rank, h.hasRank, key = rank, true, rank
 	case x.hasRank:
-		out.rank, key = x.rank, x.rank
-		batch.DpRank = &out.rank
+		h.rank, h.hasRank, key = x.rank, true, x.rank
 	}
 	base := n.eventID
 	n.eventID += uint64(x.total)
@@ -393,9 +423,9 @@ func (n *Normalizer) Normalize(payload []byte, seq uint64, rank int32) (*kvpb.Kv
 			n.plans = append(n.plans, p)
 		}
 	}
-	n.build(out, blocks, tokens)
+	h.blocks, h.tokens = blocks, tokens
 	n.maybeCompactNamespaces()
-	return batch, drops, nil
+	return h, drops, nil
 }
 
 type admitted struct {
@@ -485,7 +515,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 		return plan{}, false
 	}
 	hashes := n.dec.hashes[ev.hashOff : ev.hashOff+ev.hashN]
-	if selfReferencing(hashes, ev.parent, n.seen) {
+	if selfReferencing(hashes, ev.parent, &n.seen) {
 		n.drop(drops, DropSelfReferencingHashes, id)
 		return plan{}, false
 	}
@@ -498,6 +528,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 	}
 	state := n.rank(key)
 	records := state.tier(a.tier, true)
+	filter := &state.filters[a.tier-1]
 	if (!ns.lora.ok || !ns.salt.ok) && ev.parent.ok {
 		if rec, ok := records[ev.parent.v]; ok && rec.ns != 0 {
 			parent := n.nsList[rec.ns]
@@ -512,10 +543,14 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 	nsID := n.namespaceID(ns)
 	if nsID != 0 || len(records) > 0 {
 		for _, h := range hashes {
+			if nsID == 0 && !filter.mayHold(h) {
+				continue // not recorded, and a block without a namespace is not recorded
+			}
 			rec, ok := records[h]
 			if !ok {
 				if nsID != 0 {
 					records[h] = blockRecord{ns: nsID, copies: 1}
+					filter.add(h, records)
 				}
 				continue
 			}
@@ -547,7 +582,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 
 // selfReferencing reports a hash repeated within the store or equal to its
 // parent (N15). seen is scratch, reused across stores.
-func selfReferencing(hashes []int64, parent optI64, seen map[int64]struct{}) bool {
+func selfReferencing(hashes []int64, parent optI64, seen *hashSet) bool {
 	if len(hashes) <= 16 {
 		for i, h := range hashes {
 			if parent.ok && h == parent.v {
@@ -561,20 +596,14 @@ func selfReferencing(hashes []int64, parent optI64, seen map[int64]struct{}) boo
 		}
 		return false
 	}
-	if len(hashes) > 4096 {
-		// Do not let one huge store leave a huge scratch map behind.
-		seen = make(map[int64]struct{}, len(hashes)+1)
-	} else {
-		clear(seen)
-	}
+	seen.reset(len(hashes) + 1)
 	if parent.ok {
-		seen[parent.v] = struct{}{}
+		seen.add(parent.v)
 	}
 	for _, h := range hashes {
-		if _, dup := seen[h]; dup {
+		if seen.add(h) {
 			return true
 		}
-		seen[h] = struct{}{}
 	}
 	return false
 }
@@ -627,13 +656,18 @@ func (n *Normalizer) removedEvent(ev *wireEvent, key int32, id uint64, drops *Dr
 	if state != nil {
 		// One physical copy goes; the record goes with the last.
 		if records := state.tier(a.tier, false); records != nil {
+			filter := &state.filters[a.tier-1]
 			for _, h := range kept {
+				if !filter.mayHold(h) {
+					continue
+				}
 				rec, ok := records[h]
 				if !ok {
 					continue
 				}
 				if rec.copies <= 1 {
 					delete(records, h)
+					filter.removed(records)
 				} else {
 					rec.copies--
 					records[h] = rec
@@ -734,6 +768,71 @@ type clearedOut struct {
 	ownership string
 }
 
+// fill sets everything of a cleared event but nothing it does not say.
+func (o *clearedOut) fill(p *plan) {
+	setString(&o.msg.Ownership, &o.ownership, p.ev.ownership)
+	o.wrap.Cleared = &o.msg
+	o.event.EventId, o.event.Data = p.eventID, &o.wrap
+}
+
+// fill sets a removal's fields, its hashes included.
+func (o *removedOut) fill(p *plan, hashes []int64) {
+	ev := p.ev
+	o.tier, o.locality = p.tier, kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL
+	o.msg.BlockHashes = hashes
+	if lvl, ok := cacheLevelOf(p.tier); ok {
+		o.cacheLevel = lvl
+		o.msg.CacheLevel = &o.cacheLevel
+	}
+	o.msg.Tier, o.msg.Locality = &o.tier, &o.locality
+	setString(&o.msg.Medium, &o.medium, ev.medium)
+	setString(&o.msg.Ownership, &o.ownership, ev.ownership)
+	if ev.groupIdx.ok {
+		o.group = ev.groupIdx.v
+		o.msg.GroupIdx = &o.group
+	}
+	o.wrap.Removed = &o.msg
+	o.event.EventId, o.event.Data = p.eventID, &o.wrap
+}
+
+// fill sets a store's own fields (not its blocks) and returns the lora_id
+// and cache_level every one of its blocks carries.
+func (o *storedOut) fill(p *plan) (loraID *int64, cacheLevel *int32) {
+	ev := p.ev
+	o.tier, o.locality = p.tier, kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL
+	m := &o.msg
+	m.Tier, m.Locality = &o.tier, &o.locality
+	if ev.parent.ok {
+		o.parent = ev.parent.v
+		m.ParentBlockHash = &o.parent
+	}
+	setString(&m.Medium, &o.medium, ev.medium)
+	setString(&m.KvCacheSpecKind, &o.kind, ev.specKind)
+	setString(&m.Ownership, &o.ownership, ev.ownership)
+	setString(&m.SessionId, &o.session, ev.sessionID)
+	setString(&m.LoraName, &o.lora, p.ns.lora)
+	setString(&m.CacheSalt, &o.salt, p.ns.salt)
+	if ev.groupIdx.ok {
+		o.group = ev.groupIdx.v
+		m.GroupIdx = &o.group
+	}
+	if ev.window.ok {
+		o.window = ev.window.v
+		m.KvCacheSpecSlidingWindow = &o.window
+	}
+	if ev.loraID.ok {
+		o.loraID = ev.loraID.v
+		loraID = &o.loraID
+	}
+	if lvl, ok := cacheLevelOf(p.tier); ok {
+		o.cacheLevel = lvl
+		cacheLevel = &o.cacheLevel
+	}
+	o.wrap.Stored = m
+	o.event.EventId, o.event.Data = p.eventID, &o.wrap
+	return loraID, cacheLevel
+}
+
 func setString(dst **string, field *string, v optString) {
 	if v.ok {
 		*field = v.s
@@ -771,66 +870,22 @@ func (n *Normalizer) build(out *batchOut, blocks, tokens int) {
 		removedSlab = make([]int64, len(n.removed))
 		copy(removedSlab, n.removed)
 	}
-	local := kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL
 	for i := range n.plans {
 		p := &n.plans[i]
 		ev := p.ev
 		switch ev.kind {
 		case kindCleared:
 			o := &clearedOut{}
-			setString(&o.msg.Ownership, &o.ownership, ev.ownership)
-			o.wrap.Cleared = &o.msg
-			o.event.EventId, o.event.Data = p.eventID, &o.wrap
+			o.fill(p)
 			events[i] = &o.event
 		case kindRemoved:
-			o := &removedOut{tier: p.tier, locality: local}
-			o.msg.BlockHashes = removedSlab[p.removedOff : p.removedOff+p.removedN : p.removedOff+p.removedN]
-			if lvl, ok := cacheLevelOf(p.tier); ok {
-				o.cacheLevel = lvl
-				o.msg.CacheLevel = &o.cacheLevel
-			}
-			o.msg.Tier, o.msg.Locality = &o.tier, &o.locality
-			setString(&o.msg.Medium, &o.medium, ev.medium)
-			setString(&o.msg.Ownership, &o.ownership, ev.ownership)
-			if ev.groupIdx.ok {
-				o.group = ev.groupIdx.v
-				o.msg.GroupIdx = &o.group
-			}
-			o.wrap.Removed = &o.msg
-			o.event.EventId, o.event.Data = p.eventID, &o.wrap
+			o := &removedOut{}
+			o.fill(p, removedSlab[p.removedOff:p.removedOff+p.removedN:p.removedOff+p.removedN])
 			events[i] = &o.event
 		case kindStored:
-			o := &storedOut{tier: p.tier, locality: local}
+			o := &storedOut{}
+			loraID, cacheLevel := o.fill(p)
 			m := &o.msg
-			m.Tier, m.Locality = &o.tier, &o.locality
-			if ev.parent.ok {
-				o.parent = ev.parent.v
-				m.ParentBlockHash = &o.parent
-			}
-			setString(&m.Medium, &o.medium, ev.medium)
-			setString(&m.KvCacheSpecKind, &o.kind, ev.specKind)
-			setString(&m.Ownership, &o.ownership, ev.ownership)
-			setString(&m.SessionId, &o.session, ev.sessionID)
-			setString(&m.LoraName, &o.lora, p.ns.lora)
-			setString(&m.CacheSalt, &o.salt, p.ns.salt)
-			if ev.groupIdx.ok {
-				o.group = ev.groupIdx.v
-				m.GroupIdx = &o.group
-			}
-			if ev.window.ok {
-				o.window = ev.window.v
-				m.KvCacheSpecSlidingWindow = &o.window
-			}
-			var loraID *int64
-			if ev.loraID.ok {
-				o.loraID = ev.loraID.v
-				loraID = &o.loraID
-			}
-			var cacheLevel *int32
-			if lvl, ok := cacheLevelOf(p.tier); ok {
-				o.cacheLevel = lvl
-				cacheLevel = &o.cacheLevel
-			}
 			width := int(ev.blockSize)
 			nb := ev.hashN
 			m.Blocks = blockPtrs[:nb:nb]
@@ -855,8 +910,6 @@ func (n *Normalizer) build(out *batchOut, blocks, tokens int) {
 				m.Blocks[j] = b
 			}
 			blockSlab = blockSlab[nb:]
-			o.wrap.Stored = m
-			o.event.EventId, o.event.Data = p.eventID, &o.wrap
 			events[i] = &o.event
 		}
 	}

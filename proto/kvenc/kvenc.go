@@ -14,6 +14,11 @@
 // proto.Marshal refuses it. Unknown fields are not written: the batches the
 // relay encodes are built by its normalizer and have none. EngineLoad, which
 // the relay never puts in an event batch, is delegated to proto.Marshal.
+//
+// AppendBatchFunc, AppendEvent and AppendStoredEvent write the same bytes
+// from parts: the wire normalizer's direct path (wire.AppendNormalized)
+// writes a store's blocks from flat hash and token slices (BlockRun)
+// without building a KvBlock message each.
 package kvenc
 
 import (
@@ -48,6 +53,17 @@ func AppendBatch(dst []byte, b *kvpb.KvEventBatch) ([]byte, error) {
 	if b == nil {
 		return dst, nil
 	}
+	return AppendBatchFunc(dst, b, len(b.Events), func(dst []byte, i int) ([]byte, error) {
+		return AppendEvent(dst, b.Events[i])
+	})
+}
+
+// AppendBatchFunc appends the encoding of b with n events written by event
+// (each call appends the fields of event i, as AppendEvent does) in place
+// of b.Events, which it ignores. The normalizer's direct path writes its
+// events from the decoder's slabs this way, without building their
+// messages; the bytes are AppendBatch's for the batch those calls describe.
+func AppendBatchFunc(dst []byte, b *kvpb.KvEventBatch, n int, event func(dst []byte, i int) ([]byte, error)) ([]byte, error) {
 	if b.SequenceNumber != 0 {
 		dst = append(dst, tag(1, tagVarint))
 		dst = protowire.AppendVarint(dst, b.SequenceNumber)
@@ -57,11 +73,11 @@ func AppendBatch(dst []byte, b *kvpb.KvEventBatch) ([]byte, error) {
 		dst = protowire.AppendFixed64(dst, math.Float64bits(b.Timestamp))
 	}
 	var err error
-	for _, ev := range b.Events {
+	for i := range n {
 		dst = append(dst, tag(3, tagBytes))
 		at := len(dst)
 		dst = append(dst, 0)
-		if dst, err = appendEvent(dst, ev); err != nil {
+		if dst, err = event(dst, i); err != nil {
 			return dst, err
 		}
 		dst = closeLen(dst, at)
@@ -148,7 +164,9 @@ func appendString(dst []byte, num int, s string, field string) ([]byte, error) {
 	return append(dst, s...), nil
 }
 
-func appendEvent(dst []byte, ev *kvpb.KvCacheEvent) ([]byte, error) {
+// AppendEvent appends the fields of ev (its message body, without a tag or
+// length of its own). A nil ev appends nothing.
+func AppendEvent(dst []byte, ev *kvpb.KvCacheEvent) ([]byte, error) {
 	if ev == nil {
 		return dst, nil
 	}
@@ -201,6 +219,76 @@ func appendStored(dst []byte, s *kvpb.KvBlocksStored) ([]byte, error) {
 		}
 		dst = closeLen(dst, at)
 	}
+	return appendStoredTail(dst, s)
+}
+
+// BlockRun is a store's blocks held as flat slices, the way the normalizer's
+// decoder holds them, instead of one KvBlock message each.
+type BlockRun struct {
+	Hashes []int64
+	// Tokens holds BlockSize token ids per hash, block j's at
+	// [j*BlockSize, (j+1)*BlockSize).
+	Tokens     []uint32
+	BlockSize  int32
+	LoraID     *int64 // every block's lora_id
+	CacheLevel *int32 // every block's cache_level
+	// ExtraKeys[j] are block j's extra keys; blocks beyond its end have none.
+	ExtraKeys [][]*kvpb.KvBlockExtraKey
+}
+
+// AppendStoredEvent appends the fields of the KvCacheEvent{EventId: eventID,
+// Data: Stored{tail with Blocks from run}} (as AppendEvent would for it):
+// tail gives the store's own fields, its Blocks are ignored. Tokens shorter
+// than the blocks need is an error, not a panic.
+func AppendStoredEvent(dst []byte, eventID uint64, tail *kvpb.KvBlocksStored, run *BlockRun) ([]byte, error) {
+	size := int(run.BlockSize)
+	if size < 0 || len(run.Tokens) < len(run.Hashes)*size {
+		return dst, fmt.Errorf("stored run: %d tokens for %d blocks of %d", len(run.Tokens), len(run.Hashes), size)
+	}
+	dst = appendUintField(dst, 1, eventID)
+	dst = append(dst, tag(2, tagBytes))
+	at := len(dst)
+	dst = append(dst, 0)
+	var err error
+	for j, h := range run.Hashes {
+		dst = append(dst, tag(1, tagBytes))
+		blockAt := len(dst)
+		dst = append(dst, 0)
+		if h != 0 {
+			dst = appendOptInt(dst, 1, h)
+		}
+		if size > 0 {
+			dst = append(dst, tag(2, tagBytes))
+			tokAt := len(dst)
+			dst = append(dst, 0)
+			dst = appendPackedUint32(dst, run.Tokens[j*size:(j+1)*size])
+			dst = closeLen(dst, tokAt)
+			dst = appendOptInt(dst, 3, int64(size))
+		}
+		if run.LoraID != nil {
+			dst = appendOptInt(dst, 4, *run.LoraID)
+		}
+		if run.CacheLevel != nil {
+			dst = appendOptInt(dst, 5, int64(*run.CacheLevel))
+		}
+		if j < len(run.ExtraKeys) {
+			if dst, err = appendExtraKeys(dst, run.ExtraKeys[j]); err != nil {
+				return dst, err
+			}
+		}
+		dst = closeLen(dst, blockAt)
+	}
+	if tail != nil {
+		if dst, err = appendStoredTail(dst, tail); err != nil {
+			return dst, err
+		}
+	}
+	return closeLen(dst, at), nil
+}
+
+// appendStoredTail writes a store's fields after its blocks.
+func appendStoredTail(dst []byte, s *kvpb.KvBlocksStored) ([]byte, error) {
+	var err error
 	if s.ParentBlockHash != nil {
 		dst = appendOptInt(dst, 2, *s.ParentBlockHash)
 	}
@@ -254,8 +342,12 @@ func appendBlock(dst []byte, blk *kvpb.KvBlock) ([]byte, error) {
 	if blk.CacheLevel != nil {
 		dst = appendOptInt(dst, 5, int64(*blk.CacheLevel))
 	}
+	return appendExtraKeys(dst, blk.ExtraKeys)
+}
+
+func appendExtraKeys(dst []byte, keys []*kvpb.KvBlockExtraKey) ([]byte, error) {
 	var err error
-	for _, k := range blk.ExtraKeys {
+	for _, k := range keys {
 		dst = append(dst, tag(6, tagBytes))
 		at := len(dst)
 		dst = append(dst, 0)

@@ -398,3 +398,72 @@ func genStored(r *rand.Rand) *kvpb.KvBlocksStored {
 	}
 	return s
 }
+
+// TestStoredRunsEncodeLikeTheirMessages: a store written from flat slices
+// (AppendStoredEvent) has the bytes proto.Marshal writes for the same store
+// built as messages, for generated stores of every width, with and without
+// lora_id, cache_level, extra keys (nil ones too) and every store field.
+func TestStoredRunsEncodeLikeTheirMessages(t *testing.T) {
+	for seed := range uint64(2000) {
+		r := rand.New(rand.NewPCG(seed, 0x5eed))
+		tail := genStored(r)
+		tail.Blocks = nil
+		size := []int32{0, 1, 16, 64, 200}[r.IntN(5)]
+		run := kvenc.BlockRun{BlockSize: size, LoraID: optI64(r), CacheLevel: optI32(r)}
+		want := proto.CloneOf(tail)
+		for j := range r.IntN(70) {
+			h := genI64(r)
+			run.Hashes = append(run.Hashes, h)
+			blk := &kvpb.KvBlock{BlockHash: h, BlockSize: size, LoraId: run.LoraID, CacheLevel: run.CacheLevel}
+			for range size {
+				blk.TokenIds = append(blk.TokenIds, uint32(genU64(r)))
+			}
+			run.Tokens = append(run.Tokens, blk.TokenIds...)
+			if r.IntN(3) == 0 {
+				for len(run.ExtraKeys) < j {
+					run.ExtraKeys = append(run.ExtraKeys, nil)
+				}
+				var keys []*kvpb.KvBlockExtraKey
+				for range 1 + r.IntN(3) {
+					switch r.IntN(4) {
+					case 0:
+						keys = append(keys, &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: genString(r)}})
+					case 1:
+						keys = append(keys, &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Number{Number: genI64(r)}})
+					case 2:
+						keys = append(keys, &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Multimodal{
+							Multimodal: &kvpb.KvMultimodalKey{Identifier: genString(r), Offset: genI64(r)}}})
+					default:
+						keys = append(keys, nil)
+					}
+				}
+				run.ExtraKeys = append(run.ExtraKeys, keys)
+				blk.ExtraKeys = keys
+			}
+			want.Blocks = append(want.Blocks, blk)
+		}
+		id := genU64(r)
+		ev := &kvpb.KvCacheEvent{EventId: id, Data: &kvpb.KvCacheEvent_Stored{Stored: want}}
+		wantBytes, wantErr := proto.Marshal(ev)
+		got, gotErr := kvenc.AppendStoredEvent([]byte("prefix"), id, tail, &run)
+		if (wantErr != nil) != (gotErr != nil) {
+			t.Fatalf("seed %d: proto.Marshal error %v, AppendStoredEvent error %v", seed, wantErr, gotErr)
+		}
+		if wantErr == nil && (string(got[:6]) != "prefix" || !bytes.Equal(got[6:], wantBytes)) {
+			t.Fatalf("seed %d: bytes differ\n got  %x\n want %x", seed, got[6:], wantBytes)
+		}
+	}
+}
+
+// TestStoredRunWithTooFewTokensIsAnError: a run whose tokens do not cover
+// its blocks is refused with an error naming the counts, not a panic.
+func TestStoredRunWithTooFewTokensIsAnError(t *testing.T) {
+	for _, run := range []kvenc.BlockRun{
+		{Hashes: []int64{1, 2}, Tokens: make([]uint32, 7), BlockSize: 4},
+		{Hashes: []int64{1}, Tokens: make([]uint32, 4), BlockSize: -4},
+	} {
+		if _, err := kvenc.AppendStoredEvent(nil, 1, nil, &run); err == nil {
+			t.Errorf("run of %d tokens for %d blocks of %d: no error", len(run.Tokens), len(run.Hashes), run.BlockSize)
+		}
+	}
+}

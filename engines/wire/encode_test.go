@@ -1,0 +1,220 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvrelay/kvrelay/proto/kvenc"
+)
+
+// wirePayload is one payload of a differential run and the socket rank and
+// sequence it is normalized under.
+type wirePayload struct {
+	payload []byte
+	seq     uint64
+	rank    int32
+}
+
+// sameAsMarshalled feeds the payloads, in order, to two Normalizers of the
+// dialect: one through Normalize and proto.Marshal (the reference), the
+// other through AppendNormalized into one reused buffer that starts with a
+// prefix. Every batch's bytes, drops and error class must agree, and so must
+// the two normalizers' counters and event ids afterwards. It returns how
+// many batches encoded.
+func sameAsMarshalled(t testing.TB, d Dialect, payloads []wirePayload) int {
+	t.Helper()
+	ref, direct := NewNormalizer(d), NewNormalizer(d)
+	prefix := []byte("prefix")
+	buf := append([]byte(nil), prefix...)
+	encoded := 0
+	for i, p := range payloads {
+		b, wantDrops, wantErr := ref.Normalize(p.payload, p.seq, p.rank)
+		var want []byte
+		var marshalErr error
+		if wantErr == nil {
+			want, marshalErr = proto.Marshal(b)
+		}
+		got, gotDrops, gotErr := direct.AppendNormalized(buf, p.payload, p.seq, p.rank)
+		switch {
+		case wantErr != nil:
+			if !errors.Is(gotErr, ErrUndecodable) {
+				t.Fatalf("%v payload %d: Normalize refused it (%v), AppendNormalized said %v", d, i, wantErr, gotErr)
+			}
+		case marshalErr != nil:
+			if !errors.Is(gotErr, kvenc.ErrInvalidUTF8) {
+				t.Fatalf("%v payload %d: proto.Marshal refused the batch (%v), AppendNormalized said %v", d, i, marshalErr, gotErr)
+			}
+		case gotErr != nil:
+			t.Fatalf("%v payload %d: AppendNormalized: %v (batch %v)", d, i, gotErr, b)
+		default:
+			if !bytes.Equal(got[len(prefix):], want) {
+				t.Fatalf("%v payload %d: bytes differ from proto.Marshal's\n got  %x\n want %x\n batch %v", d, i, got[len(prefix):], want, b)
+			}
+			encoded++
+		}
+		if !bytes.Equal(got[:len(prefix)], prefix) || (gotErr != nil && len(got) != len(prefix)) {
+			t.Fatalf("%v payload %d: the buffer's prefix or length was not kept (err %v)", d, i, gotErr)
+		}
+		if gotDrops != wantDrops {
+			t.Fatalf("%v payload %d: drops %v, Normalize's %v", d, i, gotDrops, wantDrops)
+		}
+		buf = got[:len(prefix)]
+	}
+	if ref.Counts() != direct.Counts() || ref.eventID != direct.eventID {
+		t.Fatalf("%v: counts %+v (event id %d), Normalize's %+v (event id %d)", d, direct.Counts(), direct.eventID, ref.Counts(), ref.eventID)
+	}
+	return encoded
+}
+
+// TestAppendNormalizedMatchesMarshalOnGoldenVectors: every golden vector
+// set (testdata/golden, state carried across a set's payloads) under every
+// dialect, the package's own captures, and the benchmark's realistic
+// streams: AppendNormalized writes proto.Marshal's bytes of Normalize's
+// batch, batch for batch.
+func TestAppendNormalizedMatchesMarshalOnGoldenVectors(t *testing.T) {
+	files, err := filepath.Glob("../../testdata/golden/*.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) < 30 {
+		t.Fatalf("found %d golden vector sets, want at least 30", len(files))
+	}
+	encoded := 0
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var set struct {
+			Payloads []struct {
+				Hex  string `json:"hex"`
+				Seq  uint64 `json:"seq"`
+				Rank int32  `json:"rank"`
+			} `json:"payloads"`
+		}
+		if err := json.Unmarshal(raw, &set); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		var payloads []wirePayload
+		for _, p := range set.Payloads {
+			b, err := hex.DecodeString(p.Hex)
+			if err != nil {
+				t.Fatalf("%s: %v", f, err)
+			}
+			payloads = append(payloads, wirePayload{b, p.Seq, p.Rank})
+		}
+		for d := VLLM; d <= TokenSpeed; d++ {
+			encoded += sameAsMarshalled(t, d, payloads)
+		}
+	}
+	var captures []wirePayload
+	for i, h := range []string{hexF1Batch1, hexF1Batch2, hexF2, hexF5, hexF6Legacy, hexF8, hexF9,
+		hexVLLMMap, hexVLLMArray12, hexVLLM16750, hexSGLangMap, hexSGLangArray7, hexSGLangArraySalted,
+		hexSGLangOldest, hexTokenSpeed, hexVLLM034Batch, hexSGLang0523Batch} {
+		captures = append(captures, wirePayload{unhex(t, h), uint64(i + 1), int32(i%3) - 1})
+	}
+	for d := VLLM; d <= TokenSpeed; d++ {
+		encoded += sameAsMarshalled(t, d, captures)
+	}
+	for _, f := range streamForms {
+		var stream []wirePayload
+		for i, sb := range realisticStream(t, f, 64) {
+			stream = append(stream, wirePayload{sb.payload, uint64(i), 0})
+		}
+		encoded += sameAsMarshalled(t, f.dialect, stream)
+	}
+	// A run that compared nothing would pass: most batches must encode.
+	if encoded < 500 {
+		t.Fatalf("only %d batches encoded and compared", encoded)
+	}
+}
+
+// TestAppendNormalizedMatchesMarshalOnEveryField: stores and removals with
+// every optional field, every extra-key form, host and disk tiers, bigram
+// tokens, tail alignment, sliding-window groups, multi-byte lengths, zero
+// and extreme hashes, a clear with an ownership, and strings that are not
+// valid UTF-8 (which both paths refuse).
+func TestAppendNormalizedMatchesMarshalOnEveryField(t *testing.T) {
+	longTokens := toks(100_000, 100_000+4*300)
+	payloads := [][]byte{
+		batch(t, 3, stored([]any{0, uint64(math.MaxUint64), int64(math.MinInt64)}, int64(-1), toks(1, 12), 4,
+			"lora_id", 7, "medium", "CPU", "lora_name", "adapter", "cache_salt", "salt", "group_idx", 2,
+			"kv_cache_spec_kind", "full_attention", "kv_cache_spec_sliding_window", 4096, "locality", "local",
+			"ownership", "engine", "session_id", "sess-1",
+			"extra_keys", []any{[]any{"text", -5, []byte{1, 2, 3}, []any{"img", 16}, []any{"mm", uint64(math.MaxUint64)}}, nil, []any{}})),
+		batch(t, 0, removed([]any{1, 2, int64(-3)}, "medium", "DISK", "group_idx", 2, "ownership", "engine"),
+			removed([]any{}, "medium", "external"), cleared("ownership", "engine"), cleared()),
+		batch(t, 0, stored([]any{5, 6}, 4, []any{[]any{1, 2}, []any{3, 4}, []any{5, 6}, []any{7, 8}}, 2)),
+		batch(t, 0, stored([]any{7}, nil, toks(1, 8), 4)), // tail aligned
+		batch(t, 0, append(stored([]any{8, 9}, nil, toks(1, 8), 4), "group_idx", 1, "kv_cache_spec_kind", "sliding_window"),
+			removed([]any{8}, "group_idx", 1)),
+		batch(t, 0, stored([]any{10, 11, 12, 13}, nil, longTokens[:4*300], 300, "lora_id", 1)), // blocks over 127 bytes
+		batch(t, 0, stored([]any{14}, 10, toks(1, 2), 2)),                                      // inherits the chain's namespace
+		batch(t, 0, stored([]any{15}, nil, toks(1, 2), 2, "cache_salt", "\xff\xfe")),           // invalid UTF-8
+		batch(t, 0, stored([]any{16}, nil, toks(1, 2), 2, "extra_keys", []any{[]any{"\xff", "ok"}})),
+		batch(t, 0, stored([]any{17}, nil, toks(1, 2), 2, "extra_keys", []any{[]any{[]any{"\xc3", 1}}})),
+		batch(t, 0, stored([]any{18}, nil, toks(1, 2), 2), removed([]any{18})),
+		{0x93}, // truncated
+	}
+	var in []wirePayload
+	for i, p := range payloads {
+		in = append(in, wirePayload{p, uint64(i * 1000), int32(i%4) - 1})
+	}
+	for d := VLLM; d <= TokenSpeed; d++ {
+		if got := sameAsMarshalled(t, d, in); got < 8 {
+			t.Fatalf("%v: only %d of %d batches encoded", d, got, len(in))
+		}
+	}
+}
+
+// TestAppendNormalizedAllocatesNothingPerBatch: in the steady state the
+// direct path reuses its scratch and the caller's buffer; Normalize, for
+// comparison, builds its messages in fresh slabs every batch.
+func TestAppendNormalizedAllocatesNothingPerBatch(t *testing.T) {
+	for _, f := range streamForms {
+		stream := realisticStream(t, f, 64)
+		n := NewNormalizer(f.dialect)
+		var buf []byte
+		i := 0
+		run := func() {
+			var err error
+			buf, _, err = n.AppendNormalized(buf[:0], stream[i%len(stream)].payload, uint64(i), 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			i++
+		}
+		for range 2 * len(stream) { // grow every buffer and slab first
+			run()
+		}
+		if allocs := testing.AllocsPerRun(len(stream), run); allocs > 1 {
+			t.Errorf("%s: %.1f allocations per batch, want at most 1 (a namespace or string first seen)", f.name, allocs)
+		}
+	}
+}
+
+// FuzzAppendNormalizedMatchesMarshal: for arbitrary payloads of every
+// dialect, two rounds each (so the record carries state), the direct path
+// agrees with Normalize + proto.Marshal.
+func FuzzAppendNormalizedMatchesMarshal(f *testing.F) {
+	for _, h := range []string{hexF1Batch1, hexF1Batch2, hexF2, hexF5, hexF6Legacy, hexF8, hexF9,
+		hexVLLMMap, hexVLLMArray12, hexVLLM16750, hexSGLangMap, hexSGLangArray7, hexSGLangArraySalted,
+		hexSGLangOldest, hexTokenSpeed, hexVLLM034Batch, hexSGLang0523Batch} {
+		f.Add(uint8(0), unhex(f, h))
+	}
+	f.Add(uint8(1), batch(f, 1, append(stored([]any{1, 2}, nil, toks(1, 12), 4), "group_idx", 1, "kv_cache_spec_kind", "sliding_window"),
+		removed([]any{1}, "group_idx", 1), stored([]any{3}, 2, []any{[]any{1, 2}, []any{3, 4}}, 2,
+			"extra_keys", []any{[]any{"s", []any{"m", 1}, []byte{9}, 4}}, "lora_id", 3, "medium", "cpu")))
+	f.Fuzz(func(t *testing.T, dialect uint8, payload []byte) {
+		in := []wirePayload{{payload, 1, int32(dialect%5) - 1}, {payload, 2, int32(dialect%5) - 1}}
+		sameAsMarshalled(t, Dialect(dialect%3)+1, in)
+	})
+}
