@@ -317,7 +317,7 @@ next:
 // chain, then SendMsg alone, then the total.
 var breakdownStages = []string{
 	"publish → relay's reader has it (ZeroMQ: the control's whole path)",
-	"→ decoded (rank goroutine hand-off, msgpack → protobuf)",
+	"→ decoded (msgpack → protobuf; a batch that was queued also waited for the rank goroutine)",
 	"→ admitted, going into subscribers' queues (encode, record, history)",
 	"→ taken by the subscriber's gRPC pump (hand-off)",
 	"→ read by the bench's gRPC client (SendMsg, HTTP/2 writer, loopback, client)",

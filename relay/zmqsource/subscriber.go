@@ -7,7 +7,8 @@
 // Recv has no timeout and a 10-slot queue whose back-pressure makes the
 // engine's PUB drop silently, ZMTP heartbeats reach the application, and
 // Close can leak a reader goroutine. The Subscriber therefore redials with
-// backoff on a fresh socket, reads continuously into its own bounded queue,
+// backoff on a fresh socket, reads continuously into its own bounded queue
+// (or hands a message that arrived alone to an inline handler, SetInline),
 // and drains every socket it closes.
 //
 // Endpoints are connect endpoints (tcp://127.0.0.1:5557, ipc:///path).
