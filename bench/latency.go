@@ -317,7 +317,7 @@ next:
 // chain, then SendMsg alone, then the total.
 var breakdownStages = []string{
 	"publish → relay's reader has it (ZeroMQ: the control's whole path)",
-	"→ decoded (rank goroutine hand-off, msgpack → protobuf)",
+	"→ decoded (msgpack → protobuf; a batch that was queued also waited for the rank goroutine)",
 	"→ admitted, going into subscribers' queues (encode, record, history)",
 	"→ taken by the subscriber's gRPC pump (hand-off)",
 	"→ read by the bench's gRPC client (SendMsg, HTTP/2 writer, loopback, client)",
@@ -352,14 +352,19 @@ func writeLatency(w io.Writer, lt *LatencyResults) {
 		fmt.Fprintf(w, "| %s | %s | %g | %s | %s | %s | %s |\n", a.Relay, a.Pacing, a.Rate,
 			joinFloats(a.P50ms, "%.2f"), joinFloats(a.P99ms, "%.2f"), joinFloats(a.ControlP50ms, "%.2f"), joinFloats(a.ControlP99ms, "%.2f"))
 	}
-	fmt.Fprintf(w, "\n#### Every ramp\n\n| round | relay | pacing | load before | batches/s | published/s | received | p50 ms | p99 ms | p99.9 ms | verdict |\n|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|\n")
+	fmt.Fprintf(w, "\n#### Every ramp\n\nCPU s/M blocks and context switches per batch (voluntary/involuntary, every thread of the relay) only for a relay in its own process.\n\n| round | relay | pacing | load before | batches/s | published/s | received | p50 ms | p99 ms | p99.9 ms | CPU s/M blocks | ctx switches/batch | verdict |\n|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 	for _, r := range lt.Runs {
 		if len(r.Steps) == 0 {
-			fmt.Fprintf(w, "| %d | %s | %s | %s | – | – | – | – | – | – | %s |\n", r.Round, r.Relay, r.Pacing, r.Load, r.Reason)
+			fmt.Fprintf(w, "| %d | %s | %s | %s | – | – | – | – | – | – | – | – | %s |\n", r.Round, r.Relay, r.Pacing, r.Load, r.Reason)
 		}
 		for _, s := range r.Steps {
-			fmt.Fprintf(w, "| %d | %s | %s | %s | %g | %.0f | %d | %.2f | %.2f | %.2f | %s |\n", r.Round, r.Relay, r.Pacing, r.Load,
-				s.Target, s.PublishedRate, s.Received, s.P50ms, s.P99ms, s.P999ms, s.Verdict)
+			cpu, ctx := "–", "–"
+			if s.CPUSeconds > 0 {
+				cpu = fmt.Sprintf("%.2f", s.CPUPerMBlocks)
+				ctx = fmt.Sprintf("%.2f/%.2f", s.VoluntaryCtxPerBatch, s.NonvoluntaryCtxPerBatch)
+			}
+			fmt.Fprintf(w, "| %d | %s | %s | %s | %g | %.0f | %d | %.2f | %.2f | %.2f | %s | %s | %s |\n", r.Round, r.Relay, r.Pacing, r.Load,
+				s.Target, s.PublishedRate, s.Received, s.P50ms, s.P99ms, s.P999ms, cpu, ctx, s.Verdict)
 		}
 	}
 	for _, b := range lt.Breakdown {

@@ -2,6 +2,8 @@ package bench
 
 import (
 	"context"
+	"os"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -297,5 +299,33 @@ func TestAddedLatencyPairsRounds(t *testing.T) {
 			!near(g.ControlP50ms, w.ControlP50ms) || !near(g.ControlP99ms, w.ControlP99ms) {
 			t.Errorf("row %d: got %+v, want %+v", i, g, w)
 		}
+	}
+}
+
+// readProcUsage counts context switches over every thread: a thread that
+// sleeps ten times adds at least ten voluntary ones to its process.
+func TestProcUsageCountsThreadContextSwitches(t *testing.T) {
+	before, err := readProcUsage(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// This thread sleeps in the kernel each time; unlocked before the
+		// goroutine ends, or the runtime would end the thread and its counts.
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		for range 10 {
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	<-done
+	after, err := readProcUsage(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := after.VoluntaryCtx - before.VoluntaryCtx; got < 10 {
+		t.Fatalf("voluntary context switches grew by %d over ten sleeps, want at least 10", got)
 	}
 }

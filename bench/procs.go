@@ -22,6 +22,10 @@ type procUsage struct {
 	CPU     time.Duration // user + system, every thread
 	RSS     int64         // bytes, now
 	PeakRSS int64         // bytes, the high-water mark (VmHWM)
+	// Context switches summed over the process's threads
+	// (/proc/PID/task/*/status): a thread that sleeps and is woken counts
+	// a voluntary one; nonvoluntary ones are preemptions.
+	VoluntaryCtx, NonvoluntaryCtx int64
 }
 
 // clockTicks is USER_HZ, 100 on every Linux architecture Go supports.
@@ -70,7 +74,38 @@ func readProcUsage(pid int) (procUsage, error) {
 		}
 		*dst = kb << 10
 	}
+	u.VoluntaryCtx, u.NonvoluntaryCtx = threadContextSwitches(pid)
 	return u, nil
+}
+
+// threadContextSwitches sums the context switches of pid's threads that
+// are alive now (those of threads that ended are lost; the Go runtime keeps
+// its threads). Zero when /proc does not say.
+func threadContextSwitches(pid int) (voluntary, nonvoluntary int64) {
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", pid))
+	for _, path := range tasks {
+		status, err := os.ReadFile(path)
+		if err != nil {
+			continue // the thread ended
+		}
+		for _, line := range strings.Split(string(status), "\n") {
+			name, val, ok := strings.Cut(line, ":")
+			if !ok {
+				continue
+			}
+			n, err := strconv.ParseInt(strings.TrimSpace(val), 10, 64)
+			if err != nil {
+				continue
+			}
+			switch name {
+			case "voluntary_ctxt_switches":
+				voluntary += n
+			case "nonvoluntary_ctxt_switches":
+				nonvoluntary += n
+			}
+		}
+	}
+	return voluntary, nonvoluntary
 }
 
 // tailBuffer keeps the last bytes a child wrote to stderr, for errors.

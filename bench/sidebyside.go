@@ -62,6 +62,10 @@ type Step struct {
 	CPUPerMBlocks float64 `json:"cpu_seconds_per_million_blocks"`
 	CPUUtil       float64 `json:"cpu_util"` // CPU seconds per wall second
 	PeakRSS       int64   `json:"peak_rss_bytes"`
+	// Context switches of the relay's threads per batch received, over the
+	// step (issue 19: thread wake-ups per batch).
+	VoluntaryCtxPerBatch    float64 `json:"voluntary_ctxt_switches_per_batch"`
+	NonvoluntaryCtxPerBatch float64 `json:"nonvoluntary_ctxt_switches_per_batch"`
 	// The other two processes on the machine, to tell who was short of CPU:
 	// the publisher, and the bench process (the gRPC subscriber; with an
 	// in-process kvrelay, the relay too).
@@ -415,6 +419,8 @@ func measureStep(ctx context.Context, env *environment, run *RelayRun, rel relay
 		st.CPUUtil = cpu / wall.Seconds()
 		if got > 0 {
 			st.CPUPerMBlocks = cpu / (float64(got) * storeBlocks) * 1e6
+			st.VoluntaryCtxPerBatch = float64(after.VoluntaryCtx-before.VoluntaryCtx) / float64(got)
+			st.NonvoluntaryCtxPerBatch = float64(after.NonvoluntaryCtx-before.NonvoluntaryCtx) / float64(got)
 		}
 		st.PeakRSS = after.PeakRSS
 	}
