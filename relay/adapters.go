@@ -46,7 +46,7 @@ type zmqFeed struct{ s *zmqsource.Subscriber }
 func (f zmqFeed) sourceStats() sourceStats {
 	st := f.s.Stats()
 	return sourceStats{received: st.Received, short: st.Short, badSequence: st.BadSequence, dropped: st.Dropped,
-		oversized: st.Oversized, reconnects: st.Reconnects, queuedBytes: st.QueuedBytes, inline: st.Inline}
+		oversized: st.Oversized, reconnects: st.Reconnects, queuedBytes: st.QueuedBytes}
 }
 
 func (z zmqReplayer) replayStats() replayBoundStats {
@@ -61,22 +61,6 @@ func (f zmqFeed) Recv(ctx context.Context) (Message, error) {
 }
 func (f zmqFeed) Connected() bool { return f.s.Connected() }
 func (f zmqFeed) Close() error    { return f.s.Close() }
-
-// Ready, TryRecv and SetInline make zmqFeed an inlineFeed: the rank loop
-// waits on the subscriber's queue itself, and the subscriber's reading
-// goroutine admits a plain next batch itself while the rank is idle.
-func (f zmqFeed) Ready() <-chan struct{} { return f.s.Ready() }
-func (f zmqFeed) TryRecv() (Message, bool) {
-	m, ok := f.s.TryRecv()
-	return Message{Seq: m.Seq, Payload: m.Payload}, ok
-}
-func (f zmqFeed) SetInline(fn func(Message) bool) {
-	if fn == nil {
-		f.s.SetInline(nil)
-		return
-	}
-	f.s.SetInline(func(m zmqsource.Message) bool { return fn(Message{Seq: m.Seq, Payload: m.Payload}) })
-}
 
 type zmqReplayer struct{ r *zmqsource.Replayer }
 

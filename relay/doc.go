@@ -5,12 +5,7 @@
 // # Per rank: admission
 //
 // Each rank has its own ZeroMQ PUB socket and its own sequence counter, so
-// each rank gets its own goroutine and its own state machine. A batch that
-// arrives alone and is simply the next one (cursor+1, nothing pending) is
-// admitted on the goroutine that read it off the socket instead, under the
-// same per-rank lock, which saves two goroutine hand-offs (thread wake-ups)
-// per batch at engine-like rates; anything else, and any backlog, goes
-// through the rank's queue to its goroutine. It keeps a
+// each rank gets its own goroutine and its own state machine. It keeps a
 // cursor (the last sequence relayed or given up on), and for every live
 // batch it applies the admission table of SMG's Rust relay:
 //

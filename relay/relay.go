@@ -112,9 +112,8 @@ type Relay struct {
 }
 
 // rankState is one DP rank. The fields under "guarded by Relay.mu" are
-// written only by the holder of rk.own (the rank's goroutine, or its feed's
-// reader on the inline path), with Relay.mu held; the holder of rk.own
-// reads them without Relay.mu, everyone else with it.
+// written only by the rank's goroutine, with the lock held; that goroutine
+// reads them without the lock, everyone else with it.
 type rankState struct {
 	rank           int32
 	endpoint       string
@@ -125,19 +124,6 @@ type rankState struct {
 	replayCounters atomic.Pointer[replayerStatser] // for scrapes: replay is set without the lock
 	feed           atomic.Pointer[feedBox]
 	reprime        chan struct{}
-
-	// own is the rank's admission token: whoever changes the fields below
-	// marked "owned by the rank goroutine" (and writes those guarded by
-	// Relay.mu) holds it. That is the rank loop, or, for a plain next batch
-	// while the loop is idle, the feed's reading goroutine (admitInline),
-	// which only ever TryLocks it and so never waits.
-	own sync.Mutex
-	// inlineOK (under own): the rank loop has no prime pending, so the
-	// feed's reader may admit the next batch itself.
-	inlineOK bool
-	// lastActive (under own): when the rank last relayed or asked a replay,
-	// for IdleProbe.
-	lastActive time.Time
 
 	// guarded by Relay.mu
 	hasCursor     bool
@@ -158,7 +144,7 @@ type rankState struct {
 	hasLiveFrom bool
 	liveFrom    uint64
 
-	// Owned by the holder of own. encBuf is the scratch buffer its
+	// Owned by the rank goroutine. encBuf is the scratch buffer its
 	// batches are encoded into.
 	encBuf []byte
 	// A replay usually runs past the live
@@ -186,7 +172,7 @@ type rankState struct {
 	recoveringStart bool
 	startOrigin     uint64
 
-	// Owned by the holder of own: log throttling. A replay endpoint that
+	// Owned by the rank goroutine: log throttling. A replay endpoint that
 	// does not answer is warned about once, until it answers again; the
 	// undecodable-batch warning is logged at most once per
 	// undecodableLogEvery, with the count of the ones not logged.
@@ -335,46 +321,13 @@ func (r *Relay) Ready() bool {
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
-// readyFeed is a Feed whose queue the rank loop can wait on itself
-// (zmqsource's): Ready is signalled while messages are queued, and TryRecv
-// takes one without blocking. Without it a reader goroutine pumps the feed
-// into the loop, and every batch costs one goroutine hand-off more.
-type readyFeed interface {
-	Ready() <-chan struct{}
-	TryRecv() (Message, bool)
-}
-
-// inlineFeed is a readyFeed that can also offer a live batch to the relay
-// on the goroutine that read it off the socket, before queueing it (see
-// zmqsource.Subscriber.SetInline).
-type inlineFeed interface {
-	readyFeed
-	SetInline(fn func(Message) bool)
-}
-
 // runRank is one rank's state machine: prime, then admit live batches,
 // filling gaps from the replay before anything later is relayed.
-//
-// Everything it does to the rank happens under rk.own. With a feed that
-// offers batches inline, the feed's reading goroutine admits a batch itself
-// when it can take rk.own at once, nothing is queued, and the batch is the
-// plain next one (admitInline); anything else (a gap, a restart, priming, a
-// backlog) goes through the queue to this loop.
 func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 	msgs := make(chan Message)
-	var ready <-chan struct{}
-	direct, isDirect := feed.(readyFeed)
-	if isDirect {
-		ready = direct.Ready()
-	} else {
-		var reader sync.WaitGroup
-		reader.Go(func() { r.read(ctx, rk, feed, msgs) })
-		defer reader.Wait()
-	}
-	if in, ok := feed.(inlineFeed); ok && isDirect {
-		in.SetInline(func(m Message) bool { return r.admitInline(ctx, rk, m) })
-		defer in.SetInline(nil)
-	}
+	var reader sync.WaitGroup
+	reader.Go(func() { r.read(ctx, rk, feed, msgs) })
+	defer reader.Wait()
 
 	var primeC <-chan struct{}
 	var retry *time.Timer
@@ -382,9 +335,6 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 		primeC = closedChan
 	}
 	defer func() {
-		rk.own.Lock()
-		rk.inlineOK = false
-		rk.own.Unlock()
 		if retry != nil {
 			retry.Stop()
 		}
@@ -397,28 +347,15 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 	// The catch-up replay runs a while after the feed connects, and when
 	// the rank has been quiet for IdleProbe (see catchUp).
 	var (
-		tick      <-chan time.Time
-		connected bool
-		catchUpAt time.Time
+		tick       <-chan time.Time
+		connected  bool
+		catchUpAt  time.Time
+		lastActive = time.Now()
 	)
-	rk.own.Lock()
-	rk.lastActive = time.Now()
-	rk.own.Unlock()
 	if rk.replay != nil && (r.cfg.CatchUpDelay > 0 || r.cfg.IdleProbe > 0) {
 		t := time.NewTicker(catchUpTick)
 		defer t.Stop()
 		tick = t.C
-	}
-	admitLive := func(m Message) {
-		// A live batch ends priming: admission replays what it missed (a
-		// late join) by itself.
-		rk.lastActive = time.Now()
-		primeC = nil
-		if retry != nil {
-			retry.Stop()
-			retry = nil
-		}
-		r.admitLive(ctx, rk, m)
 	}
 	for {
 		select {
@@ -431,32 +368,29 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			}
 			connected = up
 			due := !catchUpAt.IsZero() && !now.Before(catchUpAt)
-			rk.own.Lock()
-			idle := r.cfg.IdleProbe > 0 && now.Sub(rk.lastActive) >= r.cfg.IdleProbe
+			idle := r.cfg.IdleProbe > 0 && now.Sub(lastActive) >= r.cfg.IdleProbe
 			if !up || primeC != nil || !(due || idle) {
-				rk.own.Unlock()
 				continue
 			}
 			catchUpAt = time.Time{}
-			rk.lastActive = now
+			lastActive = now
 			if !rk.hasCursor {
 				// Nothing relayed yet: the start replay may have answered
 				// before the engine's first batch, which the live stream
 				// then missed. Ask from 0 again.
 				primeC = closedChan
-			} else {
-				if r.catchUp(ctx, rk) && ctx.Err() == nil {
-					primeC = closedChan
-				}
-				// A replay that did not answer took up to ReplayTimeout; the
-				// quiet time counts from its end, not its start.
-				rk.lastActive = time.Now()
+				continue
 			}
+			if r.catchUp(ctx, rk) && ctx.Err() == nil {
+				primeC = closedChan
+			}
+			// A replay that did not answer took up to ReplayTimeout; the
+			// quiet time counts from its end, not its start.
+			lastActive = time.Now()
 		case <-primeC:
 			primeC = nil
-			rk.own.Lock()
 			primed := r.prime(ctx, rk)
-			rk.lastActive = time.Now()
+			lastActive = time.Now()
 			if primed {
 				primeWait = r.cfg.PrimeRetry
 			}
@@ -471,60 +405,28 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 				})
 			}
 		case <-retryC:
-			rk.own.Lock()
 			if !rk.hasCursor && rk.replay != nil {
 				primeC = closedChan
 			}
 		case <-rk.reprime:
-			rk.own.Lock()
 			if !rk.hasCursor && rk.replay != nil {
 				primeC = closedChan
 			}
-		case <-ready:
-			// One batch per wake-up, so that ticks and re-primes interleave
-			// with a backlog; the feed keeps Ready signalled while more is
-			// queued. The batch is taken and admitted under rk.own, so the
-			// feed's inline path, which sees the queue empty once it is
-			// taken, cannot admit a later batch before it.
-			rk.own.Lock()
-			if m, ok := direct.TryRecv(); ok {
-				latencyprobe.Mark(latencyprobe.Received, rk.rank, m.Seq)
-				admitLive(m)
-			}
 		case m := <-msgs:
-			rk.own.Lock()
-			admitLive(m)
+			// A live batch ends priming: admission replays what it
+			// missed (a late join) by itself.
+			lastActive = time.Now()
+			primeC = nil
+			if retry != nil {
+				retry.Stop()
+			}
+			r.admitLive(ctx, rk, m)
 		}
-		// The feed's reader may admit the next batch itself only when the
-		// loop has nothing pending (a prime to run).
-		rk.inlineOK = primeC == nil
-		rk.own.Unlock()
 	}
-}
-
-// admitInline admits m on the feed's reading goroutine when that cannot
-// wait and cannot reorder: the rank loop is not working (rk.own is free)
-// and has nothing pending, the rank has a cursor and no replay in flight
-// behind the live stream, and m is the batch right after the cursor (the
-// feed offers it only when nothing is queued before it). False leaves m to
-// the queue and the rank loop.
-func (r *Relay) admitInline(ctx context.Context, rk *rankState, m Message) bool {
-	if ctx.Err() != nil || !rk.own.TryLock() {
-		return false
-	}
-	defer rk.own.Unlock()
-	if !rk.inlineOK || !rk.hasCursor || !rk.hasLiveFrom || len(rk.replayed) > 0 ||
-		m.Seq <= rk.cursor || m.Seq-rk.cursor != 1 {
-		return false
-	}
-	latencyprobe.Mark(latencyprobe.Received, rk.rank, m.Seq)
-	rk.lastActive = time.Now()
-	r.admitLive(ctx, rk, m)
-	return true
 }
 
 // read pumps the feed into msgs, so the rank loop can wait for a live batch
-// and a prime retry at once (for a feed that is not a readyFeed).
+// and a prime retry at once.
 func (r *Relay) read(ctx context.Context, rk *rankState, feed Feed, msgs chan<- Message) {
 	for {
 		m, err := feed.Recv(ctx)

@@ -9,9 +9,6 @@ import (
 type sourceStats struct {
 	received, short, badSequence, dropped, oversized, reconnects uint64
 	queuedBytes                                                  int64
-	// inline counts live messages admitted on the goroutine that read
-	// them, without a hand-off to the rank loop.
-	inline uint64
 }
 
 // replayBoundStats count replays cut short by a bound.
@@ -32,7 +29,6 @@ type sourceCollector struct {
 	r                                       *Relay
 	received, malformed, dropped, oversized *prometheus.Desc
 	reconnects, queued, replayCut           *prometheus.Desc
-	inline                                  *prometheus.Desc
 }
 
 func newSourceCollector(r *Relay, labels prometheus.Labels) *sourceCollector {
@@ -47,13 +43,12 @@ func newSourceCollector(r *Relay, labels prometheus.Labels) *sourceCollector {
 		oversized:  desc("kvrelay_zmq_oversized_messages_total", "Connections closed because the peer declared a frame or message over --max-message-bytes, by socket (live, replay).", "rank", "socket"),
 		reconnects: desc("kvrelay_zmq_reconnects_total", "Connections to a rank's publisher made after the first.", "rank"),
 		queued:     desc("kvrelay_zmq_queue_bytes", "Bytes held in a rank's incoming queue.", "rank"),
-		inline:     desc("kvrelay_zmq_messages_admitted_inline_total", "Live messages admitted on the goroutine that read them off a rank's socket (the rank was idle and nothing was queued), without a goroutine hand-off to the rank loop.", "rank"),
 		replayCut:  desc("kvrelay_replays_cut_total", "Replays ended by a bound, by bound (out_of_range, count, bytes, time).", "rank", "bound"),
 	}
 }
 
 func (c *sourceCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.received, c.malformed, c.dropped, c.oversized, c.reconnects, c.queued, c.replayCut, c.inline} {
+	for _, d := range []*prometheus.Desc{c.received, c.malformed, c.dropped, c.oversized, c.reconnects, c.queued, c.replayCut} {
 		ch <- d
 	}
 }
@@ -72,7 +67,6 @@ func (c *sourceCollector) Collect(ch chan<- prometheus.Metric) {
 				counter(c.dropped, st.dropped, rk.label)
 				counter(c.oversized, st.oversized, rk.label, "live")
 				counter(c.reconnects, st.reconnects, rk.label)
-				counter(c.inline, st.inline, rk.label)
 				ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(st.queuedBytes), rk.label)
 			}
 		}

@@ -69,11 +69,6 @@ type Subscription struct {
 	closed  bool
 	lastPos uint64 // the newest log position delivered or already pending
 	notify  chan struct{}
-	// parked: Next found nothing to deliver and waits on notify. fanOut
-	// signals notify only then: a subscriber that is still sending takes
-	// the new batch on its next turn without a signal, and does not spin
-	// through its loop once more for a stale one.
-	parked bool
 
 	// cutPos is the log position a snapshot was cut at (the tip when
 	// Subscribe returned); delivered is the position of the batch Next
@@ -432,12 +427,8 @@ func (r *Relay) fanOut(pb posBatch) {
 				r.metrics.lagged.Inc()
 			}
 		}
-		parked := s.parked
-		s.parked = false
 		s.mu.Unlock()
-		if parked {
-			s.wake()
-		}
+		s.wake()
 	}
 }
 
@@ -532,10 +523,6 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			return s.out(pb)
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed
-		// Parked from here: fanOut signals notify for the next batch. Set
-		// under the same lock as the empty queue was seen, so a batch
-		// appended after this finds it set.
-		s.parked = err == nil && !lagged && !closed
 		s.mu.Unlock()
 		switch {
 		case closed:

@@ -7,8 +7,7 @@
 // Recv has no timeout and a 10-slot queue whose back-pressure makes the
 // engine's PUB drop silently, ZMTP heartbeats reach the application, and
 // Close can leak a reader goroutine. The Subscriber therefore redials with
-// backoff on a fresh socket, reads continuously into its own bounded queue
-// (or hands a message that arrived alone to an inline handler, SetInline),
+// backoff on a fresh socket, reads continuously into its own bounded queue,
 // and drains every socket it closes.
 //
 // Endpoints are connect endpoints (tcp://127.0.0.1:5557, ipc:///path).
@@ -94,9 +93,6 @@ type SubscriberStats struct {
 	Reconnects uint64
 	// QueuedBytes is what the queue holds now (payload and topic bytes).
 	QueuedBytes int64
-	// Inline counts messages the inline handler (SetInline) took on the
-	// reading goroutine instead of the queue.
-	Inline uint64
 }
 
 // DefaultQueueBytes bounds a subscriber's queue by bytes: two messages of
@@ -126,8 +122,6 @@ type Subscriber struct {
 	dropped   atomic.Uint64
 	oversized atomic.Uint64
 	reconns   atomic.Uint64
-	inlined   atomic.Uint64
-	inline    atomic.Pointer[func(Message) bool]
 }
 
 // NewSubscriber starts connecting in the background and returns at once; an
@@ -197,50 +191,6 @@ func (s *Subscriber) Recv(ctx context.Context) (Message, error) {
 	}
 }
 
-// Ready is signalled after a message is queued, and stays signalled while
-// more are queued once TryRecv took one. A consumer that waits on it in its
-// own select (the relay's rank loop, beside its timers) needs no goroutine
-// of its own calling Recv: one goroutine hand-off less per message.
-func (s *Subscriber) Ready() <-chan struct{} { return s.queue.ready }
-
-// TryRecv returns the oldest queued message without waiting; false when
-// none is queued (a wake-up on Ready can find the queue already drained).
-func (s *Subscriber) TryRecv() (Message, bool) { return s.queue.pop() }
-
-// SetInline installs a handler the reading goroutine offers each message to
-// before queueing it, when nothing is queued and no later message is on its
-// way already (see readProgress.behind). The handler
-// returns true when it took the message; false has it queued as usual. It
-// runs on the goroutine that reads the socket, so it must not wait: a
-// consumer that is busy (or whose state needs a slow path) declines.
-//
-// Why: at engine-like rates every batch arrives alone, and handing it from
-// the reading goroutine to a parked consumer costs a thread wake-up and a
-// sleep per batch (most of kvrelay's CPU at 1,000 batches/s). Taking it
-// where it was read removes that hand-off; under a backlog the queue and
-// its consumer take over again, so reading keeps running beside the work.
-//
-// The ordering rule for the consumer: a message it takes with TryRecv must
-// be finished before the handler can accept a later one (the relay holds the
-// same per-rank lock for both), because the handler sees an empty queue once
-// TryRecv has taken the last message.
-func (s *Subscriber) SetInline(fn func(Message) bool) {
-	if fn == nil {
-		s.inline.Store(nil)
-		return
-	}
-	s.inline.Store(&fn)
-}
-
-// behind reports whether more than taken data messages of the connection
-// have reached zmq4 (it has them parsed or queued in its channel), or bytes
-// of a next one are already buffered: a backlog. Such a message is queued,
-// not handed inline, so that the consumer's goroutine works the backlog
-// while this one goes on reading.
-func (p *readProgress) behind(taken uint64) bool {
-	return p.handed.Load() > taken || p.buffered.Load() > 0
-}
-
 // Connected reports whether a connection to the engine is up.
 func (s *Subscriber) Connected() bool { return s.connected.Load() }
 
@@ -254,7 +204,6 @@ func (s *Subscriber) Stats() SubscriberStats {
 		Oversized:   s.oversized.Load(),
 		Reconnects:  s.reconns.Load(),
 		QueuedBytes: s.queue.queuedBytes(),
-		Inline:      s.inlined.Load(),
 	}
 }
 
@@ -284,7 +233,7 @@ func (s *Subscriber) run() {
 	// per outage says so once it has lasted UnreachableWarnAfter.
 	downSince, warned := time.Now(), false
 	for s.ctx.Err() == nil {
-		sock, progress, cancelSock, err := s.dial()
+		sock, cancelSock, err := s.dial()
 		if err != nil {
 			s.log.Debug("zmq subscriber dial failed", "err", err, "retry_in", backoff)
 			if down := time.Since(downSince); !warned && down >= s.opts.UnreachableWarnAfter {
@@ -306,7 +255,7 @@ func (s *Subscriber) run() {
 		}
 		s.log.Info("zmq subscriber connected", "topic", s.opts.Topic, "connection", connections)
 		s.connected.Store(true)
-		err = s.read(sock, progress)
+		err = s.read(sock)
 		s.connected.Store(false)
 		closeAndDrain(sock)
 		cancelSock()
@@ -334,10 +283,9 @@ func (s *Subscriber) run() {
 
 // dial makes one connection attempt on a fresh socket. A socket is never
 // reused: after EOF zmq4's Recv would block forever.
-func (s *Subscriber) dial() (zmq4.Socket, *readProgress, context.CancelFunc, error) {
-	progress := &readProgress{}
+func (s *Subscriber) dial() (zmq4.Socket, context.CancelFunc, error) {
 	ctx, cancel := context.WithCancel(withConnLimits(s.ctx,
-		connLimits{maxMessageBytes: s.opts.MaxMessageBytes, refused: &s.oversized, progress: progress}))
+		connLimits{maxMessageBytes: s.opts.MaxMessageBytes, refused: &s.oversized}))
 	sock := zmq4.NewSub(ctx, s.zlog,
 		zmq4.WithDialerMaxRetries(0), // we retry ourselves, with backoff and cancellation
 		zmq4.WithDialerTimeout(s.opts.DialTimeout))
@@ -346,22 +294,20 @@ func (s *Subscriber) dial() (zmq4.Socket, *readProgress, context.CancelFunc, err
 	if err := sock.SetOption(zmq4.OptionSubscribe, s.opts.Topic); err != nil {
 		closeAndDrain(sock)
 		cancel()
-		return nil, nil, nil, fmt.Errorf("subscribe %q: %w", s.opts.Topic, err)
+		return nil, nil, fmt.Errorf("subscribe %q: %w", s.opts.Topic, err)
 	}
 	if err := dialBounded(s.ctx, cancel, sock, s.endpoint, s.opts.Endpoint, s.opts.DialTimeout); err != nil {
 		closeAndDrain(sock)
 		cancel()
-		return nil, nil, nil, fmt.Errorf("dial %s: %w", s.opts.Endpoint, err)
+		return nil, nil, fmt.Errorf("dial %s: %w", s.opts.Endpoint, err)
 	}
-	return sock, progress, cancel, nil
+	return sock, cancel, nil
 }
 
-// read moves messages from the socket to the queue (or the inline handler)
-// until the connection ends. It never waits on the consumer: a full queue
-// drops, and the inline handler declines when it would wait.
-func (s *Subscriber) read(sock zmq4.Socket, progress *readProgress) error {
+// read moves messages from the socket to the queue until the connection
+// ends. It never waits on the consumer: a full queue drops.
+func (s *Subscriber) read(sock zmq4.Socket) error {
 	topic := s.opts.Topic
-	var taken uint64 // data messages Recv returned on this connection
 	for {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -370,7 +316,6 @@ func (s *Subscriber) read(sock zmq4.Socket, progress *readProgress) error {
 		if msg.Type == zmq4.CmdMsg {
 			continue // ZMTP PING and friends; zmq4 hands them up
 		}
-		taken++
 		if len(msg.Frames) < 3 {
 			s.short.Add(1)
 			continue
@@ -387,12 +332,7 @@ func (s *Subscriber) read(sock zmq4.Socket, progress *readProgress) error {
 		}
 		s.received.Add(1)
 		// zmq4 allocates every frame afresh, so the slices can be kept.
-		m := Message{Seq: seq, Topic: msg.Frames[0], Payload: msg.Frames[2]}
-		if fn := s.inline.Load(); fn != nil && !progress.behind(taken) && s.queue.empty() && (*fn)(m) {
-			s.inlined.Add(1)
-			continue
-		}
-		if !s.queue.push(m) {
+		if !s.queue.push(Message{Seq: seq, Topic: msg.Frames[0], Payload: msg.Frames[2]}) {
 			s.dropped.Add(1)
 		}
 	}
@@ -500,12 +440,6 @@ func (q *queue) push(m Message) bool {
 	default:
 	}
 	return true
-}
-
-func (q *queue) empty() bool {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return q.n == 0
 }
 
 func (q *queue) pop() (Message, bool) {

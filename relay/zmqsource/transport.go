@@ -122,9 +122,6 @@ func (c *guardedConn) Read(p []byte) (int, error) {
 		_ = c.Conn.Close()
 		return 0, gerr
 	}
-	if c.r != nil && c.guard.limits.progress != nil {
-		c.guard.limits.progress.buffered.Store(int64(c.r.Buffered()))
-	}
 	return n, err
 }
 

@@ -35,20 +35,6 @@ var ErrMessageTooLarge = errors.New("zmq message over the size limit")
 type connLimits struct {
 	maxMessageBytes int64
 	refused         *atomic.Uint64 // connections closed for a message over the limit
-	// progress, when set, is told how far the socket's connection has
-	// read (see readProgress).
-	progress *readProgress
-}
-
-// readProgress is how far zmq4's reader is ahead of the socket's consumer:
-// the data messages whose every byte zmq4 has been handed, and the bytes
-// read off the connection that zmq4 has not yet asked for. One socket (one
-// connection) each. A consumer that has taken fewer messages than handed,
-// or sees bytes still buffered, knows that more are on their way: a
-// backlog, which Subscriber.read leaves to its queue.
-type readProgress struct {
-	handed   atomic.Uint64
-	buffered atomic.Int64
 }
 
 type connLimitsKey struct{}
@@ -81,7 +67,6 @@ type zmtpGuard struct {
 	bodyLeft  uint64 // body bytes of the current frame still to pass
 	msgBytes  uint64 // frames of the current message so far
 	msgFrames int
-	lastFrame bool  // the current frame ends a data message
 	err       error // sticky: the connection is done
 }
 
@@ -111,9 +96,6 @@ func (g *zmtpGuard) observe(b []byte) error {
 			n := min(g.bodyLeft, uint64(len(b)))
 			g.bodyLeft -= n
 			b = b[n:]
-			if g.bodyLeft == 0 {
-				g.frameDone()
-			}
 		case !g.inHeader:
 			g.flags = b[0]
 			b = b[1:]
@@ -155,23 +137,10 @@ func (g *zmtpGuard) frame() error {
 			ErrMessageTooLarge, g.peer, maxFramesPerMessage))
 	}
 	g.bodyLeft = g.size
-	g.lastFrame = g.flags&flagMore == 0 && g.flags&flagCommand == 0
 	if g.flags&flagMore == 0 || g.flags&flagCommand != 0 {
 		g.msgBytes, g.msgFrames = 0, 0 // the message ends with this frame
 	}
-	if g.bodyLeft == 0 {
-		g.frameDone()
-	}
 	return nil
-}
-
-// frameDone: the current frame's body has passed; if it ended a data
-// message, zmq4 now holds that whole message.
-func (g *zmtpGuard) frameDone() {
-	if g.lastFrame && g.limits.progress != nil {
-		g.limits.progress.handed.Add(1)
-	}
-	g.lastFrame = false
 }
 
 func (g *zmtpGuard) refuse(err error) error {

@@ -64,64 +64,14 @@ func TestZMTPGuard(t *testing.T) {
 
 func concat(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
 
-// The guard counts the data messages whose bytes have all gone to zmq4 (the
-// reader's backlog signal): a multi-frame message once, when its last body
-// byte passes, commands never, however the bytes are split.
-func TestZMTPGuardCountsHandedMessages(t *testing.T) {
-	more := zmtppeer.Frame(flagMore, []byte("topic"), 0)
-	last := zmtppeer.Frame(0, make([]byte, 40), 0)
-	empty := zmtppeer.Frame(0, []byte{}, 0)
-	ping := zmtppeer.Frame(flagCommand, []byte("\x04PING\x00\x00"), 0)
-	tests := []struct {
-		name   string
-		stream []byte
-		want   []uint64 // handed after each part
-	}{
-		{"handshake only", concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB")), nil},
-		{"three frames, one message", concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), more, more, last), nil},
-		{"messages, an empty one, a command between", concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), more, last, empty, ping, more, more, last), nil},
-	}
-	wants := []uint64{0, 1, 3}
-	for i, tc := range tests {
-		for _, chunk := range []int{1, 2, 7, len(tc.stream)} {
-			p := &readProgress{}
-			g := newZMTPGuard("tcp://peer:1", connLimits{maxMessageBytes: 1000, progress: p})
-			for b := tc.stream; len(b) > 0; {
-				n := min(chunk, len(b))
-				if err := g.observe(b[:n]); err != nil {
-					t.Fatalf("%s: %v", tc.name, err)
-				}
-				b = b[n:]
-			}
-			if got := p.handed.Load(); got != wants[i] {
-				t.Errorf("%s, chunks of %d: handed %d, want %d", tc.name, chunk, got, wants[i])
-			}
-		}
-	}
-	// Not before the last body byte: the message is not whole until then.
-	p := &readProgress{}
-	g := newZMTPGuard("p", connLimits{maxMessageBytes: 1000, progress: p})
-	stream := concat(zmtppeer.Greeting(), more, last)
-	if err := g.observe(stream[:len(stream)-1]); err != nil {
-		t.Fatal(err)
-	}
-	if p.handed.Load() != 0 {
-		t.Fatalf("a message counted before its last byte")
-	}
-	if err := g.observe(stream[len(stream)-1:]); err != nil || p.handed.Load() != 1 {
-		t.Fatalf("after the last byte: handed %d, err %v", p.handed.Load(), err)
-	}
-}
-
 // FuzzZMTPGuard: any stream, in any chunking, gets the same verdict, and a
 // stream it accepts declares no frame over the limit.
 func FuzzZMTPGuard(f *testing.F) {
 	f.Add(concat(zmtppeer.Greeting(), zmtppeer.Ready("PUB"), zmtppeer.Frame(0, []byte("x"), 0)), uint8(1))
 	f.Add(concat(zmtppeer.Greeting(), zmtppeer.Frame(flagLong, nil, 1<<40)), uint8(7))
 	f.Fuzz(func(t *testing.T, stream []byte, chunk uint8) {
-		wholeProgress, chunkedProgress := &readProgress{}, &readProgress{}
-		whole := newZMTPGuard("p", connLimits{maxMessageBytes: 512, progress: wholeProgress}).observe(stream)
-		g := newZMTPGuard("p", connLimits{maxMessageBytes: 512, progress: chunkedProgress})
+		whole := newZMTPGuard("p", connLimits{maxMessageBytes: 512}).observe(stream)
+		g := newZMTPGuard("p", connLimits{maxMessageBytes: 512})
 		step := int(chunk)%16 + 1
 		var err error
 		for b := stream; len(b) > 0 && err == nil; {
@@ -131,10 +81,6 @@ func FuzzZMTPGuard(f *testing.F) {
 		}
 		if (err == nil) != (whole == nil) {
 			t.Fatalf("whole: %v; in chunks of %d: %v", whole, step, err)
-		}
-		// The backlog signal does not depend on how reads split the bytes.
-		if err == nil && wholeProgress.handed.Load() != chunkedProgress.handed.Load() {
-			t.Fatalf("handed %d messages whole, %d in chunks of %d", wholeProgress.handed.Load(), chunkedProgress.handed.Load(), step)
 		}
 	})
 }
