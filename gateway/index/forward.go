@@ -598,9 +598,42 @@ type shardLocks struct {
 	held    [2]int // shard numbers, ascending; -1 = none
 	writing [2]bool
 	runs    [2][]*run // runs of each held shard whose version is odd by our hand
+	// last is the run most recently marked changing (writeRunAt), run
+	// number lastIdx of shard lastShard, while that shard stays held and the
+	// run's version odd: an event's blocks are mostly consecutive positions
+	// of one run, and the next block finds its run here instead of through
+	// the lock bookkeeping, the run directory and the list of changing runs.
+	last      *run
+	lastShard int
+	lastIdx   uint32
 }
 
 func newShardLocks(ix *Index) shardLocks { return shardLocks{ix: ix, held: [2]int{-1, -1}} }
+
+// cached returns run idx of shard s if it is l.last: s is held and the
+// run's version is odd by our hand; nil otherwise.
+func (l *shardLocks) cached(s int, idx uint32) *run {
+	if l.last != nil && l.lastShard == s && l.lastIdx == idx {
+		return l.last
+	}
+	return nil
+}
+
+// writeRunAt is writeRun for run number idx, which becomes l.last.
+func (l *shardLocks) writeRunAt(s int, idx uint32, r *run) {
+	if l.cached(s, idx) == r {
+		return
+	}
+	l.writeRun(s, r)
+	l.last, l.lastShard, l.lastIdx = r, s, idx
+}
+
+// forget clears l.last if it is run idx of shard s (the run was freed).
+func (l *shardLocks) forget(s int, idx uint32) {
+	if l.cached(s, idx) != nil {
+		l.last = nil
+	}
+}
 
 func (l *shardLocks) has(s int) bool { return l.held[0] == s || l.held[1] == s }
 
@@ -639,6 +672,7 @@ func (l *shardLocks) writeRun(s int, r *run) {
 // even again), keeping the locks: a writer calls it before work of its own (the reverse
 // table) so that lookups of those runs need not wait through it.
 func (l *shardLocks) settle() {
+	l.last = nil
 	for i := range l.runs {
 		for j, r := range l.runs[i] {
 			r.ver.Add(1)
@@ -663,6 +697,9 @@ func (l *shardLocks) release() {
 // drop lets go of held slot i.
 func (l *shardLocks) drop(i int) {
 	s := l.held[i]
+	if l.last != nil && l.lastShard == s {
+		l.last = nil
+	}
 	for j, r := range l.runs[i] {
 		r.ver.Add(1)
 		l.runs[i][j] = nil

@@ -27,6 +27,9 @@ type revTable struct {
 	slots []rslot
 	meta  []uint16 // tag<<8 | counts; counts: device copies in the low nibble, host in the high
 	n     int
+	// resizes counts reallocations, which move every entry: a writer that
+	// keeps slot numbers across upserts checks it to know they still hold.
+	resizes uint32
 }
 
 type rslot struct {
@@ -67,6 +70,7 @@ func (t *revTable) alloc(slots int) {
 	t.slots = fullAlloc[rslot](slots)
 	t.meta = make([]uint16, len(t.slots))
 	t.n = 0
+	t.resizes++
 }
 
 // mix spreads engine hashes (engines' hashes are not all uniform: small
