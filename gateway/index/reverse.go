@@ -30,6 +30,10 @@ type revTable struct {
 	// resizes counts reallocations, which move every entry: a writer that
 	// keeps slot numbers across upserts checks it to know they still hold.
 	resizes uint32
+	// The most entries the table had lately: peak in the current window of
+	// changes (inserts and deletions, half the slot count long), prevPeak
+	// in the one before. A shrink leaves room for them (see del).
+	changes, peak, prevPeak int
 }
 
 type rslot struct {
@@ -58,6 +62,15 @@ const (
 	// size is rounded up to the allocator's size class).
 	revMinLoad100    = 62
 	revShrunkLoad100 = 72
+	// A shrink sizes the table for its recent peak at this load, and is
+	// skipped when that saves less than an eighth. In the Mooncake replay
+	// (512-block caches, stores of up to a request's missing blocks landing
+	// before the evictions) a worker's entries swing by a quarter and more
+	// every request, more than the gap between the thresholds above can
+	// absorb: sized for the entries left, its table shrank on the eviction
+	// and grew again on the next store, and those rehashes were a quarter of
+	// the whole replay's instructions.
+	revPeakLoad100 = 78
 )
 
 func newRevTable() *revTable {
@@ -128,7 +141,17 @@ func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
 	t.slots[i] = rslot{key: k, loc: l}
 	t.meta[i] = tag | uint16(cnt)
 	t.n++
+	t.peak = max(t.peak, t.n)
+	t.changed()
 	return i, false
+}
+
+// changed counts one insert or deletion, and starts a new peak window every
+// half table of them.
+func (t *revTable) changed() {
+	if t.changes++; t.changes >= len(t.slots)/2 {
+		t.prevPeak, t.peak, t.changes = t.peak, t.n, 0
+	}
 }
 
 // counts returns slot i's copy counts.
@@ -186,11 +209,15 @@ func (t *revTable) del(i int) {
 	}
 	t.meta[i] = 0
 	t.n--
+	t.changed()
 	switch {
 	case t.n == 0 && len(t.slots) > 1<<16:
 		t.alloc(revMinSlots) // give a drained rank's memory back
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
-		t.resize(max(revMinSlots, t.n*100/revShrunkLoad100))
+		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
+		if size <= len(t.slots)-len(t.slots)/8 {
+			t.resize(size)
+		}
 	}
 }
 
