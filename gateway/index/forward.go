@@ -593,6 +593,9 @@ func (s *shard) memBytes() int {
 // A held shard's version is made odd at its first change and even again at
 // release, so the changes a writer makes in one go cost one pair of atomic
 // increments: a pair per change was the largest cost of filing a block.
+// An event's forward changes are made in one go (its reverse-table work is
+// done before, with no shard locked), so a lookup that meets a run the
+// event is changing reads it again until the event's forward pass is over.
 type shardLocks struct {
 	ix      *Index
 	held    [2]int // shard numbers, ascending; -1 = none
@@ -666,24 +669,6 @@ func (l *shardLocks) writeRun(s int, r *run) {
 		}
 	}
 	panic("index: write to a run whose shard is not locked")
-}
-
-// settle ends the changes made so far to runs and shards (their versions
-// even again), keeping the locks: a writer calls it before work of its own (the reverse
-// table) so that lookups of those runs need not wait through it.
-func (l *shardLocks) settle() {
-	l.last = nil
-	for i := range l.runs {
-		for j, r := range l.runs[i] {
-			r.ver.Add(1)
-			l.runs[i][j] = nil
-		}
-		l.runs[i] = l.runs[i][:0]
-		if l.writing[i] {
-			l.ix.shards[l.held[i]].end()
-			l.writing[i] = false
-		}
-	}
 }
 
 func (l *shardLocks) release() {

@@ -31,8 +31,8 @@ type revTable struct {
 	// keeps slot numbers across upserts checks it to know they still hold.
 	resizes uint32
 	// The most entries the table had lately: peak in the current window of
-	// changes (inserts and deletions, half the slot count long), prevPeak
-	// in the one before. A shrink leaves room for them (see del).
+	// changes (inserts and deletions, revPeakWindow times the slot count),
+	// prevPeak in the one before. A shrink leaves room for them (see del).
 	changes, peak, prevPeak int
 }
 
@@ -71,6 +71,13 @@ const (
 	// and grew again on the next store, and those rehashes were a quarter of
 	// the whole replay's instructions.
 	revPeakLoad100 = 78
+	// revPeakWindow is a peak window's length in changes, in multiples of
+	// the slot count: a table forgets a peak after two to four times its
+	// size in changes. Half a table forgot too soon (a worker's big request
+	// comes back after several small ones) and left 8 % of the replay's
+	// instructions in resizes; two tables, 4.6 % (the growth while caches
+	// fill included).
+	revPeakWindow = 2
 )
 
 func newRevTable() *revTable {
@@ -147,9 +154,9 @@ func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
 }
 
 // changed counts one insert or deletion, and starts a new peak window every
-// half table of them.
+// revPeakWindow tables of them.
 func (t *revTable) changed() {
-	if t.changes++; t.changes >= len(t.slots)/2 {
+	if t.changes++; t.changes >= revPeakWindow*len(t.slots) {
 		t.prevPeak, t.peak, t.changes = t.peak, t.n, 0
 	}
 }

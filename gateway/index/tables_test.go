@@ -243,7 +243,7 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 			rt.del(rt.find(oldest))
 			oldest++
 		}
-		if changes += 2 * (n / 4 / 20); changes > 2*full {
+		if changes += 2 * (n / 4 / 20); changes > 2*revPeakWindow*full {
 			loadOK("cycling, the drain two windows behind")
 		}
 		if len(rt.slots) != size {
