@@ -287,7 +287,11 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 }
 
 // newRun starts a run at prefix hash p and files it as a head.
-func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
+func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 { return s.newRunFor(p, stamped, sb, 1) }
+
+// newRunFor is newRun whose arrays are sized for room positions, the blocks
+// of a stored event that will likely follow p into it (see appendPosFor).
+func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
 	var idx uint32
 	if k := len(s.runsFree); k > 0 {
 		idx = s.runsFree[k-1]
@@ -304,7 +308,7 @@ func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
 		}
 	}
 	r := &run{head: p}
-	b := s.getBody(minBody, stamped)
+	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
 	s.bytes += bodyBytes(b)
 	store64(&b.hash[0], p)
 	r.body.Store(b)
@@ -379,11 +383,17 @@ func (s *shard) putBody(b *runBody) {
 func bodyBytes(b *runBody) int { return len(b.hash)*12 + len(b.stamp)*4 }
 
 // appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
-func (s *shard) appendPos(r *run, p uint64) int {
+func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
+
+// appendPosFor is appendPos for the first of room blocks that will likely
+// follow it into r (the rest of a stored event): arrays that must grow grow
+// at once to the size class that holds them all, not one class at a time,
+// each growth copying the run.
+func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	o := int(r.n)
 	b := r.body.Load()
 	if o == len(b.hash) {
-		nb := s.getBody(nextBodySize(o), b.stamp != nil)
+		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamp != nil)
 		for i := range o {
 			store64(&nb.hash[i], b.hash[i])
 			store32(&nb.hold[i], b.hold[i])

@@ -564,7 +564,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			}
 			ix.addRef(&lk, ws, l, stamp, false)
 		} else {
-			l = ix.place(&lk, prevLoc, chained, p)
+			l = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
 			rt.slots[i].loc = uint64(l)
 			ix.addRef(&lk, ws, l, stamp, true)
 		}
@@ -621,15 +621,16 @@ func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 // chained, else as the first block of a chain. A position after prev is
 // either the next one of prev's run or the first of a run of its own; both
 // are looked at, under both shards' locks, before anything is added, so p
-// never gets two positions.
-func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
+// never gets two positions. room counts the event's blocks from p on: a run
+// that p starts or grows gets arrays for all of them at once.
+func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) loc {
 	ps := ix.shardIndex(p)
 	if !chained {
 		lk.need(ps, -1)
 		if l, ok := ix.headLoc(ps, p); ok {
 			return l
 		}
-		return ix.startRun(lk, ps, p)
+		return ix.startRun(lk, ps, p, room)
 	}
 	a := prev.shard()
 	sh := &ix.shards[a]
@@ -645,7 +646,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
 	appendHere := func() loc {
 		lk.writeRunAt(a, prev.run(), r)
-		sh.appendPos(r, p)
+		sh.appendPosFor(r, p, room)
 		return makeLoc(a, prev.run(), o)
 	}
 	if next() {
@@ -668,7 +669,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 	if atEnd() {
 		return appendHere()
 	}
-	return ix.startRun(lk, ps, p)
+	return ix.startRun(lk, ps, p, room)
 }
 
 // headLoc is the position of p when p heads a run of shard ps (ps locked).
@@ -681,9 +682,9 @@ func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
 }
 
 // startRun makes p the head of a new run of shard ps (ps locked).
-func (ix *Index) startRun(lk *shardLocks, ps int, p uint64) loc {
+func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) loc {
 	lk.write(ps)
-	return makeLoc(ps, ix.shards[ps].newRun(p, ix.pruning, ix.shardBits), 0)
+	return makeLoc(ps, ix.shards[ps].newRunFor(p, ix.pruning, ix.shardBits, room), 0)
 }
 
 // noHead reports that p surely heads no run of shard ps: read under the
