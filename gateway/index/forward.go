@@ -287,7 +287,9 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 }
 
 // newRun starts a run at prefix hash p and files it as a head.
-func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 { return s.newRunFor(p, stamped, sb, 1) }
+func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
+	return s.newRunFor(p, stamped, sb, 1)
+}
 
 // newRunFor is newRun whose arrays are sized for room positions, the blocks
 // of a stored event that will likely follow p into it (see appendPosFor).
