@@ -288,6 +288,12 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 
 // newRun starts a run at prefix hash p and files it as a head.
 func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
+	return s.newRunFor(p, stamped, sb, 1)
+}
+
+// newRunFor is newRun whose arrays are sized for room positions, the blocks
+// of a stored event that will likely follow p into it (see appendPosFor).
+func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
 	var idx uint32
 	if k := len(s.runsFree); k > 0 {
 		idx = s.runsFree[k-1]
@@ -304,7 +310,7 @@ func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
 		}
 	}
 	r := &run{head: p}
-	b := s.getBody(minBody, stamped)
+	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
 	s.bytes += bodyBytes(b)
 	store64(&b.hash[0], p)
 	r.body.Store(b)
@@ -379,11 +385,17 @@ func (s *shard) putBody(b *runBody) {
 func bodyBytes(b *runBody) int { return len(b.hash)*12 + len(b.stamp)*4 }
 
 // appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
-func (s *shard) appendPos(r *run, p uint64) int {
+func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
+
+// appendPosFor is appendPos for the first of room blocks that will likely
+// follow it into r (the rest of a stored event): arrays that must grow grow
+// at once to the size class that holds them all, not one class at a time,
+// each growth copying the run.
+func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	o := int(r.n)
 	b := r.body.Load()
 	if o == len(b.hash) {
-		nb := s.getBody(nextBodySize(o), b.stamp != nil)
+		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamp != nil)
 		for i := range o {
 			store64(&nb.hash[i], b.hash[i])
 			store32(&nb.hold[i], b.hold[i])
@@ -593,14 +605,50 @@ func (s *shard) memBytes() int {
 // A held shard's version is made odd at its first change and even again at
 // release, so the changes a writer makes in one go cost one pair of atomic
 // increments: a pair per change was the largest cost of filing a block.
+// An event's forward changes are made in one go (its reverse-table work is
+// done before, with no shard locked), so a lookup that meets a run the
+// event is changing reads it again until the event's forward pass is over.
 type shardLocks struct {
 	ix      *Index
 	held    [2]int // shard numbers, ascending; -1 = none
 	writing [2]bool
 	runs    [2][]*run // runs of each held shard whose version is odd by our hand
+	// last is the run most recently marked changing (writeRunAt), run
+	// number lastIdx of shard lastShard, while that shard stays held and the
+	// run's version odd: an event's blocks are mostly consecutive positions
+	// of one run, and the next block finds its run here instead of through
+	// the lock bookkeeping, the run directory and the list of changing runs.
+	last      *run
+	lastShard int
+	lastIdx   uint32
 }
 
 func newShardLocks(ix *Index) shardLocks { return shardLocks{ix: ix, held: [2]int{-1, -1}} }
+
+// cached returns run idx of shard s if it is l.last: s is held and the
+// run's version is odd by our hand; nil otherwise.
+func (l *shardLocks) cached(s int, idx uint32) *run {
+	if l.last != nil && l.lastShard == s && l.lastIdx == idx {
+		return l.last
+	}
+	return nil
+}
+
+// writeRunAt is writeRun for run number idx, which becomes l.last.
+func (l *shardLocks) writeRunAt(s int, idx uint32, r *run) {
+	if l.cached(s, idx) == r {
+		return
+	}
+	l.writeRun(s, r)
+	l.last, l.lastShard, l.lastIdx = r, s, idx
+}
+
+// forget clears l.last if it is run idx of shard s (the run was freed).
+func (l *shardLocks) forget(s int, idx uint32) {
+	if l.cached(s, idx) != nil {
+		l.last = nil
+	}
+}
 
 func (l *shardLocks) has(s int) bool { return l.held[0] == s || l.held[1] == s }
 
@@ -635,23 +683,6 @@ func (l *shardLocks) writeRun(s int, r *run) {
 	panic("index: write to a run whose shard is not locked")
 }
 
-// settle ends the changes made so far to runs and shards (their versions
-// even again), keeping the locks: a writer calls it before work of its own (the reverse
-// table) so that lookups of those runs need not wait through it.
-func (l *shardLocks) settle() {
-	for i := range l.runs {
-		for j, r := range l.runs[i] {
-			r.ver.Add(1)
-			l.runs[i][j] = nil
-		}
-		l.runs[i] = l.runs[i][:0]
-		if l.writing[i] {
-			l.ix.shards[l.held[i]].end()
-			l.writing[i] = false
-		}
-	}
-}
-
 func (l *shardLocks) release() {
 	for i, s := range l.held {
 		if s >= 0 {
@@ -663,6 +694,9 @@ func (l *shardLocks) release() {
 // drop lets go of held slot i.
 func (l *shardLocks) drop(i int) {
 	s := l.held[i]
+	if l.last != nil && l.lastShard == s {
+		l.last = nil
+	}
 	for j, r := range l.runs[i] {
 		r.ver.Add(1)
 		l.runs[i][j] = nil

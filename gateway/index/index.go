@@ -137,6 +137,35 @@ type workerState struct {
 	nonMain map[uint32]struct{} // cache groups seen with a non-main-attention kind
 	learned bool
 	c       WorkerCounters
+	// Scratch of one event's application (applyStored, applyRemoved), kept
+	// between events so that applying one allocates nothing; guarded by mu.
+	evSlots   []evSlot
+	evContent []uint64
+	evLocs    []loc
+}
+
+// evSlot is what a store's first pass (the reverse table) learned about one
+// of its blocks for the second (the forward map): the block's reverse slot,
+// and whether the rank held the engine hash already. slot < 0: a nil block.
+type evSlot struct {
+	slot  int32
+	found bool
+}
+
+// scratchCap bounds the per-worker scratch kept after an event: a huge
+// event's buffers are let go rather than kept for good.
+const scratchCap = 4096
+
+func (ws *workerState) dropLargeScratch() {
+	if cap(ws.evSlots) > scratchCap {
+		ws.evSlots = nil
+	}
+	if cap(ws.evContent) > scratchCap {
+		ws.evContent = nil
+	}
+	if cap(ws.evLocs) > scratchCap {
+		ws.evLocs = nil
+	}
 }
 
 // WorkerCounters count what Apply did with one worker's events (SMG's
@@ -470,26 +499,36 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
 		}
 	}
+	// The event is applied in two passes. The first does each block's own
+	// work: its content hash and its reverse entry (a random probe into the
+	// worker's table, the costly part), before any forward shard is changed.
+	// The second files the blocks in the forward map in one go: they are
+	// mostly consecutive positions of one run, so the run found for one
+	// block serves the next (shardLocks.last) and its version goes odd once
+	// for the event, not once a block. The passes give the same result as
+	// one loop would: the first pass's reverse changes (new entries and
+	// copy counts, in block order) depend on nothing in the forward map,
+	// and the second reads a new entry's position only after filing it.
+	defer ws.dropLargeScratch()
+	if content == nil {
+		content = slices.Grow(ws.evContent[:0], len(s.Blocks))[:len(s.Blocks)]
+		ws.evContent = content
+		for j, blk := range s.Blocks {
+			if blk != nil {
+				content[j] = ContentHash(blk.TokenIds, seed)
+			}
+		}
+	}
+	slots := slices.Grow(ws.evSlots[:0], len(s.Blocks))[:len(s.Blocks)]
+	ws.evSlots = slots
+	resizes := rt.resizes
 	for j, blk := range s.Blocks {
-		// Close the previous block's change windows before this block's own
-		// work (hashing, the reverse table), so lookups need not wait on it.
-		lk.settle()
 		if blk == nil {
+			slots[j] = evSlot{slot: -1}
 			continue
 		}
-		var p uint64
-		if content != nil {
-			p = content[j]
-		} else {
-			p = ContentHash(blk.TokenIds, seed)
-		}
-		if chained {
-			p = ChainHash(prev, p)
-		}
-		eh := uint64(blk.BlockHash)
 		ws.c.StoredBlocks++
-		i, found := rt.upsert(eh, 0, withTierCount(0, tier, 1))
-		var l loc
+		i, found := rt.upsert(uint64(blk.BlockHash), 0, withTierCount(0, tier, 1))
 		if found {
 			c := rt.counts(i)
 			if n := tierCount(c, tier); n >= copiesCap {
@@ -497,6 +536,25 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			} else {
 				rt.setCounts(i, withTierCount(c, tier, n+1))
 			}
+		}
+		slots[j] = evSlot{slot: int32(i), found: found}
+	}
+	// A table that grew during the first pass moved its entries: find them again.
+	moved := rt.resizes != resizes
+	for j, blk := range s.Blocks {
+		if slots[j].slot < 0 {
+			continue
+		}
+		p := content[j]
+		if chained {
+			p = ChainHash(prev, p)
+		}
+		i := int(slots[j].slot)
+		if moved {
+			i = rt.find(uint64(blk.BlockHash))
+		}
+		var l loc
+		if slots[j].found {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
 			l = loc(rt.slots[i].loc)
@@ -506,7 +564,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			}
 			ix.addRef(&lk, ws, l, stamp, false)
 		} else {
-			l = ix.place(&lk, prevLoc, chained, p)
+			l = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
 			rt.slots[i].loc = uint64(l)
 			ix.addRef(&lk, ws, l, stamp, true)
 		}
@@ -551,6 +609,9 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 // arrays are recycled when it grows). l must be named by a reverse entry of
 // the calling writer, which keeps its run in place.
 func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
+	if r := lk.cached(l.shard(), l.run()); r != nil {
+		return r.body.Load().hash[l.off()]
+	}
 	lk.need(l.shard(), -1)
 	r := ix.shards[l.shard()].runAt(l.run())
 	return r.body.Load().hash[l.off()]
@@ -560,28 +621,34 @@ func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 // chained, else as the first block of a chain. A position after prev is
 // either the next one of prev's run or the first of a run of its own; both
 // are looked at, under both shards' locks, before anything is added, so p
-// never gets two positions.
-func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
+// never gets two positions. room counts the event's blocks from p on: a run
+// that p starts or grows gets arrays for all of them at once.
+func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) loc {
 	ps := ix.shardIndex(p)
 	if !chained {
 		lk.need(ps, -1)
 		if l, ok := ix.headLoc(ps, p); ok {
 			return l
 		}
-		return ix.startRun(lk, ps, p)
+		return ix.startRun(lk, ps, p, room)
 	}
 	a := prev.shard()
 	sh := &ix.shards[a]
-	r := sh.runAt(prev.run())
 	o := prev.off() + 1
+	// The common case, the block after the one just filed: its run is held
+	// and changing already (see shardLocks.last).
+	r := lk.cached(a, prev.run())
+	if r == nil {
+		r = sh.runAt(prev.run())
+		lk.need(a, -1)
+	}
 	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
 	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
 	appendHere := func() loc {
-		lk.writeRun(a, r)
-		sh.appendPos(r, p)
+		lk.writeRunAt(a, prev.run(), r)
+		sh.appendPosFor(r, p, room)
 		return makeLoc(a, prev.run(), o)
 	}
-	lk.need(a, -1)
 	if next() {
 		return makeLoc(a, prev.run(), o)
 	}
@@ -602,7 +669,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64) loc {
 	if atEnd() {
 		return appendHere()
 	}
-	return ix.startRun(lk, ps, p)
+	return ix.startRun(lk, ps, p, room)
 }
 
 // headLoc is the position of p when p heads a run of shard ps (ps locked).
@@ -615,9 +682,9 @@ func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
 }
 
 // startRun makes p the head of a new run of shard ps (ps locked).
-func (ix *Index) startRun(lk *shardLocks, ps int, p uint64) loc {
+func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) loc {
 	lk.write(ps)
-	return makeLoc(ps, ix.shards[ps].newRun(p, ix.pruning, ix.shardBits), 0)
+	return makeLoc(ps, ix.shards[ps].newRunFor(p, ix.pruning, ix.shardBits, room), 0)
 }
 
 // noHead reports that p surely heads no run of shard ps: read under the
@@ -637,13 +704,16 @@ func (ix *Index) noHead(lk *shardLocks, ps int, p uint64) bool {
 // entry of ws names l (rather than a known one gaining a copy).
 func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, counted bool) {
 	s := l.shard()
-	lk.need(s, -1)
 	sh := &ix.shards[s]
-	r := sh.runAt(l.run())
+	r := lk.cached(s, l.run())
+	if r == nil {
+		lk.need(s, -1)
+		r = sh.runAt(l.run())
+		lk.writeRunAt(s, l.run(), r)
+	}
 	if counted {
 		r.refs++
 	}
-	lk.writeRun(s, r)
 	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
 	if counted {
 		ws.retain(l, held, ix.pruning)
@@ -687,17 +757,21 @@ func (ws *workerState) release(l loc, pruning bool) (last bool) {
 // holding l when it was the last, and l's run goes when no entry names it.
 func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
 	s := l.shard()
-	lk.need(s, -1)
 	sh := &ix.shards[s]
-	r := sh.runAt(l.run())
+	r := lk.cached(s, l.run())
+	if r == nil {
+		lk.need(s, -1)
+		r = sh.runAt(l.run())
+	}
 	if ws.release(l, ix.pruning) {
-		lk.writeRun(s, r)
+		lk.writeRunAt(s, l.run(), r)
 		sh.removeHolder(r.body.Load(), l.off(), ws.id)
 	}
 	if r.refs--; r.refs == 0 {
 		lk.write(s)
-		lk.writeRun(s, r)
+		lk.writeRunAt(s, l.run(), r)
 		sh.freeRun(l.run(), ix.shardBits)
+		lk.forget(s, l.run())
 	}
 }
 
@@ -725,14 +799,20 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		return
 	}
 	rt := ws.ranks[rank]
-	lk := newShardLocks(ix)
-	defer lk.release()
+	if rt == nil {
+		ws.c.UnknownRemovals += uint64(len(r.BlockHashes))
+		return
+	}
+	// Two passes, as in applyStored: the reverse table first, with no forward
+	// shard locked, collecting the positions whose last entry went; then the
+	// forward map in one go, where consecutive positions of one run share
+	// the run's lookup and version change (shardLocks.last). Dropping the
+	// references after all the reverse changes gives the same result: the
+	// forward map's reference counts do not depend on the reverse table.
+	defer ws.dropLargeScratch()
+	locs := ws.evLocs[:0]
 	for _, h := range r.BlockHashes {
-		lk.settle()
-		i := -1
-		if rt != nil {
-			i = rt.find(uint64(h))
-		}
+		i := rt.find(uint64(h))
 		if i < 0 {
 			ws.c.UnknownRemovals++
 			continue
@@ -748,8 +828,16 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			rt.setCounts(i, c)
 			continue
 		}
-		l := loc(rt.slots[i].loc)
+		locs = append(locs, loc(rt.slots[i].loc))
 		rt.del(i)
+	}
+	ws.evLocs = locs
+	if len(locs) == 0 {
+		return
+	}
+	lk := newShardLocks(ix)
+	defer lk.release()
+	for _, l := range locs {
 		ix.dropRef(&lk, ws, l)
 	}
 }

@@ -27,6 +27,13 @@ type revTable struct {
 	slots []rslot
 	meta  []uint16 // tag<<8 | counts; counts: device copies in the low nibble, host in the high
 	n     int
+	// resizes counts reallocations, which move every entry: a writer that
+	// keeps slot numbers across upserts checks it to know they still hold.
+	resizes uint32
+	// The most entries the table had lately: peak in the current window of
+	// changes (inserts and deletions, revPeakWindow times the slot count),
+	// prevPeak in the one before. A shrink leaves room for them (see del).
+	changes, peak, prevPeak int
 }
 
 type rslot struct {
@@ -55,6 +62,22 @@ const (
 	// size is rounded up to the allocator's size class).
 	revMinLoad100    = 62
 	revShrunkLoad100 = 72
+	// A shrink sizes the table for its recent peak at this load, and is
+	// skipped when that saves less than an eighth. In the Mooncake replay
+	// (512-block caches, stores of up to a request's missing blocks landing
+	// before the evictions) a worker's entries swing by a quarter and more
+	// every request, more than the gap between the thresholds above can
+	// absorb: sized for the entries left, its table shrank on the eviction
+	// and grew again on the next store, and those rehashes were a quarter of
+	// the whole replay's instructions.
+	revPeakLoad100 = 78
+	// revPeakWindow is a peak window's length in changes, in multiples of
+	// the slot count: a table forgets a peak after two to four times its
+	// size in changes. Half a table forgot too soon (a worker's big request
+	// comes back after several small ones) and left 8 % of the replay's
+	// instructions in resizes; two tables, 4.6 % (the growth while caches
+	// fill included).
+	revPeakWindow = 2
 )
 
 func newRevTable() *revTable {
@@ -67,6 +90,7 @@ func (t *revTable) alloc(slots int) {
 	t.slots = fullAlloc[rslot](slots)
 	t.meta = make([]uint16, len(t.slots))
 	t.n = 0
+	t.resizes++
 }
 
 // mix spreads engine hashes (engines' hashes are not all uniform: small
@@ -124,7 +148,17 @@ func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
 	t.slots[i] = rslot{key: k, loc: l}
 	t.meta[i] = tag | uint16(cnt)
 	t.n++
+	t.peak = max(t.peak, t.n)
+	t.changed()
 	return i, false
+}
+
+// changed counts one insert or deletion, and starts a new peak window every
+// revPeakWindow tables of them.
+func (t *revTable) changed() {
+	if t.changes++; t.changes >= revPeakWindow*len(t.slots) {
+		t.prevPeak, t.peak, t.changes = t.peak, t.n, 0
+	}
 }
 
 // counts returns slot i's copy counts.
@@ -182,11 +216,15 @@ func (t *revTable) del(i int) {
 	}
 	t.meta[i] = 0
 	t.n--
+	t.changed()
 	switch {
 	case t.n == 0 && len(t.slots) > 1<<16:
 		t.alloc(revMinSlots) // give a drained rank's memory back
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
-		t.resize(max(revMinSlots, t.n*100/revShrunkLoad100))
+		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
+		if size <= len(t.slots)-len(t.slots)/8 {
+			t.resize(size)
+		}
 	}
 }
 

@@ -207,10 +207,10 @@ func TestFreedRunReadsEmpty(t *testing.T) {
 }
 
 // TestRevTableShrinksWithHysteresis: a table that grew while a cache
-// overshot gives the room back when the evictions come (its load stays at
-// or above revMinLoad100 while it is larger than its minimum), and a cache
-// that keeps overshooting by a twentieth and evicting it again does not
-// resize on every cycle.
+// overshot gives the room back once the evictions have lasted two windows of
+// changes (then its load stays at or above revMinLoad100 while it is larger
+// than its minimum), and a cache that keeps overshooting by a twentieth and
+// evicting it again does not resize on every cycle.
 func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	rt := newRevTable()
 	const n = 20000
@@ -224,15 +224,16 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 				float64(rt.n)/float64(len(rt.slots)), float64(revMinLoad100)/100)
 		}
 	}
+	full := len(rt.slots)
 	for k := range uint64(3 * n / 4) {
 		rt.del(rt.find(k + 1))
-		loadOK("evicting")
 	}
 	// Overshoot and evict a twentieth, 200 times over: a handful of
 	// resizes at most, not one a cycle.
 	resizes, size := 0, len(rt.slots)
 	next := uint64(n + 1)
 	oldest := uint64(3*n/4 + 1)
+	changes := 0
 	for range 200 {
 		for range n / 4 / 20 {
 			rt.upsert(next, next, 1)
@@ -242,14 +243,62 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 			rt.del(rt.find(oldest))
 			oldest++
 		}
-		loadOK("cycling")
+		if changes += 2 * (n / 4 / 20); changes > 2*revPeakWindow*full {
+			loadOK("cycling, the drain two windows behind")
+		}
 		if len(rt.slots) != size {
 			resizes++
 			size = len(rt.slots)
 		}
 	}
+	loadOK("after cycling")
 	if resizes > 4 {
 		t.Fatalf("%d resizes in 200 overshoot cycles", resizes)
+	}
+	for k := oldest; k < next; k++ {
+		if rt.find(k) < 0 {
+			t.Fatalf("entry %d lost", k)
+		}
+	}
+}
+
+// TestRevTableBigSwingsDoNotResizeEachCycle: the Mooncake replay's shape, a
+// 512-block cache whose every request stores up to 160 blocks before the
+// engine evicts as many, swings a worker's table by up to a third. Sized
+// for the entries left after each eviction, the table shrank there and grew
+// again at the next store (two rehashes a request, a quarter of the replay's
+// instructions); sized for its recent peak it settles.
+func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 5))
+	rt := newRevTable()
+	const capacity = 512
+	next, oldest := uint64(1), uint64(1)
+	for range capacity {
+		rt.upsert(next, next, 1)
+		next++
+	}
+	resizes := rt.resizes
+	for cycle := range 1000 {
+		k := 32 + rng.IntN(129)
+		for range k {
+			rt.upsert(next, next, 1)
+			next++
+		}
+		for range k {
+			rt.del(rt.find(oldest))
+			oldest++
+		}
+		if cycle == 99 {
+			resizes = rt.resizes // the first cycles may still settle the size
+		}
+	}
+	if n := rt.resizes - resizes; n > 4 {
+		t.Fatalf("%d resizes in 900 cycles of swings by up to a third", n)
+	}
+	// Settled, the table is sized for the peak (capacity+160 entries at
+	// revPeakLoad100), not more than a quarter above it.
+	if limit := (capacity + 160) * 100 / revPeakLoad100 * 5 / 4; len(rt.slots) > limit {
+		t.Fatalf("%d slots for peaks of %d entries, over %d", len(rt.slots), capacity+160, limit)
 	}
 	for k := oldest; k < next; k++ {
 		if rt.find(k) < 0 {
