@@ -7,8 +7,6 @@ import (
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
-
-	"github.com/kvrelay/kvrelay/proto/kvenc"
 )
 
 // NextEncoded is Next in wire form: the chunk's KvEventBatch encoding, byte for byte what
@@ -213,17 +211,17 @@ func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {
 		w.tail = w.tailOf(e.tail)
 	}
 	w.last = e
-	w.appendBlock(e, w.cr.segs[slot>>segShift].tokensOf(e))
+	seg := w.cr.segs[slot>>segShift]
+	w.appendBlock(seg, e, seg.tokensOf(e))
 	if copyIdx > 0 {
 		w.close()
 	}
 }
 
-func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
-	tokBytes := 0
-	for _, t := range toks {
-		tokBytes += varintLen32(t)
-	}
+// appendBlock writes one block; toks are its token ids packed as the wire packs them (the
+// record keeps them so).
+func (w *chunkEncoder) appendBlock(seg *segment, e *entry, toks []byte) {
+	tokBytes := len(toks)
 	n := len(w.tail.block)
 	if e.hash != 0 {
 		n += 1 + protowire.SizeVarint(uint64(e.hash))
@@ -232,8 +230,8 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 		n += 1 + protowire.SizeVarint(uint64(tokBytes)) + tokBytes
 	}
 	var extra []byte
-	if e.extra != 0 {
-		extra = w.extraOf(e.extra - 1)
+	if e.flags&flagExtra != 0 {
+		extra = w.extraOf(seg.extraOf(e))
 		n += len(extra)
 	}
 	// Room for the whole block at once, then plain stores: append's capacity check per byte was
@@ -254,7 +252,7 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 	if len(toks) > 0 {
 		b[i] = tagBlockTokens
 		i = putVarint(b, i+1, uint64(tokBytes))
-		i = kvenc.PutVarints32(b, i, toks)
+		i += copy(b[i:], toks)
 	}
 	i += copy(b[i:], w.tail.block)
 	if len(extra) > 0 {

@@ -436,9 +436,19 @@ func TestTokenArenasAreCompacted(t *testing.T) {
 				}
 			}
 			seg := r.ranks[0].segs[0]
-			live := (segSize / 2) * 12
+			// The live records' bytes: 12 tokens of 2 varint bytes and the length byte each.
+			live := 0
+			for i := range seg.entries {
+				if e := &seg.entries[i]; e.flags&flagLive != 0 {
+					_, end := seg.record(e)
+					live += end - int(e.tokOff)
+				}
+			}
+			if want := (segSize / 2) * (1 + 12*2); live != want {
+				t.Fatalf("live records hold %d bytes, want %d", live, want)
+			}
 			if len(seg.tokens) > 3*live+arenaSlack {
-				t.Fatalf("arena holds %d words for %d live", len(seg.tokens), live)
+				t.Fatalf("arena holds %d bytes for %d live", len(seg.tokens), live)
 			}
 			c := r.Cut(nil)
 			defer c.Release()

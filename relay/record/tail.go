@@ -1,6 +1,9 @@
 package record
 
 import (
+	"encoding/binary"
+	"hash/maphash"
+
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -104,6 +107,12 @@ func (k *tailKey) setBlock(b *kvpb.KvBlock) {
 	}
 }
 
+// sameBlockFields reports whether two keys of one store have the same per-block fields (the only
+// ones setBlock changes): comparing them is enough, and cheaper than the whole key with its strings.
+func (k *tailKey) sameBlockFields(o *tailKey) bool {
+	return k.blockSize == o.blockSize && k.has == o.has && k.loraID == o.loraID && k.cacheLevel == o.cacheLevel
+}
+
 // storedEvent returns a Stored event with the tail's store-level fields and no blocks.
 func (k *tailKey) storedEvent() *kvpb.KvBlocksStored {
 	s := &kvpb.KvBlocksStored{}
@@ -144,20 +153,57 @@ func (k *tailKey) storedEvent() *kvpb.KvBlocksStored {
 // unused tails must go). A Cut keeps the keys slice and reads the ids its entries hold; those are
 // never rewritten while it is live, because an id freed during a Cut waits in limbo until no Cut
 // is outstanding (ids freed before the Cut are referenced by none of its entries).
+//
+// The ids are found by a 64-bit hash of the key, not by the key itself: a Go map keyed by the
+// 136-byte tailKey held a second copy of every key in its slots, 300 bytes a tail, which a salt
+// per store (one tail each) made 5 B per live block. Keys of equal hash chain through next.
 type tailTable struct {
 	keys  []*tailKey // immutable once published; a Cut keeps the slice
 	refs  []uint32
-	ids   map[tailKey]uint32
+	next  []uint32          // the next id of the same hash, noTail at the end
+	ids   map[uint64]uint32 // a key's hash to the first id of its chain
+	seed  maphash.Seed
 	free  []uint32
 	limbo []uint32 // freed while a Cut was live; reusable once none is
 }
 
-func newTailTable() *tailTable { return &tailTable{ids: map[tailKey]uint32{}} }
+func newTailTable() *tailTable { return &tailTable{ids: map[uint64]uint32{}, seed: maphash.MakeSeed()} }
+
+func (t *tailTable) hash(k *tailKey) uint64 {
+	var h maphash.Hash
+	h.SetSeed(t.seed)
+	var fixed [2 + 4*6 + 8]byte
+	binary.LittleEndian.PutUint16(fixed[0:], k.has)
+	binary.LittleEndian.PutUint32(fixed[2:], uint32(k.tier))
+	binary.LittleEndian.PutUint32(fixed[6:], uint32(k.locality))
+	binary.LittleEndian.PutUint32(fixed[10:], k.groupIdx)
+	binary.LittleEndian.PutUint32(fixed[14:], k.slidingWindow)
+	binary.LittleEndian.PutUint32(fixed[18:], uint32(k.blockSize))
+	binary.LittleEndian.PutUint32(fixed[22:], uint32(k.cacheLevel))
+	binary.LittleEndian.PutUint64(fixed[26:], uint64(k.loraID))
+	h.Write(fixed[:])
+	for _, s := range [...]string{k.medium, k.kind, k.ownership, k.sessionID, k.loraName, k.cacheSalt} {
+		// The length first, so that no two lists of strings write the same bytes.
+		var n [4]byte
+		binary.LittleEndian.PutUint32(n[:], uint32(len(s)))
+		h.Write(n[:])
+		h.WriteString(s)
+	}
+	return h.Sum64()
+}
 
 func (t *tailTable) intern(k *tailKey) uint32 {
-	if id, ok := t.ids[*k]; ok {
-		t.refs[id]++
-		return id
+	hk := t.hash(k)
+	head, found := t.ids[hk]
+	if found {
+		for id := head; id != noTail; id = t.next[id] {
+			if *t.keys[id] == *k {
+				t.refs[id]++
+				return id
+			}
+		}
+	} else {
+		head = noTail
 	}
 	c := *k
 	var id uint32
@@ -166,12 +212,14 @@ func (t *tailTable) intern(k *tailKey) uint32 {
 		t.free = t.free[:n-1]
 		t.keys[id] = &c
 		t.refs[id] = 1
+		t.next[id] = head
 	} else {
 		id = uint32(len(t.keys))
 		t.keys = append(t.keys, &c)
 		t.refs = append(t.refs, 1)
+		t.next = append(t.next, head)
 	}
-	t.ids[c] = id
+	t.ids[hk] = id
 	return id
 }
 
@@ -182,7 +230,21 @@ func (t *tailTable) unref(id uint32, shared bool) {
 	if t.refs[id] > 0 {
 		return
 	}
-	delete(t.ids, *t.keys[id])
+	hk := t.hash(t.keys[id])
+	if head := t.ids[hk]; head == id {
+		if t.next[id] == noTail {
+			delete(t.ids, hk)
+		} else {
+			t.ids[hk] = t.next[id]
+		}
+	} else {
+		prev := head
+		for t.next[prev] != id {
+			prev = t.next[prev]
+		}
+		t.next[prev] = t.next[id]
+	}
+	t.next[id] = noTail
 	if shared {
 		t.limbo = append(t.limbo, id)
 	} else {
