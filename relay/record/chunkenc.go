@@ -35,7 +35,7 @@ func (st *ChunkStream) NextEncoded() []byte {
 	}
 	h := st.head(p)
 	if st.enc == nil {
-		st.enc = &chunkEncoder{cut: st.c, tails: map[uint32]*tailWire{}, extras: map[uint32][]byte{}}
+		st.enc = &chunkEncoder{cut: st.c, tails: map[uint32]*tailWire{}}
 	}
 	w := st.enc
 	w.cr = p.cr
@@ -158,9 +158,8 @@ type chunkEncoder struct {
 	first   *entry
 	last    *entry
 	tail    *tailWire
-	// Wire forms of the tails and extra keys met so far in this stream.
+	// Wire forms of the tails met so far in this stream.
 	tails    map[uint32]*tailWire
-	extras   map[uint32][]byte
 	lastTail uint32
 	lastWire *tailWire
 }
@@ -178,26 +177,8 @@ func (w *chunkEncoder) tailOf(id uint32) *tailWire {
 	return t
 }
 
-// extraOf is an extra-key list as the KvBlock fields that carry it.
-func (w *chunkEncoder) extraOf(id uint32) []byte {
-	x, ok := w.extras[id]
-	if !ok {
-		for _, k := range w.cut.extras[id] {
-			m, err := proto.Marshal(k)
-			if err != nil {
-				panic("record: encoding an extra key: " + err.Error()) // it was decoded from the wire
-			}
-			x = append(x, tagBlockExtraKey)
-			x = protowire.AppendVarint(x, uint64(len(m)))
-			x = append(x, m...)
-		}
-		if x == nil {
-			x = []byte{}
-		}
-		w.extras[id] = x
-	}
-	return x
-}
+// extraOf is an extra-key list as the KvBlock fields that carry it: the record keeps it so.
+func (w *chunkEncoder) extraOf(id uint32) []byte { return w.cut.extras[id] }
 
 // add is chunkWriter.add in wire form.
 func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {

@@ -19,7 +19,7 @@ type Cut struct {
 	rec      *Record
 	ranks    []cutRank
 	tails    []*tailKey
-	extras   [][]*kvpb.KvBlockExtraKey
+	extras   [][]byte // extraTable's wire forms
 	blocks   uint64
 	first    int32 // the rank an empty snapshot is attributed to
 	hasFirst bool
@@ -296,7 +296,6 @@ func (st *ChunkStream) finish(p *chunkPlan) {
 // tail's fields, the parent hash, and the block with its tokens, optionals and extra keys.
 func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 	tailBytes := map[uint32]int{}
-	extraBytes := map[uint32]int{}
 	largest := 1
 	// Neighbours nearly always share a tail: remember the last one instead of a map access per
 	// entry.
@@ -314,14 +313,7 @@ func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 		seg := cr.segs[slot>>segShift]
 		var xb int
 		if e.flags&flagExtra != 0 {
-			id := seg.extraOf(e)
-			var ok bool
-			if xb, ok = extraBytes[id]; !ok {
-				for _, k := range c.extras[id] {
-					xb += proto.Size(k) + 6
-				}
-				extraBytes[id] = xb
-			}
+			xb = len(c.extras[seg.extraOf(e)])
 		}
 		// 6 per length-delimited header, 11 per varint field with its tag; the tokens as packed.
 		n := 3*6 + tb + 11 + // event, stored, block list framing; the parent hash
@@ -429,7 +421,7 @@ func (w *chunkWriter) add(slot uint32, copyIdx uint64) {
 	blk.TokenIds = w.unpackTokens(seg.tokensOf(e))
 	blk.LoraId, blk.CacheLevel = w.loraID, w.cacheLevel
 	if e.flags&flagExtra != 0 {
-		blk.ExtraKeys = slices.Clone(w.cut.extras[seg.extraOf(e)])
+		blk.ExtraKeys = decodeExtraKeys(w.cut.extras[seg.extraOf(e)])
 	}
 	w.ptrs = append(w.ptrs, blk)
 	if copyIdx > 0 {

@@ -574,3 +574,36 @@ func TestTheRecordEvictsTheOldestStoredAtItsCap(t *testing.T) {
 		})
 	}
 }
+
+// TestExtraKeysThatAreNotUTF8 stores blocks whose extra keys hold strings that are not valid
+// UTF-8, which proto.Marshal refuses (the relay refuses such batches before the record, but the
+// record takes any batch): the snapshot must carry them back as they came, in both forms, and the
+// encoder must not panic.
+func TestExtraKeysThatAreNotUTF8(t *testing.T) {
+	keys := []*kvpb.KvBlockExtraKey{
+		{Key: &kvpb.KvBlockExtraKey_Text{Text: "bad-\xff"}},
+		{Key: &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: "img-\xfe", Offset: 7}}},
+		{Key: &kvpb.KvBlockExtraKey_Number{Number: -3}},
+		{Key: &kvpb.KvBlockExtraKey_Blob{Blob: []byte{0xff}}},
+	}
+	for i, k := range keys {
+		ev := storedEv([]int64{int64(10 + i)})
+		ev.GetStored().Blocks[0].ExtraKeys = []*kvpb.KvBlockExtraKey{k, {Key: &kvpb.KvBlockExtraKey_Text{Text: "ok"}}}
+		r := New()
+		r.Apply(batchOf(0, ev))
+		c := r.Cut(nil)
+		chunks := c.Chunks(map[int32]uint64{0: 1}, nil, 1)
+		if len(chunks) != 1 {
+			t.Fatalf("key %d: %d chunks", i, len(chunks))
+		}
+		got := chunks[0].Events[1].GetStored().Blocks[0].ExtraKeys
+		if len(got) != 2 || !proto.Equal(got[0], k) || got[1].GetText() != "ok" {
+			t.Fatalf("key %d: extra keys %v, want %v and ok", i, got, k)
+		}
+		enc := c.Stream(map[int32]uint64{0: 1}, nil, 1).NextEncoded()
+		if len(enc) == 0 {
+			t.Fatalf("key %d: no encoded chunk", i)
+		}
+		c.Release()
+	}
+}

@@ -160,13 +160,21 @@ func (s *segment) writeRecord(off, tokBytes int, toks []uint32, extra uint32, fl
 }
 
 // grow makes room for a record of n bytes and, at the average record size so far, for the rest
-// of the segment: a segment's blocks nearly always share one size, and growing by append's
-// factor would leave a quarter of the arena unused.
+// of the segment: a segment's records nearly always have about one size, and growing by append's
+// factor would leave up to a quarter of the arena unused. The first estimate, from one record,
+// aims a little low: a second, smaller growth from a better average costs a copy of a few KiB,
+// while room never used stays for the segment's life. Past a segment's worth of records (freed
+// slots refilled), it makes room for an eighth of a segment more.
 func (s *segment) grow(n int) {
-	// Past a segment's worth of records (slots refilled), room for an eighth of a segment more.
-	left := max(segSize-s.records-1, segSize/8)
+	left := segSize - s.records - 1
 	avg := (len(s.tokens) + n) / (s.records + 1)
-	want := len(s.tokens) + n + left*avg + left*avg/32
+	switch {
+	case s.records == 0:
+		avg -= avg / 16
+	case left <= 0:
+		left = segSize / 8
+	}
+	want := len(s.tokens) + n + left*avg
 	arena := slices.Grow([]byte(nil), want) // rounds up to the size class: all of it is usable
 	s.tokens = append(arena, s.tokens...)
 }

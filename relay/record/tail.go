@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"hash/maphash"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -258,19 +259,29 @@ func (t *tailTable) settle() {
 	t.limbo = t.limbo[:0]
 }
 
-// extraTable keeps the rare extra keys out of the entries, cloned so the caller's batch may be
-// reused. Like tailTable, ids are rewritten only when no Cut is live.
+// extraTable keeps the rare extra keys out of the entries, in their wire form: the KvBlock
+// extra_keys fields that carry them, which the snapshot encoder copies as they are and Next
+// decodes. One allocation a list instead of three a key (the message, its oneof and its string),
+// 220 bytes a store with a LoRA name and a salt. Like tailTable, ids are rewritten only when no
+// Cut is live.
 type extraTable struct {
-	keys  [][]*kvpb.KvBlockExtraKey
+	keys  [][]byte
 	free  []uint32
 	limbo []uint32
 }
 
 func (x *extraTable) add(keys []*kvpb.KvBlockExtraKey) uint32 {
-	c := make([]*kvpb.KvBlockExtraKey, 0, len(keys))
+	size := 0
 	for _, k := range keys {
 		if k != nil {
-			c = append(c, proto.Clone(k).(*kvpb.KvBlockExtraKey))
+			n := proto.Size(k)
+			size += 1 + protowire.SizeVarint(uint64(n)) + n
+		}
+	}
+	c := make([]byte, 0, size)
+	for _, k := range keys {
+		if k != nil {
+			c = appendExtraKey(c, k)
 		}
 	}
 	if n := len(x.free); n > 0 {
@@ -281,6 +292,94 @@ func (x *extraTable) add(keys []*kvpb.KvBlockExtraKey) uint32 {
 	}
 	x.keys = append(x.keys, c)
 	return uint32(len(x.keys) - 1)
+}
+
+// appendExtraKey appends one KvBlock extra_keys field: proto.Marshal's bytes for the key, or, for
+// a string that is not valid UTF-8 (which Marshal refuses; the relay refuses such batches before
+// they reach the record, but the record takes any batch), the same fields written as they are.
+func appendExtraKey(b []byte, k *kvpb.KvBlockExtraKey) []byte {
+	b = append(b, tagBlockExtraKey)
+	m, err := proto.Marshal(k)
+	if err != nil {
+		m = extraKeyAsIs(k)
+	}
+	b = protowire.AppendVarint(b, uint64(len(m)))
+	return append(b, m...)
+}
+
+func extraKeyAsIs(k *kvpb.KvBlockExtraKey) []byte {
+	var m []byte
+	switch key := k.Key.(type) {
+	case *kvpb.KvBlockExtraKey_Text:
+		m = protowire.AppendTag(m, 1, protowire.BytesType)
+		m = protowire.AppendString(m, key.Text)
+	case *kvpb.KvBlockExtraKey_Blob:
+		m = protowire.AppendTag(m, 2, protowire.BytesType)
+		m = protowire.AppendBytes(m, key.Blob)
+	case *kvpb.KvBlockExtraKey_Number:
+		m = protowire.AppendTag(m, 3, protowire.VarintType)
+		m = protowire.AppendVarint(m, uint64(key.Number))
+	case *kvpb.KvBlockExtraKey_Multimodal:
+		var mm []byte
+		if id := key.Multimodal.GetIdentifier(); id != "" {
+			mm = protowire.AppendTag(mm, 1, protowire.BytesType)
+			mm = protowire.AppendString(mm, id)
+		}
+		if off := key.Multimodal.GetOffset(); off != 0 {
+			mm = protowire.AppendTag(mm, 2, protowire.VarintType)
+			mm = protowire.AppendVarint(mm, uint64(off))
+		}
+		m = protowire.AppendTag(m, 4, protowire.BytesType)
+		m = protowire.AppendBytes(m, mm)
+	}
+	return m
+}
+
+// decodeExtraKeys turns an extra-key list back into messages (for Next).
+func decodeExtraKeys(b []byte) []*kvpb.KvBlockExtraKey {
+	var out []*kvpb.KvBlockExtraKey
+	for len(b) > 0 {
+		// Written by appendExtraKey: a tag byte, a length and the message.
+		n, w := protowire.ConsumeVarint(b[1:])
+		m := b[1+w : 1+w+int(n)]
+		b = b[1+w+int(n):]
+		k := &kvpb.KvBlockExtraKey{}
+		if err := proto.Unmarshal(m, k); err != nil {
+			k = extraKeyFromAsIs(m)
+		}
+		out = append(out, k)
+	}
+	return out
+}
+
+// extraKeyFromAsIs reads what extraKeyAsIs wrote, strings taken as they are.
+func extraKeyFromAsIs(m []byte) *kvpb.KvBlockExtraKey {
+	k := &kvpb.KvBlockExtraKey{}
+	num, typ, n := protowire.ConsumeTag(m)
+	m = m[n:]
+	switch {
+	case num == 1 && typ == protowire.BytesType:
+		v, _ := protowire.ConsumeBytes(m)
+		k.Key = &kvpb.KvBlockExtraKey_Text{Text: string(v)}
+	case num == 4 && typ == protowire.BytesType:
+		v, _ := protowire.ConsumeBytes(m)
+		mm := &kvpb.KvMultimodalKey{}
+		for len(v) > 0 {
+			f, t, n := protowire.ConsumeTag(v)
+			v = v[n:]
+			if f == 1 && t == protowire.BytesType {
+				s, n := protowire.ConsumeBytes(v)
+				mm.Identifier = string(s)
+				v = v[n:]
+			} else {
+				o, n := protowire.ConsumeVarint(v)
+				mm.Offset = int64(o)
+				v = v[n:]
+			}
+		}
+		k.Key = &kvpb.KvBlockExtraKey_Multimodal{Multimodal: mm}
+	}
+	return k
 }
 
 func (x *extraTable) drop(id uint32, shared bool) {
