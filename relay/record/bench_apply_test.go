@@ -111,4 +111,3 @@ func applyStream(r *Record, n int, ns benchNamespaces) []*kvpb.KvEventBatch {
 	}
 	return out
 }
-
