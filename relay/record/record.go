@@ -3,10 +3,10 @@
 // that a subscriber without a usable cursor can be served a state snapshot instead of the history.
 //
 // The record is built for size and for a cheap cut. Entries are 32-byte structs in fixed-size
-// segments of 128, each segment carrying its own arena of the entries' token ids, packed as the
-// wire packs them (varints); a per-rank open-addressing table of 32-bit
-// slot numbers indexes them; the store tails (tier, medium, group, namespace, …) are interned to
-// small ids and extra keys live out of line. A Cut copies only the segment pointers and marks the
+// segments of 64, each segment carrying its own arena of the entries' token ids, packed as the
+// wire packs them (varints); a per-rank open-addressing table of 32-bit slot numbers indexes
+// them; the store tails (tier, medium, group, namespace, …) are interned to small ids and extra
+// keys live out of line, in their wire form. A Cut copies only the segment pointers and marks the
 // segments shared; the next mutation of a shared segment copies that segment first (copy on
 // write), so taking the state under the relay's lock costs O(segments), not O(blocks), and the
 // ordering and encoding run off the lock.

@@ -12,9 +12,10 @@ import (
 )
 
 const (
-	// 128 entries of 32 bytes: a segment's entries are one 4 KiB allocation, so copying one on
-	// write (a Cut outstanding) moves 4 KiB, and a removal batch touching 64 segments 256 KiB.
-	segShift = 7
+	// 64 entries of 32 bytes: a segment's entries are one 2 KiB allocation, so copying one on
+	// write (a Cut outstanding) moves 2 KiB, and a removal batch touching 64 segments 128 KiB
+	// (BenchmarkApplyDuringCut). A Cut copies a pointer per 64 entries.
+	segShift = 6
 	segSize  = 1 << segShift
 	segMask  = segSize - 1
 
@@ -65,7 +66,7 @@ type entry struct {
 // as a varint and followed, for an entry with extra keys, by its extraTable id (4 bytes, little
 // endian). The snapshot encoder copies the packed tokens as they are.
 type segment struct {
-	entries     *[segSize]entry // a separate allocation of exactly 4 KiB, a size class
+	entries     *[segSize]entry // a separate allocation of exactly 2 KiB, a size class
 	tokens      []byte          // the arena of records
 	garbage     int             // arena bytes no live entry uses
 	records     int             // records appended since the arena was last (re)built
