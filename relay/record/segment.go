@@ -321,10 +321,12 @@ func (r *Record) renumber(rs *rankState) {
 }
 
 // slotIndex maps (tier, hash) to a slot of the rank with linear probing over 32-bit cells (slot+1)
-// and a parallel byte of hash fingerprint per cell, 0 for an empty cell. A probe walks the
-// fingerprints alone (64 cells a cache line) and reads a cell and its entry only when the
-// fingerprint matches, so looking up a block the rank does not hold yet, every new block of a
-// store, costs one cache miss, not two. The keys live in the entries: 5 bytes a cell against the
+// and a parallel byte per cell, 0 for an empty cell, else 7 bits of hash fingerprint and a bit
+// set when the cell is its key's home. A probe walks those bytes alone (64 cells a cache line)
+// and reads a cell and its entry only when the fingerprint matches, so looking up a block the rank
+// does not hold yet, every new block of a store, costs one cache miss, not two. A removal shifts
+// the later cells of its run back, which needs each one's home: a cell marked at home stays
+// without reading its entry (a cache miss each, most of a removal's cost before). The keys live in the entries: 5 bytes a cell against the
 // 24-byte slots plus control bytes of a Go map (see BenchmarkGoMapIndexOverhead).
 //
 // The table's size is any multiple of 8 (a key's home is its hash scaled to the size, not masked)
@@ -344,14 +346,25 @@ func mix(h int64, tier uint8) uint64 {
 	return x
 }
 
-// place returns a key's home cell and fingerprint (never 0, which marks an empty cell).
+// fpAtHome marks a cell that is its key's home; the byte's other 7 bits are the fingerprint.
+const fpAtHome = 0x80
+
+// place returns a key's home cell and fingerprint (7 bits, never 0: 0 marks an empty cell).
 func (ix *slotIndex) place(h int64, tier uint8) (int, uint8) {
 	x := mix(h, tier)
-	fp := uint8(x)
+	fp := uint8(x) &^ fpAtHome
 	if fp == 0 {
 		fp = 1
 	}
 	return int((x >> 32) * uint64(len(ix.fps)) >> 32), fp
+}
+
+// fpAt is the byte of a key with fingerprint fp placed in cell i, its home being home.
+func fpAt(fp uint8, i, home int) uint8 {
+	if i == home {
+		return fp | fpAtHome
+	}
+	return fp
 }
 
 func (ix *slotIndex) find(rs *rankState, h int64, tier uint8) (uint32, bool) {
@@ -365,7 +378,7 @@ func (ix *slotIndex) find(rs *rankState, h int64, tier uint8) (uint32, bool) {
 		if f == 0 {
 			return 0, false
 		}
-		if f == fp {
+		if f&^fpAtHome == fp {
 			c := ix.cells[i]
 			if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
 				return c - 1, true
@@ -399,14 +412,15 @@ func (ix *slotIndex) insert(rs *rankState, slot uint32) {
 }
 
 func (ix *slotIndex) put(c uint32, h int64, tier uint8) {
-	i, fp := ix.place(h, tier)
+	home, fp := ix.place(h, tier)
+	i := home
 	for ix.fps[i] != 0 {
 		if i++; i == len(ix.fps) {
 			i = 0
 		}
 	}
 	ix.cells[i] = c
-	ix.fps[i] = fp
+	ix.fps[i] = fpAt(fp, i, home)
 }
 
 // remove deletes the cell of (tier, hash), shifting later cells of the probe run back so that no
@@ -419,7 +433,7 @@ func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
 		if f == 0 {
 			return
 		}
-		if f == fp {
+		if f&^fpAtHome == fp {
 			if e := rs.entry(ix.cells[i] - 1); e.hash == h && e.tier == tier {
 				break
 			}
@@ -433,8 +447,12 @@ func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
 		if j++; j == size {
 			j = 0
 		}
-		if ix.fps[j] == 0 {
+		f := ix.fps[j]
+		if f == 0 {
 			break
+		}
+		if f&fpAtHome != 0 {
+			continue // its home is j itself, within (i, j]
 		}
 		c := ix.cells[j]
 		e := rs.entry(c - 1)
@@ -447,7 +465,7 @@ func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
 		} else if i < k || k <= j {
 			continue
 		}
-		ix.cells[i], ix.fps[i] = c, ix.fps[j]
+		ix.cells[i], ix.fps[i] = c, fpAt(f, i, k)
 		i = j
 	}
 	ix.cells[i], ix.fps[i] = 0, 0
