@@ -1,11 +1,14 @@
 package record
 
 import (
+	"bytes"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -605,5 +608,23 @@ func TestExtraKeysThatAreNotUTF8(t *testing.T) {
 			t.Fatalf("key %d: no encoded chunk", i)
 		}
 		c.Release()
+	}
+}
+
+// TestPackTokensIsProtobufPacking: the arena's token encoding must be the wire's packed varints,
+// since the snapshot encoder copies it as is; every length class and the edges between them.
+func TestPackTokensIsProtobufPacking(t *testing.T) {
+	toks := []uint32{0, 1, 127, 128, 16383, 16384, 151999, 1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, math.MaxUint32}
+	for n := range len(toks) + 1 {
+		in := toks[:n]
+		var want []byte
+		for _, v := range in {
+			want = protowire.AppendVarint(want, uint64(v))
+		}
+		got := make([]byte, 5*len(in))
+		got = got[:packTokens(got, 0, in)]
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%v packed as %x, want %x", in, got, want)
+		}
 	}
 }
