@@ -7,8 +7,6 @@ import (
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
-
-	"github.com/kvrelay/kvrelay/proto/kvenc"
 )
 
 // NextEncoded is Next in wire form: the chunk's KvEventBatch encoding, byte for byte what
@@ -37,7 +35,7 @@ func (st *ChunkStream) NextEncoded() []byte {
 	}
 	h := st.head(p)
 	if st.enc == nil {
-		st.enc = &chunkEncoder{cut: st.c, tails: map[uint32]*tailWire{}, extras: map[uint32][]byte{}}
+		st.enc = &chunkEncoder{cut: st.c, tails: map[uint32]*tailWire{}}
 	}
 	w := st.enc
 	w.cr = p.cr
@@ -160,9 +158,8 @@ type chunkEncoder struct {
 	first   *entry
 	last    *entry
 	tail    *tailWire
-	// Wire forms of the tails and extra keys met so far in this stream.
+	// Wire forms of the tails met so far in this stream.
 	tails    map[uint32]*tailWire
-	extras   map[uint32][]byte
 	lastTail uint32
 	lastWire *tailWire
 }
@@ -180,26 +177,8 @@ func (w *chunkEncoder) tailOf(id uint32) *tailWire {
 	return t
 }
 
-// extraOf is an extra-key list as the KvBlock fields that carry it.
-func (w *chunkEncoder) extraOf(id uint32) []byte {
-	x, ok := w.extras[id]
-	if !ok {
-		for _, k := range w.cut.extras[id] {
-			m, err := proto.Marshal(k)
-			if err != nil {
-				panic("record: encoding an extra key: " + err.Error()) // it was decoded from the wire
-			}
-			x = append(x, tagBlockExtraKey)
-			x = protowire.AppendVarint(x, uint64(len(m)))
-			x = append(x, m...)
-		}
-		if x == nil {
-			x = []byte{}
-		}
-		w.extras[id] = x
-	}
-	return x
-}
+// extraOf is an extra-key list as the KvBlock fields that carry it: the record keeps it so.
+func (w *chunkEncoder) extraOf(id uint32) []byte { return w.cut.extras[id] }
 
 // add is chunkWriter.add in wire form.
 func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {
@@ -213,17 +192,17 @@ func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {
 		w.tail = w.tailOf(e.tail)
 	}
 	w.last = e
-	w.appendBlock(e, w.cr.segs[slot>>segShift].tokensOf(e))
+	seg := w.cr.segs[slot>>segShift]
+	w.appendBlock(seg, e, seg.tokensOf(e))
 	if copyIdx > 0 {
 		w.close()
 	}
 }
 
-func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
-	tokBytes := 0
-	for _, t := range toks {
-		tokBytes += varintLen32(t)
-	}
+// appendBlock writes one block; toks are its token ids packed as the wire packs them (the
+// record keeps them so).
+func (w *chunkEncoder) appendBlock(seg *segment, e *entry, toks []byte) {
+	tokBytes := len(toks)
 	n := len(w.tail.block)
 	if e.hash != 0 {
 		n += 1 + protowire.SizeVarint(uint64(e.hash))
@@ -232,8 +211,8 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 		n += 1 + protowire.SizeVarint(uint64(tokBytes)) + tokBytes
 	}
 	var extra []byte
-	if e.extra != 0 {
-		extra = w.extraOf(e.extra - 1)
+	if e.flags&flagExtra != 0 {
+		extra = w.extraOf(seg.extraOf(e))
 		n += len(extra)
 	}
 	// Room for the whole block at once, then plain stores: append's capacity check per byte was
@@ -254,7 +233,7 @@ func (w *chunkEncoder) appendBlock(e *entry, toks []uint32) {
 	if len(toks) > 0 {
 		b[i] = tagBlockTokens
 		i = putVarint(b, i+1, uint64(tokBytes))
-		i = kvenc.PutVarints32(b, i, toks)
+		i += copy(b[i:], toks)
 	}
 	i += copy(b[i:], w.tail.block)
 	if len(extra) > 0 {

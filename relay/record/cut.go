@@ -19,7 +19,7 @@ type Cut struct {
 	rec      *Record
 	ranks    []cutRank
 	tails    []*tailKey
-	extras   [][]*kvpb.KvBlockExtraKey
+	extras   [][]byte // extraTable's wire forms
 	blocks   uint64
 	first    int32 // the rank an empty snapshot is attributed to
 	hasFirst bool
@@ -296,7 +296,6 @@ func (st *ChunkStream) finish(p *chunkPlan) {
 // tail's fields, the parent hash, and the block with its tokens, optionals and extra keys.
 func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 	tailBytes := map[uint32]int{}
-	extraBytes := map[uint32]int{}
 	largest := 1
 	// Neighbours nearly always share a tail: remember the last one instead of a map access per
 	// entry.
@@ -311,20 +310,15 @@ func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
 			}
 			lastTail = e.tail
 		}
+		seg := cr.segs[slot>>segShift]
 		var xb int
-		if e.extra != 0 {
-			var ok bool
-			if xb, ok = extraBytes[e.extra]; !ok {
-				for _, k := range c.extras[e.extra-1] {
-					xb += proto.Size(k) + 6
-				}
-				extraBytes[e.extra] = xb
-			}
+		if e.flags&flagExtra != 0 {
+			xb = len(c.extras[seg.extraOf(e)])
 		}
-		// 6 per length-delimited header, 11 per varint field with its tag, 5 per token.
+		// 6 per length-delimited header, 11 per varint field with its tag; the tokens as packed.
 		n := 3*6 + tb + 11 + // event, stored, block list framing; the parent hash
 			6 + 11 + 6 + 11 + 6 + // block framing; hash, block size, lora id, cache level
-			6 + 5*int(e.tokLen) + xb
+			6 + len(seg.tokensOf(e)) + xb
 		largest = max(largest, n)
 	}
 	return largest
@@ -423,10 +417,11 @@ func (w *chunkWriter) add(slot uint32, copyIdx uint64) {
 	blk := &w.blocks[len(w.blocks)-1]
 	blk.BlockHash = e.hash
 	blk.BlockSize = tail.blockSize
-	blk.TokenIds = w.copyTokens(w.cr.segs[slot>>segShift].tokensOf(e))
+	seg := w.cr.segs[slot>>segShift]
+	blk.TokenIds = w.unpackTokens(seg.tokensOf(e))
 	blk.LoraId, blk.CacheLevel = w.loraID, w.cacheLevel
-	if e.extra != 0 {
-		blk.ExtraKeys = slices.Clone(w.cut.extras[e.extra-1])
+	if e.flags&flagExtra != 0 {
+		blk.ExtraKeys = decodeExtraKeys(w.cut.extras[seg.extraOf(e)])
 	}
 	w.ptrs = append(w.ptrs, blk)
 	if copyIdx > 0 {
@@ -434,18 +429,30 @@ func (w *chunkWriter) add(slot uint32, copyIdx uint64) {
 	}
 }
 
-// copyTokens copies into a shared slab: the record may rewrite its arenas once the Cut is
-// released, while the chunks live on in the history and the streams.
-func (w *chunkWriter) copyTokens(t []uint32) []uint32 {
-	if len(t) == 0 {
+// unpackTokens decodes packed token ids into a shared slab: the record may rewrite its arenas
+// once the Cut is released, while the chunks live on in the history and the streams.
+func (w *chunkWriter) unpackTokens(packed []byte) []uint32 {
+	if len(packed) == 0 {
 		return nil
 	}
-	if cap(w.toks)-len(w.toks) < len(t) {
-		w.toks = make([]uint32, 0, max(len(t), 16*1024))
+	// A token takes at least one byte: room for len(packed) of them is enough.
+	if cap(w.toks)-len(w.toks) < len(packed) {
+		w.toks = make([]uint32, 0, max(len(packed), 16*1024))
 	}
 	n := len(w.toks)
-	w.toks = append(w.toks, t...)
-	return w.toks[n : n+len(t) : n+len(t)]
+	for i := 0; i < len(packed); {
+		var v uint32
+		for shift := 0; ; shift += 7 {
+			c := packed[i]
+			i++
+			v |= uint32(c&0x7f) << shift
+			if c < 0x80 {
+				break
+			}
+		}
+		w.toks = append(w.toks, v)
+	}
+	return w.toks[n:len(w.toks):len(w.toks)]
 }
 
 // Marks of orderRank, per slot.

@@ -2,10 +2,11 @@
 // (tier, block hash) with the fields of the store that created it and its physical copy count, so
 // that a subscriber without a usable cursor can be served a state snapshot instead of the history.
 //
-// The record is built for size and for a cheap cut. Entries are 40-byte structs in fixed-size
-// segments, each segment carrying its own token arena; a per-rank open-addressing table of 32-bit
-// slot numbers indexes them; the store tails (tier, medium, group, namespace, …) are interned to
-// small ids and extra keys live out of line. A Cut copies only the segment pointers and marks the
+// The record is built for size and for a cheap cut. Entries are 32-byte structs in fixed-size
+// segments of 64, each segment carrying its own arena of the entries' token ids, packed as the
+// wire packs them (varints); a per-rank open-addressing table of 32-bit slot numbers indexes
+// them; the store tails (tier, medium, group, namespace, …) are interned to small ids and extra
+// keys live out of line, in their wire form. A Cut copies only the segment pointers and marks the
 // segments shared; the next mutation of a shared segment copies that segment first (copy on
 // write), so taking the state under the relay's lock costs O(segments), not O(blocks), and the
 // ordering and encoding run off the lock.
@@ -77,6 +78,8 @@ type Record struct {
 	reportModeFull bool
 	// maxEntries caps each rank's entries (0: no cap); see SetMaxEntries.
 	maxEntries uint64
+	// touched sinks slotIndex.touchHome's reads.
+	touched uint32
 	counters
 }
 
@@ -293,6 +296,11 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 	if s.ParentBlockHash != nil {
 		parent, hasParent = *s.ParentBlockHash, true
 	}
+	for _, blk := range blocks {
+		if blk != nil {
+			r.touched += rs.index.touchHome(blk.BlockHash, tier)
+		}
+	}
 	allHeld := true
 	defer func() {
 		if allHeld {
@@ -319,7 +327,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 		} else {
 			key.setBlock(blk)
 			id := lastID
-			if id == noTail || key != lastKey {
+			if id == noTail || !key.sameBlockFields(&lastKey) {
 				id = r.tails.intern(&key)
 				lastKey, lastID = key, id
 			} else {
@@ -351,15 +359,16 @@ func (r *Record) evictOldest(rs *rankState, keep uint64) {
 		if e := rs.entry(slot); e.flags&flagLive == 0 || e.order >= threshold {
 			continue
 		}
-		e := r.writable(rs, slot)
+		seg := r.writableSeg(rs, slot>>segShift)
+		e := &seg.entries[slot&segMask]
 		rs.blocks -= uint64(e.copies)
 		for range e.copies {
 			rs.count(e.hash, e.tier, -1) // the digest describes what the record holds
 		}
 		rs.index.remove(rs, e.hash, e.tier)
-		r.release(e)
+		r.release(seg, e)
 		rs.tiers[e.tier]--
-		e.flags, e.copies = 0, 0
+		e.flags, e.copies = e.flags&flagsKept, 0
 		rs.free = append(rs.free, slot)
 		rs.entries--
 		rs.evicted++
@@ -371,20 +380,22 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	slot := r.allocSlot(rs)
 	seg := r.writableSeg(rs, slot>>segShift)
 	e := &seg.entries[slot&segMask]
+	oldFlags := e.flags & flagsKept
 	e.hash = blk.BlockHash
 	e.parent = parent
 	e.tier = tier
 	e.copies = 1
-	e.flags = flagLive
+	flags := uint8(flagLive)
 	if hasParent {
-		e.flags |= flagParent
+		flags |= flagParent
 	}
 	e.tail = tail
-	e.extra = 0
+	var extra uint32
 	if len(blk.ExtraKeys) > 0 {
-		e.extra = r.extras.add(blk.ExtraKeys) + 1
+		extra = r.extras.add(blk.ExtraKeys)
+		flags |= flagExtra
 	}
-	seg.putTokens(e, blk.TokenIds, r.shared())
+	seg.putRecord(e, oldFlags, flags, blk.TokenIds, extra, r.shared())
 	if rs.nextOrder == maxOrder {
 		r.renumber(rs)
 	}
@@ -407,6 +418,9 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 	}
 	tier := tierOf(rm.Tier, rm.CacheLevel)
 	for _, h := range hashes {
+		r.touched += rs.index.touchHome(h, tier)
+	}
+	for _, h := range hashes {
 		slot, ok := rs.index.find(rs, h, tier)
 		if !ok {
 			r.removedUnknown++
@@ -415,14 +429,15 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 		r.removed++
 		rs.blocks--
 		rs.count(h, tier, -1)
-		e := r.writable(rs, slot)
+		seg := r.writableSeg(rs, slot>>segShift)
+		e := &seg.entries[slot&segMask]
 		e.copies--
 		if e.copies > 0 {
 			continue
 		}
 		rs.index.remove(rs, h, tier)
-		r.release(e)
-		e.flags = 0
+		r.release(seg, e)
+		e.flags &= flagsKept
 		rs.free = append(rs.free, slot)
 		rs.entries--
 		rs.tiers[tier]--
@@ -433,12 +448,11 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 	}
 }
 
-// release drops what an entry holds outside its segment.
-func (r *Record) release(e *entry) {
+// release drops what a live entry of seg holds outside the segment.
+func (r *Record) release(seg *segment, e *entry) {
 	r.tails.unref(e.tail, r.shared())
-	if e.extra != 0 {
-		r.extras.drop(e.extra-1, r.shared())
-		e.extra = 0
+	if e.flags&flagExtra != 0 {
+		r.extras.drop(seg.extraOf(e), r.shared())
 	}
 }
 
@@ -459,8 +473,8 @@ func (r *Record) dropRank(rank int32) {
 				continue
 			}
 			r.tails.unref(e.tail, shared)
-			if e.extra != 0 {
-				r.extras.drop(e.extra-1, shared)
+			if e.flags&flagExtra != 0 {
+				r.extras.drop(seg.extraOf(e), shared)
 			}
 		}
 	}

@@ -1,11 +1,14 @@
 package record
 
 import (
+	"bytes"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -436,9 +439,19 @@ func TestTokenArenasAreCompacted(t *testing.T) {
 				}
 			}
 			seg := r.ranks[0].segs[0]
-			live := (segSize / 2) * 12
+			// The live records' bytes: 12 tokens of 2 varint bytes and the length byte each.
+			live := 0
+			for i := range seg.entries {
+				if e := &seg.entries[i]; e.flags&flagLive != 0 {
+					_, end := seg.record(e)
+					live += end - int(e.tokOff)
+				}
+			}
+			if want := (segSize / 2) * (1 + 12*2); live != want {
+				t.Fatalf("live records hold %d bytes, want %d", live, want)
+			}
 			if len(seg.tokens) > 3*live+arenaSlack {
-				t.Fatalf("arena holds %d words for %d live", len(seg.tokens), live)
+				t.Fatalf("arena holds %d bytes for %d live", len(seg.tokens), live)
 			}
 			c := r.Cut(nil)
 			defer c.Release()
@@ -562,5 +575,56 @@ func TestTheRecordEvictsTheOldestStoredAtItsCap(t *testing.T) {
 				t.Fatalf("the snapshot holds %d blocks, the stats %d", n, s.Entries)
 			}
 		})
+	}
+}
+
+// TestExtraKeysThatAreNotUTF8 stores blocks whose extra keys hold strings that are not valid
+// UTF-8, which proto.Marshal refuses (the relay refuses such batches before the record, but the
+// record takes any batch): the snapshot must carry them back as they came, in both forms, and the
+// encoder must not panic.
+func TestExtraKeysThatAreNotUTF8(t *testing.T) {
+	keys := []*kvpb.KvBlockExtraKey{
+		{Key: &kvpb.KvBlockExtraKey_Text{Text: "bad-\xff"}},
+		{Key: &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: "img-\xfe", Offset: 7}}},
+		{Key: &kvpb.KvBlockExtraKey_Number{Number: -3}},
+		{Key: &kvpb.KvBlockExtraKey_Blob{Blob: []byte{0xff}}},
+	}
+	for i, k := range keys {
+		ev := storedEv([]int64{int64(10 + i)})
+		ev.GetStored().Blocks[0].ExtraKeys = []*kvpb.KvBlockExtraKey{k, {Key: &kvpb.KvBlockExtraKey_Text{Text: "ok"}}}
+		r := New()
+		r.Apply(batchOf(0, ev))
+		c := r.Cut(nil)
+		chunks := c.Chunks(map[int32]uint64{0: 1}, nil, 1)
+		if len(chunks) != 1 {
+			t.Fatalf("key %d: %d chunks", i, len(chunks))
+		}
+		got := chunks[0].Events[1].GetStored().Blocks[0].ExtraKeys
+		if len(got) != 2 || !proto.Equal(got[0], k) || got[1].GetText() != "ok" {
+			t.Fatalf("key %d: extra keys %v, want %v and ok", i, got, k)
+		}
+		enc := c.Stream(map[int32]uint64{0: 1}, nil, 1).NextEncoded()
+		if len(enc) == 0 {
+			t.Fatalf("key %d: no encoded chunk", i)
+		}
+		c.Release()
+	}
+}
+
+// TestPackTokensIsProtobufPacking: the arena's token encoding must be the wire's packed varints,
+// since the snapshot encoder copies it as is; every length class and the edges between them.
+func TestPackTokensIsProtobufPacking(t *testing.T) {
+	toks := []uint32{0, 1, 127, 128, 16383, 16384, 151999, 1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, math.MaxUint32}
+	for n := range len(toks) + 1 {
+		in := toks[:n]
+		var want []byte
+		for _, v := range in {
+			want = protowire.AppendVarint(want, uint64(v))
+		}
+		got := make([]byte, 5*len(in))
+		got = got[:packTokens(got, 0, in)]
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%v packed as %x, want %x", in, got, want)
+		}
 	}
 }

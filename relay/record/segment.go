@@ -1,116 +1,249 @@
 package record
 
 import (
+	"encoding/binary"
 	"math"
 	"slices"
+
+	"google.golang.org/protobuf/encoding/protowire"
 
 	"github.com/kvrelay/kvrelay/internal/livedigest"
 )
 
 const (
-	segShift = 8
+	// 64 entries of 32 bytes: a segment's entries are one 2 KiB allocation, so copying one on
+	// write (a Cut outstanding) moves 2 KiB, and a removal batch touching 64 segments 128 KiB
+	// (BenchmarkApplyDuringCut). A Cut copies a pointer per 64 entries.
+	segShift = 6
 	segSize  = 1 << segShift
 	segMask  = segSize - 1
 
 	flagLive   = 1 << 0
 	flagParent = 1 << 1
+	// flagExtra: the entry's arena record ends with an extraTable id. Kept when the entry is
+	// freed, with flagRecord, because together they size the record its slot may reuse.
+	flagExtra = 1 << 2
+	// flagRecord: tokOff points at a record of this slot in the segment's arena.
+	flagRecord = 1 << 3
+	// flagsKept are the flags a freed entry keeps.
+	flagsKept = flagExtra | flagRecord
 
 	maxOrder = math.MaxUint32
 
-	// arenaSlack is the garbage a segment's token arena may hold before it is compacted.
-	arenaSlack = 4 * segSize
+	// arenaSlack is the garbage (bytes) a segment's arena may hold before it is compacted, when
+	// that is also more than an eighth of the arena (arenaGarbageShare). Packed records vary in
+	// size, so a refilled slot often cannot take its old place: compacting at an eighth keeps a
+	// churned record within a few bytes a block of a fresh one, and costs the copy of the arena
+	// once per eighth of it turned over.
+	arenaSlack        = 4 * segSize
+	arenaGarbageShare = 8
+	// extraIDBytes is the size of the extraTable id at the end of a record with flagExtra.
+	extraIDBytes = 4
 )
 
-// entry is one live (tier, hash) of a rank: 40 bytes. The tokens sit in the segment's arena. A
-// freed entry keeps tokOff/tokLen so that the next entry placed in its slot can reuse the space.
+// entry is one live (tier, hash) of a rank: 32 bytes. Its tokens and extra keys' id sit in the
+// segment's arena (see segment). A freed entry keeps tokOff and flagsKept so that the next entry
+// placed in its slot can reuse the space.
 type entry struct {
 	hash   int64
 	parent int64
 	order  uint32 // store order within the rank
-	tokOff uint32
-	tokLen uint32
+	tokOff uint32 // the entry's record in the segment's arena, when flagRecord
 	tail   uint32 // interned store tail (tailTable id)
-	extra  uint32 // extraTable id + 1, 0 for none
 	copies uint8
 	tier   uint8
 	flags  uint8
 }
 
-// segment holds segSize entries and their tokens. Once a Cut has seen it, it is read-only: the
-// record copies it before the next write (Record.writableSeg). The copy shares the token arena:
-// a live entry's tokens are never rewritten, new tokens are appended past what any Cut reads, and
-// the space of freed entries is reused only once no Cut is live (sharedArena).
+// segment holds segSize entries and their records. Once a Cut has seen it, it is read-only: the
+// record copies it before the next write (Record.writableSeg). The copy shares the arena: a live
+// entry's record is never rewritten, new records are appended past what any Cut reads, and the
+// space of freed entries is reused only once no Cut is live (sharedArena).
+//
+// An entry's record in the arena is its token ids exactly as the wire packs them (protobuf
+// varints: 2-3 bytes a token at a 152k vocabulary instead of 4), preceded by their byte length
+// as a varint and followed, for an entry with extra keys, by its extraTable id (4 bytes, little
+// endian). The snapshot encoder copies the packed tokens as they are.
 type segment struct {
-	entries     *[segSize]entry // a separate allocation of exactly 10 KiB, a size class
-	tokens      []uint32
-	garbage     int    // arena words no live entry uses
-	epoch       uint64 // the record epoch the segment was last made private in
-	sharedArena bool   // tokens may be read by a Cut through an older copy of this segment
+	entries     *[segSize]entry // a separate allocation of exactly 2 KiB, a size class
+	tokens      []byte          // the arena of records
+	garbage     int             // arena bytes no live entry uses
+	records     int             // records appended since the arena was last (re)built
+	epoch       uint64          // the record epoch the segment was last made private in
+	sharedArena bool            // records may be read by a Cut through an older copy of this segment
 }
 
-func (s *segment) tokensOf(e *entry) []uint32 {
-	return s.tokens[e.tokOff : e.tokOff+e.tokLen : e.tokOff+e.tokLen]
+// record returns the packed tokens of the entry's record and the record's end.
+func (s *segment) record(e *entry) (toks []byte, end int) {
+	off := int(e.tokOff)
+	n, w := uvarint(s.tokens[off:])
+	start := off + w
+	end = start + int(n)
+	toks = s.tokens[start:end:end]
+	if e.flags&flagExtra != 0 {
+		end += extraIDBytes
+	}
+	return toks, end
 }
 
-// putTokens places the tokens of a new entry, reusing the slot's old space when it is big enough
-// and no Cut may read it.
-func (s *segment) putTokens(e *entry, toks []uint32, cutsLive bool) {
+// tokensOf is the entry's token ids, packed as on the wire.
+func (s *segment) tokensOf(e *entry) []byte {
+	toks, _ := s.record(e)
+	return toks
+}
+
+// extraOf is the extraTable id of a live entry with flagExtra.
+func (s *segment) extraOf(e *entry) uint32 {
+	_, end := s.record(e)
+	return binary.LittleEndian.Uint32(s.tokens[end-extraIDBytes : end])
+}
+
+// uvarint reads a varint the record itself wrote.
+func uvarint(b []byte) (uint64, int) {
+	var v uint64
+	for i, c := range b {
+		v |= uint64(c&0x7f) << (7 * i)
+		if c < 0x80 {
+			return v, i + 1
+		}
+	}
+	panic("record: truncated arena record") // the arena holds only records written by putRecord
+}
+
+// putRecord places a new entry's record (tokens, and the extra id when flagExtra is set in
+// flags), reusing the slot's old record when it is big enough and no Cut may read it, then sets
+// the entry's flags. oldFlags are the slot's flags before (flagsKept of the freed entry).
+func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extra uint32, cutsLive bool) {
 	if s.sharedArena && !cutsLive {
 		s.sharedArena = false
 	}
-	n := uint32(len(toks))
-	if s.tokens == nil {
-		// A segment's blocks nearly always share one size: size the arena for all of them at once.
-		s.tokens = make([]uint32, 0, segSize*max(int(n), 1))
+	tokBytes := 0
+	for _, t := range toks {
+		tokBytes += varintLen32(t)
 	}
-	if !s.sharedArena && e.tokLen >= n && int(e.tokOff+e.tokLen) <= len(s.tokens) && e.tokLen > 0 {
-		s.garbage += int(e.tokLen - n)
-		copy(s.tokens[e.tokOff:], toks)
-		e.tokLen = n
+	n := protowire.SizeVarint(uint64(tokBytes)) + tokBytes
+	if flags&flagExtra != 0 {
+		n += extraIDBytes
+	}
+	oldCap := 0
+	if oldFlags&flagRecord != 0 {
+		e.flags = oldFlags
+		_, end := s.record(e)
+		oldCap = end - int(e.tokOff)
+	}
+	e.flags = flags | flagRecord
+	if !s.sharedArena && oldCap >= n {
+		s.garbage += oldCap - n
+		s.writeRecord(int(e.tokOff), tokBytes, toks, extra, flags)
 		return
 	}
-	s.garbage += int(e.tokLen)
-	if s.garbage > arenaSlack && s.garbage > len(s.tokens)/2 {
+	s.garbage += oldCap
+	if s.garbage > arenaSlack && s.garbage > len(s.tokens)/arenaGarbageShare {
 		s.compact(e)
 	}
-	e.tokOff = uint32(len(s.tokens))
-	e.tokLen = n
-	s.tokens = append(s.tokens, toks...)
+	if cap(s.tokens)-len(s.tokens) < n {
+		s.grow(n)
+	}
+	off := len(s.tokens)
+	e.tokOff = uint32(off)
+	s.tokens = s.tokens[:off+n]
+	s.records++
+	s.writeRecord(off, tokBytes, toks, extra, flags)
 }
 
-// compact rewrites the arena with only the live entries' tokens; skip is the entry being filled.
+func (s *segment) writeRecord(off, tokBytes int, toks []uint32, extra uint32, flags uint8) {
+	i := putVarint(s.tokens, off, uint64(tokBytes))
+	i = packTokens(s.tokens, i, toks)
+	if flags&flagExtra != 0 {
+		binary.LittleEndian.PutUint32(s.tokens[i:], extra)
+	}
+}
+
+// packTokens writes token ids as varints at b[i:], which has room, and returns the end. Ids of
+// 3 bytes (16,384 to 2,097,151: nine in ten of a 152k vocabulary) are written with one range
+// check and one bounds check, the rest a byte per loop turn. Under callgrind, 24.8 instructions
+// a token against 31.6 for kvenc.PutVarints32's loop (16,384 ids below 152,000).
+func packTokens(b []byte, i int, toks []uint32) int {
+	for _, v := range toks {
+		if v-1<<14 < 1<<21-1<<14 {
+			c := b[i : i+3 : i+3]
+			c[0] = byte(v) | 0x80
+			c[1] = byte(v>>7) | 0x80
+			c[2] = byte(v >> 14)
+			i += 3
+			continue
+		}
+		for v >= 0x80 {
+			b[i] = byte(v) | 0x80
+			v >>= 7
+			i++
+		}
+		b[i] = byte(v)
+		i++
+	}
+	return i
+}
+
+// grow makes room for a record of n bytes and, at the average record size so far, for the rest
+// of the segment: a segment's records nearly always have about one size, and growing by append's
+// factor would leave up to a quarter of the arena unused. The first estimate, from one record,
+// aims a little low: a second, smaller growth from a better average costs a copy of a few KiB,
+// while room never used stays for the segment's life. Past a segment's worth of records (freed
+// slots refilled), it makes room for an eighth of a segment more.
+func (s *segment) grow(n int) {
+	left := segSize - s.records - 1
+	avg := (len(s.tokens) + n) / (s.records + 1)
+	switch {
+	case s.records == 0:
+		avg -= avg / 16
+	case left <= 0:
+		left = segSize / 8
+	}
+	want := len(s.tokens) + n + left*avg
+	arena := slices.Grow([]byte(nil), want) // rounds up to the size class: all of it is usable
+	s.tokens = append(arena, s.tokens...)
+}
+
+// compact rewrites the arena with only the live entries' records; skip is the entry being filled.
 func (s *segment) compact(skip *entry) {
 	live, count := 0, 0
 	for i := range s.entries {
 		if e := &s.entries[i]; e.flags&flagLive != 0 && e != skip {
-			live += int(e.tokLen)
+			_, end := s.record(e)
+			live += end - int(e.tokOff)
 			count++
 		}
 	}
-	// Room for a full segment of blocks of the average size, so refilling it does not regrow.
+	// Room for a full segment of records of the average size, so refilling it does not regrow.
 	room := live
 	if count > 0 {
 		room = segSize * ((live + count - 1) / count)
 	}
-	arena := make([]uint32, 0, room)
+	arena := make([]byte, 0, room)
 	for i := range s.entries {
 		e := &s.entries[i]
-		if e.flags&flagLive == 0 || e == skip {
-			e.tokOff, e.tokLen = 0, 0
+		if e == skip {
+			continue // its record is placed after the compaction
+		}
+		if e.flags&flagLive == 0 {
+			e.flags &^= flagsKept
 			continue
 		}
+		_, end := s.record(e)
 		off := uint32(len(arena))
-		arena = append(arena, s.tokens[e.tokOff:e.tokOff+e.tokLen]...)
+		arena = append(arena, s.tokens[e.tokOff:end]...)
 		e.tokOff = off
 	}
 	s.tokens = arena
+	s.records = count
 	s.garbage = 0
 	s.sharedArena = false
 }
 
-// clone returns a copy of a shared segment with private entries and a shared token arena.
+// clone returns a copy of a shared segment with private entries and a shared arena.
 func (s *segment) clone(epoch uint64) *segment {
-	c := &segment{entries: new([segSize]entry), epoch: epoch, tokens: s.tokens, garbage: s.garbage, sharedArena: true}
+	c := &segment{entries: new([segSize]entry), epoch: epoch, tokens: s.tokens, garbage: s.garbage,
+		records: s.records, sharedArena: true}
 	*c.entries = *s.entries
 	return c
 }
@@ -211,15 +344,22 @@ func (r *Record) renumber(rs *rankState) {
 	rs.nextOrder = uint32(len(all))
 }
 
-// slotIndex maps (tier, hash) to a slot of the rank with linear probing over 32-bit cells (slot+1,
-// 0 empty) and a parallel byte of hash fingerprint per cell, so a probe reads an entry only when
-// the fingerprint matches. The keys live in the entries: 5 bytes a cell against the 24-byte slots
-// plus control bytes of a Go map (see BenchmarkGoMapIndexOverhead).
+// slotIndex maps (tier, hash) to a slot of the rank with linear probing over 32-bit cells (slot+1)
+// and a parallel byte per cell, 0 for an empty cell, else 7 bits of hash fingerprint and a bit
+// set when the cell is its key's home. A probe walks those bytes alone (64 cells a cache line)
+// and reads a cell and its entry only when the fingerprint matches, so looking up a block the rank
+// does not hold yet, every new block of a store, costs one cache miss, not two. A removal shifts
+// the later cells of its run back, which needs each one's home: a cell marked at home stays
+// without reading its entry (a cache miss each, most of a removal's cost before). The keys live in the entries: 5 bytes a cell against the
+// 24-byte slots plus control bytes of a Go map (see BenchmarkGoMapIndexOverhead).
+//
+// The table's size is any multiple of 8 (a key's home is its hash scaled to the size, not masked)
+// and grows by half at three quarters full, so at any size it is between half and three quarters
+// full instead of doubling's three eighths to three quarters.
 type slotIndex struct {
 	cells []uint32
 	fps   []uint8
 	n     int
-	shift uint8
 }
 
 func mix(h int64, tier uint8) uint64 {
@@ -230,35 +370,65 @@ func mix(h int64, tier uint8) uint64 {
 	return x
 }
 
-// place returns a key's home cell and fingerprint.
-func (ix *slotIndex) place(h int64, tier uint8) (uint64, uint8) {
+// fpAtHome marks a cell that is its key's home; the byte's other 7 bits are the fingerprint.
+const fpAtHome = 0x80
+
+// place returns a key's home cell and fingerprint (7 bits, never 0: 0 marks an empty cell).
+func (ix *slotIndex) place(h int64, tier uint8) (int, uint8) {
 	x := mix(h, tier)
-	return x >> ix.shift, uint8(x)
+	fp := uint8(x) &^ fpAtHome
+	if fp == 0 {
+		fp = 1
+	}
+	return int((x >> 32) * uint64(len(ix.fps)) >> 32), fp
+}
+
+// fpAt is the byte of a key with fingerprint fp placed in cell i, its home being home.
+func fpAt(fp uint8, i, home int) uint8 {
+	if i == home {
+		return fp | fpAtHome
+	}
+	return fp
 }
 
 func (ix *slotIndex) find(rs *rankState, h int64, tier uint8) (uint32, bool) {
 	if ix.n == 0 {
 		return 0, false
 	}
-	mask := uint64(len(ix.cells) - 1)
 	i, fp := ix.place(h, tier)
-	for ; ; i = (i + 1) & mask {
-		c := ix.cells[i]
-		if c == 0 {
+	fps := ix.fps
+	for {
+		f := fps[i]
+		if f == 0 {
 			return 0, false
 		}
-		if ix.fps[i] != fp {
-			continue
+		if f&^fpAtHome == fp {
+			c := ix.cells[i]
+			if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
+				return c - 1, true
+			}
 		}
-		if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
-			return c - 1, true
+		if i++; i == len(fps) {
+			i = 0
 		}
 	}
 }
 
+// touchHome reads the fingerprint and cell of a key's home, so that the find and insert that
+// follow hit the cache. Called for every block of an event before any of them is applied, the
+// reads do not depend on each other, and the processor overlaps their misses instead of waiting
+// for one block's before it starts the next. The result only keeps the reads from being dropped.
+func (ix *slotIndex) touchHome(h int64, tier uint8) uint32 {
+	if ix.n == 0 {
+		return 0
+	}
+	i, _ := ix.place(h, tier)
+	return uint32(ix.fps[i]) + ix.cells[i]
+}
+
 func (ix *slotIndex) insert(rs *rankState, slot uint32) {
-	if (ix.n+1)*4 > len(ix.cells)*3 {
-		ix.resize(rs, max(len(ix.cells)*2, 64))
+	if (ix.n+1)*4 > len(ix.fps)*3 {
+		ix.resize(rs, max((len(ix.fps)+len(ix.fps)/2+7)&^7, 64))
 	}
 	e := rs.entry(slot)
 	ix.put(slot+1, e.hash, e.tier)
@@ -266,39 +436,49 @@ func (ix *slotIndex) insert(rs *rankState, slot uint32) {
 }
 
 func (ix *slotIndex) put(c uint32, h int64, tier uint8) {
-	mask := uint64(len(ix.cells) - 1)
-	i, fp := ix.place(h, tier)
-	for ix.cells[i] != 0 {
-		i = (i + 1) & mask
+	home, fp := ix.place(h, tier)
+	i := home
+	for ix.fps[i] != 0 {
+		if i++; i == len(ix.fps) {
+			i = 0
+		}
 	}
 	ix.cells[i] = c
-	ix.fps[i] = fp
+	ix.fps[i] = fpAt(fp, i, home)
 }
 
 // remove deletes the cell of (tier, hash), shifting later cells of the probe run back so that no
 // tombstones are needed.
 func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
-	mask := uint64(len(ix.cells) - 1)
+	size := len(ix.fps)
 	i, fp := ix.place(h, tier)
 	for {
-		c := ix.cells[i]
-		if c == 0 {
+		f := ix.fps[i]
+		if f == 0 {
 			return
 		}
-		if ix.fps[i] == fp {
-			if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
+		if f&^fpAtHome == fp {
+			if e := rs.entry(ix.cells[i] - 1); e.hash == h && e.tier == tier {
 				break
 			}
 		}
-		i = (i + 1) & mask
+		if i++; i == size {
+			i = 0
+		}
 	}
 	j := i
 	for {
-		j = (j + 1) & mask
-		c := ix.cells[j]
-		if c == 0 {
+		if j++; j == size {
+			j = 0
+		}
+		f := ix.fps[j]
+		if f == 0 {
 			break
 		}
+		if f&fpAtHome != 0 {
+			continue // its home is j itself, within (i, j]
+		}
+		c := ix.cells[j]
 		e := rs.entry(c - 1)
 		k, _ := ix.place(e.hash, e.tier)
 		// The cell at j may move to i only if its home is not cyclically within (i, j].
@@ -309,23 +489,22 @@ func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
 		} else if i < k || k <= j {
 			continue
 		}
-		ix.cells[i], ix.fps[i] = c, ix.fps[j]
+		ix.cells[i], ix.fps[i] = c, fpAt(f, i, k)
 		i = j
 	}
-	ix.cells[i] = 0
+	ix.cells[i], ix.fps[i] = 0, 0
 	ix.n--
-	if len(ix.cells) > 1024 && ix.n*16 < len(ix.cells) {
-		ix.resize(rs, len(ix.cells)/4)
+	if len(ix.fps) > 1024 && ix.n*16 < len(ix.fps) {
+		ix.resize(rs, (len(ix.fps)/4+7)&^7)
 	}
 }
 
 func (ix *slotIndex) resize(rs *rankState, size int) {
-	old := ix.cells
+	old, oldFps := ix.cells, ix.fps
 	ix.cells = make([]uint32, size)
 	ix.fps = make([]uint8, size)
-	ix.shift = uint8(64 - log2(size))
-	for _, c := range old {
-		if c != 0 {
+	for i, c := range old {
+		if oldFps[i] != 0 {
 			e := rs.entry(c - 1)
 			ix.put(c, e.hash, e.tier)
 		}
