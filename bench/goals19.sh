@@ -3,7 +3,7 @@
 #
 #   bench/goals19.sh [--only PARTS] [--runs N] [--latency-runs N] [--out DIR]
 #                    [--python PATH] [--trace TRACE.jsonl] [--llmd-bin PATH]
-#                    [--rust-target DIR] [--corpus FILE]
+#                    [--rust-target DIR] [--corpus FILE] [--budget-scale F]
 #
 # Runs every row's existing measurement (kvrelay bench parts, the packages'
 # go benchmarks, bench/indexers/run.sh) in a fixed order, each part under a
@@ -26,7 +26,8 @@
 # the latency part runs --latency-runs times (default 1: it already runs 3
 # interleaved rounds). The indexers part needs --trace (a Mooncake FAST'25
 # trace, e.g. traces/conversation_trace.jsonl of kvcache-ai/Mooncake); it is
-# recorded as skipped without one. See BENCHMARKS.md, "How to reproduce".
+# recorded as skipped without one. --budget-scale F multiplies every part's
+# time budget (a slower or busier machine). See BENCHMARKS.md, "How to reproduce".
 set -euo pipefail
 
 self=$(realpath "$0")
@@ -35,23 +36,27 @@ export GOTOOLCHAIN=${GOTOOLCHAIN:-go1.27.3} GOFLAGS=${GOFLAGS:--mod=mod}
 
 all_parts=(sidebyside latency decode snapshot route indexers indexbytes recordbytes)
 
-# Budgets in seconds per run of a part (timeout(1) ends a part that overruns;
-# the table then says so). Measured in the dry run of 2026-12-03 with room.
-budget_of() {
+# Budgets in seconds: a fixed part plus one per run (timeout(1) ends a part
+# that overruns, with its children; the table then says so). From the dry
+# run of 2026-12-03 at load average 6-25, with room: a quiet machine takes
+# about half, but ramps that pass go further (sidebyside, latency).
+budget_of() { # part runs
+  local fixed per
   case $1 in
-    sidebyside) echo 420 ;;  # ramp 250..60k batches/s, 5 s a step, three relays
-    latency) echo 600 ;;     # 3 rounds × 2 pacings × 3 rates × 3 s × 2 contenders + probes
-    decode) echo 120 ;;
-    snapshot) echo 300 ;;
-    route) echo 120 ;;
-    indexers) echo 240 ;;    # 5 indexers, a few seconds a replay (+ corpus, once)
-    indexbytes) echo 300 ;;  # planning 8,000 sessions is most of it
-    recordbytes) echo 120 ;;
+    sidebyside) fixed=30 per=400 ;;   # ramp 250..60k batches/s, 5 s a step, three relays: 2.3 min a run at load 6-15
+    latency) fixed=30 per=600 ;;      # 3 rounds × 2 pacings × 3 rates × 3 s × 2 contenders + probes: 5.5 min at load 15-22
+    decode) fixed=30 per=60 ;;        # 42 s for 3 runs at load 21
+    snapshot) fixed=60 per=180 ;;     # 1 M-block relays built per benchmark: 4.6 min for 3 runs at load 21
+    route) fixed=30 per=60 ;;         # 25 s a run at load 22
+    indexers) fixed=600 per=200 ;;    # build + corpus derivation once (~5 min at load 25); llm-d's replay is most of a run
+    indexbytes) fixed=300 per=0 ;;    # planning 8,000 sessions is most of it; one run
+    recordbytes) fixed=30 per=60 ;;
   esac
+  echo $((fixed + per * $2))
 }
 
 usage() {
-  sed -n '2,28p' "$self" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,30p' "$self" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -133,7 +138,7 @@ if [[ ${1:-} == --run-part ]]; then
 fi
 
 # --- the driver ---
-only="" runs=3 latency_runs=1 out="" python=${KVRELAY_PYTHON:-} trace="" llmd_bin="" rust_target="" corpus=""
+only="" runs=3 latency_runs=1 budget_scale=1 out="" python=${KVRELAY_PYTHON:-} trace="" llmd_bin="" rust_target="" corpus=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --only) only=$2; shift 2 ;;
@@ -145,11 +150,13 @@ while [[ $# -gt 0 ]]; do
     --llmd-bin) llmd_bin=$(realpath "$2"); shift 2 ;;
     --rust-target) rust_target=$(realpath "$2"); shift 2 ;;
     --corpus) corpus=$(realpath "$2"); shift 2 ;;
+    --budget-scale) budget_scale=$2; shift 2 ;;
     -h|--help) usage ;;
     *) echo "goals19.sh: unknown argument $1" >&2; usage ;;
   esac
 done
 [[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "goals19.sh: --runs wants a positive integer, got '$runs'" >&2; exit 2; }
+[[ $budget_scale =~ ^[0-9]+([.][0-9]+)?$ && $budget_scale != 0 ]] || { echo "goals19.sh: --budget-scale wants a positive number, got '$budget_scale'" >&2; exit 2; }
 [[ $latency_runs =~ ^[1-9][0-9]*$ ]] || { echo "goals19.sh: --latency-runs wants a positive integer, got '$latency_runs'" >&2; exit 2; }
 parts=()
 if [[ -z $only ]]; then
@@ -196,15 +203,17 @@ echo "== build the current tree (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   echo "python: ${python:-(the default of kvrelay bench: \$KVRELAY_PYTHON or <repo>/.venv/bin/python)}"
   echo "trace: ${trace:-(none: indexers part skipped)}"
   echo "llmd harness: ${llmd_bin:-(none)}"
-  echo "corpus: ${corpus:-(derived from the trace in this run)}"
+  [[ -n $trace ]] && echo "corpus: ${corpus:-(derived from the trace in this run)}"
 } > "$out/context.txt"
 
 export G19_OUT=$out G19_RUNS=$runs G19_LATENCY_RUNS=$latency_runs G19_PYTHON=$python \
   G19_TRACE=$trace G19_LLMD_BIN=$llmd_bin G19_RUST_TARGET=$rust_target G19_CORPUS=$corpus
 failed=0
 for p in "${parts[@]}"; do
-  budget=$(budget_of "$p")
-  if [[ $p == latency ]]; then budget=$((budget * latency_runs)); elif [[ $p != indexbytes ]]; then budget=$((budget * runs)); fi
+  n=$runs
+  [[ $p == latency ]] && n=$latency_runs
+  budget=$(budget_of "$p" "$n")
+  budget=$(awk -v b="$budget" -v f="$budget_scale" 'BEGIN { x = int(b * f + 0.5); print (x < 1 ? 1 : x) }')
   mkdir -p "$out/$p"
   before=$(cut -d' ' -f1-3 /proc/loadavg)
   { echo "before: $(uptime)"; } > "$out/$p/uptime.txt"
@@ -220,6 +229,11 @@ for p in "${parts[@]}"; do
   [[ $rc == 124 || $rc == 137 ]] && echo "   $p: TIMED OUT after ${budget}s"
   [[ $rc != 0 ]] && failed=1
   echo "   $p: exit $rc, $((t1 - t0)) s; load $before -> $after"
+  ix=$out/indexers/ixrun
+  if [[ $p == indexers && -s $ix/results.jsonl && ! -s $ix/results.md ]]; then
+    # run.sh was stopped before its table: tabulate the replays that finished.
+    python3 "$root/bench/indexers/table.py" "$ix/results.jsonl" <(echo "partial: the part stopped (exit $rc) before every replay ran") > "$ix/results.md" || true
+  fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$p" "$rc" "$((t1 - t0))" "$budget" "$before" "$after" >> "$out/parts.tsv"
 done
 echo "finished: $(date -u +%FT%TZ) ($(($(date +%s) - started)) s in all)" >> "$out/context.txt"
