@@ -203,7 +203,7 @@ echo "== build the current tree (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   echo "python: ${python:-(the default of kvrelay bench: \$KVRELAY_PYTHON or <repo>/.venv/bin/python)}"
   echo "trace: ${trace:-(none: indexers part skipped)}"
   echo "llmd harness: ${llmd_bin:-(none)}"
-  [[ -n $trace ]] && echo "corpus: ${corpus:-(derived from the trace in this run)}"
+  if [[ -n $trace ]]; then echo "corpus: ${corpus:-(derived from the trace in this run)}"; fi
 } > "$out/context.txt"
 
 export G19_OUT=$out G19_RUNS=$runs G19_LATENCY_RUNS=$latency_runs G19_PYTHON=$python \
