@@ -34,6 +34,13 @@ type revTable struct {
 	// changes (inserts and deletions, revPeakWindow times the slot count),
 	// prevPeak in the one before. A shrink leaves room for them (see del).
 	changes, peak, prevPeak int
+	// shrinkFloor, when not 0: a shrink asked for this many slots and got
+	// back a table not an eighth smaller, because the allocator rounds a
+	// request up to its size class (whole 8 KiB pages past 32 KiB). A shrink
+	// asking for as many or more is not tried again until the table is
+	// reallocated; without it, a table settled in such a band was rehashed
+	// into one of the same size at every removal.
+	shrinkFloor int
 }
 
 type rslot struct {
@@ -91,6 +98,7 @@ func (t *revTable) alloc(slots int) {
 	t.meta = make([]uint16, len(t.slots))
 	t.n = 0
 	t.resizes++
+	t.shrinkFloor = 0
 }
 
 // mix spreads engine hashes (engines' hashes are not all uniform: small
@@ -222,8 +230,11 @@ func (t *revTable) del(i int) {
 		t.alloc(revMinSlots) // give a drained rank's memory back
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
 		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
-		if size <= len(t.slots)-len(t.slots)/8 {
+		if old := len(t.slots); size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
 			t.resize(size)
+			if len(t.slots) > old-old/8 {
+				t.shrinkFloor = size
+			}
 		}
 	}
 }

@@ -306,3 +306,38 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 		}
 	}
 }
+
+// A table settled where a shrink's request rounds back up to (nearly) its
+// own size (the allocator's size classes) is not rehashed at every removal.
+// Found in review: at 2,560 slots (40 KiB) with ~1,500 entries, a shrink
+// asked for ~2,200 slots, got 2,560 again, and did so at each deletion.
+func TestRevTableShrinkThatRoundsUpIsNotRepeated(t *testing.T) {
+	for _, tc := range []struct{ fill, level int }{{2500, 1500}, {3000, 1500}, {5000, 2900}} {
+		rt := newRevTable()
+		next, oldest := uint64(1), uint64(1)
+		for range tc.fill {
+			rt.upsert(next, next, 1)
+			next++
+		}
+		for next-oldest > uint64(tc.level) {
+			rt.del(rt.find(oldest))
+			oldest++
+		}
+		settled := rt.resizes
+		const rounds = 20000
+		for range rounds {
+			rt.upsert(next, next, 1)
+			next++
+			rt.del(rt.find(oldest))
+			oldest++
+		}
+		if n := rt.resizes - settled; n > 8 {
+			t.Errorf("fill %d, level %d: %d resizes (to %d slots) in %d rounds of one insert and one removal", tc.fill, tc.level, n, len(rt.slots), rounds)
+		}
+		for k := oldest; k < next; k++ {
+			if rt.find(k) < 0 {
+				t.Fatalf("fill %d, level %d: entry %d lost", tc.fill, tc.level, k)
+			}
+		}
+	}
+}
