@@ -27,6 +27,9 @@ type decodedBatch struct {
 	batch   *kvpb.KvEventBatch
 }
 
+// keepScratch bounds the joined-frame buffer a stream keeps between frames.
+const keepScratch = 1 << 20
+
 // batchCodec marshals requests with protobuf and decodes responses into a
 // *decodedBatch. Its name is empty so that the call's content-type stays
 // "application/grpc", what the generated client sends (a named codec would
@@ -66,6 +69,11 @@ func (batchCodec) Unmarshal(data mem.BufferSlice, v any) error {
 		frame = d.scratch
 	}
 	b, err := d.dec.Decode(frame)
+	if cap(d.scratch) > keepScratch {
+		// The decoder copied what it keeps; one huge batch must not pin its
+		// frame's size for the rest of the stream (as kvdec bounds its own).
+		d.scratch = nil
+	}
 	if err != nil {
 		d.batch = nil
 		return err
