@@ -607,7 +607,8 @@ func (s *shard) memBytes() int {
 // increments: a pair per change was the largest cost of filing a block.
 // An event's forward changes are made in one go (its reverse-table work is
 // done before, with no shard locked), so a lookup that meets a run the
-// event is changing reads it again until the event's forward pass is over.
+// event is changing reads it again until the event's forward pass is over,
+// or at most settleEvery blocks of it.
 type shardLocks struct {
 	ix      *Index
 	held    [2]int // shard numbers, ascending; -1 = none
@@ -681,6 +682,30 @@ func (l *shardLocks) writeRun(s int, r *run) {
 		}
 	}
 	panic("index: write to a run whose shard is not locked")
+}
+
+// settleEvery bounds how long a lookup meeting a run that an event is
+// changing waits for it: an event's forward pass ends its changes (settle)
+// every settleEvery blocks, so a 2,000-block snapshot chunk does not keep
+// a run's or shard's version odd, and its lookups retrying, for the whole
+// chunk. One pair of atomic increments per settleEvery blocks.
+const settleEvery = 64
+
+// settle ends the changes made so far to runs and shards (their versions
+// even again), keeping the locks, so lookups waiting on them go ahead.
+func (l *shardLocks) settle() {
+	l.last = nil
+	for i := range l.runs {
+		for j, r := range l.runs[i] {
+			r.ver.Add(1)
+			l.runs[i][j] = nil
+		}
+		l.runs[i] = l.runs[i][:0]
+		if l.writing[i] {
+			l.ix.shards[l.held[i]].end()
+			l.writing[i] = false
+		}
+	}
 }
 
 func (l *shardLocks) release() {

@@ -542,6 +542,9 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
 	for j, blk := range s.Blocks {
+		if j%settleEvery == settleEvery-1 {
+			lk.settle()
+		}
 		if slots[j].slot < 0 {
 			continue
 		}
@@ -837,7 +840,10 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	}
 	lk := newShardLocks(ix)
 	defer lk.release()
-	for _, l := range locs {
+	for j, l := range locs {
+		if j%settleEvery == settleEvery-1 {
+			lk.settle()
+		}
 		ix.dropRef(&lk, ws, l)
 	}
 }

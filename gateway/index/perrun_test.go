@@ -154,3 +154,66 @@ func TestPerRunEventCounters(t *testing.T) {
 		t.Fatalf("live set (-want +got):\n%s", diff)
 	}
 }
+
+// A long event's forward pass lets lookups through every settleEvery
+// blocks: each run it changes goes odd and even again at least once per
+// settleEvery of its blocks, not once for the whole event (found in review:
+// a lookup of a 2,000-block snapshot chunk's runs retried for all of it).
+func TestLongEventsSettleEverySoOften(t *testing.T) {
+	const n = 1024
+	blocks := func() []*kvpb.KvBlock { return chainBlocks(5000, docTokens(7, n)) }
+	var hashes []int64
+	for k := range n {
+		hashes = append(hashes, int64(5000+k+1))
+	}
+	for _, tc := range []struct {
+		name        string
+		setup, last *kvpb.KvEventBatch // last is the event measured
+	}{
+		{"store", nil, batch(0, stored(blocks()))},
+		{"removal", batch(0, stored(blocks())), batch(0, removed(unspec, hashes...))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ix := New(Options{BlockSize: 4, ShardBits: 1})
+			ix.Apply("b", batch(0, stored(blocks()))) // b keeps the runs alive through a's removal
+			if tc.setup != nil {
+				ix.Apply("a", tc.setup)
+			}
+			before := totalRunVersions(ix)
+			ix.Apply("a", tc.last)
+			cycles := (totalRunVersions(ix) - before) / 2
+			if want := uint64(n/settleEvery - 1); cycles < want {
+				t.Fatalf("a %d-block %s made %d version cycles over its runs, want at least %d (one per %d blocks)", n, tc.name, cycles, want, settleEvery)
+			}
+			for _, v := range runVersions(ix) {
+				if v%2 != 0 {
+					t.Fatalf("a run's version is odd (%d) after the event", v)
+				}
+			}
+		})
+	}
+}
+
+func runVersions(ix *Index) []uint64 {
+	var out []uint64
+	for i := range ix.shards {
+		d := ix.shards[i].dir.Load()
+		if d == nil {
+			continue
+		}
+		for j := range d.r {
+			if r := d.r[j].Load(); r != nil {
+				out = append(out, r.ver.Load())
+			}
+		}
+	}
+	return out
+}
+
+func totalRunVersions(ix *Index) uint64 {
+	var sum uint64
+	for _, v := range runVersions(ix) {
+		sum += v
+	}
+	return sum
+}
