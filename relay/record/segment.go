@@ -453,20 +453,35 @@ func fpAt(fp uint8, i, home int) uint8 {
 }
 
 func (ix *slotIndex) find(rs *rankState, h int64, tier uint8) (uint32, bool) {
+	slot, _, ok := ix.lookup(rs, h, tier)
+	return slot, ok
+}
+
+// probe is where a lookup ended: the key's cell when found, else the empty cell its probe run
+// ended at, where an insert of the key puts it while the table is not changed in between.
+type probe struct {
+	cell, home int
+	fp         uint8
+}
+
+// lookup is find that also returns where the probe ended, so that the insert or removal that
+// follows does not hash the key and walk its run again (insertAt, removeAt).
+func (ix *slotIndex) lookup(rs *rankState, h int64, tier uint8) (uint32, probe, bool) {
 	if ix.n == 0 {
-		return 0, false
+		return 0, probe{cell: -1}, false
 	}
-	i, fp := ix.place(h, tier)
+	home, fp := ix.place(h, tier)
 	fps := ix.fps
+	i := home
 	for {
 		f := fps[i]
 		if f == 0 {
-			return 0, false
+			return 0, probe{i, home, fp}, false
 		}
 		if f&^fpAtHome == fp {
 			c := ix.cells[i]
 			if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
-				return c - 1, true
+				return c - 1, probe{i, home, fp}, true
 			}
 		}
 		if i++; i == len(fps) {
@@ -488,11 +503,23 @@ func (ix *slotIndex) touchHome(h int64, tier uint8) uint32 {
 }
 
 func (ix *slotIndex) insert(rs *rankState, slot uint32) {
+	ix.insertAt(rs, slot, probe{cell: -1})
+}
+
+// insertAt inserts slot's key, whose lookup ended at at (not found) with no change to the table
+// since: unless the table grows first, the key goes straight into the empty cell found.
+func (ix *slotIndex) insertAt(rs *rankState, slot uint32, at probe) {
 	if (ix.n+1)*4 > len(ix.fps)*3 {
 		ix.resize(rs, max((len(ix.fps)+len(ix.fps)/2+7)&^7, 64))
+		at.cell = -1
 	}
-	e := rs.entry(slot)
-	ix.put(slot+1, e.hash, e.tier)
+	if at.cell < 0 {
+		e := rs.entry(slot)
+		ix.put(slot+1, e.hash, e.tier)
+	} else {
+		ix.cells[at.cell] = slot + 1
+		ix.fps[at.cell] = fpAt(at.fp, at.cell, at.home)
+	}
 	ix.n++
 }
 
@@ -511,22 +538,14 @@ func (ix *slotIndex) put(c uint32, h int64, tier uint8) {
 // remove deletes the cell of (tier, hash), shifting later cells of the probe run back so that no
 // tombstones are needed.
 func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
-	size := len(ix.fps)
-	i, fp := ix.place(h, tier)
-	for {
-		f := ix.fps[i]
-		if f == 0 {
-			return
-		}
-		if f&^fpAtHome == fp {
-			if e := rs.entry(ix.cells[i] - 1); e.hash == h && e.tier == tier {
-				break
-			}
-		}
-		if i++; i == size {
-			i = 0
-		}
+	if _, at, ok := ix.lookup(rs, h, tier); ok {
+		ix.removeAt(rs, at.cell)
 	}
+}
+
+// removeAt deletes cell i, where a lookup found its key with no change to the table since.
+func (ix *slotIndex) removeAt(rs *rankState, i int) {
+	size := len(ix.fps)
 	j := i
 	for {
 		if j++; j == size {
