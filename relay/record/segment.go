@@ -502,10 +502,6 @@ func (ix *slotIndex) touchHome(h int64, tier uint8) uint32 {
 	return uint32(ix.fps[i]) + ix.cells[i]
 }
 
-func (ix *slotIndex) insert(rs *rankState, slot uint32) {
-	ix.insertAt(rs, slot, probe{cell: -1})
-}
-
 // insertAt inserts slot's key, whose lookup ended at at (not found) with no change to the table
 // since: unless the table grows first, the key goes straight into the empty cell found.
 func (ix *slotIndex) insertAt(rs *rankState, slot uint32, at probe) {
