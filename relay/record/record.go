@@ -313,7 +313,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 		}
 		r.stored++
 		h := blk.BlockHash
-		slot, ok := rs.index.find(rs, h, tier)
+		slot, at, ok := rs.index.lookup(rs, h, tier)
 		allHeld = allHeld && ok
 		if ok {
 			e := rs.entry(slot)
@@ -333,7 +333,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 			} else {
 				r.tails.ref(id)
 			}
-			r.insert(rs, blk, tier, id, parent, hasParent)
+			r.insert(rs, blk, tier, id, parent, hasParent, at)
 			if r.maxEntries > 0 && rs.entries > r.maxEntries {
 				r.evictOldest(rs, r.maxEntries-r.maxEntries/10)
 			}
@@ -376,7 +376,8 @@ func (r *Record) evictOldest(rs *rankState, keep uint64) {
 	}
 }
 
-func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint32, parent int64, hasParent bool) {
+// insert adds blk as a new entry; at is where the index lookup that did not find it ended.
+func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint32, parent int64, hasParent bool, at probe) {
 	slot := r.allocSlot(rs)
 	seg := r.writableSeg(rs, slot>>segShift)
 	e := &seg.entries[slot&segMask]
@@ -402,7 +403,7 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	e = &rs.segs[slot>>segShift].entries[slot&segMask]
 	e.order = rs.nextOrder
 	rs.nextOrder++
-	rs.index.insert(rs, slot)
+	rs.index.insertAt(rs, slot, at)
 	rs.entries++
 	rs.tiers[tier]++
 	rs.blocks++
@@ -421,7 +422,7 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 		r.touched += rs.index.touchHome(h, tier)
 	}
 	for _, h := range hashes {
-		slot, ok := rs.index.find(rs, h, tier)
+		slot, at, ok := rs.index.lookup(rs, h, tier)
 		if !ok {
 			r.removedUnknown++
 			continue
@@ -435,7 +436,7 @@ func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
 		if e.copies > 0 {
 			continue
 		}
-		rs.index.remove(rs, h, tier)
+		rs.index.removeAt(rs, at.cell)
 		r.release(seg, e)
 		e.flags &= flagsKept
 		rs.free = append(rs.free, slot)

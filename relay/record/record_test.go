@@ -614,17 +614,185 @@ func TestExtraKeysThatAreNotUTF8(t *testing.T) {
 // TestPackTokensIsProtobufPacking: the arena's token encoding must be the wire's packed varints,
 // since the snapshot encoder copies it as is; every length class and the edges between them.
 func TestPackTokensIsProtobufPacking(t *testing.T) {
-	toks := []uint32{0, 1, 127, 128, 16383, 16384, 151999, 1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, math.MaxUint32}
-	for n := range len(toks) + 1 {
-		in := toks[:n]
+	edges := []uint32{0, 1, 127, 128, 16383, 16384, 151999, 1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, math.MaxUint32}
+	// Every prefix of the edges, and every pair of them alone, after a 3-byte id and before one.
+	var inputs [][]uint32
+	for n := range len(edges) + 1 {
+		inputs = append(inputs, edges[:n])
+	}
+	for _, a := range edges {
+		for _, b := range edges {
+			inputs = append(inputs, []uint32{a, b}, []uint32{16384, a, b}, []uint32{b, a, 151999})
+		}
+	}
+	for _, in := range inputs {
 		var want []byte
 		for _, v := range in {
 			want = protowire.AppendVarint(want, uint64(v))
 		}
-		got := make([]byte, 5*len(in))
-		got = got[:packTokens(got, 0, in)]
-		if !bytes.Equal(got, want) {
-			t.Fatalf("%v packed as %x, want %x", in, got, want)
+		got := make([]byte, len(want)) // packTokens writes only the record's bytes
+		if end := packTokens(got, 0, in); end != len(want) || !bytes.Equal(got, want) {
+			t.Fatalf("%v packed as %x (end %d), want %x", in, got, end, want)
 		}
+	}
+}
+
+// TestRecordsOfEverySizeRoundTrip: putRecord packs a record past the arena's end into room for its
+// worst case and then keeps it there or copies it into a freed slot; past 25 tokens the worst
+// case's length prefix is longer than the packed tokens' and the tokens move back. Every round
+// refills the same slots with records of another size, with and without a Cut holding the arena,
+// and the snapshot must give back every block's tokens and extra keys.
+func TestRecordsOfEverySizeRoundTrip(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		count int                   // tokens a block at least: round r adds 2-r%3
+		token func(i, j int) uint32 // block i's token j
+	}{
+		{"no tokens", 0, func(i, j int) uint32 { return 0 }},
+		{"25 three-byte", 25, func(i, j int) uint32 { return 16384 + uint32(i*131+j) }},
+		{"26 one-byte (prefix shrinks)", 26, func(i, j int) uint32 { return uint32(i+j) % 128 }},
+		{"40 two-byte (prefix shrinks)", 40, func(i, j int) uint32 { return 128 + uint32(i*7+j) }},
+		{"30 five-byte", 30, func(i, j int) uint32 { return math.MaxUint32 - uint32(i+j) }},
+		{"300 mixed", 300, func(i, j int) uint32 { return []uint32{1, 200, 151999, 1 << 21, 1 << 28}[(i+j)%5] + uint32(j) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := New()
+			m := model{}
+			var counts modelCounts
+			hashes := chain(1, segSize)
+			for round := range 6 {
+				var c *Cut
+				if round%2 == 1 {
+					c = r.Cut(nil)
+				}
+				ev := storedEv(hashes)
+				for i, blk := range ev.GetStored().Blocks {
+					n := tc.count + 2 - round%3
+					if tc.count == 0 {
+						n = 0
+					}
+					blk.TokenIds = make([]uint32, n)
+					for j := range blk.TokenIds {
+						blk.TokenIds[j] = tc.token(i, j)
+					}
+					blk.BlockSize = int32(n)
+					if i%3 == 0 {
+						blk.ExtraKeys = []*kvpb.KvBlockExtraKey{{Key: &kvpb.KvBlockExtraKey_Number{Number: int64(round*100 + i)}}}
+					}
+				}
+				b := batchOf(0, ev)
+				r.Apply(b)
+				m.apply(b, &counts)
+				snap := r.Cut(nil)
+				if d := diffModels(m, replayChunks(t, snap.Chunks(map[int32]uint64{0: 1}, nil, 1))); d != "" {
+					t.Fatalf("round %d: snapshot differs (-want +got):\n%s", round, d)
+				}
+				snap.Release()
+				if c != nil {
+					c.Release()
+				}
+				b = batchOf(0, removedEv(noTier, hashes...))
+				r.Apply(b)
+				m.apply(b, &counts)
+			}
+		})
+	}
+}
+
+// TestPutRecordPlacesEveryRecordWhereItBelongs drives putRecord on one slot through each way a
+// record is placed: packed past the arena's end and kept there, packed there and copied into the
+// slot's freed record, sized first when the arena lacks the worst case's room, and appended
+// while a Cut may read the old record, whose bytes must then stay as they were.
+func TestPutRecordPlacesEveryRecordWhereItBelongs(t *testing.T) {
+	toks := func(n int, v uint32) []uint32 {
+		out := make([]uint32, n)
+		for i := range out {
+			out[i] = v + uint32(i)
+		}
+		return out
+	}
+	type put struct {
+		toks      []uint32
+		extra     bool
+		cutsLive  bool
+		shared    bool // the arena is shared with a Cut before the put
+		wantMoved bool // the record must not be where the slot's old one was
+	}
+	for _, tc := range []struct {
+		name     string
+		arenaCap int
+		puts     []put
+	}{
+		{"fits the old record: copied into it", 1024, []put{
+			{toks: toks(16, 16384), extra: true},
+			{toks: toks(16, 200)},
+			{toks: toks(3, 1), extra: true},
+		}},
+		{"bigger than the old record: appended", 1024, []put{
+			{toks: toks(2, 1)},
+			{toks: toks(16, 151000), extra: true, wantMoved: true},
+		}},
+		{"past 25 tokens: the length prefix shrinks", 1024, []put{
+			{toks: toks(40, 1)},
+			{toks: toks(26, 100), extra: true},
+			{toks: toks(30, math.MaxUint32-40), wantMoved: true},
+		}},
+		{"no worst case's room: sized first", 0, []put{
+			{toks: toks(16, 16384), extra: true},
+			{toks: toks(8, 16384)},
+			{toks: toks(9, 1<<28), wantMoved: true},
+		}},
+		{"a Cut may read the old record: appended", 1024, []put{
+			{toks: toks(16, 1)},
+			{toks: toks(4, 1<<21), cutsLive: true, shared: true, wantMoved: true},
+			{toks: toks(2, 5), cutsLive: true, wantMoved: true},
+			{toks: toks(1, 5)}, // no Cut left: the arena is private again
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seg := &segment{entries: new([segSize]entry), tokens: make([]byte, 0, tc.arenaCap)}
+			e := &seg.entries[0]
+			for i, p := range tc.puts {
+				if p.shared {
+					seg.sharedArena = true
+				}
+				oldFlags, oldOff := e.flags&flagsKept, e.tokOff
+				var before []byte
+				if oldFlags&flagRecord != 0 {
+					before = slices.Clone(seg.tokens[:len(seg.tokens)])
+				}
+				flags := uint8(flagLive)
+				if p.extra {
+					flags |= flagExtra
+				}
+				extra := uint32(0xA0B0C0D0 + i)
+				seg.putRecord(e, oldFlags, flags, p.toks, extra, p.cutsLive)
+				var want []byte
+				for _, v := range p.toks {
+					want = protowire.AppendVarint(want, uint64(v))
+				}
+				if got := seg.tokensOf(e); !bytes.Equal(got, want) {
+					t.Fatalf("put %d: tokens %x, want %x", i, got, want)
+				}
+				if p.extra && seg.extraOf(e) != extra {
+					t.Fatalf("put %d: extra id %x, want %x", i, seg.extraOf(e), extra)
+				}
+				if e.flags != flags|flagRecord {
+					t.Fatalf("put %d: flags %b, want %b", i, e.flags, flags|flagRecord)
+				}
+				if before != nil {
+					if moved := e.tokOff != oldOff; moved != p.wantMoved {
+						t.Fatalf("put %d: record moved %v, want %v", i, moved, p.wantMoved)
+					}
+					if p.cutsLive && !bytes.Equal(seg.tokens[:len(before)], before) {
+						t.Fatalf("put %d: a record a Cut may read was overwritten", i)
+					}
+				}
+				if _, end := seg.record(e); end > len(seg.tokens) {
+					t.Fatalf("put %d: record ends at %d, past the arena's %d bytes", i, end, len(seg.tokens))
+				}
+				e.flags &= flagsKept // freed, for the next put
+			}
+		})
 	}
 }

@@ -113,17 +113,15 @@ func uvarint(b []byte) (uint64, int) {
 // putRecord places a new entry's record (tokens, and the extra id when flagExtra is set in
 // flags), reusing the slot's old record when it is big enough and no Cut may read it, then sets
 // the entry's flags. oldFlags are the slot's flags before (flagsKept of the freed entry).
+//
+// The record is packed once, straight past the arena's end, into room for its worst case (5
+// bytes a token), and sized by packing it: then it either stays there or is copied into the old
+// slot. Sizing the tokens first and packing them second walked them twice, a quarter of the
+// record's cost per block. When the arena lacks the worst case's room, the record is sized first
+// so that the arena grows by what records really take (grow), not by the worst case.
 func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extra uint32, cutsLive bool) {
 	if s.sharedArena && !cutsLive {
 		s.sharedArena = false
-	}
-	tokBytes := 0
-	for _, t := range toks {
-		tokBytes += varintLen32(t)
-	}
-	n := protowire.SizeVarint(uint64(tokBytes)) + tokBytes
-	if flags&flagExtra != 0 {
-		n += extraIDBytes
 	}
 	oldCap := 0
 	if oldFlags&flagRecord != 0 {
@@ -132,8 +130,45 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 		oldCap = end - int(e.tokOff)
 	}
 	e.flags = flags | flagRecord
-	if !s.sharedArena && oldCap >= n {
-		s.garbage += oldCap - n
+	// Bytes past len(s.tokens) are read by no Cut: a Cut's copy of this segment, sharing the
+	// arena, ends at or before len(s.tokens) (see segment).
+	off := len(s.tokens)
+	maxTok := 5 * len(toks)
+	head := protowire.SizeVarint(uint64(maxTok))
+	if room := cap(s.tokens) - off; room >= head+maxTok+extraIDBytes {
+		b := s.tokens[off : off+head+maxTok+extraIDBytes]
+		end := packTokens(b, head, toks)
+		tokBytes := end - head
+		if w := protowire.SizeVarint(uint64(tokBytes)); w != head {
+			// More than 25 tokens, packed into fewer bytes than their worst case's length takes.
+			end = w + copy(b[w:], b[head:end])
+			head = w
+		}
+		putVarint(b, 0, uint64(tokBytes))
+		if flags&flagExtra != 0 {
+			binary.LittleEndian.PutUint32(b[end:], extra)
+			end += extraIDBytes
+		}
+		if !s.sharedArena && oldCap >= end {
+			s.garbage += oldCap - end
+			copy(s.tokens[e.tokOff:], b[:end])
+			return
+		}
+		s.garbage += oldCap
+		if s.garbage > arenaSlack && s.garbage > len(s.tokens)/arenaGarbageShare {
+			// Compacting moves the arena: pack the record again after it (rare, an eighth of
+			// the arena turned over).
+			s.compact(e)
+			s.appendRecord(e, toks, extra, flags)
+			return
+		}
+		e.tokOff = uint32(off)
+		s.tokens = s.tokens[:off+end]
+		s.records++
+		return
+	}
+	if tokBytes := tokensSize(toks); !s.sharedArena && oldCap >= recordSize(tokBytes, flags) {
+		s.garbage += oldCap - recordSize(tokBytes, flags)
 		s.writeRecord(int(e.tokOff), tokBytes, toks, extra, flags)
 		return
 	}
@@ -141,6 +176,14 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 	if s.garbage > arenaSlack && s.garbage > len(s.tokens)/arenaGarbageShare {
 		s.compact(e)
 	}
+	s.appendRecord(e, toks, extra, flags)
+}
+
+// appendRecord places the entry's record at the arena's end, sized first, growing the arena if
+// needed.
+func (s *segment) appendRecord(e *entry, toks []uint32, extra uint32, flags uint8) {
+	tokBytes := tokensSize(toks)
+	n := recordSize(tokBytes, flags)
 	if cap(s.tokens)-len(s.tokens) < n {
 		s.grow(n)
 	}
@@ -149,6 +192,24 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 	s.tokens = s.tokens[:off+n]
 	s.records++
 	s.writeRecord(off, tokBytes, toks, extra, flags)
+}
+
+// tokensSize is the bytes toks take packed.
+func tokensSize(toks []uint32) int {
+	n := 0
+	for _, t := range toks {
+		n += varintLen32(t)
+	}
+	return n
+}
+
+// recordSize is the bytes of a record of tokBytes packed tokens.
+func recordSize(tokBytes int, flags uint8) int {
+	n := protowire.SizeVarint(uint64(tokBytes)) + tokBytes
+	if flags&flagExtra != 0 {
+		n += extraIDBytes
+	}
+	return n
 }
 
 func (s *segment) writeRecord(off, tokBytes int, toks []uint32, extra uint32, flags uint8) {
@@ -392,20 +453,35 @@ func fpAt(fp uint8, i, home int) uint8 {
 }
 
 func (ix *slotIndex) find(rs *rankState, h int64, tier uint8) (uint32, bool) {
+	slot, _, ok := ix.lookup(rs, h, tier)
+	return slot, ok
+}
+
+// probe is where a lookup ended: the key's cell when found, else the empty cell its probe run
+// ended at, where an insert of the key puts it while the table is not changed in between.
+type probe struct {
+	cell, home int
+	fp         uint8
+}
+
+// lookup is find that also returns where the probe ended, so that the insert or removal that
+// follows does not hash the key and walk its run again (insertAt, removeAt).
+func (ix *slotIndex) lookup(rs *rankState, h int64, tier uint8) (uint32, probe, bool) {
 	if ix.n == 0 {
-		return 0, false
+		return 0, probe{cell: -1}, false
 	}
-	i, fp := ix.place(h, tier)
+	home, fp := ix.place(h, tier)
 	fps := ix.fps
+	i := home
 	for {
 		f := fps[i]
 		if f == 0 {
-			return 0, false
+			return 0, probe{i, home, fp}, false
 		}
 		if f&^fpAtHome == fp {
 			c := ix.cells[i]
 			if e := rs.entry(c - 1); e.hash == h && e.tier == tier {
-				return c - 1, true
+				return c - 1, probe{i, home, fp}, true
 			}
 		}
 		if i++; i == len(fps) {
@@ -426,12 +502,20 @@ func (ix *slotIndex) touchHome(h int64, tier uint8) uint32 {
 	return uint32(ix.fps[i]) + ix.cells[i]
 }
 
-func (ix *slotIndex) insert(rs *rankState, slot uint32) {
+// insertAt inserts slot's key, whose lookup ended at at (not found) with no change to the table
+// since: unless the table grows first, the key goes straight into the empty cell found.
+func (ix *slotIndex) insertAt(rs *rankState, slot uint32, at probe) {
 	if (ix.n+1)*4 > len(ix.fps)*3 {
 		ix.resize(rs, max((len(ix.fps)+len(ix.fps)/2+7)&^7, 64))
+		at.cell = -1
 	}
-	e := rs.entry(slot)
-	ix.put(slot+1, e.hash, e.tier)
+	if at.cell < 0 {
+		e := rs.entry(slot)
+		ix.put(slot+1, e.hash, e.tier)
+	} else {
+		ix.cells[at.cell] = slot + 1
+		ix.fps[at.cell] = fpAt(at.fp, at.cell, at.home)
+	}
 	ix.n++
 }
 
@@ -450,22 +534,14 @@ func (ix *slotIndex) put(c uint32, h int64, tier uint8) {
 // remove deletes the cell of (tier, hash), shifting later cells of the probe run back so that no
 // tombstones are needed.
 func (ix *slotIndex) remove(rs *rankState, h int64, tier uint8) {
-	size := len(ix.fps)
-	i, fp := ix.place(h, tier)
-	for {
-		f := ix.fps[i]
-		if f == 0 {
-			return
-		}
-		if f&^fpAtHome == fp {
-			if e := rs.entry(ix.cells[i] - 1); e.hash == h && e.tier == tier {
-				break
-			}
-		}
-		if i++; i == size {
-			i = 0
-		}
+	if _, at, ok := ix.lookup(rs, h, tier); ok {
+		ix.removeAt(rs, at.cell)
 	}
+}
+
+// removeAt deletes cell i, where a lookup found its key with no change to the table since.
+func (ix *slotIndex) removeAt(rs *rankState, i int) {
+	size := len(ix.fps)
 	j := i
 	for {
 		if j++; j == size {
