@@ -7,8 +7,6 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -17,62 +15,19 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/internal/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 )
 
-const goldenDir = "../../testdata/golden"
-
-// goldenVector is the part of a testdata/golden vector set this test reads:
-// the engine payloads and the expected batches (testdata/golden/README.md).
-type goldenVector struct {
-	Name     string `json:"name"`
-	Payloads []struct {
-		Hex      string `json:"hex"`
-		Seq      uint64 `json:"seq"`
-		Rank     int32  `json:"rank"`
-		Expected struct {
-			Batch json.RawMessage `json:"batch"`
-		} `json:"expected"`
-		ExpectedByEngine map[string]struct {
-			Batch json.RawMessage `json:"batch"`
-		} `json:"expected_by_engine"`
-	} `json:"payloads"`
-}
-
-func loadGolden(tb testing.TB) []goldenVector {
-	tb.Helper()
-	files, err := filepath.Glob(filepath.Join(goldenDir, "*.json"))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	// A moved directory would make every check below pass over nothing.
-	if len(files) < 30 {
-		tb.Fatalf("found %d golden vector sets in %s, want at least 30", len(files), goldenDir)
-	}
-	var sets []goldenVector
-	for _, f := range files {
-		raw, err := os.ReadFile(f)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		var s goldenVector
-		if err := json.Unmarshal(raw, &s); err != nil {
-			tb.Fatalf("%s: %v", f, err)
-		}
-		sets = append(sets, s)
-	}
-	return sets
-}
-
 // goldenBatches is every golden payload normalized by a normalizer of every
 // dialect (state carried across a set's payloads), and every expected batch
 // of the vectors: the batches a relay sends for the engines' real wire.
 func goldenBatches(tb testing.TB) []*kvpb.KvEventBatch {
 	var out []*kvpb.KvEventBatch
-	for _, set := range loadGolden(tb) {
+	for _, set := range goldenvec.Load(tb, "../../testdata/golden") {
 		for d := wire.VLLM; d <= wire.TokenSpeed; d++ {
 			n := wire.NewNormalizer(d)
 			for i, p := range set.Payloads {

@@ -8,61 +8,16 @@ import (
 	"hash/fnv"
 	"math"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/internal/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
-
-const goldenDir = "../../testdata/golden"
-
-// goldenVector is the part of a testdata/golden vector set this test reads:
-// the engine payloads and the expected batches (see testdata/golden/README.md).
-type goldenVector struct {
-	Name     string `json:"name"`
-	Payloads []struct {
-		Hex      string `json:"hex"`
-		Seq      uint64 `json:"seq"`
-		Rank     int32  `json:"rank"`
-		Expected struct {
-			Batch json.RawMessage `json:"batch"`
-		} `json:"expected"`
-		ExpectedByEngine map[string]struct {
-			Batch json.RawMessage `json:"batch"`
-		} `json:"expected_by_engine"`
-	} `json:"payloads"`
-}
-
-func loadGolden(tb testing.TB) []goldenVector {
-	tb.Helper()
-	files, err := filepath.Glob(filepath.Join(goldenDir, "*.json"))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	// A moved directory would make every check below pass over nothing.
-	if len(files) < 30 {
-		tb.Fatalf("found %d golden vector sets in %s, want at least 30", len(files), goldenDir)
-	}
-	var sets []goldenVector
-	for _, f := range files {
-		raw, err := os.ReadFile(f)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		var s goldenVector
-		if err := json.Unmarshal(raw, &s); err != nil {
-			tb.Fatalf("%s: %v", f, err)
-		}
-		sets = append(sets, s)
-	}
-	return sets
-}
 
 // sameAsMarshal fails unless AppendBatch writes exactly proto.Marshal's
 // bytes for b, or both refuse it. It also appends after a prefix, as the
@@ -97,7 +52,7 @@ func sameAsMarshal(t testing.TB, b *kvpb.KvEventBatch) {
 // proto.Marshal's bytes.
 func TestGoldenVectorsEncodeLikeMarshal(t *testing.T) {
 	batches := 0
-	for _, set := range loadGolden(t) {
+	for _, set := range goldenvec.Load(t, "../../testdata/golden") {
 		for d := wire.VLLM; d <= wire.TokenSpeed; d++ {
 			n := wire.NewNormalizer(d)
 			for i, p := range set.Payloads {
@@ -195,7 +150,7 @@ func TestEdgeCases(t *testing.T) {
 // proto.Marshal's; the same input also seeds a generated batch that reaches
 // fields no decoder output has.
 func FuzzAppendBatchMatchesMarshal(f *testing.F) {
-	for _, set := range loadGolden(f) {
+	for _, set := range goldenvec.Load(f, "../../testdata/golden") {
 		for _, p := range set.Payloads {
 			payload, err := hex.DecodeString(p.Hex)
 			if err != nil {
