@@ -2,10 +2,13 @@ package enginepeer
 
 import (
 	"encoding/json"
+	"os/exec"
 	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/kvrelay/kvrelay/internal/pyenv"
 )
 
 func TestMain(m *testing.M) {
@@ -143,5 +146,37 @@ func TestStartErrors(t *testing.T) {
 	}
 	if _, err := start(t, Options{Engine: TokenSpeed, Wire: "map"}); err == nil {
 		t.Error("tokenspeed has no map wire, but the peer started")
+	}
+}
+
+// The peer picks its ROUTER ports clear of its PUB ports. Each range is
+// probed with sockets that are closed again, so the kernel may hand the
+// PUB's base port to the ROUTER's probe next; both ranks' ROUTERs then
+// failed to bind ("Address already in use", seen once in CI). The test
+// scripts the kernel's answers: the first probe gets a PUB port, the
+// second a free one, and the pick must be the second.
+func TestReplayPortsArePickedClearOfThePubPorts(t *testing.T) {
+	script := pyenv.Script("peer", "engine_peer.py")
+	code := `
+import importlib.util, socket, sys
+spec = importlib.util.spec_from_file_location("engine_peer", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+answers = iter([40000, 50000])
+class Probe:
+    def __init__(self, *a): self.port = None
+    def bind(self, addr):
+        self.port = next(answers) if addr[1] == 0 else addr[1]
+    def getsockname(self): return ("0.0.0.0", self.port)
+    def close(self): pass
+m.socket.socket = Probe
+print(m.pick_base_ports("tcp://*:0", 2, frozenset({40000, 40001})))
+`
+	out, err := exec.Command(pyenv.Python(t), "-c", code, script).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if got := strings.TrimSpace(string(out)); got != "50000" {
+		t.Fatalf("picked base port %s for the ROUTERs, want 50000: 40000 is a PUB port", got)
 	}
 }

@@ -385,9 +385,13 @@ def attach(sock: zmq.Socket, ep: str, retry_s: float = 3.0) -> None:
             time.sleep(0.02)
 
 
-def pick_base_ports(template: str, n: int) -> int:
-    """Find a base port P with P..P+n-1 free on the template's host. Plain
-    sockets probe it: their close is synchronous, libzmq's is not."""
+def pick_base_ports(template: str, n: int, avoid: frozenset = frozenset()) -> int:
+    """Find a base port P with P..P+n-1 free on the template's host and none
+    of them in avoid. Plain sockets probe it: their close is synchronous,
+    libzmq's is not. avoid holds the ports already picked for the other
+    socket kind: once its probes are closed, the kernel may hand the same
+    port to the next probe, and the PUB and the ROUTER would then collide
+    (seen in CI: both ranks' ROUTERs "Address already in use")."""
     host = template[len("tcp://"):].rsplit(":", 1)[0]
     host = {"*": "0.0.0.0", "[::]": "::", "::": "::"}.get(host, host.strip("[]"))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -398,7 +402,7 @@ def pick_base_ports(template: str, n: int) -> int:
             probes.append(first)
             first.bind((host, 0))
             base = first.getsockname()[1]
-            if base + n > 65535:
+            if base + n > 65535 or any(base + r in avoid for r in range(n)):
                 continue
             for r in range(1, n):
                 s = socket.socket(family, socket.SOCK_STREAM)
@@ -656,16 +660,17 @@ class Peer:
         self.startup_clear = args.startup_clear or ("batch" if args.engine == "sglang" else "none")
         self.out_lock = threading.Lock()
         pub_base = self.resolve(args.endpoint, args.dp_size)
-        replay_base = self.resolve(args.replay_endpoint, args.dp_size) if args.replay_endpoint else None
+        pub_ports = frozenset(p + r for p in [tcp_port(pub_base)] if p for r in range(args.dp_size))
+        replay_base = self.resolve(args.replay_endpoint, args.dp_size, pub_ports) if args.replay_endpoint else None
         self.ranks = [
             Rank(self, r, offset_endpoint(pub_base, r), offset_endpoint(replay_base, r) if replay_base else None)
             for r in range(args.dp_size)
         ]
 
-    def resolve(self, ep: str, n: int) -> str:
+    def resolve(self, ep: str, n: int, avoid: frozenset = frozenset()) -> str:
         if ep.startswith("tcp://") and is_bind(ep) and tcp_port(ep) == 0:
             head = ep.rsplit(":", 1)[0]
-            return f"{head}:{pick_base_ports(ep, n)}"
+            return f"{head}:{pick_base_ports(ep, n, avoid)}"
         return ep
 
     def write(self, obj: dict) -> None:
