@@ -84,7 +84,9 @@ func lookupName(allocating bool) string {
 	return "kvrelay gateway/index FindMatchesContentInto"
 }
 
-func TestIndexerCorpusReplay(t *testing.T) {
+// corpusFromEnv reads the corpus file KVRELAY_CORPUS names, or skips t.
+func corpusFromEnv(t *testing.T) opsCorpus {
+	t.Helper()
 	path := os.Getenv("KVRELAY_CORPUS")
 	if path == "" {
 		t.Skip("set KVRELAY_CORPUS")
@@ -93,11 +95,16 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer f.Close()
 	c, err := readCorpus(f)
-	f.Close()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%s: %v", path, err)
 	}
+	return c
+}
+
+func TestIndexerCorpusReplay(t *testing.T) {
+	c := corpusFromEnv(t)
 	var onStart func()
 	if prof := os.Getenv("KVRELAY_CORPUS_CPUPROFILE"); prof != "" {
 		pf, err := os.Create(prof)

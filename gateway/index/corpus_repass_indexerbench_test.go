@@ -5,7 +5,6 @@ package index
 import (
 	"encoding/json"
 	"fmt"
-	"os"
 	"slices"
 	"testing"
 	"time"
@@ -21,19 +20,7 @@ import (
 // does not, the stalls come from cold caches/TLB rather than from the write
 // path's own work. Prints one "REPASS {json}" line per pass.
 func TestIndexerCorpusRepass(t *testing.T) {
-	path := os.Getenv("KVRELAY_CORPUS")
-	if path == "" {
-		t.Skip("set KVRELAY_CORPUS")
-	}
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := readCorpus(f)
-	f.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := corpusFromEnv(t)
 	ix, r := replayCorpus(c, replayOptions{})
 	var lookups [][]uint64
 	for _, op := range c.ops {
