@@ -14,7 +14,6 @@ import (
 	"github.com/kvrelay/kvrelay/internal/testrelay"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
-	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
 
 // relayedEngine is a simulated vLLM engine behind a real kvrelay relay and
@@ -64,36 +63,6 @@ func (r *relayedEngine) down() {
 		r.stopRelay()
 		r.stopRelay = nil
 	}
-}
-
-// engineLive is the engine's true live set in the index's terms.
-func engineLive(e *sim.Engine) []index.LiveBlock {
-	var out []index.LiveBlock
-	for _, rl := range e.LiveSet() {
-		for _, b := range rl.Blocks {
-			tier := index.TierDevice
-			if b.Tier == prefixcache.Host {
-				tier = index.TierHost
-			}
-			out = append(out, index.LiveBlock{Rank: int32(rl.Rank), Tier: tier, EngineHash: b.Hash, Copies: b.Copies})
-		}
-	}
-	slices.SortFunc(out, func(a, b index.LiveBlock) int {
-		if a.Rank != b.Rank {
-			return int(a.Rank - b.Rank)
-		}
-		if a.Tier != b.Tier {
-			return int(a.Tier) - int(b.Tier)
-		}
-		switch {
-		case a.EngineHash < b.EngineHash:
-			return -1
-		case a.EngineHash > b.EngineHash:
-			return 1
-		}
-		return 0
-	})
-	return out
 }
 
 // step serves one prompt on one rank.
@@ -173,7 +142,7 @@ func assertExact(t *testing.T, g *Gateway, engines map[string]*sim.Engine, when 
 	t.Helper()
 	ix := g.models["llama"].ix
 	for id, e := range engines {
-		want := engineLive(e)
+		want := testrelay.EngineLive(e)
 		deadline := time.Now().Add(waitFor)
 		for !slices.Equal(ix.LiveSet(id), want) {
 			if time.Now().After(deadline) {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -98,7 +99,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 	follow(b, monitor.Worker{ID: "n", Addr: deadAddr}, viaNATS, src.Open)
 	follow(b, monitor.Worker{ID: "g", Addr: w.addr}, viaGRPC, nil)
 	eventually(b, "both replicas exact", func() bool {
-		want := engineLive(w.eng)
+		want := testrelay.EngineLive(w.eng)
 		return slices.Equal(viaNATS.LiveSet("n"), want) && slices.Equal(viaGRPC.LiveSet("g"), want)
 	})
 	viaNATS.mu.Lock()

@@ -19,7 +19,6 @@ import (
 	"github.com/kvrelay/kvrelay/internal/testrelay"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
-	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
 
 // patience bounds every wait for something that must happen; the waits
@@ -139,34 +138,6 @@ func (w *worker) run(steps int) {
 	}
 }
 
-// engineLive is the engine's true live set in the index's terms.
-func engineLive(e *sim.Engine) []index.LiveBlock {
-	var out []index.LiveBlock
-	for _, rl := range e.LiveSet() {
-		for _, b := range rl.Blocks {
-			tier := index.TierDevice
-			if b.Tier == prefixcache.Host {
-				tier = index.TierHost
-			}
-			out = append(out, index.LiveBlock{Rank: int32(rl.Rank), Tier: tier, EngineHash: b.Hash, Copies: b.Copies})
-		}
-	}
-	slices.SortFunc(out, func(a, b index.LiveBlock) int {
-		switch {
-		case a.Rank != b.Rank:
-			return int(a.Rank - b.Rank)
-		case a.Tier != b.Tier:
-			return int(a.Tier) - int(b.Tier)
-		case a.EngineHash < b.EngineHash:
-			return -1
-		case a.EngineHash > b.EngineHash:
-			return 1
-		}
-		return 0
-	})
-	return out
-}
-
 // replica is one gateway replica's event path: a monitor feeding an index,
 // its subscriptions opened by a Source (nil: plain gRPC).
 type replica struct {
@@ -226,7 +197,7 @@ func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *repl
 // a second copy).
 func (r *replica) exact(id string, e *sim.Engine, when string) {
 	r.t.Helper()
-	want := engineLive(e)
+	want := testrelay.EngineLive(e)
 	deadline := time.Now().Add(patience)
 	for {
 		got := r.ix.LiveSet(id)

@@ -9,18 +9,22 @@
 package testrelay
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
 
 // patience bounds each wait; the waits poll and return as soon as their
@@ -93,6 +97,25 @@ func Serve(t testing.TB, rel *relay.Relay, addr string) (listening string, stop 
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Serve(lis) }()
 	return lis.Addr().String(), func() { srv.Stop(); <-done }
+}
+
+// EngineLive is e's true live set in the index's terms, in the order of
+// index.LiveSet, for exactness checks against a gateway's index.
+func EngineLive(e *sim.Engine) []index.LiveBlock {
+	var out []index.LiveBlock
+	for _, rl := range e.LiveSet() {
+		for _, b := range rl.Blocks {
+			tier := index.TierDevice
+			if b.Tier == prefixcache.Host {
+				tier = index.TierHost
+			}
+			out = append(out, index.LiveBlock{Rank: int32(rl.Rank), Tier: tier, EngineHash: b.Hash, Copies: b.Copies})
+		}
+	}
+	slices.SortFunc(out, func(a, b index.LiveBlock) int {
+		return cmp.Or(cmp.Compare(a.Rank, b.Rank), cmp.Compare(a.Tier, b.Tier), cmp.Compare(a.EngineHash, b.EngineHash))
+	})
+	return out
 }
 
 func waitFor(cond func() bool) bool {
