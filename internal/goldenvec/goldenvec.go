@@ -5,10 +5,16 @@
 package goldenvec
 
 import (
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
+
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // Set is the part of a vector set these tests read.
@@ -53,4 +59,45 @@ func Load(tb testing.TB, dir string) []Set {
 		sets = append(sets, s)
 	}
 	return sets
+}
+
+// Batches is every batch the vector sets in dir stand for: every payload
+// normalized by a normalizer of every dialect (state carried across a set's
+// payloads, as the golden test does; payloads a dialect refuses are left
+// out), and every expected batch of the vectors. These are the batches a
+// relay sends for the engines' real wire.
+func Batches(tb testing.TB, dir string) []*kvpb.KvEventBatch {
+	tb.Helper()
+	var out []*kvpb.KvEventBatch
+	for _, set := range Load(tb, dir) {
+		for d := wire.VLLM; d <= wire.TokenSpeed; d++ {
+			n := wire.NewNormalizer(d)
+			for i, p := range set.Payloads {
+				payload, err := hex.DecodeString(p.Hex)
+				if err != nil {
+					tb.Fatalf("%s payload %d: %v", set.Name, i, err)
+				}
+				if b, _, err := n.Normalize(payload, p.Seq, p.Rank); err == nil {
+					out = append(out, b)
+				}
+			}
+		}
+		for i, p := range set.Payloads {
+			raws := []json.RawMessage{p.Expected.Batch}
+			for _, e := range p.ExpectedByEngine {
+				raws = append(raws, e.Batch)
+			}
+			for _, raw := range raws {
+				if len(raw) == 0 {
+					continue
+				}
+				b := &kvpb.KvEventBatch{}
+				if err := protojson.Unmarshal(raw, b); err != nil {
+					tb.Fatalf("%s payload %d: expected batch does not parse: %v", set.Name, i, err)
+				}
+				out = append(out, b)
+			}
+		}
+	}
+	return out
 }

@@ -2,19 +2,15 @@ package kvdec_test
 
 import (
 	"bytes"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
 
-	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/engines/wire"
 	"github.com/kvrelay/kvrelay/internal/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
@@ -22,42 +18,9 @@ import (
 	"github.com/kvrelay/kvrelay/relay/record"
 )
 
-// goldenBatches is every golden payload normalized by a normalizer of every
-// dialect (state carried across a set's payloads), and every expected batch
-// of the vectors: the batches a relay sends for the engines' real wire.
+// goldenBatches is every batch the golden vectors stand for (goldenvec.Batches).
 func goldenBatches(tb testing.TB) []*kvpb.KvEventBatch {
-	var out []*kvpb.KvEventBatch
-	for _, set := range goldenvec.Load(tb, "../../testdata/golden") {
-		for d := wire.VLLM; d <= wire.TokenSpeed; d++ {
-			n := wire.NewNormalizer(d)
-			for i, p := range set.Payloads {
-				payload, err := hex.DecodeString(p.Hex)
-				if err != nil {
-					tb.Fatalf("%s payload %d: %v", set.Name, i, err)
-				}
-				if b, _, err := n.Normalize(payload, p.Seq, p.Rank); err == nil {
-					out = append(out, b)
-				}
-			}
-		}
-		for i, p := range set.Payloads {
-			raws := []json.RawMessage{p.Expected.Batch}
-			for _, e := range p.ExpectedByEngine {
-				raws = append(raws, e.Batch)
-			}
-			for _, raw := range raws {
-				if len(raw) == 0 {
-					continue
-				}
-				b := &kvpb.KvEventBatch{}
-				if err := protojson.Unmarshal(raw, b); err != nil {
-					tb.Fatalf("%s payload %d: expected batch does not parse: %v", set.Name, i, err)
-				}
-				out = append(out, b)
-			}
-		}
-	}
-	return out
+	return goldenvec.Batches(tb, "../../testdata/golden")
 }
 
 // sameAsUnmarshal fails unless d decodes data as proto.Unmarshal does: both
