@@ -407,7 +407,7 @@ func (s *Sink) follow(ctx context.Context) error {
 		if !due {
 			wait, wcancel = context.WithDeadline(fctx, nextSnap)
 		}
-		b, enc, err := sub.NextEncoded(wait)
+		enc, err := sub.NextEncoded(wait)
 		wcancel()
 		if err != nil {
 			if cause := context.Cause(fctx); cause != nil {
@@ -430,15 +430,9 @@ func (s *Sink) follow(ctx context.Context) error {
 			}
 			pending = nil
 		}
-		if enc == nil {
-			if enc, err = proto.Marshal(b); err != nil {
-				return fmt.Errorf("encoding a batch: %w", err)
-			}
-		}
-		if b == nil {
-			if b, err = batchHeader(enc); err != nil {
-				return fmt.Errorf("reading a relayed batch: %w", err)
-			}
+		b, err := batchHeader(enc)
+		if err != nil {
+			return fmt.Errorf("reading a relayed batch: %w", err)
 		}
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc

@@ -2,8 +2,12 @@ package relay
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"time"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
@@ -78,19 +82,22 @@ type wireNormalizer struct{ n *wire.Normalizer }
 
 func newWireNormalizer(d wire.Dialect) normalizer { return wireNormalizer{wire.NewNormalizer(d)} }
 
-func (w wireNormalizer) normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, []dropCount, error) {
-	b, drops, err := w.n.Normalize(payload, seq, rank)
+func (w wireNormalizer) appendNormalized(dst, payload []byte, seq uint64, rank int32) ([]byte, []dropCount, error) {
+	out, drops, err := w.n.AppendNormalized(dst, payload, seq, rank)
 	latencyprobe.Mark(latencyprobe.Decoded, rank, seq)
-	if err != nil || drops.Total() == 0 {
-		return b, nil, err
+	// An undecodable payload drops nothing: it is relayed empty as a
+	// whole. A batch that decoded but could not be encoded had its events
+	// normalized, and their drops happened.
+	if drops.Total() == 0 || errors.Is(err, wire.ErrUndecodable) {
+		return out, nil, err
 	}
-	var out []dropCount
+	var counts []dropCount
 	for _, reason := range wire.DropReasons() {
 		if n := drops[reason]; n != 0 {
-			out = append(out, dropCount{reason: reason.String(), n: n})
+			counts = append(counts, dropCount{reason: reason.String(), n: n})
 		}
 	}
-	return b, out, nil
+	return out, counts, err
 }
 
 func (w wireNormalizer) reset() { w.n.Reset() }
@@ -107,6 +114,20 @@ func newRecordAdapter(reportModeFull bool, maxEntries int) liveRecord {
 		rec.SetMaxEntries(uint64(maxEntries))
 	}
 	return recordAdapter{rec}
+}
+
+// applyEncoded decodes enc and applies the message: the record's own
+// wire-form Apply replaces this.
+func (a recordAdapter) applyEncoded(enc []byte) (applied, error) {
+	b := &kvpb.KvEventBatch{}
+	if err := proto.Unmarshal(enc, b); err != nil {
+		return applied{}, fmt.Errorf("record: decoding a batch: %w", err)
+	}
+	got := applied{reannounced: a.Apply(b), events: len(b.Events)}
+	for _, ev := range b.Events {
+		got.storedBlocks += len(ev.GetStored().GetBlocks())
+	}
+	return got, nil
 }
 
 func (a recordAdapter) evictedFrom(rank int32) uint64 { return a.EvictedFrom(rank) }

@@ -2,8 +2,6 @@ package relay
 
 import (
 	"sort"
-
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // entryOverhead is what one history entry costs on top of its batch's
@@ -237,11 +235,14 @@ func (h *history) batchesAfter(out []posBatch, pos uint64, limit int, keep func(
 }
 
 // posBatch is a batch with its log position, as subscribers queue it: its
-// encoding always, and the message too when it was just relayed (a batch
-// from the history is decoded only for a caller that asks for the message).
+// encoding (no message: a caller that asks for one has it decoded).
 type posBatch struct {
 	pos    uint64
-	batch  *kvpb.KvEventBatch
 	enc    []byte
 	digest liveDigest
+	// live marks a batch queued as it was relayed (not refilled from the
+	// history), with its rank and sequence, for the latency probe.
+	live bool
+	rank int32
+	seq  uint64
 }

@@ -52,10 +52,13 @@ type Replayer interface {
 // feeds connect in the background.
 type Transport func(rank int32, endpoint, replayEndpoint string, replayTimeout time.Duration) (Feed, Replayer, error)
 
-// normalizer turns a payload into a batch. An error means the envelope does
-// not decode.
+// normalizer turns a payload into a batch, written straight in its protobuf
+// wire form: appendNormalized appends the encoded KvEventBatch (sequence seq,
+// dp_rank rank) to dst. An error means the envelope does not decode, or the
+// batch cannot be sent as proto3 (a string that is not valid UTF-8); dst is
+// returned unchanged then.
 type normalizer interface {
-	normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, []dropCount, error)
+	appendNormalized(dst, payload []byte, seq uint64, rank int32) ([]byte, []dropCount, error)
 	reset()
 }
 
@@ -64,11 +67,22 @@ type dropCount struct {
 	n      uint64
 }
 
+// applied is what the record saw in one batch.
+type applied struct {
+	// reannounced are the indexes of the stored events the record took for
+	// report-mode re-announcements (nil almost always).
+	reannounced []int
+	// events and storedBlocks count the batch's events and the blocks its
+	// stored events list, for the relay's metrics.
+	events, storedBlocks int
+}
+
 // liveRecord is the live-block record (relay/record).
 type liveRecord interface {
-	// Apply returns the indexes of the stored events it took for
-	// report-mode re-announcements.
-	Apply(b *kvpb.KvEventBatch) (reannounced []int)
+	// applyEncoded folds one batch, in the wire form the relay sends, into
+	// the record. An error (bytes that are not a KvEventBatch) leaves the
+	// record unchanged.
+	applyEncoded(enc []byte) (applied, error)
 	ClearRank(rank int32)
 	// LiveDigest is rank's anti-entropy digest and the copies it covers.
 	LiveDigest(rank int32) (digest, blocks uint64)
@@ -517,51 +531,38 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 
 // relay normalizes one batch and admits it: history, record, cursor, then
 // every subscriber's queue. Admission never waits for a subscriber.
+//
+// The batch is written once, straight from the decoder into its protobuf
+// wire form (no message is built), into the rank's reused buffer and then
+// copied out at its exact size: the history keeps these bytes for a long
+// time, every subscriber is sent them, and the record applies them.
 func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
-	b, drops, err := rk.norm.normalize(payload, seq, rk.rank)
-	if err != nil || b == nil {
-		// Relay an empty batch under the sequence so that nobody sees a
-		// gap for it.
-		r.metrics.undecodable.WithLabelValues(rk.label).Inc()
-		if now := time.Now(); now.Sub(rk.undecodableLoggedAt) >= undecodableLogEvery {
-			r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err,
-				"not_logged_since_last", rk.undecodableSuppressed)
-			rk.undecodableLoggedAt, rk.undecodableSuppressed = now, 0
-		} else {
-			rk.undecodableSuppressed++
-		}
-		b = &kvpb.KvEventBatch{SequenceNumber: seq}
-	}
-	b.SequenceNumber = seq
-	// The socket's rank is authoritative: sequences are per socket.
-	b.DpRank = proto.Int32(rk.rank)
-	// Encoded once here, for the history and for every subscriber's send,
-	// by hand (kvenc writes proto.Marshal's bytes at a fraction of its
-	// cost) into the rank's reused buffer, then copied out at its exact
-	// size: the history keeps these bytes for a long time.
-	rk.encBuf, err = kvenc.AppendBatch(rk.encBuf[:0], b)
+	enc, drops, err := rk.norm.appendNormalized(rk.encBuf[:0], payload, seq, rk.rank)
 	if err != nil {
-		// A string that is not valid UTF-8 (a LoRA name, a salt) cannot be
-		// sent as proto3; an empty batch keeps the sequence without a gap.
-		r.log.Error("encoding a relayed batch failed; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
-		b = &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: proto.Int32(rk.rank)}
-		rk.encBuf, _ = kvenc.AppendBatch(rk.encBuf[:0], b)
+		// Relay an empty batch under the sequence so that nobody sees a
+		// gap for it: the payload does not decode, or (logged as an
+		// error) holds a string proto3 cannot carry.
+		enc = r.emptyBatch(rk, seq, err)
 	}
-	enc := bytes.Clone(rk.encBuf)
+	rk.encBuf = enc
+	enc = bytes.Clone(enc)
 	if cap(rk.encBuf) > maxKeptEncBuf {
 		rk.encBuf = nil // one huge batch should not pin its buffer for ever
 	}
-	var blocks int
-	for _, ev := range b.Events {
-		if s := ev.GetStored(); s != nil {
-			blocks += len(s.Blocks)
-		}
-	}
 
 	r.mu.Lock()
-	reannounced := r.rec.Apply(b)
-	if len(reannounced) > 0 && r.cfg.SuppressReannounced {
-		b, enc = withoutEvents(b, reannounced)
+	got, err := r.rec.applyEncoded(enc)
+	if err != nil {
+		// The relay's own encoding did not decode: a defect, not an
+		// engine's fault. The record is unchanged; relay the batch
+		// empty, as an undecodable one, rather than send bytes the
+		// record could not read.
+		r.log.Error("the record could not apply a relayed batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
+		enc = r.emptyBatch(rk, seq, nil)
+		got = applied{}
+	}
+	if len(got.reannounced) > 0 && r.cfg.SuppressReannounced {
+		enc = withoutEvents(enc, got.reannounced)
 	}
 	sum, n := r.rec.LiveDigest(rk.rank)
 	digest := liveDigest{sum: sum, blocks: n, set: true}
@@ -577,7 +578,7 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 	r.relayed++
 	relayed := r.relayed
-	r.fanOut(posBatch{pos: pos, batch: b, enc: enc, digest: digest})
+	r.fanOut(posBatch{pos: pos, enc: enc, digest: digest, live: true, rank: rk.rank, seq: seq})
 	r.mu.Unlock()
 
 	if startFixed {
@@ -585,12 +586,12 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 
 	rk.lastSeq, rk.lastHash, rk.hasLast = seq, xxh3.Hash(payload), true
-	if len(reannounced) > 0 {
-		r.metrics.reannounced.WithLabelValues(rk.label, fmt.Sprint(r.cfg.SuppressReannounced)).Add(float64(len(reannounced)))
+	if len(got.reannounced) > 0 {
+		r.metrics.reannounced.WithLabelValues(rk.label, fmt.Sprint(r.cfg.SuppressReannounced)).Add(float64(len(got.reannounced)))
 	}
 	r.metrics.batches.WithLabelValues(rk.label).Inc()
-	r.metrics.events.WithLabelValues(rk.label).Add(float64(len(b.Events)))
-	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(blocks))
+	r.metrics.events.WithLabelValues(rk.label).Add(float64(got.events))
+	r.metrics.blocks.WithLabelValues(rk.label).Add(float64(got.storedBlocks))
 	for _, d := range drops {
 		r.metrics.drops.WithLabelValues(d.reason).Add(float64(d.n))
 	}
@@ -599,33 +600,63 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 	}
 }
 
+// emptyBatch is the wire form of an empty batch at rank's seq, what the
+// relay sends in place of a batch it cannot relay, so that the sequence has
+// no gap. cause is the normalizer's error (nil when the caller logged its
+// own): an undecodable payload is counted and its warning throttled; a batch
+// that decoded but cannot be encoded is a different fault and logged as an
+// error.
+func (r *Relay) emptyBatch(rk *rankState, seq uint64, cause error) []byte {
+	switch {
+	case cause == nil:
+	case errors.Is(cause, kvenc.ErrInvalidUTF8):
+		r.log.Error("encoding a relayed batch failed; relaying it empty", "rank", rk.rank, "seq", seq, "err", cause)
+	default:
+		r.metrics.undecodable.WithLabelValues(rk.label).Inc()
+		if now := time.Now(); now.Sub(rk.undecodableLoggedAt) >= undecodableLogEvery {
+			r.log.Warn("undecodable batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", cause,
+				"not_logged_since_last", rk.undecodableSuppressed)
+			rk.undecodableLoggedAt, rk.undecodableSuppressed = now, 0
+		} else {
+			rk.undecodableSuppressed++
+		}
+	}
+	// Cannot fail: an empty batch has no string to be invalid.
+	enc, _ := kvenc.AppendBatch(rk.encBuf[:0], &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: proto.Int32(rk.rank)})
+	return enc
+}
+
 // maxKeptEncBuf is the largest encoding buffer a rank keeps between batches.
 const maxKeptEncBuf = 4 << 20
 
-// withoutEvents is b without the events at the indexes drop (ascending),
-// and its encoding: the stage that keeps report-mode re-announcements out of
-// the stream (Config.SuppressReannounced). The batch keeps its sequence, so
-// a batch left empty still closes its place in the rank's sequence.
-func withoutEvents(b *kvpb.KvEventBatch, drop []int) (*kvpb.KvEventBatch, []byte) {
-	out := proto.CloneOf(b)
-	kept := out.Events[:0]
-	for i, ev := range out.Events {
+// withoutEvents is the batch enc without the events at the indexes drop
+// (ascending), re-encoded: the stage that keeps report-mode
+// re-announcements out of the stream (Config.SuppressReannounced). The
+// batch keeps its sequence, so a batch left empty still closes its place in
+// the rank's sequence. It is rare (a request asked for report mode "full"
+// and the relay was told to suppress it), so it decodes the batch.
+func withoutEvents(enc []byte, drop []int) []byte {
+	b := &kvpb.KvEventBatch{}
+	if err := proto.Unmarshal(enc, b); err != nil {
+		// Cannot happen for bytes the record just applied; keep the
+		// engine's batch rather than lose its sequence.
+		return enc
+	}
+	kept := b.Events[:0]
+	for i, ev := range b.Events {
 		if len(drop) > 0 && drop[0] == i {
 			drop = drop[1:]
 			continue
 		}
 		kept = append(kept, ev)
 	}
-	clear(out.Events[len(kept):])
-	out.Events = kept
-	enc, err := kvenc.AppendBatch(nil, out)
+	clear(b.Events[len(kept):])
+	b.Events = kept
+	out, err := kvenc.AppendBatch(nil, b)
 	if err != nil {
-		// Cannot happen for a message that encoded a moment ago; keep the
-		// engine's batch rather than lose its sequence.
-		enc, _ = kvenc.AppendBatch(nil, b)
-		return b, enc
+		return enc // as above: these strings encoded a moment ago
 	}
-	return out, enc
+	return out
 }
 
 // lose records rank's sequences from..to as a hole: nothing will ever

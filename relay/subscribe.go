@@ -75,6 +75,9 @@ type Subscription struct {
 	// returned last. Both are read and written by the goroutine calling
 	// Next only.
 	cutPos, delivered uint64
+	// deliveredLive is the batch NextEncoded returned last when it was a
+	// live one (LiveKey), under the same rule.
+	deliveredLive posBatch
 }
 
 // Subscribe opens a stream for req (relay-semantics §3.7 and issue #4):
@@ -224,6 +227,15 @@ func (r *Relay) cutLocked(ranks []int32) (recordCut, map[int32]uint64, map[int32
 		unknown[rank] = rk.unknownBefore
 	}
 	return r.rec.cut(ranks), cursors, unknown
+}
+
+// LiveKey is the rank and sequence of the batch NextEncoded returned last
+// when that was a live batch, queued as it was relayed; ok is false after a
+// snapshot chunk or a batch from the history. The server marks the latency
+// probe's last stages with it. Call it from the goroutine that calls Next.
+func (s *Subscription) LiveKey() (rank int32, seq uint64, ok bool) {
+	l := s.deliveredLive
+	return l.rank, l.seq, l.live
 }
 
 // LogPosition is the relay log position of the batch Next or NextEncoded
@@ -414,7 +426,7 @@ func (r *Relay) resumeRanks(cursors map[int32]uint64) ([]posBatch, error) {
 func (r *Relay) fanOut(pb posBatch) {
 	// Before the first append: a subscriber's pump may take the batch as
 	// soon as it is in its queue.
-	latencyprobe.Mark(latencyprobe.Queued, pb.batch.GetDpRank(), pb.batch.GetSequenceNumber())
+	latencyprobe.Mark(latencyprobe.Queued, pb.rank, pb.seq)
 	r.tip.Store(pb.pos)
 	for s := range r.subs {
 		s.mu.Lock()
@@ -459,33 +471,33 @@ func (s *Subscription) end(err error, reason string) {
 // ErrDataLoss (restart, or the subscriber fell behind beyond the history),
 // ErrClosed, or ctx's error.
 func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
-	b, enc, err := s.NextEncoded(ctx)
-	if err != nil || b != nil {
-		return b, err
+	enc, err := s.NextEncoded(ctx)
+	if err != nil {
+		return nil, err
 	}
-	b = &kvpb.KvEventBatch{}
+	b := &kvpb.KvEventBatch{}
 	if err := proto.Unmarshal(enc, b); err != nil {
-		return nil, fmt.Errorf("relay: decoding a batch from the history: %w", err)
+		return nil, fmt.Errorf("relay: decoding a relayed batch: %w", err)
 	}
 	return b, nil
 }
 
 // NextEncoded is Next for a sender: it returns the batch's protobuf
-// encoding, made once for every subscriber (a snapshot chunk's is made for
-// this subscriber alone, straight from the record), and the message only
-// where one is at hand (a batch just relayed). At least one of the two is
-// set. The server sends the bytes as they are.
-func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []byte, error) {
+// encoding, written once for every subscriber (a snapshot chunk's is made
+// for this subscriber alone, straight from the record). No message is
+// built on the relay's path. The server sends the bytes as they are.
+func (s *Subscription) NextEncoded(ctx context.Context) ([]byte, error) {
 	for {
 		s.mu.Lock()
 		closed := s.closed
 		s.mu.Unlock()
 		if closed {
-			return nil, nil, ErrClosed
+			return nil, ErrClosed
 		}
+		s.deliveredLive = posBatch{}
 		if enc := s.nextSnapshotChunk(); enc != nil {
 			s.delivered = s.cutPos
-			return nil, enc, nil
+			return enc, nil
 		}
 		if len(s.pending) > 0 {
 			pb := s.pending[0]
@@ -520,52 +532,49 @@ func (s *Subscription) NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []b
 			}
 			s.r.metrics.lag.Observe(float64(s.r.tip.Load() - pb.pos))
 			s.delivered = pb.pos
+			if pb.live {
+				s.deliveredLive = posBatch{live: true, rank: pb.rank, seq: pb.seq}
+			}
 			return s.out(pb)
 		}
 		err, lagged, closed := s.err, s.lagged, s.closed
 		s.mu.Unlock()
 		switch {
 		case closed:
-			return nil, nil, ErrClosed
+			return nil, ErrClosed
 		case err != nil:
-			return nil, nil, err
+			return nil, err
 		case lagged:
 			if err := s.refill(); err != nil {
-				return nil, nil, err
+				return nil, err
 			}
 			continue
 		}
 		select {
 		case <-s.notify:
 		case <-ctx.Done():
-			return nil, nil, ctx.Err()
+			return nil, ctx.Err()
 		}
 	}
 }
 
-// out is what NextEncoded returns for pb: the shared batch and bytes, or,
-// for a subscriber that asked for live digests, a copy of the bytes with the
-// batch's digest fields appended (a protobuf decoder merges appended fields
-// into the message, so this is the batch with live_digest and live_blocks
-// set; the shared message is left untouched).
-func (s *Subscription) out(pb posBatch) (*kvpb.KvEventBatch, []byte, error) {
+// out is what NextEncoded returns for pb: the shared bytes, or, for a
+// subscriber that asked for live digests, a copy of them with the batch's
+// digest fields appended (a protobuf decoder merges appended fields into
+// the message, so this is the batch with live_digest and live_blocks set;
+// the shared bytes are left untouched).
+func (s *Subscription) out(pb posBatch) ([]byte, error) {
 	if !s.digests || !pb.digest.set {
-		return pb.batch, pb.enc, nil
+		return pb.enc, nil
 	}
 	enc := pb.enc
-	if enc == nil {
-		var err error
-		if enc, err = proto.Marshal(pb.batch); err != nil {
-			return nil, nil, fmt.Errorf("relay: encoding a batch: %w", err)
-		}
-	}
 	out := make([]byte, len(enc), len(enc)+2*(1+binary.MaxVarintLen64))
 	copy(out, enc)
 	out = protowire.AppendTag(out, liveDigestField, protowire.Fixed64Type)
 	out = protowire.AppendFixed64(out, pb.digest.sum)
 	out = protowire.AppendTag(out, liveBlocksField, protowire.VarintType)
 	out = protowire.AppendVarint(out, pb.digest.blocks)
-	return nil, out, nil
+	return out, nil
 }
 
 // The field numbers of KvEventBatch.live_digest and live_blocks.

@@ -455,7 +455,7 @@ type pump struct {
 func (p *pump) send(b *kvpb.KvEventBatch, payload []byte) error {
 	p.sending.Store(true)
 	var err error
-	if b != nil && payload == nil {
+	if payload == nil {
 		err = p.stream.Send(b)
 	} else {
 		// The relay encoded the batch once for every subscriber; the
@@ -493,6 +493,7 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 		return err
 	}
 	enc, encoded := sub.(encodedStream)
+	keyed, _ := sub.(liveKeyed)
 	for {
 		var (
 			b       *kvpb.KvEventBatch
@@ -500,28 +501,47 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 			err     error
 		)
 		if encoded {
-			b, payload, err = enc.NextEncoded(ctx)
+			payload, err = enc.NextEncoded(ctx)
 		} else {
 			b, err = sub.Next(ctx)
 		}
 		if err != nil {
 			return err
 		}
-		if b != nil {
-			latencyprobe.Mark(latencyprobe.Dequeued, b.GetDpRank(), b.GetSequenceNumber())
+		rank, seq, live := liveKey(b, keyed)
+		if live {
+			latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
 		}
 		if err := p.send(b, payload); err != nil {
 			return err
 		}
-		if b != nil {
-			latencyprobe.Mark(latencyprobe.Written, b.GetDpRank(), b.GetSequenceNumber())
+		if live {
+			latencyprobe.Mark(latencyprobe.Written, rank, seq)
 		}
 	}
 }
 
 // encodedStream is a Stream that can hand out batches already encoded.
 type encodedStream interface {
-	NextEncoded(ctx context.Context) (*kvpb.KvEventBatch, []byte, error)
+	NextEncoded(ctx context.Context) ([]byte, error)
+}
+
+// liveKeyed is a Stream that tells which live batch it handed out last
+// (relay.Subscription.LiveKey), for the latency probe's marks.
+type liveKeyed interface {
+	LiveKey() (rank int32, seq uint64, ok bool)
+}
+
+// liveKey is the rank and sequence the latency probe marks for the batch
+// just taken: the message's own, or the stream's word for encoded bytes.
+func liveKey(b *kvpb.KvEventBatch, keyed liveKeyed) (int32, uint64, bool) {
+	switch {
+	case b != nil:
+		return b.GetDpRank(), b.GetSequenceNumber(), true
+	case keyed != nil:
+		return keyed.LiveKey()
+	}
+	return 0, 0, false
 }
 
 // statusOf maps the relay's errors to the codes SMG's gateway acts on.
