@@ -61,6 +61,15 @@
 // A restart clears that rank's live-block record, normalizer and cursor, and
 // ends every subscriber with ErrDataLoss.
 //
+// # One encoding per batch
+//
+// A rank's goroutine writes each batch once, in its protobuf wire form,
+// straight from the msgpack decoder (engines/wire's AppendNormalized: no
+// message per block). Those bytes are what the history keeps, what every
+// subscriber is sent as they are, and what the live-block record applies;
+// no message is built on the relay's path (Subscription.Next decodes one
+// for a caller that asks).
+//
 // # Shared: history, record, fan-out
 //
 // Every relayed batch, of any rank, goes under one lock (the admission lock)
