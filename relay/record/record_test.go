@@ -766,7 +766,7 @@ func TestPutRecordPlacesEveryRecordWhereItBelongs(t *testing.T) {
 					flags |= flagExtra
 				}
 				extra := uint32(0xA0B0C0D0 + i)
-				seg.putRecord(e, oldFlags, flags, p.toks, extra, p.cutsLive)
+				seg.putRecord(e, oldFlags, flags, p.toks, nil, extra, p.cutsLive)
 				var want []byte
 				for _, v := range p.toks {
 					want = protowire.AppendVarint(want, uint64(v))
