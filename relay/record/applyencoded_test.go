@@ -477,3 +477,79 @@ func FuzzApplyEncodedMatchesApply(f *testing.F) {
 		}
 	})
 }
+
+// minimalPackedReference is minimalPacked32's rule read plainly: p decodes as varints, each below
+// 2^32, and encoding the values again gives p.
+func minimalPackedReference(p []byte) bool {
+	var again []byte
+	for q := p; len(q) > 0; {
+		v, n := protowire.ConsumeVarint(q)
+		if n < 0 || v > math.MaxUint32 {
+			return false
+		}
+		again = protowire.AppendVarint(again, v)
+		q = q[n:]
+	}
+	return bytes.Equal(again, p)
+}
+
+// checkWireHelpers requires minimalPacked32 to follow its reference, and varint to read every
+// prefix of p as protowire.ConsumeVarint does.
+func checkWireHelpers(t *testing.T, p []byte) {
+	t.Helper()
+	if got, want := minimalPacked32(p), minimalPackedReference(p); got != want {
+		t.Fatalf("minimalPacked32(%x) = %v, want %v", p, got, want)
+	}
+	gv, gn := varint(p)
+	wv, wn := protowire.ConsumeVarint(p)
+	if gn != wn || gn >= 0 && gv != wv {
+		t.Fatalf("varint(%x) = %d, %d; protowire has %d, %d", p, gv, gn, wv, wn)
+	}
+}
+
+// TestWireHelpersMatchTheirReferences draws packed ids of every width with padding, long
+// varints and cut ends at every position of the word loops, and 9 to 11-byte varints.
+func TestWireHelpersMatchTheirReferences(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	accepted, refused := 0, 0
+	for range 200_000 {
+		var p []byte
+		for range rng.IntN(24) {
+			switch rng.IntN(40) {
+			case 0:
+				p = append(p, 0x80|byte(rng.IntN(128)), 0x00) // padding
+			case 1:
+				p = protowire.AppendVarint(p, 1<<32+uint64(rng.IntN(1000))) // wider than 32 bits
+			case 2:
+				p = append(p, 0xff, 0xff, 0xff, 0xff, byte(rng.IntN(32))) // five bytes, maybe too wide
+			case 3:
+				p = append(p, 0x80) // a continuation byte astray
+			default:
+				p = protowire.AppendVarint(p, uint64(tokenWidths[rng.IntN(len(tokenWidths))]-uint32(rng.IntN(3))))
+			}
+		}
+		if minimalPackedReference(p) {
+			accepted++
+		} else {
+			refused++
+		}
+		checkWireHelpers(t, p)
+		h := protowire.AppendVarint(nil, rng.Uint64()>>rng.IntN(64))
+		switch rng.IntN(4) {
+		case 0:
+			h = append(h[:len(h)-1], h[len(h)-1]|0x80, byte(rng.IntN(4))) // one byte longer
+		case 1:
+			h = h[:rng.IntN(len(h))] // cut short
+		}
+		checkWireHelpers(t, append(h, make([]byte, rng.IntN(3))...))
+	}
+	if accepted < 1000 || refused < 1000 {
+		t.Fatalf("%d accepted, %d refused: the draw misses a side", accepted, refused)
+	}
+}
+
+func FuzzWireHelpers(f *testing.F) {
+	f.Add([]byte{0xd8, 0x9b, 0x09, 0x07, 0x80, 0x80, 0x01, 0x81, 0x00, 0x05})
+	f.Add(bytes.Repeat([]byte{0xff}, 11))
+	f.Fuzz(checkWireHelpers)
+}
