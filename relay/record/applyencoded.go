@@ -202,9 +202,9 @@ func (w *wireBatch) read(enc []byte) bool {
 
 // Wire types, short for the readers' tag constants.
 const (
-	wVarint  = uint64(protowire.VarintType)
-	wFixed64 = uint64(protowire.Fixed64Type)
-	wBytes   = uint64(protowire.BytesType)
+	wVarint  = 0 // protowire.VarintType
+	wFixed64 = 1 // protowire.Fixed64Type
+	wBytes   = 2 // protowire.BytesType
 )
 
 // The field numbers each message declares, a bit each.
@@ -417,9 +417,71 @@ func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 // readBlock reads one KvBlock. Its token ids are taken packed only when they are one packed field
 // of minimal varints below 2^32, the bytes packing the ids writes again; anything else (one field
 // per id, several fields, padded or wider varints) is left to proto.Unmarshal.
+//
+// The fields proto.Marshal writes (hash, tokens, block size, LoRA id, cache level, in field
+// order, each once) are read straight through, without the loop's switch: every block of the
+// relay's own batches ends there. Whatever is left (extra keys, unknown fields, fields out of
+// order or repeated) goes on through readBlockFields, which reads any order: the straight part
+// is the loop unrolled for one order, so reading on from it gives the same block.
 func (w *wireBatch) readBlock(b []byte) bool {
 	w.blocks = append(w.blocks, blockOp{})
 	blk := &w.blocks[len(w.blocks)-1]
+	i := 0
+	if i < len(b) && b[i] == 1<<3|wVarint {
+		v, n := varint(b[i+1:])
+		if n < 0 {
+			return false
+		}
+		blk.hash, i = int64(v), i+1+n
+	}
+	if i+1 < len(b) && b[i] == 2<<3|wBytes {
+		m, n := uint64(b[i+1]), 1
+		if m >= 0x80 {
+			m, n = varint(b[i+1:])
+		}
+		start := i + 1 + n
+		if n < 0 || m > uint64(len(b)-start) {
+			return false
+		}
+		end := start + int(m)
+		if !minimalPacked32(b[start:end]) {
+			return false
+		}
+		blk.packed, i = b[start:end:end], end
+	}
+	for _, f := range [...]uint8{3, 4, 5} { // block_size, lora_id, cache_level
+		if i >= len(b) || b[i] != f<<3|wVarint {
+			continue
+		}
+		v, n := varint(b[i+1:])
+		if n < 0 {
+			return false
+		}
+		i += 1 + n
+		blk.setVarint(f, v)
+	}
+	if i < len(b) {
+		return w.readBlockFields(b[i:], blk, len(w.blocks)-1)
+	}
+	return true
+}
+
+// setVarint sets a KvBlock varint field other than the hash.
+func (blk *blockOp) setVarint(field uint8, v uint64) {
+	switch field {
+	case 1:
+		blk.hash = int64(v)
+	case 3:
+		blk.blockSize = int32(v)
+	case 4:
+		blk.loraID, blk.has = int64(v), blk.has|hasLoraID
+	case 5:
+		blk.cacheLevel, blk.has = int32(v), blk.has|hasCacheLevel
+	}
+}
+
+// readBlockFields reads KvBlock fields in any order into blk, block i of the batch.
+func (w *wireBatch) readBlockFields(b []byte, blk *blockOp, i int) bool {
 	keysFrom := int32(len(w.keys))
 	for len(b) > 0 {
 		tag, n := tagOf(b)
@@ -434,16 +496,7 @@ func (w *wireBatch) readBlock(b []byte) bool {
 				return false
 			}
 			b = b[n:]
-			switch tag >> 3 {
-			case 1:
-				blk.hash = int64(v)
-			case 3:
-				blk.blockSize = int32(v)
-			case 4:
-				blk.loraID, blk.has = int64(v), blk.has|hasLoraID
-			case 5:
-				blk.cacheLevel, blk.has = int32(v), blk.has|hasCacheLevel
-			}
+			blk.setVarint(uint8(tag>>3), v)
 		case 2<<3 | wBytes: // token_ids, packed
 			v, n := lenPrefixed(b)
 			if n < 0 || blk.packed != nil || !minimalPacked32(v) {
@@ -472,7 +525,7 @@ func (w *wireBatch) readBlock(b []byte) bool {
 		}
 	}
 	if to := int32(len(w.keys)); to > keysFrom {
-		w.keyOf = append(w.keyOf, keyRange{int32(len(w.blocks) - 1), keysFrom, to})
+		w.keyOf = append(w.keyOf, keyRange{int32(i), keysFrom, to})
 	}
 	return true
 }
@@ -566,7 +619,7 @@ func (w *wireBatch) readRemoved(b []byte, ev *wireEvent) bool {
 			}
 			b = b[n:]
 			for len(v) > 0 {
-				h, n := protowire.ConsumeVarint(v)
+				h, n := varint(v)
 				if n < 0 {
 					return false
 				}
