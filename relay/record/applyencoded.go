@@ -531,11 +531,14 @@ func (w *wireBatch) readBlockFields(b []byte, blk *blockOp, i int) bool {
 }
 
 // minimalPacked32 reports whether p is packed varints each below 2^32 and in its fewest bytes (no
-// 0x80 padding), the form packTokens writes. It reads p eight bytes a word and looks, in all
-// words at once, for the two things that can be wrong with varints of up to four bytes: a zero
-// byte ending a longer varint (padding), and a fourth continuation byte in a row (five bytes or
-// more). Only p with either (a 5-byte id, or not the fast path's anyway) is checked again a byte
-// at a time. Checking costs about a third of packing the ids (BENCHMARKS.md).
+// 0x80 padding), the form packTokens writes. It reads p in overlapping 8-byte windows, 6 bytes
+// apart, and looks, in all of them at once, for the two things that can be wrong with varints of
+// up to three bytes (ids below 2^21, a whole vocabulary): a zero byte ending a longer varint
+// (padding), and a third continuation byte in a row (four bytes or more). Each byte is judged in
+// a window that also holds the two bytes before it; a window's first two bytes, judged as if a
+// varint started there, can only be missed faults, never false ones, and the window before
+// judged them whole. Only p with either (ids of 4 or 5 bytes, or not the fast path's anyway) is
+// checked again a byte at a time.
 func minimalPacked32(p []byte) bool {
 	n := len(p)
 	if n < 8 {
@@ -544,23 +547,14 @@ func minimalPacked32(p []byte) bool {
 	if p[n-1] >= 0x80 {
 		return false // the last varint is cut short
 	}
-	var bad, prev uint64 // prev: the continuation bits of the word before
-	q := p
-	for len(q) >= 8 {
-		bad |= packedFaults(binary.LittleEndian.Uint64(q), prev)
-		prev = binary.LittleEndian.Uint64(q) & wordHigh
-		q = q[8:]
+	var bad uint64
+	i := 0
+	for ; i+8 <= n; i += 6 {
+		bad |= packedFaults(binary.LittleEndian.Uint64(p[i:]))
 	}
-	if len(q) > 0 {
-		// The last eight bytes, overlapping what was read, after the eight before them (or,
-		// within the first word, after nothing: p starts a varint).
-		var before uint64
-		if n >= 16 {
-			before = binary.LittleEndian.Uint64(p[n-16:])
-		} else {
-			before = binary.LittleEndian.Uint64(p) << (8 * (16 - n))
-		}
-		bad |= packedFaults(binary.LittleEndian.Uint64(p[n-8:]), before&wordHigh)
+	if i+2 < n {
+		// Bytes i+2 on are not judged yet: the last window holds them and the two before.
+		bad |= packedFaults(binary.LittleEndian.Uint64(p[n-8:]))
 	}
 	if bad != 0 {
 		return minimalPackedBytes(p)
@@ -573,15 +567,13 @@ const (
 	wordLow  = 0x7f7f7f7f7f7f7f7f
 )
 
-// packedFaults marks the bytes of word x (little endian) that are padding or a fourth
-// continuation byte in a row; prev holds the continuation bits of the eight bytes before x.
-func packedFaults(x, prev uint64) uint64 {
+// packedFaults marks the bytes of window x (little endian) that are padding or a third
+// continuation byte in a row, as far as the window shows.
+func packedFaults(x uint64) uint64 {
 	c := x & wordHigh
-	c1 := c<<8 | prev>>56 // each byte's predecessor's continuation bit
-	c2 := c<<16 | prev>>48
-	c3 := c<<24 | prev>>40
+	c1, c2 := c<<8, c<<16 // the continuation bits of each byte's one and two predecessors
 	zero := ^(x&wordLow + wordLow | x) & wordHigh
-	return zero&c1 | c&c1&c2&c3
+	return zero&c1 | c&c1&c2
 }
 
 // minimalPackedBytes is minimalPacked32 a byte at a time.
