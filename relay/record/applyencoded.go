@@ -349,6 +349,15 @@ func str(v []byte) (string, bool) {
 func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 	k := &ev.tail
 	for len(b) > 0 {
+		if len(b) > 1 && b[0] == 1<<3|wBytes && b[1] < 0x80 {
+			// A block of fewer than 128 bytes (16-token blocks), the common case read inline.
+			end := 2 + int(b[1])
+			if end > len(b) || !w.readBlock(b[2:end:end]) {
+				return false
+			}
+			b = b[end:]
+			continue
+		}
 		tag, n := tagOf(b)
 		if n < 0 {
 			return false
@@ -449,16 +458,26 @@ func (w *wireBatch) readBlock(b []byte) bool {
 		}
 		blk.packed, i = b[start:end:end], end
 	}
-	for _, f := range [...]uint8{3, 4, 5} { // block_size, lora_id, cache_level
-		if i >= len(b) || b[i] != f<<3|wVarint {
-			continue
-		}
+	if i < len(b) && b[i] == 3<<3|wVarint { // block_size
 		v, n := varint(b[i+1:])
 		if n < 0 {
 			return false
 		}
-		i += 1 + n
-		blk.setVarint(f, v)
+		blk.blockSize, i = int32(v), i+1+n
+	}
+	if i < len(b) && b[i] == 4<<3|wVarint { // lora_id
+		v, n := varint(b[i+1:])
+		if n < 0 {
+			return false
+		}
+		blk.loraID, blk.has, i = int64(v), blk.has|hasLoraID, i+1+n
+	}
+	if i < len(b) && b[i] == 5<<3|wVarint { // cache_level
+		v, n := varint(b[i+1:])
+		if n < 0 {
+			return false
+		}
+		blk.cacheLevel, blk.has, i = int32(v), blk.has|hasCacheLevel, i+1+n
 	}
 	if i < len(b) {
 		return w.readBlockFields(b[i:], blk, len(w.blocks)-1)
@@ -547,14 +566,14 @@ func minimalPacked32(p []byte) bool {
 	if p[n-1] >= 0x80 {
 		return false // the last varint is cut short
 	}
-	var bad uint64
-	i := 0
-	for ; i+8 <= n; i += 6 {
-		bad |= packedFaults(binary.LittleEndian.Uint64(p[i:]))
+	// The last window first: bytes past the others' are judged there.
+	bad := packedFaults(binary.LittleEndian.Uint64(p[n-8:]))
+	q := p
+	for ; len(q) >= 14; q = q[12:] { // two windows a turn
+		bad |= packedFaults(binary.LittleEndian.Uint64(q)) | packedFaults(binary.LittleEndian.Uint64(q[6:]))
 	}
-	if i+2 < n {
-		// Bytes i+2 on are not judged yet: the last window holds them and the two before.
-		bad |= packedFaults(binary.LittleEndian.Uint64(p[n-8:]))
+	if len(q) >= 8 {
+		bad |= packedFaults(binary.LittleEndian.Uint64(q))
 	}
 	if bad != 0 {
 		return minimalPackedBytes(p)
