@@ -15,17 +15,21 @@ import (
 
 // BenchmarkApplyEncoded compares Apply and ApplyEncoded side by side on the same vLLM-like
 // batches: each stores 64 new blocks (half the stores extending a live block) and removes the 64
-// blocks of the oldest store still live, leaves first, so the record keeps its size. Two records
-// of the same content take the same batches, Apply on one and ApplyEncoded (the batch in the
-// relay's encoding) on the other, alternating every 16 batches so that both see the same load;
-// each side's applying thread's CPU time is summed.
+// blocks of the oldest store still live, leaves first, so the record keeps its size. Three
+// records of the same content take the same batches: Apply of the batch's message on one,
+// ApplyEncoded of the batch in the relay's encoding on another, and proto.Unmarshal of that
+// encoding then Apply (what the record would do with wire bytes without ApplyEncoded) on the
+// third, alternating every 16 batches so that all see the same load; each side's applying
+// thread's CPU time is summed.
 //
 // Sub-benchmarks: live=1M or live=1k entries before the stream (the cost of cache misses: a 1k
 // record is all in cache), tokens=16 or 128 a block, ns=plain or mix (benchFeedNS's
 // mixedNamespaces: LoRA names and ids, salts and extra keys on a quarter and a sixth of the
 // stores). Metrics are per stored block (the batch's removal included): apply-ns/block,
-// encoded-ns/block and encoded/apply, their ratio. For instruction counts, run one iteration
-// under callgrind with --toggle-collect on applyAll and applyAllEncoded (see BENCHMARKS.md).
+// encoded-ns/block, unmarshal-ns/block (proto.Unmarshal and Apply), encoded/apply and
+// encoded/unmarshal. For instruction counts, run one iteration
+// under callgrind with --toggle-collect on applyAll, applyAllEncoded or applyAllUnmarshalled
+// (see BENCHMARKS.md).
 func BenchmarkApplyEncoded(b *testing.B) {
 	const batches = 1024
 	for _, live := range []int{1_000_000, 1_000} {
@@ -36,22 +40,26 @@ func BenchmarkApplyEncoded(b *testing.B) {
 				b.Run(name, func(b *testing.B) {
 					runtime.LockOSThread() // threadCPU reads this goroutine's thread
 					defer runtime.UnlockOSThread()
-					var applyNS, encodedNS time.Duration
+					var applyNS, encodedNS, unmarshalNS time.Duration
 					for b.Loop() {
-						msgRec, encRec := New(), New()
+						msgRec, encRec, unmRec := New(), New(), New()
 						benchFeedNS(msgRec, live, 1, ns)
 						benchFeedNS(encRec, live, 1, ns)
+						benchFeedNS(unmRec, live, 1, ns)
 						msgs, encs := wireStream(msgRec, batches, tokens, ns)
 						runtime.GC()
-						applyNS, encodedNS = 0, 0
+						applyNS, encodedNS, unmarshalNS = 0, 0, 0
 						const step = 16
 						for i := 0; i < batches; i += step {
 							t0 := threadCPU()
 							applyAll(msgRec, msgs[i:i+step])
 							t1 := threadCPU()
 							applyAllEncoded(b, encRec, encs[i:i+step])
+							t2 := threadCPU()
+							applyAllUnmarshalled(b, unmRec, encs[i:i+step])
 							applyNS += t1 - t0
-							encodedNS += threadCPU() - t1
+							encodedNS += t2 - t1
+							unmarshalNS += threadCPU() - t2
 						}
 						if got, want := encRec.Stats(), msgRec.Stats(); fmt.Sprint(got) != fmt.Sprint(want) {
 							b.Fatalf("the records differ: %+v after ApplyEncoded, %+v after Apply", got, want)
@@ -63,7 +71,9 @@ func BenchmarkApplyEncoded(b *testing.B) {
 					n := float64(batches * benchStoreBlocks)
 					b.ReportMetric(float64(applyNS.Nanoseconds())/n, "apply-ns/block")
 					b.ReportMetric(float64(encodedNS.Nanoseconds())/n, "encoded-ns/block")
+					b.ReportMetric(float64(unmarshalNS.Nanoseconds())/n, "unmarshal-ns/block")
 					b.ReportMetric(float64(encodedNS)/float64(applyNS), "encoded/apply")
+					b.ReportMetric(float64(encodedNS)/float64(unmarshalNS), "encoded/unmarshal")
 				})
 			}
 		}
@@ -150,3 +160,48 @@ func applyAllEncoded(b *testing.B, r *Record, encs [][]byte) {
 		}
 	}
 }
+
+// applyAllUnmarshalled is BenchmarkApplyEncoded's third way: proto.Unmarshal, then Apply.
+//
+//go:noinline
+func applyAllUnmarshalled(b *testing.B, r *Record, encs [][]byte) {
+	for _, enc := range encs {
+		batch := &kvpb.KvEventBatch{}
+		if err := proto.Unmarshal(enc, batch); err != nil {
+			b.Fatal(err)
+		}
+		r.Apply(batch)
+	}
+}
+
+// BenchmarkTokenPackers packs the same ids (16,384 below 152,000, a vocabulary's spread) with the
+// record's packTokens and kvenc.PutVarints32, the two packers whose comments disagreed on which is
+// cheaper. For instruction counts, run it under callgrind with --toggle-collect on
+// packWithPackTokens or packWithPutVarints32.
+func BenchmarkTokenPackers(b *testing.B) {
+	rng := rand.New(rand.NewPCG(3, 3))
+	toks := make([]uint32, 16384)
+	for i := range toks {
+		toks[i] = rng.Uint32() % 152000
+	}
+	buf := make([]byte, 5*len(toks))
+	for _, p := range []struct {
+		name string
+		pack func([]byte, []uint32) int
+	}{{"packTokens", packWithPackTokens}, {"PutVarints32", packWithPutVarints32}} {
+		b.Run(p.name, func(b *testing.B) {
+			b.SetBytes(int64(len(toks)))
+			for b.Loop() {
+				if n := p.pack(buf, toks); n < 2*len(toks) {
+					b.Fatalf("%d bytes", n)
+				}
+			}
+		})
+	}
+}
+
+//go:noinline
+func packWithPackTokens(b []byte, toks []uint32) int { return packTokens(b, 0, toks) }
+
+//go:noinline
+func packWithPutVarints32(b []byte, toks []uint32) int { return kvenc.PutVarints32(b, 0, toks) }
