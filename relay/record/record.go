@@ -11,8 +11,11 @@
 // write), so taking the state under the relay's lock costs O(segments), not O(blocks), and the
 // ordering and encoding run off the lock.
 //
-// Concurrency: Apply, ClearRank, Reset, Stats and Cut must be serialized by the caller (the relay
-// calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
+// Batches come as messages (Apply) or as their protobuf wire bytes (ApplyEncoded, which takes a
+// stored block's packed token ids into the arena as they are); both leave the record alike.
+//
+// Concurrency: Apply, ApplyEncoded, ClearRank, Reset, Stats and Cut must be serialized by the
+// caller (the relay calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
 // concurrently with those calls.
 package record
 
