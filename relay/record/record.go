@@ -11,8 +11,11 @@
 // write), so taking the state under the relay's lock costs O(segments), not O(blocks), and the
 // ordering and encoding run off the lock.
 //
-// Concurrency: Apply, ClearRank, Reset, Stats and Cut must be serialized by the caller (the relay
-// calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
+// Batches come as messages (Apply) or as their protobuf wire bytes (ApplyEncoded, which takes a
+// stored block's packed token ids into the arena as they are); both leave the record alike.
+//
+// Concurrency: Apply, ApplyEncoded, ClearRank, Reset, Stats and Cut must be serialized by the
+// caller (the relay calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
 // concurrently with those calls.
 package record
 
@@ -80,6 +83,9 @@ type Record struct {
 	maxEntries uint64
 	// touched sinks slotIndex.touchHome's reads.
 	touched uint32
+	// op is Apply's reused storeOp; wire is ApplyEncoded's reused parse of a batch.
+	op   storeOp
+	wire wireBatch
 	counters
 }
 
@@ -136,21 +142,95 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) (reannounced []int) {
 	for i, ev := range b.GetEvents() {
 		switch d := ev.GetData().(type) {
 		case *kvpb.KvCacheEvent_Stored:
-			if r.reportModeFull && r.IsReannouncement(rank, d.Stored) {
-				r.reannounced++
-				r.reannouncedBlocks += uint64(len(d.Stored.GetBlocks()))
+			op := r.storeOpOf(d.Stored)
+			if r.applyStore(rank, op) {
 				reannounced = append(reannounced, i)
-				continue
 			}
-			r.store(rank, d.Stored)
+			clear(op.blocks) // the scratch must not keep the batch's tokens alive
 		case *kvpb.KvCacheEvent_Removed:
-			r.remove(rank, d.Removed)
+			rm := d.Removed
+			r.remove(rank, tierOf(rm.Tier, rm.CacheLevel), rm.GetBlockHashes())
 		case *kvpb.KvCacheEvent_Cleared:
 			r.dropRank(rank)
 			r.cleared++
 		}
 	}
 	return reannounced
+}
+
+// storeOp is one stored event as the record applies it, read from a message (Apply) or from
+// its wire bytes (ApplyEncoded), so that both paths share one store and one re-announcement rule.
+type storeOp struct {
+	tail      tailKey // the store's own fields; store sets the per-block ones block by block
+	parent    int64
+	hasParent bool
+	// borrowed: tail's strings alias the caller's bytes, and are copied when interned.
+	borrowed bool
+	blocks   []blockOp
+	listed   int  // blocks the event lists, nil ones included (ReannouncedBlocks counts them)
+	hasNil   bool // a nil block (only a hand-built message has one): never a re-announcement
+}
+
+// blockOp is one stored block. Its tokens are either ids (toks, from a message) or the packed
+// varints the wire carries (packed, from ApplyEncoded, checked to be exactly what packing the ids
+// writes), which the arena takes as they are.
+type blockOp struct {
+	hash       int64
+	loraID     int64
+	cacheLevel int32
+	blockSize  int32
+	has        uint16 // hasLoraID, hasCacheLevel
+	toks       []uint32
+	packed     []byte
+	extraKeys  []*kvpb.KvBlockExtraKey
+}
+
+// storeOpOf reads a stored event into the record's reused storeOp.
+func (r *Record) storeOpOf(s *kvpb.KvBlocksStored) *storeOp {
+	op := &r.op
+	op.tail = storeTail(s)
+	op.parent, op.hasParent = 0, false
+	if s.ParentBlockHash != nil {
+		op.parent, op.hasParent = *s.ParentBlockHash, true
+	}
+	op.borrowed = false
+	op.listed, op.hasNil = len(s.Blocks), false
+	op.blocks = op.blocks[:0]
+	for _, blk := range s.Blocks {
+		if blk == nil {
+			op.hasNil = true
+			continue
+		}
+		b := blockOp{hash: blk.BlockHash, blockSize: blk.BlockSize, toks: blk.TokenIds, extraKeys: blk.ExtraKeys}
+		if blk.LoraId != nil {
+			b.has |= hasLoraID
+			b.loraID = *blk.LoraId
+		}
+		if blk.CacheLevel != nil {
+			b.has |= hasCacheLevel
+			b.cacheLevel = *blk.CacheLevel
+		}
+		op.blocks = append(op.blocks, b)
+	}
+	return op
+}
+
+// applyStore applies one stored event and reports whether it was taken for a re-announcement.
+func (r *Record) applyStore(rank int32, op *storeOp) bool {
+	if r.reportModeFull && r.reannouncement(rank, op) {
+		r.reannounced++
+		r.reannouncedBlocks += uint64(op.listed)
+		return true
+	}
+	r.store(rank, op)
+	return false
+}
+
+// tier is the tier the store applies to: its tier field when set, else its first block's cache
+// level.
+func (op *storeOp) tier() uint8 {
+	b := &op.blocks[0]
+	return tierFrom(op.tail.has&hasTier != 0, op.tail.tier, b.has&hasCacheLevel != 0, b.cacheLevel)
 }
 
 // IsReannouncement reports whether a store is, by the rule read from vLLM's
@@ -172,20 +252,26 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) (reannounced []int) {
 // engine: the block leaves the record at its first removal while the engine
 // still holds it (a missing block, never a phantom).
 func (r *Record) IsReannouncement(rank int32, s *kvpb.KvBlocksStored) bool {
-	blocks := s.GetBlocks()
-	if s.ParentBlockHash != nil || len(blocks) == 0 {
+	op := r.storeOpOf(s)
+	is := r.reannouncement(rank, op)
+	clear(op.blocks)
+	return is
+}
+
+// reannouncement is IsReannouncement's rule.
+func (r *Record) reannouncement(rank int32, op *storeOp) bool {
+	if op.hasParent || op.hasNil || len(op.blocks) == 0 {
 		return false
 	}
 	rs := r.ranks[rank]
 	if rs == nil {
 		return false
 	}
+	tier := op.tier()
 	var prev int64
-	for i, blk := range blocks {
-		if blk == nil {
-			return false
-		}
-		slot, ok := rs.index.find(rs, blk.BlockHash, tierOf(s.Tier, blocks[0].CacheLevel))
+	for i := range op.blocks {
+		h := op.blocks[i].hash
+		slot, ok := rs.index.find(rs, h, tier)
 		if !ok {
 			return false
 		}
@@ -194,7 +280,7 @@ func (r *Record) IsReannouncement(rank int32, s *kvpb.KvBlocksStored) bool {
 		if (i == 0 && hasParent) || (i > 0 && (!hasParent || e.parent != prev)) {
 			return false
 		}
-		prev = blk.BlockHash
+		prev = h
 	}
 	return true
 }
@@ -241,16 +327,29 @@ func (r *Record) LiveDigest(rank int32) (digest, blocks uint64) {
 // tierOf resolves the tier a store or removal applies to: its tier when set, else its cache level.
 // Tier values the proto does not define count as external, like unknown cache levels.
 func tierOf(t *kvpb.KvCacheTier, level *int32) uint8 {
-	if t != nil && *t != kvpb.KvCacheTier_KV_CACHE_TIER_UNSPECIFIED {
-		if *t >= kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE && *t <= kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL {
-			return uint8(*t)
+	var tier kvpb.KvCacheTier
+	var lvl int32
+	if t != nil {
+		tier = *t
+	}
+	if level != nil {
+		lvl = *level
+	}
+	return tierFrom(t != nil, tier, level != nil, lvl)
+}
+
+// tierFrom is tierOf of fields given with their presence.
+func tierFrom(hasTier bool, t kvpb.KvCacheTier, hasLevel bool, level int32) uint8 {
+	if hasTier && t != kvpb.KvCacheTier_KV_CACHE_TIER_UNSPECIFIED {
+		if t >= kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE && t <= kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL {
+			return uint8(t)
 		}
 		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_EXTERNAL)
 	}
-	if level == nil {
+	if !hasLevel {
 		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
 	}
-	switch *level {
+	switch level {
 	case 0:
 		return uint8(kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE)
 	case 1:
@@ -271,35 +370,19 @@ func (r *Record) rankFor(rank int32) *rankState {
 	return rs
 }
 
-func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
-	blocks := s.GetBlocks()
+func (r *Record) store(rank int32, op *storeOp) {
+	blocks := op.blocks
 	if len(blocks) == 0 {
 		return
 	}
-	var first *kvpb.KvBlock
-	for _, blk := range blocks {
-		if blk != nil {
-			first = blk
-			break
-		}
-	}
-	if first == nil {
-		return
-	}
-	tier := tierOf(s.Tier, first.CacheLevel)
+	tier := op.tier()
 	rs := r.rankFor(rank)
-	key := storeTail(s)
+	key := op.tail
 	var lastKey tailKey
 	lastID := noTail
-	var parent int64
-	hasParent := false
-	if s.ParentBlockHash != nil {
-		parent, hasParent = *s.ParentBlockHash, true
-	}
-	for _, blk := range blocks {
-		if blk != nil {
-			r.touched += rs.index.touchHome(blk.BlockHash, tier)
-		}
+	parent, hasParent := op.parent, op.hasParent
+	for i := range blocks {
+		r.touched += rs.index.touchHome(blocks[i].hash, tier)
 	}
 	allHeld := true
 	defer func() {
@@ -307,12 +390,10 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 			r.duplicateStores++
 		}
 	}()
-	for _, blk := range blocks {
-		if blk == nil {
-			continue
-		}
+	for i := range blocks {
+		blk := &blocks[i]
 		r.stored++
-		h := blk.BlockHash
+		h := blk.hash
 		slot, at, ok := rs.index.lookup(rs, h, tier)
 		allHeld = allHeld && ok
 		if ok {
@@ -328,7 +409,7 @@ func (r *Record) store(rank int32, s *kvpb.KvBlocksStored) {
 			key.setBlock(blk)
 			id := lastID
 			if id == noTail || !key.sameBlockFields(&lastKey) {
-				id = r.tails.intern(&key)
+				id = r.tails.intern(&key, op.borrowed)
 				lastKey, lastID = key, id
 			} else {
 				r.tails.ref(id)
@@ -377,12 +458,12 @@ func (r *Record) evictOldest(rs *rankState, keep uint64) {
 }
 
 // insert adds blk as a new entry; at is where the index lookup that did not find it ended.
-func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint32, parent int64, hasParent bool, at probe) {
+func (r *Record) insert(rs *rankState, blk *blockOp, tier uint8, tail uint32, parent int64, hasParent bool, at probe) {
 	slot := r.allocSlot(rs)
 	seg := r.writableSeg(rs, slot>>segShift)
 	e := &seg.entries[slot&segMask]
 	oldFlags := e.flags & flagsKept
-	e.hash = blk.BlockHash
+	e.hash = blk.hash
 	e.parent = parent
 	e.tier = tier
 	e.copies = 1
@@ -392,11 +473,11 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	}
 	e.tail = tail
 	var extra uint32
-	if len(blk.ExtraKeys) > 0 {
-		extra = r.extras.add(blk.ExtraKeys)
+	if len(blk.extraKeys) > 0 {
+		extra = r.extras.add(blk.extraKeys)
 		flags |= flagExtra
 	}
-	seg.putRecord(e, oldFlags, flags, blk.TokenIds, extra, r.shared())
+	seg.putRecord(e, oldFlags, flags, blk.toks, blk.packed, extra, r.shared())
 	if rs.nextOrder == maxOrder {
 		r.renumber(rs)
 	}
@@ -407,17 +488,16 @@ func (r *Record) insert(rs *rankState, blk *kvpb.KvBlock, tier uint8, tail uint3
 	rs.entries++
 	rs.tiers[tier]++
 	rs.blocks++
-	rs.count(blk.BlockHash, tier, 1)
+	rs.count(blk.hash, tier, 1)
 }
 
-func (r *Record) remove(rank int32, rm *kvpb.KvBlocksRemoved) {
-	hashes := rm.GetBlockHashes()
+// remove applies one removal of hashes on tier.
+func (r *Record) remove(rank int32, tier uint8, hashes []int64) {
 	rs := r.ranks[rank]
 	if rs == nil {
 		r.removedUnknown += uint64(len(hashes))
 		return
 	}
-	tier := tierOf(rm.Tier, rm.CacheLevel)
 	for _, h := range hashes {
 		r.touched += rs.index.touchHome(h, tier)
 	}

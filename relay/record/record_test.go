@@ -702,7 +702,8 @@ func TestRecordsOfEverySizeRoundTrip(t *testing.T) {
 // TestPutRecordPlacesEveryRecordWhereItBelongs drives putRecord on one slot through each way a
 // record is placed: packed past the arena's end and kept there, packed there and copied into the
 // slot's freed record, sized first when the arena lacks the worst case's room, and appended
-// while a Cut may read the old record, whose bytes must then stay as they were.
+// while a Cut may read the old record, whose bytes must then stay as they were. Each case runs
+// with the tokens given as ids and given packed (ApplyEncoded's), which must place them alike.
 func TestPutRecordPlacesEveryRecordWhereItBelongs(t *testing.T) {
 	toks := func(n int, v uint32) []uint32 {
 		out := make([]uint32, n)
@@ -749,50 +750,56 @@ func TestPutRecordPlacesEveryRecordWhereItBelongs(t *testing.T) {
 			{toks: toks(1, 5)}, // no Cut left: the arena is private again
 		}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			seg := &segment{entries: new([segSize]entry), tokens: make([]byte, 0, tc.arenaCap)}
-			e := &seg.entries[0]
-			for i, p := range tc.puts {
-				if p.shared {
-					seg.sharedArena = true
-				}
-				oldFlags, oldOff := e.flags&flagsKept, e.tokOff
-				var before []byte
-				if oldFlags&flagRecord != 0 {
-					before = slices.Clone(seg.tokens[:len(seg.tokens)])
-				}
-				flags := uint8(flagLive)
-				if p.extra {
-					flags |= flagExtra
-				}
-				extra := uint32(0xA0B0C0D0 + i)
-				seg.putRecord(e, oldFlags, flags, p.toks, extra, p.cutsLive)
-				var want []byte
-				for _, v := range p.toks {
-					want = protowire.AppendVarint(want, uint64(v))
-				}
-				if got := seg.tokensOf(e); !bytes.Equal(got, want) {
-					t.Fatalf("put %d: tokens %x, want %x", i, got, want)
-				}
-				if p.extra && seg.extraOf(e) != extra {
-					t.Fatalf("put %d: extra id %x, want %x", i, seg.extraOf(e), extra)
-				}
-				if e.flags != flags|flagRecord {
-					t.Fatalf("put %d: flags %b, want %b", i, e.flags, flags|flagRecord)
-				}
-				if before != nil {
-					if moved := e.tokOff != oldOff; moved != p.wantMoved {
-						t.Fatalf("put %d: record moved %v, want %v", i, moved, p.wantMoved)
+		for _, packed := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/packed=%v", tc.name, packed), func(t *testing.T) {
+				seg := &segment{entries: new([segSize]entry), tokens: make([]byte, 0, tc.arenaCap)}
+				e := &seg.entries[0]
+				for i, p := range tc.puts {
+					if p.shared {
+						seg.sharedArena = true
 					}
-					if p.cutsLive && !bytes.Equal(seg.tokens[:len(before)], before) {
-						t.Fatalf("put %d: a record a Cut may read was overwritten", i)
+					oldFlags, oldOff := e.flags&flagsKept, e.tokOff
+					var before []byte
+					if oldFlags&flagRecord != 0 {
+						before = slices.Clone(seg.tokens[:len(seg.tokens)])
 					}
+					flags := uint8(flagLive)
+					if p.extra {
+						flags |= flagExtra
+					}
+					extra := uint32(0xA0B0C0D0 + i)
+					var want []byte
+					for _, v := range p.toks {
+						want = protowire.AppendVarint(want, uint64(v))
+					}
+					if packed {
+						seg.putRecord(e, oldFlags, flags, nil, slices.Clone(want), extra, p.cutsLive)
+					} else {
+						seg.putRecord(e, oldFlags, flags, p.toks, nil, extra, p.cutsLive)
+					}
+					if got := seg.tokensOf(e); !bytes.Equal(got, want) {
+						t.Fatalf("put %d: tokens %x, want %x", i, got, want)
+					}
+					if p.extra && seg.extraOf(e) != extra {
+						t.Fatalf("put %d: extra id %x, want %x", i, seg.extraOf(e), extra)
+					}
+					if e.flags != flags|flagRecord {
+						t.Fatalf("put %d: flags %b, want %b", i, e.flags, flags|flagRecord)
+					}
+					if before != nil {
+						if moved := e.tokOff != oldOff; moved != p.wantMoved {
+							t.Fatalf("put %d: record moved %v, want %v", i, moved, p.wantMoved)
+						}
+						if p.cutsLive && !bytes.Equal(seg.tokens[:len(before)], before) {
+							t.Fatalf("put %d: a record a Cut may read was overwritten", i)
+						}
+					}
+					if _, end := seg.record(e); end > len(seg.tokens) {
+						t.Fatalf("put %d: record ends at %d, past the arena's %d bytes", i, end, len(seg.tokens))
+					}
+					e.flags &= flagsKept // freed, for the next put
 				}
-				if _, end := seg.record(e); end > len(seg.tokens) {
-					t.Fatalf("put %d: record ends at %d, past the arena's %d bytes", i, end, len(seg.tokens))
-				}
-				e.flags &= flagsKept // freed, for the next put
-			}
-		})
+			})
+		}
 	}
 }

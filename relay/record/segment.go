@@ -119,7 +119,10 @@ func uvarint(b []byte) (uint64, int) {
 // slot. Sizing the tokens first and packing them second walked them twice, a quarter of the
 // record's cost per block. When the arena lacks the worst case's room, the record is sized first
 // so that the arena grows by what records really take (grow), not by the worst case.
-func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extra uint32, cutsLive bool) {
+//
+// Tokens come as ids (toks) or, when packed is not nil, already packed (ApplyEncoded's, checked
+// to be the bytes packing the ids writes): those are copied as they are, their size known.
+func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, packed []byte, extra uint32, cutsLive bool) {
 	if s.sharedArena && !cutsLive {
 		s.sharedArena = false
 	}
@@ -135,7 +138,7 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 	off := len(s.tokens)
 	maxTok := 5 * len(toks)
 	head := protowire.SizeVarint(uint64(maxTok))
-	if room := cap(s.tokens) - off; room >= head+maxTok+extraIDBytes {
+	if room := cap(s.tokens) - off; packed == nil && room >= head+maxTok+extraIDBytes {
 		b := s.tokens[off : off+head+maxTok+extraIDBytes]
 		end := packTokens(b, head, toks)
 		tokBytes := end - head
@@ -159,7 +162,7 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 			// Compacting moves the arena: pack the record again after it (rare, an eighth of
 			// the arena turned over).
 			s.compact(e)
-			s.appendRecord(e, toks, extra, flags)
+			s.appendRecord(e, toks, nil, extra, flags)
 			return
 		}
 		e.tokOff = uint32(off)
@@ -167,22 +170,22 @@ func (s *segment) putRecord(e *entry, oldFlags, flags uint8, toks []uint32, extr
 		s.records++
 		return
 	}
-	if tokBytes := tokensSize(toks); !s.sharedArena && oldCap >= recordSize(tokBytes, flags) {
+	if tokBytes := tokensSize(toks, packed); !s.sharedArena && oldCap >= recordSize(tokBytes, flags) {
 		s.garbage += oldCap - recordSize(tokBytes, flags)
-		s.writeRecord(int(e.tokOff), tokBytes, toks, extra, flags)
+		s.writeRecord(int(e.tokOff), tokBytes, toks, packed, extra, flags)
 		return
 	}
 	s.garbage += oldCap
 	if s.garbage > arenaSlack && s.garbage > len(s.tokens)/arenaGarbageShare {
 		s.compact(e)
 	}
-	s.appendRecord(e, toks, extra, flags)
+	s.appendRecord(e, toks, packed, extra, flags)
 }
 
 // appendRecord places the entry's record at the arena's end, sized first, growing the arena if
 // needed.
-func (s *segment) appendRecord(e *entry, toks []uint32, extra uint32, flags uint8) {
-	tokBytes := tokensSize(toks)
+func (s *segment) appendRecord(e *entry, toks []uint32, packed []byte, extra uint32, flags uint8) {
+	tokBytes := tokensSize(toks, packed)
 	n := recordSize(tokBytes, flags)
 	if cap(s.tokens)-len(s.tokens) < n {
 		s.grow(n)
@@ -191,11 +194,14 @@ func (s *segment) appendRecord(e *entry, toks []uint32, extra uint32, flags uint
 	e.tokOff = uint32(off)
 	s.tokens = s.tokens[:off+n]
 	s.records++
-	s.writeRecord(off, tokBytes, toks, extra, flags)
+	s.writeRecord(off, tokBytes, toks, packed, extra, flags)
 }
 
-// tokensSize is the bytes toks take packed.
-func tokensSize(toks []uint32) int {
+// tokensSize is the bytes the tokens take packed.
+func tokensSize(toks []uint32, packed []byte) int {
+	if packed != nil {
+		return len(packed)
+	}
 	n := 0
 	for _, t := range toks {
 		n += varintLen32(t)
@@ -212,9 +218,13 @@ func recordSize(tokBytes int, flags uint8) int {
 	return n
 }
 
-func (s *segment) writeRecord(off, tokBytes int, toks []uint32, extra uint32, flags uint8) {
+func (s *segment) writeRecord(off, tokBytes int, toks []uint32, packed []byte, extra uint32, flags uint8) {
 	i := putVarint(s.tokens, off, uint64(tokBytes))
-	i = packTokens(s.tokens, i, toks)
+	if packed != nil {
+		i += copy(s.tokens[i:], packed)
+	} else {
+		i = packTokens(s.tokens, i, toks)
+	}
 	if flags&flagExtra != 0 {
 		binary.LittleEndian.PutUint32(s.tokens[i:], extra)
 	}

@@ -3,6 +3,7 @@ package record
 import (
 	"encoding/binary"
 	"hash/maphash"
+	"strings"
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
@@ -94,24 +95,23 @@ func storeTail(s *kvpb.KvBlocksStored) tailKey {
 	return k
 }
 
-func (k *tailKey) setBlock(b *kvpb.KvBlock) {
-	k.blockSize = b.BlockSize
-	k.has &^= hasLoraID | hasCacheLevel
-	k.loraID, k.cacheLevel = 0, 0
-	if b.LoraId != nil {
-		k.has |= hasLoraID
-		k.loraID = *b.LoraId
-	}
-	if b.CacheLevel != nil {
-		k.has |= hasCacheLevel
-		k.cacheLevel = *b.CacheLevel
-	}
+func (k *tailKey) setBlock(b *blockOp) {
+	k.blockSize = b.blockSize
+	k.has = k.has&^(hasLoraID|hasCacheLevel) | b.has
+	k.loraID, k.cacheLevel = b.loraID, b.cacheLevel
 }
 
 // sameBlockFields reports whether two keys of one store have the same per-block fields (the only
 // ones setBlock changes): comparing them is enough, and cheaper than the whole key with its strings.
 func (k *tailKey) sameBlockFields(o *tailKey) bool {
 	return k.blockSize == o.blockSize && k.has == o.has && k.loraID == o.loraID && k.cacheLevel == o.cacheLevel
+}
+
+// ownStrings replaces the key's strings by copies of their own.
+func (k *tailKey) ownStrings() {
+	for _, s := range [...]*string{&k.medium, &k.kind, &k.ownership, &k.sessionID, &k.loraName, &k.cacheSalt} {
+		*s = strings.Clone(*s)
+	}
 }
 
 // storedEvent returns a Stored event with the tail's store-level fields and no blocks.
@@ -193,7 +193,9 @@ func (t *tailTable) hash(k *tailKey) uint64 {
 	return h.Sum64()
 }
 
-func (t *tailTable) intern(k *tailKey) uint32 {
+// intern returns the id of k, counting one more reference. borrowed: k's strings alias bytes the
+// caller reuses (ApplyEncoded's batch), so a new entry copies them.
+func (t *tailTable) intern(k *tailKey, borrowed bool) uint32 {
 	hk := t.hash(k)
 	head, found := t.ids[hk]
 	if found {
@@ -207,6 +209,9 @@ func (t *tailTable) intern(k *tailKey) uint32 {
 		head = noTail
 	}
 	c := *k
+	if borrowed {
+		c.ownStrings()
+	}
 	var id uint32
 	if n := len(t.free); n > 0 {
 		id = t.free[n-1]
