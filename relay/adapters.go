@@ -3,15 +3,11 @@ package relay
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
-	"google.golang.org/protobuf/proto"
-
 	"github.com/kvrelay/kvrelay/engines/wire"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
 )
@@ -116,18 +112,9 @@ func newRecordAdapter(reportModeFull bool, maxEntries int) liveRecord {
 	return recordAdapter{rec}
 }
 
-// applyEncoded decodes enc and applies the message: the record's own
-// wire-form Apply replaces this.
 func (a recordAdapter) applyEncoded(enc []byte) (applied, error) {
-	b := &kvpb.KvEventBatch{}
-	if err := proto.Unmarshal(enc, b); err != nil {
-		return applied{}, fmt.Errorf("record: decoding a batch: %w", err)
-	}
-	got := applied{reannounced: a.Apply(b), events: len(b.Events)}
-	for _, ev := range b.Events {
-		got.storedBlocks += len(ev.GetStored().GetBlocks())
-	}
-	return got, nil
+	got, err := a.ApplyEncoded(enc)
+	return applied{reannounced: got.Reannounced, events: got.Events, storedBlocks: got.StoredBlocks}, err
 }
 
 func (a recordAdapter) evictedFrom(rank int32) uint64 { return a.EvictedFrom(rank) }
