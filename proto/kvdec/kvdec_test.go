@@ -256,6 +256,17 @@ func TestStructuredInputs(t *testing.T) {
 		{"block fields twice, the last wins and tokens add up", inBlock(w{}.varint(4, 5).varint(3, 7).varint(1, 9).
 			bytes(2, packed(4)).varint(4, 6).varint(3, 8).varint(1, 10).bytes(2, packed(5, 1<<35))), true},
 		{"negative lora_id and block_size", inBlock(w{}.varint(3, math.MaxUint64).varint(4, math.MaxUint64-1)), true},
+		{"block hashes of nine and ten bytes, then more fields", inStored(w{}.msg(1, w{}.varint(1, math.MaxInt64).varint(3, 16)).
+			msg(1, w{}.varint(1, 1<<63|0x0123456789abcdef).varint(4, 7)).msg(1, w{}.varint(1, math.MaxUint64).bytes(2, packed(9))).
+			msg(1, w{}.varint(1, 1<<56).varint(1, 1<<56-1))), true},
+		{"block hashes of nine and ten bytes ending the block", inStored(w{}.msg(1, w{}.varint(1, math.MaxInt64)).
+			msg(1, w{}.varint(1, math.MaxUint64))), true},
+		{"a ten-byte block hash written over-long", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00, 0x18, 0x01)), true},
+		{"a ten-byte block hash overflowing", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02, 0x18, 0x01)), false},
+		{"an eleven-byte block hash", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0x18)), false},
 		{"block hash cut short at the block's end", inBlock(w{}.tag(1, protowire.VarintType).append(0x80)), false},
 		{"block hash of eleven bytes", inBlock(w{}.tag(1, protowire.VarintType).append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01)), false},
 		{"tokens one byte past the block's end", inBlock(w{}.tag(2, protowire.BytesType).append(3, 1, 2)), false},
