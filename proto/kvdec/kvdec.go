@@ -23,6 +23,7 @@
 package kvdec
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -485,6 +486,16 @@ func (d *Decoder) optString(b []byte, p **string) (int, error) {
 func (d *Decoder) decodeStored(b []byte, m *kvpb.KvBlocksStored) error {
 	blocksAt := len(d.blockPtrs)
 	for len(b) > 0 {
+		// A block under 128 bytes (a snapshot's are about 65) is taken here,
+		// its tag and length one byte each, before the general walk below.
+		if len(b) >= 2 && b[0] == tagStoredBlock && b[1] < 0x80 && int(b[1]) <= len(b)-2 {
+			end := 2 + int(b[1])
+			if err := d.storedBlock(b[2:end], m, blocksAt); err != nil {
+				return err
+			}
+			b = b[end:]
+			continue
+		}
 		num, typ, n, err := field(b)
 		if err != nil {
 			return err
@@ -496,11 +507,9 @@ func (d *Decoder) decodeStored(b []byte, m *kvpb.KvBlocksStored) error {
 			if v, n, err = bytesField(b); err != nil {
 				return fieldErr("blocks", err)
 			}
-			blk := d.blocks.next()
-			if err := d.decodeBlock(v, blk); err != nil {
-				return fmt.Errorf("blocks[%d]: %w", len(m.Blocks)+len(d.blockPtrs)-blocksAt, err)
+			if err := d.storedBlock(v, m, blocksAt); err != nil {
+				return err
 			}
-			d.blockPtrs = append(d.blockPtrs, blk)
 		case typ == protowire.VarintType && (num == 2 || num == 3 || num == 5 || num == 7 || num == 8):
 			var v uint64
 			if v, n, err = varint(b); err != nil {
@@ -560,9 +569,68 @@ func (d *Decoder) decodeStored(b []byte, m *kvpb.KvBlocksStored) error {
 	return nil
 }
 
+// storedBlock decodes one of a store's blocks (the store's own blocks before
+// this event's start at blocksAt) and lists it.
+func (d *Decoder) storedBlock(v []byte, m *kvpb.KvBlocksStored, blocksAt int) error {
+	blk := d.blocks.next()
+	if err := d.decodeBlock(v, blk); err != nil {
+		return fmt.Errorf("blocks[%d]: %w", len(m.Blocks)+len(d.blockPtrs)-blocksAt, err)
+	}
+	d.blockPtrs = append(d.blockPtrs, blk)
+	return nil
+}
+
+// One-byte tags of the fields every block a relay sends carries.
+const (
+	tagStoredBlock = 1<<3 | byte(protowire.BytesType)  // KvBlocksStored.blocks
+	tagBlockHash   = 1<<3 | byte(protowire.VarintType) // KvBlock.block_hash
+	tagBlockTokens = 2<<3 | byte(protowire.BytesType)  // KvBlock.token_ids, packed
+	tagBlockSize   = 3<<3 | byte(protowire.VarintType) // KvBlock.block_size
+	tagBlockLoraID = 4<<3 | byte(protowire.VarintType) // KvBlock.lora_id
+)
+
 func (d *Decoder) decodeBlock(b []byte, m *kvpb.KvBlock) error {
 	tokensAt := len(d.tokens)
 	for len(b) > 0 {
+		// The fields a relay writes for every block, in the forms it writes
+		// them, are read here without the general walk below (its calls and
+		// checks per field were a third of a snapshot's decoding); anything
+		// else, a malformed value included, falls through to it and decodes
+		// or fails exactly as there.
+		if len(b) >= 2 {
+			switch c1 := b[1]; b[0] {
+			case tagBlockHash:
+				if v, n := consumeVarint64(b[1:]); n > 0 {
+					m.BlockHash = int64(v)
+					b = b[1+n:]
+					continue
+				}
+			case tagBlockTokens:
+				if c1 < 0x80 && int(c1) <= len(b)-2 {
+					end := 2 + int(c1)
+					var err error
+					if d.tokens, err = appendPackedUint32(d.tokens, b[2:end]); err != nil {
+						return fieldErr("token_ids", err)
+					}
+					b = b[end:]
+					continue
+				}
+			case tagBlockSize:
+				if c1 < 0x80 {
+					m.BlockSize = int32(c1)
+					b = b[2:]
+					continue
+				}
+			case tagBlockLoraID:
+				if c1 < 0x80 {
+					p := d.ints.next()
+					*p = int64(c1)
+					m.LoraId = p
+					b = b[2:]
+					continue
+				}
+			}
+		}
 		num, typ, n, err := field(b)
 		if err != nil {
 			return err
@@ -618,6 +686,28 @@ func (d *Decoder) decodeBlock(b []byte, m *kvpb.KvBlock) error {
 		m.TokenIds = d.tokens[tokensAt:k:k]
 	}
 	return nil
+}
+
+// consumeVarint64 is protowire.ConsumeVarint, reading the first eight bytes
+// at once when all eight continue: a block hash with its top bit set takes
+// ten (engines' hashes are uniform 64-bit values, half of them below zero as
+// an int64), which ConsumeVarint reads a byte at a time, about 100
+// instructions. Anything else, a malformed varint included, goes through
+// ConsumeVarint.
+func consumeVarint64(b []byte) (uint64, int) {
+	if len(b) >= 10 {
+		x := binary.LittleEndian.Uint64(b)
+		if x&0x8080808080808080 == 0x8080808080808080 {
+			v := x&0x7f | x>>1&(0x7f<<7) | x>>2&(0x7f<<14) | x>>3&(0x7f<<21) |
+				x>>4&(0x7f<<28) | x>>5&(0x7f<<35) | x>>6&(0x7f<<42) | x>>7&(0x7f<<49)
+			if c := b[8]; c < 0x80 {
+				return v | uint64(c)<<56, 9
+			} else if d := b[9]; d <= 1 { // a tenth byte above 1 overflows
+				return v | uint64(c&0x7f)<<56 | uint64(d)<<63, 10
+			}
+		}
+	}
+	return protowire.ConsumeVarint(b)
 }
 
 // appendPackedUint32 appends the packed varints of p, each truncated to 32

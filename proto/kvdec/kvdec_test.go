@@ -244,6 +244,36 @@ func TestStructuredInputs(t *testing.T) {
 				msg(1, w{}.varint(4, 0).varint(5, math.MaxUint64)))).
 			msg(3, w{}.msg(3, w{}.varint(2, 1).varint(3, 1).bytes(4, []byte("m")).varint(5, 2).varint(6, 2).bytes(7, []byte("o")))).
 			msg(3, w{}.msg(4, nil)), true},
+		// The one-byte forms a block's fields are read in without the general walk, at and
+		// past their edges: each side must decode (or fail) as proto.Unmarshal does.
+		{"block fields at the one-byte edge", inBlock(w{}.varint(1, math.MaxUint64).bytes(2, bytes.Repeat([]byte{1}, 127)).
+			varint(3, 127).varint(4, 127)), true},
+		{"block fields one past the one-byte edge", inBlock(w{}.varint(1, 1<<63).bytes(2, bytes.Repeat([]byte{1}, 128)).
+			varint(3, 128).varint(4, 128)), true},
+		{"a block of 127 bytes and one of 128", inStored(w{}.msg(1, w{}.bytes(2, bytes.Repeat([]byte{2}, 125))).
+			msg(1, w{}.bytes(2, bytes.Repeat([]byte{3}, 125)).varint(3, 1))), true},
+		{"an empty block", inStored(w{}.msg(1, nil)), true},
+		{"block fields twice, the last wins and tokens add up", inBlock(w{}.varint(4, 5).varint(3, 7).varint(1, 9).
+			bytes(2, packed(4)).varint(4, 6).varint(3, 8).varint(1, 10).bytes(2, packed(5, 1<<35))), true},
+		{"negative lora_id and block_size", inBlock(w{}.varint(3, math.MaxUint64).varint(4, math.MaxUint64-1)), true},
+		{"block hashes of nine and ten bytes, then more fields", inStored(w{}.msg(1, w{}.varint(1, math.MaxInt64).varint(3, 16)).
+			msg(1, w{}.varint(1, 1<<63|0x0123456789abcdef).varint(4, 7)).msg(1, w{}.varint(1, math.MaxUint64).bytes(2, packed(9))).
+			msg(1, w{}.varint(1, 1<<56).varint(1, 1<<56-1))), true},
+		{"block hashes of nine and ten bytes ending the block", inStored(w{}.msg(1, w{}.varint(1, math.MaxInt64)).
+			msg(1, w{}.varint(1, math.MaxUint64))), true},
+		{"a ten-byte block hash written over-long", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00, 0x18, 0x01)), true},
+		{"a ten-byte block hash overflowing", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02, 0x18, 0x01)), false},
+		{"an eleven-byte block hash", inBlock(w{}.tag(1, protowire.VarintType).
+			append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0x18)), false},
+		{"block hash cut short at the block's end", inBlock(w{}.tag(1, protowire.VarintType).append(0x80)), false},
+		{"block hash of eleven bytes", inBlock(w{}.tag(1, protowire.VarintType).append(0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01)), false},
+		{"tokens one byte past the block's end", inBlock(w{}.tag(2, protowire.BytesType).append(3, 1, 2)), false},
+		{"a malformed token inside a block", inBlock(w{}.bytes(2, []byte{1, 0x80})), false},
+		{"block_size with no value", inBlock(w{}.tag(3, protowire.VarintType)), false},
+		{"lora_id cut short", inBlock(w{}.tag(4, protowire.VarintType).append(0x81)), false},
+		{"a block one byte past the store's end", inStored(w{}.tag(1, protowire.BytesType).append(3, 0x08, 1)), false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var d kvdec.Decoder
@@ -255,6 +285,11 @@ func TestStructuredInputs(t *testing.T) {
 }
 
 func (b w) append(bs ...byte) w { return append(b, bs...) }
+
+// inStored is a batch of one event storing the store's fields in stored; inBlock one whose store
+// holds the block's fields in block.
+func inStored(stored w) w { return w{}.msg(3, w{}.msg(2, stored)) }
+func inBlock(block w) w   { return inStored(w{}.msg(1, block)) }
 
 // TestErrorsNameTheField: a refusal says where it was and why.
 func TestErrorsNameTheField(t *testing.T) {

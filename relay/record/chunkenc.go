@@ -45,7 +45,7 @@ func (st *ChunkStream) NextEncoded() []byte {
 	if h.index == 0 {
 		w.buf = append(w.buf, clearEventWire...)
 	}
-	st.fill(p, w.add)
+	st.fillEncoded(p, w)
 	w.close()
 	w.buf = appendBatchTail(w.buf, h)
 	out := w.buf
@@ -180,8 +180,23 @@ func (w *chunkEncoder) tailOf(id uint32) *tailWire {
 // extraOf is an extra-key list as the KvBlock fields that carry it: the record keeps it so.
 func (w *chunkEncoder) extraOf(id uint32) []byte { return w.cut.extras[id] }
 
-// add is chunkWriter.add in wire form.
-func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {
+// fillEncoded is fill for the encoder: the same units in the same order, handed to w.add by a
+// direct call instead of through a func value, and the entry add reads gives the slot's copies
+// (fill reads it again): a tenth of the encoder's instructions per block were this hand-off.
+func (st *ChunkStream) fillEncoded(p *chunkPlan, w *chunkEncoder) {
+	for n := uint64(0); n < p.size && st.pos < len(p.order); n++ {
+		e := w.add(p.order[st.pos], st.slotCopy)
+		st.done++
+		st.slotCopy++
+		if st.slotCopy == uint64(e.copies) {
+			st.pos++
+			st.slotCopy = 0
+		}
+	}
+}
+
+// add is chunkWriter.add in wire form; it returns the slot's entry.
+func (w *chunkEncoder) add(slot uint32, copyIdx uint64) *entry {
 	e := w.cr.entry(slot)
 	if copyIdx > 0 || w.last == nil || e.flags&flagParent == 0 || e.parent != w.last.hash ||
 		e.tier != w.last.tier || e.tail != w.last.tail {
@@ -193,10 +208,11 @@ func (w *chunkEncoder) add(slot uint32, copyIdx uint64) {
 	}
 	w.last = e
 	seg := w.cr.segs[slot>>segShift]
-	w.appendBlock(seg, e, seg.tokensOf(e))
+	w.appendBlock(seg, e, packedTokens(seg, e))
 	if copyIdx > 0 {
 		w.close()
 	}
+	return e
 }
 
 // appendBlock writes one block; toks are its token ids packed as the wire packs them (the
@@ -217,13 +233,15 @@ func (w *chunkEncoder) appendBlock(seg *segment, e *entry, toks []byte) {
 	}
 	// Room for the whole block at once, then plain stores: append's capacity check per byte was
 	// most of the encoding's time.
-	b := w.buf
 	need := 1 + protowire.SizeVarint(uint64(n)) + n
-	if cap(b)-len(b) < need {
-		b = append(b[:cap(b)], make([]byte, max(need, cap(b)/2))...)[:len(b)]
+	if cap(w.buf)-len(w.buf) < need {
+		w.buf = append(w.buf[:cap(w.buf)], make([]byte, max(need, cap(w.buf)/2))...)[:len(w.buf)]
 	}
-	i := len(b)
-	b = b[:i+need]
+	i := len(w.buf)
+	// w.buf is resliced in place, here and at the end: storing another slice into it would be a
+	// pointer write, with the collector's write barrier while it marks.
+	w.buf = w.buf[:i+need]
+	b := w.buf
 	b[i] = tagStoredBlock
 	i = putVarint(b, i+1, uint64(n))
 	if e.hash != 0 {
@@ -235,11 +253,31 @@ func (w *chunkEncoder) appendBlock(seg *segment, e *entry, toks []byte) {
 		i = putVarint(b, i+1, uint64(tokBytes))
 		i += copy(b[i:], toks)
 	}
-	i += copy(b[i:], w.tail.block)
+	if tb := w.tail.block; len(tb) <= 8 {
+		// A few bytes (block_size, lora_id, cache_level): a call of memmove costs more.
+		for _, c := range tb {
+			b[i] = c
+			i++
+		}
+	} else {
+		i += copy(b[i:], tb)
+	}
 	if len(extra) > 0 {
 		i += copy(b[i:], extra)
 	}
-	w.buf = b[:i]
+	w.buf = w.buf[:i]
+}
+
+// packedTokens is seg.tokensOf(e) for a snapshot's reader: a record's length takes one byte
+// when its tokens take under 128 (16 tokens of any vocabulary do), read here without the
+// general varint loop of segment.record, which was a tenth of the snapshot's ordering and
+// encoding (each reads every live record once).
+func packedTokens(seg *segment, e *entry) []byte {
+	off := int(e.tokOff)
+	if n := int(seg.tokens[off]); n < 0x80 {
+		return seg.tokens[off+1 : off+1+n : off+1+n]
+	}
+	return seg.tokensOf(e)
 }
 
 // putVarint writes v at b[i:], which has room, and returns the index after it.

@@ -170,8 +170,9 @@ func (c *Cut) Stream(cursors map[int32]uint64, unknownBefore map[int32]uint64, t
 	st.plans = make([]chunkPlan, 0, len(c.ranks))
 	for i := range c.ranks {
 		cr := &c.ranks[i]
-		p := chunkPlan{cr: cr, order: c.orderRank(cr), size: ChunkBlocks}
-		limit := uint64(max(1, MaxChunkBytes/c.maxUnitBytes(cr, p.order)))
+		order, unitBytes := c.orderRankSized(cr)
+		p := chunkPlan{cr: cr, order: order, size: ChunkBlocks}
+		limit := uint64(max(1, MaxChunkBytes/unitBytes))
 		cursor := cursors[cr.rank]
 		p.chunks = ceilDiv(cr.blocks, p.size)
 		for cursor != math.MaxUint64 && p.chunks > cursor+1 && p.size < cr.blocks && p.size*2 <= limit {
@@ -291,37 +292,43 @@ func (st *ChunkStream) finish(p *chunkPlan) {
 	}
 }
 
-// maxUnitBytes bounds the encoding of any one unit of the rank, as if it were an event of its own
-// (a unit that chains onto the previous one costs less): the event and store framing with the
-// tail's fields, the parent hash, and the block with its tokens, optionals and extra keys.
-func (c *Cut) maxUnitBytes(cr *cutRank, order []uint32) int {
-	tailBytes := map[uint32]int{}
-	largest := 1
-	// Neighbours nearly always share a tail: remember the last one instead of a map access per
-	// entry.
-	lastTail, tb := noTail, 0
-	for _, slot := range order {
-		e := cr.entry(slot)
-		if e.tail != lastTail {
-			var ok bool
-			if tb, ok = tailBytes[e.tail]; !ok {
-				tb = proto.Size(c.tails[e.tail].storedEvent())
-				tailBytes[e.tail] = tb
-			}
-			lastTail = e.tail
+// unitSizer bounds the encoding of any one unit of a rank, as if it were an event of its own (a
+// unit that chains onto the previous one costs less): the event and store framing with the
+// tail's fields, the parent hash, and the block with its tokens, optionals and extra keys. The
+// bound sizes a rank's chunks (Stream), so it is taken over every live entry.
+type unitSizer struct {
+	c         *Cut
+	tailBytes map[uint32]int
+	// Neighbours nearly always share a tail: the last one is remembered instead of a map
+	// access per entry.
+	lastTail uint32
+	tb       int
+	largest  int
+}
+
+func newUnitSizer(c *Cut) unitSizer {
+	return unitSizer{c: c, tailBytes: map[uint32]int{}, lastTail: noTail, largest: 1}
+}
+
+// add takes a live entry of seg into the bound.
+func (u *unitSizer) add(seg *segment, e *entry) {
+	if e.tail != u.lastTail {
+		var ok bool
+		if u.tb, ok = u.tailBytes[e.tail]; !ok {
+			u.tb = proto.Size(u.c.tails[e.tail].storedEvent())
+			u.tailBytes[e.tail] = u.tb
 		}
-		seg := cr.segs[slot>>segShift]
-		var xb int
-		if e.flags&flagExtra != 0 {
-			xb = len(c.extras[seg.extraOf(e)])
-		}
-		// 6 per length-delimited header, 11 per varint field with its tag; the tokens as packed.
-		n := 3*6 + tb + 11 + // event, stored, block list framing; the parent hash
-			6 + 11 + 6 + 11 + 6 + // block framing; hash, block size, lora id, cache level
-			6 + len(seg.tokensOf(e)) + xb
-		largest = max(largest, n)
+		u.lastTail = e.tail
 	}
-	return largest
+	var xb int
+	if e.flags&flagExtra != 0 {
+		xb = len(u.c.extras[seg.extraOf(e)])
+	}
+	// 6 per length-delimited header, 11 per varint field with its tag; the tokens as packed.
+	n := 3*6 + u.tb + 11 + // event, stored, block list framing; the parent hash
+		6 + 11 + 6 + 11 + 6 + // block framing; hash, block size, lora id, cache level
+		6 + len(packedTokens(seg, e)) + xb
+	u.largest = max(u.largest, n)
 }
 
 func ceilDiv(a, b uint64) uint64 { return (a + b - 1) / b }
@@ -471,48 +478,68 @@ const (
 // the slot next to their parent's (slots are handed out in store order, and freed slots come back
 // in runs): then the index holds only the parents that no neighbour supplies.
 func (c *Cut) orderRank(cr *cutRank) []uint32 {
-	marks := make([]uint8, cr.used)
-	neighbour := func(slot uint32) (uint32, bool) { return 0, false }
-	var byHash *hashIndex
-	if cr.tiers <= 1 {
-		neighbour = func(slot uint32) (uint32, bool) {
-			e := cr.entry(slot)
-			if e.flags&flagParent == 0 {
-				return 0, false
-			}
-			if slot > 0 {
-				if p := cr.entry(slot - 1); p.flags&flagLive != 0 && p.hash == e.parent {
-					return slot - 1, true
-				}
-			}
-			if slot+1 < cr.used {
-				if p := cr.entry(slot + 1); p.flags&flagLive != 0 && p.hash == e.parent {
-					return slot + 1, true
-				}
-			}
-			return 0, false
+	order, _ := c.orderRankSized(cr)
+	return order
+}
+
+// parentNextTo finds the live parent of the entry at slot in a neighbouring slot (a rank of one
+// tier: each hash has one entry).
+func (cr *cutRank) parentNextTo(slot uint32, e *entry) (uint32, bool) {
+	if e.flags&flagParent == 0 {
+		return 0, false
+	}
+	if slot > 0 {
+		if p := cr.entry(slot - 1); p.flags&flagLive != 0 && p.hash == e.parent {
+			return slot - 1, true
 		}
-		wanted := newHashSet()
-		for slot := uint32(0); slot < cr.used; slot++ {
-			if e := cr.entry(slot); e.flags&(flagLive|flagParent) == flagLive|flagParent {
-				if _, ok := neighbour(slot); !ok {
+	}
+	if slot+1 < cr.used {
+		if p := cr.entry(slot + 1); p.flags&flagLive != 0 && p.hash == e.parent {
+			return slot + 1, true
+		}
+	}
+	return 0, false
+}
+
+// orderRankSized is orderRank, and the unitSizer bound of the rank's units, taken in the same
+// pass over the entries that collects the store order and the parents no neighbour supplies: at
+// 1 M blocks each pass reads 32 MB of entries, and these were three (and the bound's a fourth,
+// in emission order), all before the first chunk can go out.
+func (c *Cut) orderRankSized(cr *cutRank) ([]uint32, int) {
+	marks := make([]uint8, cr.used)
+	single := cr.tiers <= 1
+	var wanted *hashSet
+	if single {
+		wanted = newHashSet()
+	}
+	sizer := newUnitSizer(c)
+	keys := make([]uint64, 0, cr.entries)
+	sorted := true // a record that never reused a slot is in store order already
+	for si, seg := range cr.segs {
+		base := uint32(si) << segShift
+		entries := seg.entries[:min(segSize, cr.used-base)]
+		for j := range entries {
+			e := &entries[j]
+			if e.flags&flagLive == 0 {
+				continue
+			}
+			slot := base + uint32(j)
+			if single && e.flags&flagParent != 0 {
+				if _, ok := cr.parentNextTo(slot, e); !ok {
 					wanted.add(e.parent)
 				}
 			}
-		}
-		byHash = newHashIndex(cr, marks, wanted)
-	} else {
-		byHash = newHashIndex(cr, marks, nil)
-	}
-	keys := make([]uint64, 0, cr.entries)
-	sorted := true // a record that never reused a slot is in store order already
-	for slot := uint32(0); slot < cr.used; slot++ {
-		if e := cr.entry(slot); e.flags&flagLive != 0 {
+			sizer.add(seg, e)
 			k := uint64(e.order)<<32 | uint64(slot)
 			sorted = sorted && (len(keys) == 0 || keys[len(keys)-1] < k)
 			keys = append(keys, k)
 		}
 	}
+	neighbour := func(slot uint32) (uint32, bool) { return 0, false }
+	if single {
+		neighbour = func(slot uint32) (uint32, bool) { return cr.parentNextTo(slot, cr.entry(slot)) }
+	}
+	byHash := newHashIndex(cr, marks, wanted)
 	if !sorted {
 		sortByHigh32(keys)
 	}
@@ -600,7 +627,7 @@ func (c *Cut) orderRank(cr *cutRank) []uint32 {
 			stack = stack[:len(stack)-1]
 		}
 	}
-	return out
+	return out, sizer.largest
 }
 
 func cmpOrder(a, b uint32) int {
@@ -662,6 +689,10 @@ func newHashIndex(cr *cutRank, marks []uint8, wanted *hashSet) *hashIndex {
 	}
 	size := max(64, 1<<log2(2*n))
 	ix := &hashIndex{hashes: make([]int64, size), cells: make([]uint32, size), shift: uint8(64 - log2(size))}
+	if wanted != nil && wanted.n == 0 {
+		// Every parent sits next to its child (chains stored in order): no slot to index.
+		return ix
+	}
 	mask := uint64(size - 1)
 	for slot := uint32(0); slot < cr.used; slot++ {
 		e := cr.entry(slot)
