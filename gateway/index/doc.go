@@ -43,11 +43,15 @@
 // redone.
 //
 // Each worker has, per DP rank, a reverse table engine hash → position (run
-// and offset) and copies per tier, 18 bytes a slot, written only by that
-// worker's Apply, which resolves parents and removals and counts physical
-// copies (a removal takes one copy; the worker holds the prefix while any copy
-// on any indexed tier is left). A run counts the reverse entries that name it
-// and is freed when none is left.
+// and offset, packed in 32 bits) and copies per tier, 14 bytes a slot,
+// written only by that worker's Apply, which resolves parents and removals
+// and counts physical copies (a removal takes one copy; the worker holds the
+// prefix while any copy on any indexed tier is left). A run counts the
+// reverse entries that name it and is freed when none is left. The 32-bit
+// position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
+// all); a block that would need a run beyond it is not indexed and counted
+// (WorkerCounters.UnindexedBlocks), the index then under-reporting its
+// worker, never over-reporting.
 //
 // The content hashes of a stored batch can be computed before the index is
 // touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that

@@ -54,6 +54,35 @@ func (l loc) shard() int  { return int(l>>16) & 0xfff }
 func (l loc) run() uint32 { return uint32(l >> 28) }
 func (l loc) off() int    { return int(l & 0xffff) }
 
+// A reverse entry keeps its position in 32 bits, the reverse tables being
+// the index's largest part (a slot per block a worker holds): the offset in
+// the low 8 bits (maxRunLen is 256), the shard in the next shardBits, the
+// run number in the 24-shardBits above. So a shard has at most
+// 2^(24-shardBits)-1 live runs (maxRunsFor; the all-ones word is noPos),
+// 16.7 M runs in all whatever the shard count; a store that needs a run
+// beyond that is not indexed from there on and is counted (see
+// WorkerCounters.UnindexedBlocks).
+const (
+	posOffBits = 8
+	posBits    = 32
+	// noPos marks a reverse entry whose block is not filed (yet): between
+	// a store's two passes, and for a block a full shard could not take.
+	noPos = ^uint32(0)
+)
+
+// maxRunsFor is the most live runs a shard can have with sb shard bits.
+func maxRunsFor(sb uint8) int { return 1<<(posBits-posOffBits-int(sb)) - 1 }
+
+// packLoc is l in a reverse entry's 32 bits (l's run below maxRunsFor(sb)).
+func packLoc(l loc, sb uint8) uint32 {
+	return l.run()<<(posOffBits+sb) | uint32(l.shard())<<posOffBits | uint32(l.off())
+}
+
+// unpackLoc is the loc packed in p by packLoc.
+func unpackLoc(p uint32, sb uint8) loc {
+	return makeLoc(int(p>>posOffBits)&(1<<sb-1), p>>(posOffBits+sb), int(p&(1<<posOffBits-1)))
+}
+
 // A holder word (32 bits) is:
 //
 //	0              no holder
@@ -200,6 +229,11 @@ type shard struct {
 	setsUsed int
 	setsFree []uint32
 	bytes    int // run arrays' capacity in bytes; guarded by mu
+	// maxRuns is the most run numbers the shard may hand out (maxRunsFor:
+	// a reverse entry names a run in the bits packLoc leaves it).
+	maxRuns int
+	// capWarned: the run cap's warning was logged for this shard.
+	capWarned bool
 	// spare holds run arrays given back, by size class, for reuse: runs come
 	// and go with conversations, and allocating their arrays anew made the
 	// garbage collector a fifth of a replay's time.
@@ -215,7 +249,8 @@ type shard struct {
 
 const shardMinSlots = 64
 
-func (s *shard) init() {
+func (s *shard) init(maxRuns int) {
+	s.maxRuns = maxRuns
 	s.tab.Store(newTable(shardMinSlots))
 	s.dir.Store(&runDir{r: make([]atomic.Pointer[run], 16)})
 	s.sets.Store(&slab{words: 1})
@@ -286,19 +321,20 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 	s.heads--
 }
 
-// newRun starts a run at prefix hash p and files it as a head.
-func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
-	return s.newRunFor(p, stamped, sb, 1)
-}
-
-// newRunFor is newRun whose arrays are sized for room positions, the blocks
-// of a stored event that will likely follow p into it (see appendPosFor).
-func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
+// newRunFor starts a run at prefix hash p and files it as a head, its
+// arrays sized for room positions, the blocks of a stored event that will
+// likely follow p into it (see appendPosFor). It returns false, changing
+// nothing, when the shard has maxRuns live runs already: a reverse entry
+// could not name another (see packLoc).
+func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) (uint32, bool) {
 	var idx uint32
 	if k := len(s.runsFree); k > 0 {
 		idx = s.runsFree[k-1]
 		s.runsFree = s.runsFree[:k-1]
 	} else {
+		if s.runsUsed >= s.maxRuns {
+			return 0, false
+		}
 		idx = uint32(s.runsUsed)
 		s.runsUsed++
 		if d := s.dir.Load(); int(idx) >= len(d.r) {
@@ -317,7 +353,7 @@ func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
 	store32(&r.n, 1)
 	s.dir.Load().r[idx].Store(r)
 	s.insertHead(p, idx, sb)
-	return idx
+	return idx, true
 }
 
 // Run arrays come in a few sizes, up to maxRunLen, each half again the one

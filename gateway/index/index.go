@@ -142,6 +142,7 @@ type workerState struct {
 	evSlots   []evSlot
 	evContent []uint64
 	evLocs    []loc
+	evUnfiled []uint64
 }
 
 // evSlot is what a store's first pass (the reverse table) learned about one
@@ -166,6 +167,9 @@ func (ws *workerState) dropLargeScratch() {
 	if cap(ws.evLocs) > scratchCap {
 		ws.evLocs = nil
 	}
+	if cap(ws.evUnfiled) > scratchCap {
+		ws.evUnfiled = nil
+	}
 }
 
 // WorkerCounters count what Apply did with one worker's events (SMG's
@@ -183,6 +187,13 @@ type WorkerCounters struct {
 	SkippedRemote    uint64 // remote-locality events
 	SkippedGroup     uint64 // events of non-main-attention cache groups
 	SkippedTier      uint64 // disk / external tier events
+	// UnindexedBlocks counts stored blocks left out of the index because the
+	// forward shard their run would start in had no run number left (its
+	// cap, maxRunsFor: 2^(24-ShardBits)-1 live runs, 16.7 M runs in all),
+	// and the new blocks chained after them in the same event. The worker
+	// is not taken to hold them (lookups under-report it, never over-report)
+	// and their later removals count as UnknownRemovals.
+	UnindexedBlocks uint64
 	// Stores taken for report-mode "full" re-announcements and applied as no
 	// change (Options.ReportModeFull), and the blocks they listed.
 	ReannouncedStores, ReannouncedBlocks uint64
@@ -215,7 +226,7 @@ func New(opts Options) *Index {
 	}
 	ix.epoch = ix.now()
 	for i := range ix.shards {
-		ix.shards[i].init()
+		ix.shards[i].init(maxRunsFor(uint8(sb)))
 	}
 	if opts.BlockSize > 0 {
 		ix.blockSize.Store(int64(opts.BlockSize))
@@ -492,7 +503,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
-			prevLoc, chained = loc(rt.slots[i].loc), true
+			prevLoc, chained = unpackLoc(rt.slots[i].pos, ix.shardBits), true
 			prev = ix.hashAt(&lk, prevLoc)
 		} else {
 			ws.c.ParentlessStores++
@@ -528,7 +539,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			continue
 		}
 		ws.c.StoredBlocks++
-		i, found := rt.upsert(uint64(blk.BlockHash), 0, withTierCount(0, tier, 1))
+		i, found := rt.upsert(uint64(blk.BlockHash), noPos, withTierCount(0, tier, 1))
 		if found {
 			c := rt.counts(i)
 			if n := tierCount(c, tier); n >= copiesCap {
@@ -541,6 +552,13 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
+	// unfiled lists the new entries whose blocks could not be filed: a shard
+	// at its run cap (maxRunsFor) could not start their run, or they chain
+	// after such a block. They leave the reverse table after this pass (a
+	// deletion now would move the slots the loop still uses), so the worker
+	// does not hold them; prevFiled is false after such a block.
+	unfiled := ws.evUnfiled[:0]
+	prevFiled := true
 	for j, blk := range s.Blocks {
 		if j%settleEvery == settleEvery-1 {
 			lk.settle()
@@ -557,23 +575,43 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			i = rt.find(uint64(blk.BlockHash))
 		}
 		var l loc
-		if slots[j].found {
+		switch {
+		case slots[j].found && rt.slots[i].pos == noPos:
+			// The same engine hash earlier in this event, not filed.
+			ws.c.UnindexedBlocks++
+			prevFiled = false
+		case slots[j].found:
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
-			l = loc(rt.slots[i].loc)
+			l = unpackLoc(rt.slots[i].pos, ix.shardBits)
 			if known := ix.hashAt(&lk, l); known != p {
 				ws.c.EngineConflicts++
 				p = known
 			}
 			ix.addRef(&lk, ws, l, stamp, false)
-		} else {
-			l = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
-			rt.slots[i].loc = uint64(l)
+			prevFiled = true
+		default:
+			var ok bool
+			if prevFiled {
+				l, ok = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
+			}
+			if !ok {
+				ws.c.UnindexedBlocks++
+				unfiled = append(unfiled, uint64(blk.BlockHash))
+				prevFiled = false
+				break
+			}
+			rt.slots[i].pos = packLoc(l, ix.shardBits)
 			ix.addRef(&lk, ws, l, stamp, true)
+			prevFiled = true
 		}
 		chained = true
 		prev, prevLoc = p, l
 	}
+	for _, k := range unfiled {
+		rt.del(rt.find(k))
+	}
+	ws.evUnfiled = unfiled
 }
 
 // reannounced reports whether a parent-less store lists blocks rt already
@@ -600,7 +638,7 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 		if j > 0 {
 			h = ChainHash(prev, h)
 		}
-		if ix.hashAt(lk, loc(rt.slots[i].loc)) != h {
+		if ix.hashAt(lk, unpackLoc(rt.slots[i].pos, ix.shardBits)) != h {
 			return false
 		}
 		prev = h
@@ -626,12 +664,14 @@ func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 // are looked at, under both shards' locks, before anything is added, so p
 // never gets two positions. room counts the event's blocks from p on: a run
 // that p starts or grows gets arrays for all of them at once.
-func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) loc {
+//
+// It returns false when p needs a run of its own in a shard at its run cap.
+func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) (loc, bool) {
 	ps := ix.shardIndex(p)
 	if !chained {
 		lk.need(ps, -1)
 		if l, ok := ix.headLoc(ps, p); ok {
-			return l
+			return l, true
 		}
 		return ix.startRun(lk, ps, p, room)
 	}
@@ -647,13 +687,13 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 	}
 	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
 	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
-	appendHere := func() loc {
+	appendHere := func() (loc, bool) {
 		lk.writeRunAt(a, prev.run(), r)
 		sh.appendPosFor(r, p, room)
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	if next() {
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	// Appending to prev's run is the common case (a conversation's next
 	// turn). It only needs to know that p is not a head, which a lock-free
@@ -664,10 +704,10 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 		return appendHere()
 	}
 	if !lk.need(a, ps) && next() {
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	if l, ok := ix.headLoc(ps, p); ok {
-		return l
+		return l, true
 	}
 	if atEnd() {
 		return appendHere()
@@ -684,10 +724,21 @@ func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
 	return 0, false
 }
 
-// startRun makes p the head of a new run of shard ps (ps locked).
-func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) loc {
+// startRun makes p the head of a new run of shard ps (ps locked); false
+// when the shard is at its run cap, which is logged once per shard.
+func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) (loc, bool) {
+	sh := &ix.shards[ps]
 	lk.write(ps)
-	return makeLoc(ps, ix.shards[ps].newRunFor(p, ix.pruning, ix.shardBits, room), 0)
+	idx, ok := sh.newRunFor(p, ix.pruning, ix.shardBits, room)
+	if !ok {
+		if !sh.capWarned {
+			sh.capWarned = true
+			ix.log.Warn("index: a forward shard has no run number left; blocks that need a new run there are not indexed (counted in UnindexedBlocks) until runs are freed",
+				"shard", ps, "max_runs", sh.maxRuns)
+		}
+		return 0, false
+	}
+	return makeLoc(ps, idx, 0), true
 }
 
 // noHead reports that p surely heads no run of shard ps: read under the
@@ -831,7 +882,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			rt.setCounts(i, c)
 			continue
 		}
-		locs = append(locs, loc(rt.slots[i].loc))
+		locs = append(locs, unpackLoc(rt.slots[i].pos, ix.shardBits))
 		rt.del(i)
 	}
 	ws.evLocs = locs
@@ -858,7 +909,7 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 	defer lk.release()
 	for i := range rt.slots {
 		if rt.counts(i) != 0 {
-			ix.dropRef(&lk, ws, loc(rt.slots[i].loc))
+			ix.dropRef(&lk, ws, unpackLoc(rt.slots[i].pos, ix.shardBits))
 		}
 	}
 }
@@ -967,7 +1018,7 @@ func (ix *Index) LiveDigest(w WorkerID, rank int32) (digest, blocks uint64) {
 				if t == TierHost {
 					tier = livedigest.TierHost
 				}
-				digest += n * livedigest.Block(rt.slots[i].key, tier)
+				digest += n * livedigest.Block(rt.slots[i].key(), tier)
 				blocks += n
 			}
 		}
@@ -993,7 +1044,7 @@ func (ix *Index) LiveSet(w WorkerID) []LiveBlock {
 			}
 			for _, t := range []Tier{TierDevice, TierHost} {
 				if n := tierCount(c, t); n > 0 {
-					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.slots[i].key, Copies: int(n)})
+					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.slots[i].key(), Copies: int(n)})
 				}
 			}
 		}
