@@ -426,9 +426,9 @@ func memoryBreakdown(ix *Index) indexMemory {
 		live := sh.runsUsed - len(sh.runsFree)
 		m.runs += live
 		m.entries += int(load(&sh.entries))
-		m.runHeaders += live * (32 + 80)
+		m.runHeaders += live * runOverhead
 		m.arrays += sh.bytes + sh.spareBytes
-		m.other += sh.memBytes() - live*(32+80) - sh.bytes - sh.spareBytes
+		m.other += sh.memBytes() - live*runOverhead - sh.bytes - sh.spareBytes
 		sh.mu.Unlock()
 	}
 	entries, slots := 0, 0

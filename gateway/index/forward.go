@@ -95,20 +95,104 @@ type run struct {
 	// run's positions, holders or arrays. A lookup reading a run checks it,
 	// so writes to other runs of the shard do not send it back.
 	ver  atomic.Uint64
-	head uint64 // prefix hash of position 0, the heads key
 	n    uint32 // positions in use; written with store32, read atomically
+	refs int32  // reverse entries naming a position of this run; guarded by the shard's mu
 	body atomic.Pointer[runBody]
-	refs int32 // reverse entries naming a position of this run; guarded by the shard's mu
+	// The run's head (the heads table's key) is its position 0's prefix
+	// hash, body.hash(0): not kept twice.
 }
 
+// runOverhead is a live run's bytes besides its arrays: the run (24) and
+// its runBody (24). The body is one slice, not three (hashes, holders,
+// stamps: 72 bytes, 80 with the allocator's rounding): at block size 128 a
+// run holds about 20 positions, and the two headers were 5.3 of the index's
+// bytes a block.
+const runOverhead = 24 + 24
+
+// runBody is a run's arrays, for size positions, in one slice w:
+//
+//	w[0:size]               prefix hash per position
+//	w[size:size*3/2]        holder words, two to a uint64: position o in
+//	                        word size+o/2, bits 32*(o%2)
+//	w[size*3/2:size*2]      stamps, laid out the same, past len(w): only an
+//	                        index that prunes has them (cap(w) > len(w))
+//
+// so len(w) is size*3/2 (sizes are multiples of 4). A stamp is the last
+// store or lookup, seconds since the index's epoch. Lookups refresh stamps
+// without the lock (a compare-and-swap of their word), so a refresh racing a
+// run's growth or reuse can be lost or land on another run: it only ages an
+// entry for pruning, never changes a match. Writers change holder words
+// under the shard's lock with a whole-word store; lookups load them
+// atomically.
 type runBody struct {
-	hash []uint64 // prefix hash per position
-	hold []uint32 // holder word per position
-	// stamp is the last store or lookup, seconds since the index's epoch;
-	// nil without pruning. Lookups refresh it without the lock, so a refresh
-	// racing a run's growth or reuse can be lost or land on another run: it
-	// only ages an entry for pruning, never changes a match.
-	stamp []uint32
+	w []uint64
+}
+
+func newRunBody(size int, stamped bool) *runBody {
+	n := size * 3 / 2
+	if stamped {
+		return &runBody{w: make([]uint64, n, 2*size)}
+	}
+	return &runBody{w: make([]uint64, n)}
+}
+
+// size is the number of positions b has room for.
+func (b *runBody) size() int { return len(b.w) / 3 * 2 }
+
+func (b *runBody) stamped() bool { return cap(b.w) > len(b.w) }
+
+// hash is position o's prefix hash (writers, or a reader of a body it
+// checks by version; see loadHash).
+func (b *runBody) hash(o int) uint64       { return b.w[o] }
+func (b *runBody) loadHash(o int) uint64   { return atomic.LoadUint64(&b.w[o]) }
+func (b *runBody) setHash(o int, p uint64) { store64(&b.w[o], p) }
+
+// holdAt is the word holding position o's holder word in a body of size
+// positions, and the holder's shift in it.
+func (b *runBody) holdAt(size, o int) (*uint64, uint) {
+	return &b.w[size+o>>1], 32 * uint(o&1)
+}
+
+// hold is position o's holder word (writers: mu held).
+func (b *runBody) hold(o int) uint32 {
+	p, sh := b.holdAt(b.size(), o)
+	return uint32(*p >> sh)
+}
+
+// loadHold is hold for a lock-free reader; size is b.size().
+func (b *runBody) loadHold(size, o int) uint32 {
+	p, sh := b.holdAt(size, o)
+	return uint32(atomic.LoadUint64(p) >> sh)
+}
+
+// setHold sets position o's holder word (mu held).
+func (b *runBody) setHold(o int, h uint32) {
+	p, sh := b.holdAt(b.size(), o)
+	store64(p, *p&^(0xffffffff<<sh)|uint64(h)<<sh)
+}
+
+// stampAt is the word holding position o's stamp (b stamped), and its shift.
+func (b *runBody) stampAt(o int) (*uint64, uint) {
+	return &b.w[:cap(b.w)][len(b.w)+o>>1], 32 * uint(o&1)
+}
+
+// loadStamp is position o's stamp (b stamped); always an atomic load, as
+// lookups change stamps without the lock.
+func (b *runBody) loadStamp(o int) uint32 {
+	p, sh := b.stampAt(o)
+	return uint32(atomic.LoadUint64(p) >> sh)
+}
+
+// setStamp sets position o's stamp (b stamped), leaving its neighbour's
+// as it is even when a lookup refreshes that one at the same time.
+func (b *runBody) setStamp(o int, v uint32) {
+	p, sh := b.stampAt(o)
+	for {
+		old := atomic.LoadUint64(p)
+		if atomic.CompareAndSwapUint64(p, old, old&^(0xffffffff<<sh)|uint64(v)<<sh) {
+			return
+		}
+	}
 }
 
 // runDir maps a shard's run numbers to runs; it is replaced when it grows.
@@ -345,10 +429,10 @@ func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) (uint32, b
 			s.dir.Store(nd)
 		}
 	}
-	r := &run{head: p}
+	r := &run{}
 	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
 	s.bytes += bodyBytes(b)
-	store64(&b.hash[0], p)
+	b.setHash(0, p)
 	r.body.Store(b)
 	store32(&r.n, 1)
 	s.dir.Load().r[idx].Store(r)
@@ -386,31 +470,25 @@ func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-
 func (s *shard) getBody(n int, stamped bool) *runBody {
 	k := bodyClass(n)
 	n = bodySizes[k]
-	if l := len(s.spare[k]); l > 0 && (s.spare[k][l-1].stamp != nil) == stamped {
+	if l := len(s.spare[k]); l > 0 && s.spare[k][l-1].stamped() == stamped {
 		b := s.spare[k][l-1]
 		s.spare[k][l-1] = nil
 		s.spare[k] = s.spare[k][:l-1]
 		s.spareBytes -= bodyBytes(b)
-		for i := range b.hold {
-			store32(&b.hold[i], 0)
-		}
-		for i := range b.stamp {
-			store32(&b.stamp[i], 0)
+		w := b.w[:cap(b.w)]
+		for i := n; i < len(w); i++ { // holders and stamps
+			store64(&w[i], 0)
 		}
 		return b
 	}
-	b := &runBody{hash: make([]uint64, n), hold: make([]uint32, n)}
-	if stamped {
-		b.stamp = make([]uint32, n)
-	}
-	return b
+	return newRunBody(n, stamped)
 }
 
 // putBody keeps b for reuse (mu held, and the shard's version odd, so that
 // lookups reading b will read again). What is kept is bounded, per size
 // class and to a sixteenth of the shard's live arrays, and counted in memBytes.
 func (s *shard) putBody(b *runBody) {
-	k := bodyClass(len(b.hash))
+	k := bodyClass(b.size())
 	n := bodyBytes(b)
 	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 2048+s.bytes/16 {
 		s.spare[k] = append(s.spare[k], b)
@@ -418,7 +496,7 @@ func (s *shard) putBody(b *runBody) {
 	}
 }
 
-func bodyBytes(b *runBody) int { return len(b.hash)*12 + len(b.stamp)*4 }
+func bodyBytes(b *runBody) int { return cap(b.w) * 8 }
 
 // appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
 func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
@@ -430,14 +508,20 @@ func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1)
 func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	o := int(r.n)
 	b := r.body.Load()
-	if o == len(b.hash) {
-		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamp != nil)
+	if o == b.size() {
+		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamped())
+		ns := nb.size()
 		for i := range o {
-			store64(&nb.hash[i], b.hash[i])
-			store32(&nb.hold[i], b.hold[i])
+			store64(&nb.w[i], b.w[i])
 		}
-		for i := range b.stamp { // lookups refresh stamps without the lock
-			store32(&nb.stamp[i], atomic.LoadUint32(&b.stamp[i]))
+		for i := range o / 2 { // holder words, two positions each (o is even: a full size)
+			store64(&nb.w[ns+i], b.w[o+i])
+		}
+		if b.stamped() { // lookups refresh stamps without the lock
+			ow, nw := b.w[:cap(b.w)], nb.w[:cap(nb.w)]
+			for i := range o / 2 {
+				store64(&nw[len(nb.w)+i], atomic.LoadUint64(&ow[len(b.w)+i]))
+			}
 		}
 		s.bytes += bodyBytes(nb) - bodyBytes(b)
 		r.body.Store(nb)
@@ -446,7 +530,7 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	}
 	// Holder and stamp at o are zero already: arrays start zeroed, and
 	// positions past n were never used.
-	store64(&b.hash[o], p)
+	b.setHash(o, p)
 	store32(&r.n, uint32(o+1))
 	return o
 }
@@ -455,8 +539,9 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 func (s *shard) freeRun(idx uint32, sb uint8) {
 	r := s.runAt(idx)
 	b := r.body.Load()
+	head := b.hash(0)
 	for o := range int(r.n) {
-		if h := b.hold[o]; h != 0 { // only pruned positions can be left, and prune clears them
+		if h := b.hold(o); h != 0 { // only pruned positions can be left, and prune clears them
 			s.clearPos(b, o)
 		}
 	}
@@ -466,7 +551,7 @@ func (s *shard) freeRun(idx uint32, sb uint8) {
 	// this; r's version will not move again, so r must read as empty, not as
 	// whatever the array's next owner writes into it.
 	store32(&r.n, 0)
-	s.deleteHead(r.head, sb)
+	s.deleteHead(head, sb)
 	s.dir.Load().r[idx].Store(nil)
 	s.runsFree = append(s.runsFree, idx)
 }
@@ -520,13 +605,13 @@ func setBit(sl *slab, b int, id uint32) {
 // addHolder makes worker id a holder of position o of b and stamps it; it
 // reports whether id already held it.
 func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
-	if b.stamp != nil {
-		store32(&b.stamp[o], stamp)
+	if b.stamped() {
+		b.setStamp(o, stamp)
 	}
-	h := b.hold[o]
+	h := b.hold(o)
 	switch {
 	case h == 0:
-		store32(&b.hold[o], id<<1|1)
+		b.setHold(o, id<<1|1)
 		s.count(&s.entries, 1)
 	case h&1 == 1:
 		other := h >> 1
@@ -536,7 +621,7 @@ func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
 		set, sl := s.newSet(int(max(id, other)>>6) + 1)
 		setBit(sl, set, other)
 		setBit(sl, set, id)
-		store32(&b.hold[o], uint32(set+1)<<1)
+		b.setHold(o, uint32(set+1)<<1)
 	default:
 		set := int(h>>1) - 1
 		sl := s.sets.Load()
@@ -555,7 +640,7 @@ func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
 // removeHolder drops worker id from position o's holders; it reports
 // whether id held it.
 func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
-	h := b.hold[o]
+	h := b.hold(o)
 	switch {
 	case h == 0:
 		return false
@@ -563,7 +648,7 @@ func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
 		if h>>1 != id {
 			return false
 		}
-		store32(&b.hold[o], 0)
+		b.setHold(o, 0)
 		s.count(&s.entries, -1)
 		s.count(&s.mem, -1)
 		return true
@@ -590,18 +675,18 @@ func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
 	switch count {
 	case 0:
 		s.setsFree = append(s.setsFree, uint32(set))
-		store32(&b.hold[o], 0)
+		b.setHold(o, 0)
 		s.count(&s.entries, -1)
 	case 1:
 		s.setsFree = append(s.setsFree, uint32(set))
-		store32(&b.hold[o], last<<1|1)
+		b.setHold(o, last<<1|1)
 	}
 	return true
 }
 
 // clearPos drops every holder of position o and returns how many there were.
 func (s *shard) clearPos(b *runBody, o int) int {
-	h := b.hold[o]
+	h := b.hold(o)
 	if h == 0 {
 		return 0
 	}
@@ -615,7 +700,7 @@ func (s *shard) clearPos(b *runBody, o int) int {
 		}
 		s.setsFree = append(s.setsFree, uint32(set))
 	}
-	store32(&b.hold[o], 0)
+	b.setHold(o, 0)
 	s.count(&s.entries, -1)
 	s.count(&s.mem, -int64(n))
 	return n
@@ -629,7 +714,6 @@ func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
 
 // memBytes estimates the shard's own memory (mu held).
 func (s *shard) memBytes() int {
-	const runOverhead = 32 + 80 // run and runBody headers
 	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
 		s.bytes + s.spareBytes + len(s.sets.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
 }

@@ -651,11 +651,11 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 // the calling writer, which keeps its run in place.
 func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 	if r := lk.cached(l.shard(), l.run()); r != nil {
-		return r.body.Load().hash[l.off()]
+		return r.body.Load().hash(l.off())
 	}
 	lk.need(l.shard(), -1)
 	r := ix.shards[l.shard()].runAt(l.run())
-	return r.body.Load().hash[l.off()]
+	return r.body.Load().hash(l.off())
 }
 
 // place finds or makes the position of prefix hash p: right after prev when
@@ -685,7 +685,7 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 		r = sh.runAt(prev.run())
 		lk.need(a, -1)
 	}
-	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
+	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash(o) == p }
 	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
 	appendHere := func() (loc, bool) {
 		lk.writeRunAt(a, prev.run(), r)
@@ -1466,19 +1466,20 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 		return pos, false, false
 	}
 	b := r.body.Load()
-	rn := min(int(atomic.LoadUint32(&r.n)), len(b.hash))
+	size := b.size()
+	rn := min(int(atomic.LoadUint32(&r.n)), size)
 	sl := sh.sets.Load()
-	touch := ix.pruning && b.stamp != nil
+	touch := ix.pruning && b.stamped()
 	next, stop, ok = pos, false, true
 	for o := 0; ; {
-		if o >= rn || atomic.LoadUint64(&b.hash[o]) != h {
+		if o >= rn || b.loadHash(o) != h {
 			ok = o > 0 // the head is always position 0
 			break
 		}
-		if touch && atomic.LoadUint32(&b.stamp[o]) != stamp {
-			atomic.StoreUint32(&b.stamp[o], stamp)
+		if touch && b.loadStamp(o) != stamp {
+			b.setStamp(o, stamp)
 		}
-		more, good := c.step(next, atomic.LoadUint32(&b.hold[o]), sl)
+		more, good := c.step(next, b.loadHold(size, o), sl)
 		if !good {
 			ok = false
 			break

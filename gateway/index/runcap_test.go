@@ -1,6 +1,7 @@
 package index
 
 import (
+	"fmt"
 	"reflect"
 	"testing"
 
@@ -135,5 +136,81 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	}
 	if diff := cmp.Diff(map[WorkerID]int{"w3": 2}, matchMap(ix.FindMatches(seq(70, 77), Namespace{}))); diff != "" {
 		t.Errorf("after a run was freed (-want +got):\n%s", diff)
+	}
+}
+
+// TestRunBodyLayoutKeepsNeighbours: a run's one-slice arrays keep every
+// position's prefix hash, holder word and stamp apart (holders and stamps
+// share 64-bit words two by two), through growth from the smallest size
+// class to maxRunLen, stamped (an index that prunes) or not; a reused body
+// comes back with holders and stamps zero.
+func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
+	for _, stamped := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stamped=%v", stamped), func(t *testing.T) {
+			const sb = 6
+			var s shard
+			s.init(maxRunsFor(sb))
+			idx, ok := s.newRunFor(1<<40, stamped, sb, 1)
+			if !ok {
+				t.Fatal("no run")
+			}
+			r := s.runAt(idx)
+			holdOf := func(o int) uint32 { return uint32(o)*2 + 1 } // inline holder o
+			stampOf := func(o int) uint32 { return 1000 + uint32(o)*7 }
+			set := func(o int) {
+				b := r.body.Load()
+				b.setHold(o, holdOf(o))
+				if stamped {
+					b.setStamp(o, stampOf(o))
+				}
+			}
+			set(0)
+			for o := 1; o < maxRunLen; o++ {
+				s.appendPos(r, 1<<40+uint64(o))
+				set(o)
+				b := r.body.Load()
+				if b.stamped() != stamped || b.size()%4 != 0 || b.size() < o+1 {
+					t.Fatalf("after %d positions: size %d, stamped %v", o+1, b.size(), b.stamped())
+				}
+				for p := 0; p <= o; p++ {
+					if h := b.hash(p); h != 1<<40+uint64(p) {
+						t.Fatalf("after %d positions: hash(%d) = %#x", o+1, p, h)
+					}
+					if h := b.loadHold(b.size(), p); h != holdOf(p) || b.hold(p) != h {
+						t.Fatalf("after %d positions: hold(%d) = %d, want %d", o+1, p, h, holdOf(p))
+					}
+					if stamped && b.loadStamp(p) != stampOf(p) {
+						t.Fatalf("after %d positions: stamp(%d) = %d, want %d", o+1, p, b.loadStamp(p), stampOf(p))
+					}
+				}
+				if wantBytes := b.size() * 12; !stamped && bodyBytes(b) != wantBytes || stamped && bodyBytes(b) != wantBytes+b.size()*4 {
+					t.Fatalf("bodyBytes %d for size %d", bodyBytes(b), b.size())
+				}
+			}
+			// A small run freed: its body goes to the spares, and the next
+			// run of its size class gets it back cleared.
+			idx2, _ := s.newRunFor(2<<40, stamped, sb, 1)
+			r = s.runAt(idx2)
+			for o := range minBody {
+				if o > 0 {
+					s.appendPos(r, 2<<40+uint64(o))
+				}
+				set(o)
+			}
+			b := r.body.Load()
+			for o := range minBody {
+				b.setHold(o, 0)
+			}
+			s.freeRun(idx2, sb)
+			got := s.getBody(minBody, stamped)
+			if got != b {
+				t.Fatal("the freed body was not reused; the test no longer covers reuse")
+			}
+			for o := range minBody {
+				if got.hold(o) != 0 || stamped && got.loadStamp(o) != 0 {
+					t.Fatalf("reused body: position %d holder %d stamp %d", o, got.hold(o), got.loadStamp(o))
+				}
+			}
+		})
 	}
 }

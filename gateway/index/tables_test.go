@@ -143,7 +143,7 @@ func TestShardAgainstMap(t *testing.T) {
 			}
 			entries++
 			mem += len(ids)
-			h := body(p).hold[p.off]
+			h := body(p).hold(p.off)
 			got := map[uint32]bool{}
 			if h&1 == 1 {
 				got[h>>1] = true
