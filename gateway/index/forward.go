@@ -44,15 +44,20 @@ import (
 // copy when they grow) small.
 const maxRunLen = 256
 
-// loc names one position: run index << 28 | shard << 16 | offset.
+// loc names one position: run index << 20 | shard << 8 | offset (the
+// offset below maxRunLen, the shard below 2^12). Its low bits are laid out
+// as a reverse entry's packed form (packLoc), so packing and unpacking only
+// move the run number.
 type loc uint64
 
+const locRunShift = 20
+
 func makeLoc(sh int, run uint32, off int) loc {
-	return loc(uint64(run)<<28 | uint64(sh)<<16 | uint64(off))
+	return loc(uint64(run)<<locRunShift | uint64(sh)<<posOffBits | uint64(off))
 }
-func (l loc) shard() int  { return int(l>>16) & 0xfff }
-func (l loc) run() uint32 { return uint32(l >> 28) }
-func (l loc) off() int    { return int(l & 0xffff) }
+func (l loc) shard() int  { return int(l>>posOffBits) & 0xfff }
+func (l loc) run() uint32 { return uint32(l >> locRunShift) }
+func (l loc) off() int    { return int(l & (1<<posOffBits - 1)) }
 
 // A reverse entry keeps its position in 32 bits, the reverse tables being
 // the index's largest part (a slot per block a worker holds): the offset in
@@ -73,14 +78,19 @@ const (
 // maxRunsFor is the most live runs a shard can have with sb shard bits.
 func maxRunsFor(sb uint8) int { return 1<<(posBits-posOffBits-int(sb)) - 1 }
 
-// packLoc is l in a reverse entry's 32 bits (l's run below maxRunsFor(sb)).
+// packLoc is l in a reverse entry's 32 bits (l's run below maxRunsFor(sb)):
+// l's offset and shard bits stay, its run number moves down next to them.
+// Both are on every block's path: the shift count is masked (sb is 12 at
+// most) so that the compiler drops its handling of over-wide shifts.
 func packLoc(l loc, sb uint8) uint32 {
-	return l.run()<<(posOffBits+sb) | uint32(l.shard())<<posOffBits | uint32(l.off())
+	s := posOffBits + uint(sb)&15
+	return uint32(l)&(1<<s-1) | uint32(l>>locRunShift)<<s
 }
 
 // unpackLoc is the loc packed in p by packLoc.
 func unpackLoc(p uint32, sb uint8) loc {
-	return makeLoc(int(p>>posOffBits)&(1<<sb-1), p>>(posOffBits+sb), int(p&(1<<posOffBits-1)))
+	s := posOffBits + uint(sb)&15
+	return loc(p&(1<<s-1)) | loc(p>>s)<<locRunShift
 }
 
 // A holder word (32 bits) is:
@@ -103,97 +113,58 @@ type run struct {
 }
 
 // runOverhead is a live run's bytes besides its arrays: the run (24) and
-// its runBody (24). The body is one slice, not three (hashes, holders,
-// stamps: 72 bytes, 80 with the allocator's rounding): at block size 128 a
-// run holds about 20 positions, and the two headers were 5.3 of the index's
-// bytes a block.
-const runOverhead = 24 + 24
+// its runBody (48). The body has two slices, not three (hashes, holders,
+// stamps: 72 bytes, 80 with the allocator's rounding), and the run no
+// longer keeps its head twice: at block size 128 a run holds about 20
+// positions, and the run's 112 bytes were 5.3 of the index's bytes a block.
+// (One slice for all, holders packed two to a word, saved 24 bytes more a
+// run but cost 9 % more instructions in the corpus replay: every holder
+// change became a read-modify-write of a shared word.)
+const runOverhead = 24 + 48
 
-// runBody is a run's arrays, for size positions, in one slice w:
-//
-//	w[0:size]               prefix hash per position
-//	w[size:size*3/2]        holder words, two to a uint64: position o in
-//	                        word size+o/2, bits 32*(o%2)
-//	w[size*3/2:size*2]      stamps, laid out the same, past len(w): only an
-//	                        index that prunes has them (cap(w) > len(w))
-//
-// so len(w) is size*3/2 (sizes are multiples of 4). A stamp is the last
-// store or lookup, seconds since the index's epoch. Lookups refresh stamps
-// without the lock (a compare-and-swap of their word), so a refresh racing a
-// run's growth or reuse can be lost or land on another run: it only ages an
-// entry for pruning, never changes a match. Writers change holder words
-// under the shard's lock with a whole-word store; lookups load them
-// atomically.
+// runBody is a run's arrays for size positions: their prefix hashes, and
+// their holder words (see above) followed, only in an index that prunes,
+// by their stamps past len(holds): position o's at holds[:cap(holds)][size+o]
+// (cap(holds) > len(holds) says a body has them). A stamp is the last store
+// or lookup, seconds since the index's epoch. Lookups refresh stamps
+// (setStamp) without the lock, so a refresh racing a run's growth or reuse
+// can be lost or land on another run: it only ages an entry for pruning,
+// never changes a match. Writers store stamps with storeStamp.
 type runBody struct {
-	w []uint64
+	hashes []uint64
+	holds  []uint32
 }
 
 func newRunBody(size int, stamped bool) *runBody {
-	n := size * 3 / 2
+	b := &runBody{hashes: make([]uint64, size)}
 	if stamped {
-		return &runBody{w: make([]uint64, n, 2*size)}
+		b.holds = make([]uint32, size, 2*size)
+	} else {
+		b.holds = make([]uint32, size)
 	}
-	return &runBody{w: make([]uint64, n)}
+	return b
 }
 
 // size is the number of positions b has room for.
-func (b *runBody) size() int { return len(b.w) / 3 * 2 }
+func (b *runBody) size() int { return len(b.hashes) }
 
-func (b *runBody) stamped() bool { return cap(b.w) > len(b.w) }
+func (b *runBody) stamped() bool { return cap(b.holds) > len(b.holds) }
 
 // hash is position o's prefix hash (writers, or a reader of a body it
 // checks by version; see loadHash).
-func (b *runBody) hash(o int) uint64       { return b.w[o] }
-func (b *runBody) loadHash(o int) uint64   { return atomic.LoadUint64(&b.w[o]) }
-func (b *runBody) setHash(o int, p uint64) { store64(&b.w[o], p) }
+func (b *runBody) hash(o int) uint64       { return b.hashes[o] }
+func (b *runBody) loadHash(o int) uint64   { return atomic.LoadUint64(&b.hashes[o]) }
+func (b *runBody) setHash(o int, p uint64) { store64(&b.hashes[o], p) }
 
-// holdAt is the word holding position o's holder word in a body of size
-// positions, and the holder's shift in it.
-func (b *runBody) holdAt(size, o int) (*uint64, uint) {
-	return &b.w[size+o>>1], 32 * uint(o&1)
-}
-
-// hold is position o's holder word (writers: mu held).
-func (b *runBody) hold(o int) uint32 {
-	p, sh := b.holdAt(b.size(), o)
-	return uint32(*p >> sh)
-}
-
-// loadHold is hold for a lock-free reader; size is b.size().
-func (b *runBody) loadHold(size, o int) uint32 {
-	p, sh := b.holdAt(size, o)
-	return uint32(atomic.LoadUint64(p) >> sh)
-}
-
-// setHold sets position o's holder word (mu held).
-func (b *runBody) setHold(o int, h uint32) {
-	p, sh := b.holdAt(b.size(), o)
-	store64(p, *p&^(0xffffffff<<sh)|uint64(h)<<sh)
-}
-
-// stampAt is the word holding position o's stamp (b stamped), and its shift.
-func (b *runBody) stampAt(o int) (*uint64, uint) {
-	return &b.w[:cap(b.w)][len(b.w)+o>>1], 32 * uint(o&1)
-}
-
-// loadStamp is position o's stamp (b stamped); always an atomic load, as
-// lookups change stamps without the lock.
-func (b *runBody) loadStamp(o int) uint32 {
-	p, sh := b.stampAt(o)
-	return uint32(atomic.LoadUint64(p) >> sh)
-}
-
-// setStamp sets position o's stamp (b stamped), leaving its neighbour's
-// as it is even when a lookup refreshes that one at the same time.
-func (b *runBody) setStamp(o int, v uint32) {
-	p, sh := b.stampAt(o)
-	for {
-		old := atomic.LoadUint64(p)
-		if atomic.CompareAndSwapUint64(p, old, old&^(0xffffffff<<sh)|uint64(v)<<sh) {
-			return
-		}
-	}
-}
+// hold is position o's holder word (writers: mu held); loadHold is the
+// lock-free readers'.
+func (b *runBody) hold(o int) uint32          { return b.holds[o] }
+func (b *runBody) loadHold(o int) uint32      { return atomic.LoadUint32(&b.holds[o]) }
+func (b *runBody) setHold(o int, h uint32)    { store32(&b.holds[o], h) }
+func (b *runBody) stampAt(o int) *uint32      { return &b.holds[:cap(b.holds)][len(b.holds)+o] }
+func (b *runBody) loadStamp(o int) uint32     { return atomic.LoadUint32(b.stampAt(o)) }
+func (b *runBody) setStamp(o int, v uint32)   { atomic.StoreUint32(b.stampAt(o), v) }
+func (b *runBody) storeStamp(o int, v uint32) { store32(b.stampAt(o), v) }
 
 // runDir maps a shard's run numbers to runs; it is replaced when it grows.
 type runDir struct {
@@ -475,9 +446,9 @@ func (s *shard) getBody(n int, stamped bool) *runBody {
 		s.spare[k][l-1] = nil
 		s.spare[k] = s.spare[k][:l-1]
 		s.spareBytes -= bodyBytes(b)
-		w := b.w[:cap(b.w)]
-		for i := n; i < len(w); i++ { // holders and stamps
-			store64(&w[i], 0)
+		h := b.holds[:cap(b.holds)]
+		for i := range h { // holders and stamps
+			store32(&h[i], 0)
 		}
 		return b
 	}
@@ -496,7 +467,7 @@ func (s *shard) putBody(b *runBody) {
 	}
 }
 
-func bodyBytes(b *runBody) int { return cap(b.w) * 8 }
+func bodyBytes(b *runBody) int { return len(b.hashes)*8 + cap(b.holds)*4 }
 
 // appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
 func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
@@ -510,17 +481,13 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	b := r.body.Load()
 	if o == b.size() {
 		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamped())
-		ns := nb.size()
 		for i := range o {
-			store64(&nb.w[i], b.w[i])
-		}
-		for i := range o / 2 { // holder words, two positions each (o is even: a full size)
-			store64(&nb.w[ns+i], b.w[o+i])
+			store64(&nb.hashes[i], b.hashes[i])
+			store32(&nb.holds[i], b.holds[i])
 		}
 		if b.stamped() { // lookups refresh stamps without the lock
-			ow, nw := b.w[:cap(b.w)], nb.w[:cap(nb.w)]
-			for i := range o / 2 {
-				store64(&nw[len(nb.w)+i], atomic.LoadUint64(&ow[len(b.w)+i]))
+			for i := range o {
+				nb.storeStamp(i, b.loadStamp(i))
 			}
 		}
 		s.bytes += bodyBytes(nb) - bodyBytes(b)
@@ -606,7 +573,7 @@ func setBit(sl *slab, b int, id uint32) {
 // reports whether id already held it.
 func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
 	if b.stamped() {
-		b.setStamp(o, stamp)
+		b.storeStamp(o, stamp)
 	}
 	h := b.hold(o)
 	switch {

@@ -142,7 +142,6 @@ type workerState struct {
 	evSlots   []evSlot
 	evContent []uint64
 	evLocs    []loc
-	evUnfiled []uint64
 }
 
 // evSlot is what a store's first pass (the reverse table) learned about one
@@ -167,9 +166,6 @@ func (ws *workerState) dropLargeScratch() {
 	if cap(ws.evLocs) > scratchCap {
 		ws.evLocs = nil
 	}
-	if cap(ws.evUnfiled) > scratchCap {
-		ws.evUnfiled = nil
-	}
 }
 
 // WorkerCounters count what Apply did with one worker's events (SMG's
@@ -190,9 +186,9 @@ type WorkerCounters struct {
 	// UnindexedBlocks counts stored blocks left out of the index because the
 	// forward shard their run would start in had no run number left (its
 	// cap, maxRunsFor: 2^(24-ShardBits)-1 live runs, 16.7 M runs in all),
-	// and the new blocks chained after them in the same event. The worker
-	// is not taken to hold them (lookups under-report it, never over-report)
-	// and their later removals count as UnknownRemovals.
+	// and the blocks new to the rank after them in the same event. The
+	// worker is not taken to hold them (lookups under-report it, never
+	// over-report) and their later removals count as UnknownRemovals.
 	UnindexedBlocks uint64
 	// Stores taken for report-mode "full" re-announcements and applied as no
 	// change (Options.ReportModeFull), and the blocks they listed.
@@ -552,13 +548,6 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
-	// unfiled lists the new entries whose blocks could not be filed: a shard
-	// at its run cap (maxRunsFor) could not start their run, or they chain
-	// after such a block. They leave the reverse table after this pass (a
-	// deletion now would move the slots the loop still uses), so the worker
-	// does not hold them; prevFiled is false after such a block.
-	unfiled := ws.evUnfiled[:0]
-	prevFiled := true
 	for j, blk := range s.Blocks {
 		if j%settleEvery == settleEvery-1 {
 			lk.settle()
@@ -575,43 +564,51 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			i = rt.find(uint64(blk.BlockHash))
 		}
 		var l loc
-		switch {
-		case slots[j].found && rt.slots[i].pos == noPos:
-			// The same engine hash earlier in this event, not filed.
-			ws.c.UnindexedBlocks++
-			prevFiled = false
-		case slots[j].found:
+		if slots[j].found {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
+			// (Its position is set: an entry new in this event was filed, or
+			// the event ended in leaveOut, before a repeat of it comes here.)
 			l = unpackLoc(rt.slots[i].pos, ix.shardBits)
 			if known := ix.hashAt(&lk, l); known != p {
 				ws.c.EngineConflicts++
 				p = known
 			}
 			ix.addRef(&lk, ws, l, stamp, false)
-			prevFiled = true
-		default:
+		} else {
 			var ok bool
-			if prevFiled {
-				l, ok = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
-			}
-			if !ok {
-				ws.c.UnindexedBlocks++
-				unfiled = append(unfiled, uint64(blk.BlockHash))
-				prevFiled = false
-				break
+			if l, ok = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j); !ok {
+				ws.leaveOut(rt, s.Blocks[j:])
+				return
 			}
 			rt.slots[i].pos = packLoc(l, ix.shardBits)
 			ix.addRef(&lk, ws, l, stamp, true)
-			prevFiled = true
 		}
 		chained = true
 		prev, prevLoc = p, l
 	}
-	for _, k := range unfiled {
-		rt.del(rt.find(k))
+}
+
+// leaveOut ends a store whose block blocks[0] could not be filed: its run
+// would start in a shard at its run cap (maxRunsFor). That block, and every
+// block of the event after it that was new to the rank, are not indexed:
+// their reverse entries (made by the store's first pass, not yet filed) go,
+// so the worker is not taken to hold them, and they are counted. Blocks the
+// rank held before the event keep their filing and the copy the first pass
+// counted.
+func (ws *workerState) leaveOut(rt *revTable, blocks []*kvpb.KvBlock) {
+	for _, blk := range blocks {
+		if blk == nil {
+			continue
+		}
+		switch i := rt.find(uint64(blk.BlockHash)); {
+		case i < 0: // a repeat of a block left out just now
+			ws.c.UnindexedBlocks++
+		case rt.slots[i].pos == noPos:
+			ws.c.UnindexedBlocks++
+			rt.del(i)
+		}
 	}
-	ws.evUnfiled = unfiled
 }
 
 // reannounced reports whether a parent-less store lists blocks rt already
@@ -1466,8 +1463,7 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 		return pos, false, false
 	}
 	b := r.body.Load()
-	size := b.size()
-	rn := min(int(atomic.LoadUint32(&r.n)), size)
+	rn := min(int(atomic.LoadUint32(&r.n)), b.size())
 	sl := sh.sets.Load()
 	touch := ix.pruning && b.stamped()
 	next, stop, ok = pos, false, true
@@ -1479,7 +1475,7 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 		if touch && b.loadStamp(o) != stamp {
 			b.setStamp(o, stamp)
 		}
-		more, good := c.step(next, b.loadHold(size, o), sl)
+		more, good := c.step(next, b.loadHold(o), sl)
 		if !good {
 			ok = false
 			break

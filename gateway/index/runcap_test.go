@@ -66,20 +66,22 @@ func capShards(ix *Index) {
 }
 
 // TestRunCapLeavesBlocksOutAndCountsThem: at a shard's run cap, a block that
-// needs a new run there, and the new blocks chained after it in the event,
-// are not indexed (counted in UnindexedBlocks; the worker is not taken to
-// hold them), while appends to existing runs, known blocks and other
-// workers' stores of filed blocks go on; their removals count as unknown;
-// a freed run number is used again.
+// needs a new run there, and the blocks new to the rank after it in the
+// event, are not indexed (counted in UnindexedBlocks; the worker is not
+// taken to hold them), while known blocks keep their filing and copies, and
+// appends to existing runs and other workers' stores of filed blocks go on;
+// removals of left-out blocks count as unknown; a freed run number is used
+// again.
 func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	ix := New(Options{BlockSize: 4, ShardBits: 1})
 	ix.Apply("w1", batch(0, stored(chainBlocks(100, seq(1, 12))))) // a0 a1 a2: engine 101..103
 	capShards(ix)
 
 	// A branch after a0 needs a run of its own: c1 (201) and c2 (202) are
-	// left out; the known a2 (103) later in the same event stays filed.
+	// left out; the known a2 (103) later in the same event stays filed and
+	// gains its copy; the new 203 after it is left out too.
 	branch := append(append(seq(1, 4), 90, 91, 92, 93), 94, 95, 96, 97)
-	ix.Apply("w1", batch(0, stored([]*kvpb.KvBlock{blk(201, 90, 91, 92, 93), blk(202, 94, 95, 96, 97), blk(103, 9, 10, 11, 12)}, withParent(101))))
+	ix.Apply("w1", batch(0, stored([]*kvpb.KvBlock{blk(201, 90, 91, 92, 93), blk(202, 94, 95, 96, 97), blk(103, 9, 10, 11, 12), blk(203, 80, 81, 82, 83)}, withParent(101))))
 	// The same engine hash twice in one event, its first filing refused.
 	ix.Apply("w1", batch(0, stored([]*kvpb.KvBlock{blk(301, 70, 71, 72, 73), blk(301, 70, 71, 72, 73)})))
 	// Appending to a0..a2's run needs no new run.
@@ -88,8 +90,8 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	ix.Apply("w2", batch(0, stored(chainBlocks(500, seq(1, 8)))))
 
 	st := ix.Stats()
-	if got := st.Workers["w1"].Counters.UnindexedBlocks; got != 4 {
-		t.Errorf("w1 UnindexedBlocks = %d, want 4 (201, 202, 301 twice)", got)
+	if got := st.Workers["w1"].Counters.UnindexedBlocks; got != 5 {
+		t.Errorf("w1 UnindexedBlocks = %d, want 5 (201, 202, 203, 301 twice)", got)
 	}
 	if got := st.Workers["w2"].Counters.UnindexedBlocks; got != 0 {
 		t.Errorf("w2 UnindexedBlocks = %d, want 0", got)
@@ -121,9 +123,9 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 		t.Errorf("memberships = %d, want 7", st.Memberships)
 	}
 
-	ix.Apply("w1", batch(0, removed(unspec, 201, 301)))
-	if got := ix.Stats().Workers["w1"].Counters.UnknownRemovals; got != 2 {
-		t.Errorf("removals of left-out blocks: UnknownRemovals = %d, want 2", got)
+	ix.Apply("w1", batch(0, removed(unspec, 201, 203, 301)))
+	if got := ix.Stats().Workers["w1"].Counters.UnknownRemovals; got != 3 {
+		t.Errorf("removals of left-out blocks: UnknownRemovals = %d, want 3", got)
 	}
 
 	// Drop every reference to the run: its number is free, and a new chain
@@ -139,11 +141,11 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	}
 }
 
-// TestRunBodyLayoutKeepsNeighbours: a run's one-slice arrays keep every
-// position's prefix hash, holder word and stamp apart (holders and stamps
-// share 64-bit words two by two), through growth from the smallest size
-// class to maxRunLen, stamped (an index that prunes) or not; a reused body
-// comes back with holders and stamps zero.
+// TestRunBodyLayoutKeepsNeighbours: a run's arrays keep every position's
+// prefix hash, holder word and stamp apart (stamps live past the holders'
+// length in the same slice), through growth from the smallest size class to
+// maxRunLen, stamped (an index that prunes) or not; a reused body comes
+// back with holders and stamps zero.
 func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
 	for _, stamped := range []bool{false, true} {
 		t.Run(fmt.Sprintf("stamped=%v", stamped), func(t *testing.T) {
@@ -176,7 +178,7 @@ func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
 					if h := b.hash(p); h != 1<<40+uint64(p) {
 						t.Fatalf("after %d positions: hash(%d) = %#x", o+1, p, h)
 					}
-					if h := b.loadHold(b.size(), p); h != holdOf(p) || b.hold(p) != h {
+					if h := b.loadHold(p); h != holdOf(p) || b.hold(p) != h {
 						t.Fatalf("after %d positions: hold(%d) = %d, want %d", o+1, p, h, holdOf(p))
 					}
 					if stamped && b.loadStamp(p) != stampOf(p) {
