@@ -714,6 +714,9 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 
 // headLoc is the position of p when p heads a run of shard ps (ps locked).
 func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
+	if !ix.shards[ps].filter.Load().mayHave(p) {
+		return 0, false
+	}
 	t := ix.shards[ps].tab.Load()
 	if i := t.find(p, ix.shardBits); i >= 0 {
 		return makeLoc(ps, t.val(i)-1, 0), true

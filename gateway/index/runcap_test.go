@@ -2,6 +2,7 @@ package index
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"reflect"
 	"testing"
 
@@ -214,5 +215,68 @@ func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestHeadFilterKeepsEveryHead: through runs started and freed at random
+// (the heads table growing, heads deleted by backward shift), the shard's
+// head filter has the bit of every live head, so tryHasHead and headLoc
+// never miss one; it is rebuilt before its stale bits outnumber the heads,
+// and it lets at most a fifth of non-heads through to the table's probe.
+func TestHeadFilterKeepsEveryHead(t *testing.T) {
+	const sb = 6
+	ix := New(Options{ShardBits: sb})
+	s := &ix.shards[0]
+	rng := rand.New(rand.NewPCG(21, 21))
+	live := map[uint64]uint32{} // head → run
+	var heads []uint64
+	check := func(step int) {
+		t.Helper()
+		for h, idx := range live {
+			if has, ok := s.tryHasHead(h, sb); !ok || !has {
+				t.Fatalf("step %d: tryHasHead(%#x) = %v, %v; want a head", step, h, has, ok)
+			}
+			if l, ok := ix.headLoc(0, h); !ok || l.run() != idx {
+				t.Fatalf("step %d: headLoc(%#x) = run %d, %v; want run %d", step, h, l.run(), ok, idx)
+			}
+		}
+		if s.filterStale > s.heads+8 {
+			t.Fatalf("step %d: %d stale bits for %d heads", step, s.filterStale, s.heads)
+		}
+	}
+	for step := range 30000 {
+		if len(heads) == 0 || rng.IntN(100) < 55 {
+			h := rng.Uint64() >> sb // shard 0: its top bits are zero
+			if _, dup := live[h]; dup {
+				continue
+			}
+			idx, ok := s.newRunFor(h, false, sb, 1)
+			if !ok {
+				t.Fatal("run cap")
+			}
+			live[h] = idx
+			heads = append(heads, h)
+		} else {
+			k := rng.IntN(len(heads))
+			h := heads[k]
+			heads[k] = heads[len(heads)-1]
+			heads = heads[:len(heads)-1]
+			s.freeRun(live[h], sb)
+			delete(live, h)
+		}
+		if step%3000 == 0 {
+			check(step)
+		}
+	}
+	check(30000)
+	through := 0
+	const probes = 20000
+	for range probes {
+		if s.filter.Load().mayHave(rng.Uint64() >> sb) {
+			through++
+		}
+	}
+	if through > probes/5 {
+		t.Errorf("the filter let %d of %d non-heads through (%d heads)", through, probes, len(live))
 	}
 }
