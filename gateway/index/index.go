@@ -1475,8 +1475,10 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 			ok = o > 0 // the head is always position 0
 			break
 		}
-		if touch && b.loadStamp(o) != stamp {
-			b.setStamp(o, stamp)
+		if touch {
+			if b.loadStamp(o) != stamp {
+				b.setStamp(o, stamp)
+			}
 		}
 		more, good := c.step(next, b.loadHold(o), sl)
 		if !good {
