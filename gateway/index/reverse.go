@@ -238,8 +238,18 @@ func (t *revTable) del(i int) {
 	case t.n == 0 && len(t.slots) > 1<<16:
 		t.alloc(revMinSlots) // give a drained rank's memory back
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
+		old := len(t.slots)
+		// A table below the load threshold usually stays as it is, kept
+		// large for its recent peak: tell that without the divisions below
+		// (they were a tenth of a deletion's instructions in the Mooncake
+		// corpus replay, whose tables sit there). The test is the size
+		// condition below for the peak's term alone: the size is at least
+		// that term, so when it exceeds old-old/8 no shrink is made.
+		if max(t.peak, t.prevPeak)*100 >= (old-old/8+1)*revPeakLoad100 {
+			break
+		}
 		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
-		if old := len(t.slots); size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
+		if size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
 			t.resize(size)
 			if len(t.slots) > old-old/8 {
 				t.shrinkFloor = size
