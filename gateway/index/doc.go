@@ -37,11 +37,11 @@
 // Every prefix hash has at most one position: right after its predecessor's
 // position, or as the head of a run of its own, and writers check both
 // before adding it (a per-shard filter of the heads answers most of the
-// second check without probing the heads table). Runs are split into 2^ShardBits shards by their head's
-// top bits. Writers serialise on a shard's mutex (two at most, taken in shard
-// order); readers take no lock: the heads table is read under the shard's
-// seqlock version and a run under its own, and a read that saw a change is
-// redone.
+// second check without probing the heads table). Runs are split into
+// 2^ShardBits shards by their head's top bits. Writers serialise on a
+// shard's mutex (two at most, taken in shard order); readers take no lock:
+// the heads table is read under the shard's seqlock version and a run under
+// its own, and a read that saw a change is redone.
 //
 // Each worker has, per DP rank, a reverse table engine hash → position (run
 // and offset, packed in 32 bits) and copies per tier, 14 bytes a slot,
