@@ -409,7 +409,7 @@ func TestReplayPlanIsExact(t *testing.T) {
 // indexMemory splits the index's memory estimate (Stats().MemoryBytes) by
 // structure, to see what a block costs where.
 type indexMemory struct {
-	reverse     int     // workers' reverse tables (18 B a slot)
+	reverse     int     // workers' reverse tables (14 B a slot)
 	reverseLoad float64 // their entries ÷ slots
 	runHeaders  int     // run and runBody headers (memBytes' runOverhead)
 	arrays      int     // run arrays in use and spare
@@ -426,9 +426,9 @@ func memoryBreakdown(ix *Index) indexMemory {
 		live := sh.runsUsed - len(sh.runsFree)
 		m.runs += live
 		m.entries += int(load(&sh.entries))
-		m.runHeaders += live * (32 + 80)
+		m.runHeaders += live * runOverhead
 		m.arrays += sh.bytes + sh.spareBytes
-		m.other += sh.memBytes() - live*(32+80) - sh.bytes - sh.spareBytes
+		m.other += sh.memBytes() - live*runOverhead - sh.bytes - sh.spareBytes
 		sh.mu.Unlock()
 	}
 	entries, slots := 0, 0

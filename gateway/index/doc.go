@@ -36,18 +36,23 @@
 //
 // Every prefix hash has at most one position: right after its predecessor's
 // position, or as the head of a run of its own, and writers check both
-// before adding it. Runs are split into 2^ShardBits shards by their head's
-// top bits. Writers serialise on a shard's mutex (two at most, taken in shard
-// order); readers take no lock: the heads table is read under the shard's
-// seqlock version and a run under its own, and a read that saw a change is
-// redone.
+// before adding it (a per-shard filter of the heads answers most of the
+// second check without probing the heads table). Runs are split into
+// 2^ShardBits shards by their head's top bits. Writers serialise on a
+// shard's mutex (two at most, taken in shard order); readers take no lock:
+// the heads table is read under the shard's seqlock version and a run under
+// its own, and a read that saw a change is redone.
 //
 // Each worker has, per DP rank, a reverse table engine hash → position (run
-// and offset) and copies per tier, 18 bytes a slot, written only by that
-// worker's Apply, which resolves parents and removals and counts physical
-// copies (a removal takes one copy; the worker holds the prefix while any copy
-// on any indexed tier is left). A run counts the reverse entries that name it
-// and is freed when none is left.
+// and offset, packed in 32 bits) and copies per tier, 14 bytes a slot,
+// written only by that worker's Apply, which resolves parents and removals
+// and counts physical copies (a removal takes one copy; the worker holds the
+// prefix while any copy on any indexed tier is left). A run counts the
+// reverse entries that name it and is freed when none is left. The 32-bit
+// position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
+// all); a block that would need a run beyond it is not indexed and counted
+// (WorkerCounters.UnindexedBlocks), the index then under-reporting its
+// worker, never over-reporting.
 //
 // The content hashes of a stored batch can be computed before the index is
 // touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that

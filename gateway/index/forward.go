@@ -44,15 +44,54 @@ import (
 // copy when they grow) small.
 const maxRunLen = 256
 
-// loc names one position: run index << 28 | shard << 16 | offset.
+// loc names one position: run index << 20 | shard << 8 | offset (the
+// offset below maxRunLen, the shard below 2^12). Its low bits are laid out
+// as a reverse entry's packed form (packLoc), so packing and unpacking only
+// move the run number.
 type loc uint64
 
+const locRunShift = 20
+
 func makeLoc(sh int, run uint32, off int) loc {
-	return loc(uint64(run)<<28 | uint64(sh)<<16 | uint64(off))
+	return loc(uint64(run)<<locRunShift | uint64(sh)<<posOffBits | uint64(off))
 }
-func (l loc) shard() int  { return int(l>>16) & 0xfff }
-func (l loc) run() uint32 { return uint32(l >> 28) }
-func (l loc) off() int    { return int(l & 0xffff) }
+func (l loc) shard() int  { return int(l>>posOffBits) & 0xfff }
+func (l loc) run() uint32 { return uint32(l >> locRunShift) }
+func (l loc) off() int    { return int(l & (1<<posOffBits - 1)) }
+
+// A reverse entry keeps its position in 32 bits, the reverse tables being
+// the index's largest part (a slot per block a worker holds): the offset in
+// the low 8 bits (maxRunLen is 256), the shard in the next shardBits, the
+// run number in the 24-shardBits above. So a shard has at most
+// 2^(24-shardBits)-1 live runs (maxRunsFor; the all-ones word is noPos),
+// 16.7 M runs in all whatever the shard count; a store that needs a run
+// beyond that is not indexed from there on and is counted (see
+// WorkerCounters.UnindexedBlocks).
+const (
+	posOffBits = 8
+	posBits    = 32
+	// noPos marks a reverse entry whose block is not filed (yet): between
+	// a store's two passes, and for a block a full shard could not take.
+	noPos = ^uint32(0)
+)
+
+// maxRunsFor is the most live runs a shard can have with sb shard bits.
+func maxRunsFor(sb uint8) int { return 1<<(posBits-posOffBits-int(sb)) - 1 }
+
+// packLoc is l in a reverse entry's 32 bits (l's run below maxRunsFor(sb)):
+// l's offset and shard bits stay, its run number moves down next to them.
+// Both are on every block's path: the shift count is masked (sb is 12 at
+// most) so that the compiler drops its handling of over-wide shifts.
+func packLoc(l loc, sb uint8) uint32 {
+	s := posOffBits + uint(sb)&15
+	return uint32(l)&(1<<s-1) | uint32(l>>locRunShift)<<s
+}
+
+// unpackLoc is the loc packed in p by packLoc.
+func unpackLoc(p uint32, sb uint8) loc {
+	s := posOffBits + uint(sb)&15
+	return loc(p&(1<<s-1)) | loc(p>>s)<<locRunShift
+}
 
 // A holder word (32 bits) is:
 //
@@ -66,21 +105,66 @@ type run struct {
 	// run's positions, holders or arrays. A lookup reading a run checks it,
 	// so writes to other runs of the shard do not send it back.
 	ver  atomic.Uint64
-	head uint64 // prefix hash of position 0, the heads key
 	n    uint32 // positions in use; written with store32, read atomically
+	refs int32  // reverse entries naming a position of this run; guarded by the shard's mu
 	body atomic.Pointer[runBody]
-	refs int32 // reverse entries naming a position of this run; guarded by the shard's mu
+	// The run's head (the heads table's key) is its position 0's prefix
+	// hash, body.hash(0): not kept twice.
 }
 
+// runOverhead is a live run's bytes besides its arrays: the run (24) and
+// its runBody (48). The body has two slices, not three (hashes, holders,
+// stamps: 72 bytes, 80 with the allocator's rounding), and the run no
+// longer keeps its head twice: at block size 128 a run holds about 20
+// positions, and the run's 112 bytes were 5.3 of the index's bytes a block.
+// (One slice for all, holders packed two to a word, saved 24 bytes more a
+// run but cost 9 % more instructions in the corpus replay: every holder
+// change became a read-modify-write of a shared word.)
+const runOverhead = 24 + 48
+
+// runBody is a run's arrays for size positions: their prefix hashes, and
+// their holder words (see above) followed, only in an index that prunes,
+// by their stamps past len(holds): position o's at holds[:cap(holds)][size+o]
+// (cap(holds) > len(holds) says a body has them). A stamp is the last store
+// or lookup, seconds since the index's epoch. Lookups refresh stamps
+// (setStamp) without the lock, so a refresh racing a run's growth or reuse
+// can be lost or land on another run: it only ages an entry for pruning,
+// never changes a match. Writers store stamps with storeStamp.
 type runBody struct {
-	hash []uint64 // prefix hash per position
-	hold []uint32 // holder word per position
-	// stamp is the last store or lookup, seconds since the index's epoch;
-	// nil without pruning. Lookups refresh it without the lock, so a refresh
-	// racing a run's growth or reuse can be lost or land on another run: it
-	// only ages an entry for pruning, never changes a match.
-	stamp []uint32
+	hashes []uint64
+	holds  []uint32
 }
+
+func newRunBody(size int, stamped bool) *runBody {
+	b := &runBody{hashes: make([]uint64, size)}
+	if stamped {
+		b.holds = make([]uint32, size, 2*size)
+	} else {
+		b.holds = make([]uint32, size)
+	}
+	return b
+}
+
+// size is the number of positions b has room for.
+func (b *runBody) size() int { return len(b.hashes) }
+
+func (b *runBody) stamped() bool { return cap(b.holds) > len(b.holds) }
+
+// hash is position o's prefix hash (writers, or a reader of a body it
+// checks by version; see loadHash).
+func (b *runBody) hash(o int) uint64       { return b.hashes[o] }
+func (b *runBody) loadHash(o int) uint64   { return atomic.LoadUint64(&b.hashes[o]) }
+func (b *runBody) setHash(o int, p uint64) { store64(&b.hashes[o], p) }
+
+// hold is position o's holder word (writers: mu held); loadHold is the
+// lock-free readers'.
+func (b *runBody) hold(o int) uint32          { return b.holds[o] }
+func (b *runBody) loadHold(o int) uint32      { return atomic.LoadUint32(&b.holds[o]) }
+func (b *runBody) setHold(o int, h uint32)    { store32(&b.holds[o], h) }
+func (b *runBody) stampAt(o int) *uint32      { return &b.holds[:cap(b.holds)][len(b.holds)+o] }
+func (b *runBody) loadStamp(o int) uint32     { return atomic.LoadUint32(b.stampAt(o)) }
+func (b *runBody) setStamp(o int, v uint32)   { atomic.StoreUint32(b.stampAt(o), v) }
+func (b *runBody) storeStamp(o int, v uint32) { store32(b.stampAt(o), v) }
 
 // runDir maps a shard's run numbers to runs; it is replaced when it grows.
 type runDir struct {
@@ -193,6 +277,11 @@ type shard struct {
 	tab  atomic.Pointer[table]
 	dir  atomic.Pointer[runDir]
 	sets atomic.Pointer[slab]
+	// filter answers most "does this prefix hash head a run?" questions
+	// without probing tab (see headFilter); filterStale counts the heads
+	// deleted since it was built, whose bits it still has.
+	filter      atomic.Pointer[headFilter]
+	filterStale int
 
 	heads    int // guarded by mu
 	runsUsed int // run numbers handed out (high water); guarded by mu
@@ -200,6 +289,11 @@ type shard struct {
 	setsUsed int
 	setsFree []uint32
 	bytes    int // run arrays' capacity in bytes; guarded by mu
+	// maxRuns is the most run numbers the shard may hand out (maxRunsFor:
+	// a reverse entry names a run in the bits packLoc leaves it).
+	maxRuns int
+	// capWarned: the run cap's warning was logged for this shard.
+	capWarned bool
 	// spare holds run arrays given back, by size class, for reuse: runs come
 	// and go with conversations, and allocating their arrays anew made the
 	// garbage collector a fifth of a replay's time.
@@ -215,7 +309,9 @@ type shard struct {
 
 const shardMinSlots = 64
 
-func (s *shard) init() {
+func (s *shard) init(maxRuns int) {
+	s.maxRuns = maxRuns
+	s.filter.Store(newHeadFilter(shardMinSlots))
 	s.tab.Store(newTable(shardMinSlots))
 	s.dir.Store(&runDir{r: make([]atomic.Pointer[run], 16)})
 	s.sets.Store(&slab{words: 1})
@@ -246,8 +342,10 @@ func (s *shard) insertHead(k uint64, idx uint32, sb uint8) {
 			}
 		}
 		s.tab.Store(nt)
+		s.rebuildFilter(nt)
 		t = nt
 	}
+	s.filter.Load().add(k)
 	n := t.n
 	i := t.home(k, sb)
 	for t.val(i) != 0 {
@@ -257,6 +355,56 @@ func (s *shard) insertHead(k uint64, idx uint32, sb uint8) {
 	}
 	t.put(i, k, idx+1)
 	s.heads++
+}
+
+// headFilter is a one-hash Bloom filter over a shard's heads, eight bits a
+// heads-table slot: a head's bit is set when its run starts and cleared only
+// when the filter is rebuilt (when the table grows, or once as many heads
+// were deleted as are left, O(table) after as many deletions). A writer
+// appending a block to a run first asks whether the block heads a run of
+// its own (noHead): nearly always not, and a heads-table probe for a key it
+// does not hold walks about 13 slots at the table's load of 0.8 — 7 % of
+// the Mooncake corpus replay's instructions. A clear bit answers no
+// without the probe; a set bit (about one in ten for a non-head) probes.
+//
+// A lock-free reader may hold a filter that a rebuild has replaced: it
+// still has the bit of every head made before the reader took the lock of
+// the run it appends to, which are the heads noHead must see (see place).
+type headFilter struct{ w []uint64 }
+
+func newHeadFilter(slots int) *headFilter {
+	return &headFilter{w: make([]uint64, max(1, slots/8))}
+}
+
+// bit locates k's bit: the low 32 bits of k (the heads table's home uses
+// its top bits), mapped onto the filter by a multiply-high.
+func (f *headFilter) bit(k uint64) (word int, mask uint64) {
+	b := uint64(uint32(k)) * uint64(len(f.w)*64) >> 32
+	return int(b >> 6), 1 << (b & 63)
+}
+
+// mayHave reports false when k surely heads no run (lock-free).
+func (f *headFilter) mayHave(k uint64) bool {
+	i, m := f.bit(k)
+	return atomic.LoadUint64(&f.w[i])&m != 0
+}
+
+// add sets k's bit (mu held).
+func (f *headFilter) add(k uint64) {
+	i, m := f.bit(k)
+	store64(&f.w[i], f.w[i]|m)
+}
+
+// rebuildFilter publishes a filter of t's heads, without stale bits (mu held).
+func (s *shard) rebuildFilter(t *table) {
+	f := newHeadFilter(t.n)
+	for i := range t.n {
+		if t.val(i) != 0 {
+			f.add(t.key(i))
+		}
+	}
+	s.filter.Store(f)
+	s.filterStale = 0
 }
 
 // deleteHead removes k by backward shift (no tombstones).
@@ -284,21 +432,25 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 	}
 	t.setVal(i, 0)
 	s.heads--
+	if s.filterStale++; s.filterStale > s.heads+8 {
+		s.rebuildFilter(t)
+	}
 }
 
-// newRun starts a run at prefix hash p and files it as a head.
-func (s *shard) newRun(p uint64, stamped bool, sb uint8) uint32 {
-	return s.newRunFor(p, stamped, sb, 1)
-}
-
-// newRunFor is newRun whose arrays are sized for room positions, the blocks
-// of a stored event that will likely follow p into it (see appendPosFor).
-func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
+// newRunFor starts a run at prefix hash p and files it as a head, its
+// arrays sized for room positions, the blocks of a stored event that will
+// likely follow p into it (see appendPosFor). It returns false, changing
+// nothing, when the shard has maxRuns live runs already: a reverse entry
+// could not name another (see packLoc).
+func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) (uint32, bool) {
 	var idx uint32
 	if k := len(s.runsFree); k > 0 {
 		idx = s.runsFree[k-1]
 		s.runsFree = s.runsFree[:k-1]
 	} else {
+		if s.runsUsed >= s.maxRuns {
+			return 0, false
+		}
 		idx = uint32(s.runsUsed)
 		s.runsUsed++
 		if d := s.dir.Load(); int(idx) >= len(d.r) {
@@ -309,15 +461,15 @@ func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) uint32 {
 			s.dir.Store(nd)
 		}
 	}
-	r := &run{head: p}
+	r := &run{}
 	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
 	s.bytes += bodyBytes(b)
-	store64(&b.hash[0], p)
+	b.setHash(0, p)
 	r.body.Store(b)
 	store32(&r.n, 1)
 	s.dir.Load().r[idx].Store(r)
 	s.insertHead(p, idx, sb)
-	return idx
+	return idx, true
 }
 
 // Run arrays come in a few sizes, up to maxRunLen, each half again the one
@@ -350,31 +502,25 @@ func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-
 func (s *shard) getBody(n int, stamped bool) *runBody {
 	k := bodyClass(n)
 	n = bodySizes[k]
-	if l := len(s.spare[k]); l > 0 && (s.spare[k][l-1].stamp != nil) == stamped {
+	if l := len(s.spare[k]); l > 0 && s.spare[k][l-1].stamped() == stamped {
 		b := s.spare[k][l-1]
 		s.spare[k][l-1] = nil
 		s.spare[k] = s.spare[k][:l-1]
 		s.spareBytes -= bodyBytes(b)
-		for i := range b.hold {
-			store32(&b.hold[i], 0)
-		}
-		for i := range b.stamp {
-			store32(&b.stamp[i], 0)
+		h := b.holds[:cap(b.holds)]
+		for i := range h { // holders and stamps
+			store32(&h[i], 0)
 		}
 		return b
 	}
-	b := &runBody{hash: make([]uint64, n), hold: make([]uint32, n)}
-	if stamped {
-		b.stamp = make([]uint32, n)
-	}
-	return b
+	return newRunBody(n, stamped)
 }
 
 // putBody keeps b for reuse (mu held, and the shard's version odd, so that
 // lookups reading b will read again). What is kept is bounded, per size
 // class and to a sixteenth of the shard's live arrays, and counted in memBytes.
 func (s *shard) putBody(b *runBody) {
-	k := bodyClass(len(b.hash))
+	k := bodyClass(b.size())
 	n := bodyBytes(b)
 	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 2048+s.bytes/16 {
 		s.spare[k] = append(s.spare[k], b)
@@ -382,7 +528,7 @@ func (s *shard) putBody(b *runBody) {
 	}
 }
 
-func bodyBytes(b *runBody) int { return len(b.hash)*12 + len(b.stamp)*4 }
+func bodyBytes(b *runBody) int { return len(b.hashes)*8 + cap(b.holds)*4 }
 
 // appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
 func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
@@ -394,14 +540,16 @@ func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1)
 func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	o := int(r.n)
 	b := r.body.Load()
-	if o == len(b.hash) {
-		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamp != nil)
+	if o == b.size() {
+		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamped())
 		for i := range o {
-			store64(&nb.hash[i], b.hash[i])
-			store32(&nb.hold[i], b.hold[i])
+			store64(&nb.hashes[i], b.hashes[i])
+			store32(&nb.holds[i], b.holds[i])
 		}
-		for i := range b.stamp { // lookups refresh stamps without the lock
-			store32(&nb.stamp[i], atomic.LoadUint32(&b.stamp[i]))
+		if b.stamped() { // lookups refresh stamps without the lock
+			for i := range o {
+				nb.storeStamp(i, b.loadStamp(i))
+			}
 		}
 		s.bytes += bodyBytes(nb) - bodyBytes(b)
 		r.body.Store(nb)
@@ -410,7 +558,7 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	}
 	// Holder and stamp at o are zero already: arrays start zeroed, and
 	// positions past n were never used.
-	store64(&b.hash[o], p)
+	b.setHash(o, p)
 	store32(&r.n, uint32(o+1))
 	return o
 }
@@ -419,8 +567,9 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 func (s *shard) freeRun(idx uint32, sb uint8) {
 	r := s.runAt(idx)
 	b := r.body.Load()
+	head := b.hash(0)
 	for o := range int(r.n) {
-		if h := b.hold[o]; h != 0 { // only pruned positions can be left, and prune clears them
+		if h := b.hold(o); h != 0 { // only pruned positions can be left, and prune clears them
 			s.clearPos(b, o)
 		}
 	}
@@ -430,7 +579,7 @@ func (s *shard) freeRun(idx uint32, sb uint8) {
 	// this; r's version will not move again, so r must read as empty, not as
 	// whatever the array's next owner writes into it.
 	store32(&r.n, 0)
-	s.deleteHead(r.head, sb)
+	s.deleteHead(head, sb)
 	s.dir.Load().r[idx].Store(nil)
 	s.runsFree = append(s.runsFree, idx)
 }
@@ -484,13 +633,13 @@ func setBit(sl *slab, b int, id uint32) {
 // addHolder makes worker id a holder of position o of b and stamps it; it
 // reports whether id already held it.
 func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
-	if b.stamp != nil {
-		store32(&b.stamp[o], stamp)
+	if b.stamped() {
+		b.storeStamp(o, stamp)
 	}
-	h := b.hold[o]
+	h := b.hold(o)
 	switch {
 	case h == 0:
-		store32(&b.hold[o], id<<1|1)
+		b.setHold(o, id<<1|1)
 		s.count(&s.entries, 1)
 	case h&1 == 1:
 		other := h >> 1
@@ -500,7 +649,7 @@ func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
 		set, sl := s.newSet(int(max(id, other)>>6) + 1)
 		setBit(sl, set, other)
 		setBit(sl, set, id)
-		store32(&b.hold[o], uint32(set+1)<<1)
+		b.setHold(o, uint32(set+1)<<1)
 	default:
 		set := int(h>>1) - 1
 		sl := s.sets.Load()
@@ -519,7 +668,7 @@ func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
 // removeHolder drops worker id from position o's holders; it reports
 // whether id held it.
 func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
-	h := b.hold[o]
+	h := b.hold(o)
 	switch {
 	case h == 0:
 		return false
@@ -527,7 +676,7 @@ func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
 		if h>>1 != id {
 			return false
 		}
-		store32(&b.hold[o], 0)
+		b.setHold(o, 0)
 		s.count(&s.entries, -1)
 		s.count(&s.mem, -1)
 		return true
@@ -554,18 +703,18 @@ func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
 	switch count {
 	case 0:
 		s.setsFree = append(s.setsFree, uint32(set))
-		store32(&b.hold[o], 0)
+		b.setHold(o, 0)
 		s.count(&s.entries, -1)
 	case 1:
 		s.setsFree = append(s.setsFree, uint32(set))
-		store32(&b.hold[o], last<<1|1)
+		b.setHold(o, last<<1|1)
 	}
 	return true
 }
 
 // clearPos drops every holder of position o and returns how many there were.
 func (s *shard) clearPos(b *runBody, o int) int {
-	h := b.hold[o]
+	h := b.hold(o)
 	if h == 0 {
 		return 0
 	}
@@ -579,7 +728,7 @@ func (s *shard) clearPos(b *runBody, o int) int {
 		}
 		s.setsFree = append(s.setsFree, uint32(set))
 	}
-	store32(&b.hold[o], 0)
+	b.setHold(o, 0)
 	s.count(&s.entries, -1)
 	s.count(&s.mem, -int64(n))
 	return n
@@ -593,9 +742,8 @@ func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
 
 // memBytes estimates the shard's own memory (mu held).
 func (s *shard) memBytes() int {
-	const runOverhead = 32 + 80 // run and runBody headers
 	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
-		s.bytes + s.spareBytes + len(s.sets.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
+		s.bytes + s.spareBytes + len(s.sets.Load().w)*8 + len(s.filter.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
 }
 
 // shardLocks holds the write locks of at most two shards, taken in shard
@@ -810,6 +958,9 @@ func (l *shardLocks) put(s int) {
 // one's version to turn even while its own is odd: two writers doing that
 // to each other would wait forever. It takes the ordered locks instead.
 func (s *shard) tryHasHead(k uint64, sb uint8) (has, ok bool) {
+	if !s.filter.Load().mayHave(k) {
+		return false, true
+	}
 	for range 4 {
 		v := s.ver.Load()
 		if v&1 == 1 {

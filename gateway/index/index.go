@@ -183,6 +183,13 @@ type WorkerCounters struct {
 	SkippedRemote    uint64 // remote-locality events
 	SkippedGroup     uint64 // events of non-main-attention cache groups
 	SkippedTier      uint64 // disk / external tier events
+	// UnindexedBlocks counts stored blocks left out of the index because the
+	// forward shard their run would start in had no run number left (its
+	// cap, maxRunsFor: 2^(24-ShardBits)-1 live runs, 16.7 M runs in all),
+	// and the blocks new to the rank after them in the same event. The
+	// worker is not taken to hold them (lookups under-report it, never
+	// over-report) and their later removals count as UnknownRemovals.
+	UnindexedBlocks uint64
 	// Stores taken for report-mode "full" re-announcements and applied as no
 	// change (Options.ReportModeFull), and the blocks they listed.
 	ReannouncedStores, ReannouncedBlocks uint64
@@ -215,7 +222,7 @@ func New(opts Options) *Index {
 	}
 	ix.epoch = ix.now()
 	for i := range ix.shards {
-		ix.shards[i].init()
+		ix.shards[i].init(maxRunsFor(uint8(sb)))
 	}
 	if opts.BlockSize > 0 {
 		ix.blockSize.Store(int64(opts.BlockSize))
@@ -492,7 +499,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	if s.ParentBlockHash != nil {
 		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
-			prevLoc, chained = loc(rt.slots[i].loc), true
+			prevLoc, chained = unpackLoc(rt.slots[i].pos, ix.shardBits), true
 			prev = ix.hashAt(&lk, prevLoc)
 		} else {
 			ws.c.ParentlessStores++
@@ -528,7 +535,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			continue
 		}
 		ws.c.StoredBlocks++
-		i, found := rt.upsert(uint64(blk.BlockHash), 0, withTierCount(0, tier, 1))
+		i, found := rt.upsert(uint64(blk.BlockHash), noPos, withTierCount(0, tier, 1))
 		if found {
 			c := rt.counts(i)
 			if n := tierCount(c, tier); n >= copiesCap {
@@ -560,19 +567,47 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		if slots[j].found {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
-			l = loc(rt.slots[i].loc)
+			// (Its position is set: an entry new in this event was filed, or
+			// the event ended in leaveOut, before a repeat of it comes here.)
+			l = unpackLoc(rt.slots[i].pos, ix.shardBits)
 			if known := ix.hashAt(&lk, l); known != p {
 				ws.c.EngineConflicts++
 				p = known
 			}
 			ix.addRef(&lk, ws, l, stamp, false)
 		} else {
-			l = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j)
-			rt.slots[i].loc = uint64(l)
+			var ok bool
+			if l, ok = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j); !ok {
+				ws.leaveOut(rt, s.Blocks[j:])
+				return
+			}
+			rt.slots[i].pos = packLoc(l, ix.shardBits)
 			ix.addRef(&lk, ws, l, stamp, true)
 		}
 		chained = true
 		prev, prevLoc = p, l
+	}
+}
+
+// leaveOut ends a store whose block blocks[0] could not be filed: its run
+// would start in a shard at its run cap (maxRunsFor). That block, and every
+// block of the event after it that was new to the rank, are not indexed:
+// their reverse entries (made by the store's first pass, not yet filed) go,
+// so the worker is not taken to hold them, and they are counted. Blocks the
+// rank held before the event keep their filing and the copy the first pass
+// counted.
+func (ws *workerState) leaveOut(rt *revTable, blocks []*kvpb.KvBlock) {
+	for _, blk := range blocks {
+		if blk == nil {
+			continue
+		}
+		switch i := rt.find(uint64(blk.BlockHash)); {
+		case i < 0: // a repeat of a block left out just now
+			ws.c.UnindexedBlocks++
+		case rt.slots[i].pos == noPos:
+			ws.c.UnindexedBlocks++
+			rt.del(i)
+		}
 	}
 }
 
@@ -600,7 +635,7 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 		if j > 0 {
 			h = ChainHash(prev, h)
 		}
-		if ix.hashAt(lk, loc(rt.slots[i].loc)) != h {
+		if ix.hashAt(lk, unpackLoc(rt.slots[i].pos, ix.shardBits)) != h {
 			return false
 		}
 		prev = h
@@ -613,11 +648,11 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 // the calling writer, which keeps its run in place.
 func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 	if r := lk.cached(l.shard(), l.run()); r != nil {
-		return r.body.Load().hash[l.off()]
+		return r.body.Load().hash(l.off())
 	}
 	lk.need(l.shard(), -1)
 	r := ix.shards[l.shard()].runAt(l.run())
-	return r.body.Load().hash[l.off()]
+	return r.body.Load().hash(l.off())
 }
 
 // place finds or makes the position of prefix hash p: right after prev when
@@ -626,12 +661,14 @@ func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
 // are looked at, under both shards' locks, before anything is added, so p
 // never gets two positions. room counts the event's blocks from p on: a run
 // that p starts or grows gets arrays for all of them at once.
-func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) loc {
+//
+// It returns false when p needs a run of its own in a shard at its run cap.
+func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) (loc, bool) {
 	ps := ix.shardIndex(p)
 	if !chained {
 		lk.need(ps, -1)
 		if l, ok := ix.headLoc(ps, p); ok {
-			return l
+			return l, true
 		}
 		return ix.startRun(lk, ps, p, room)
 	}
@@ -645,15 +682,15 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 		r = sh.runAt(prev.run())
 		lk.need(a, -1)
 	}
-	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash[o] == p }
+	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash(o) == p }
 	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
-	appendHere := func() loc {
+	appendHere := func() (loc, bool) {
 		lk.writeRunAt(a, prev.run(), r)
 		sh.appendPosFor(r, p, room)
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	if next() {
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	// Appending to prev's run is the common case (a conversation's next
 	// turn). It only needs to know that p is not a head, which a lock-free
@@ -664,10 +701,10 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 		return appendHere()
 	}
 	if !lk.need(a, ps) && next() {
-		return makeLoc(a, prev.run(), o)
+		return makeLoc(a, prev.run(), o), true
 	}
 	if l, ok := ix.headLoc(ps, p); ok {
-		return l
+		return l, true
 	}
 	if atEnd() {
 		return appendHere()
@@ -677,6 +714,9 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 
 // headLoc is the position of p when p heads a run of shard ps (ps locked).
 func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
+	if !ix.shards[ps].filter.Load().mayHave(p) {
+		return 0, false
+	}
 	t := ix.shards[ps].tab.Load()
 	if i := t.find(p, ix.shardBits); i >= 0 {
 		return makeLoc(ps, t.val(i)-1, 0), true
@@ -684,10 +724,21 @@ func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
 	return 0, false
 }
 
-// startRun makes p the head of a new run of shard ps (ps locked).
-func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) loc {
+// startRun makes p the head of a new run of shard ps (ps locked); false
+// when the shard is at its run cap, which is logged once per shard.
+func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) (loc, bool) {
+	sh := &ix.shards[ps]
 	lk.write(ps)
-	return makeLoc(ps, ix.shards[ps].newRunFor(p, ix.pruning, ix.shardBits, room), 0)
+	idx, ok := sh.newRunFor(p, ix.pruning, ix.shardBits, room)
+	if !ok {
+		if !sh.capWarned {
+			sh.capWarned = true
+			ix.log.Warn("index: a forward shard has no run number left; blocks that need a new run there are not indexed (counted in UnindexedBlocks) until runs are freed",
+				"shard", ps, "max_runs", sh.maxRuns)
+		}
+		return 0, false
+	}
+	return makeLoc(ps, idx, 0), true
 }
 
 // noHead reports that p surely heads no run of shard ps: read under the
@@ -831,7 +882,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			rt.setCounts(i, c)
 			continue
 		}
-		locs = append(locs, loc(rt.slots[i].loc))
+		locs = append(locs, unpackLoc(rt.slots[i].pos, ix.shardBits))
 		rt.del(i)
 	}
 	ws.evLocs = locs
@@ -858,7 +909,7 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 	defer lk.release()
 	for i := range rt.slots {
 		if rt.counts(i) != 0 {
-			ix.dropRef(&lk, ws, loc(rt.slots[i].loc))
+			ix.dropRef(&lk, ws, unpackLoc(rt.slots[i].pos, ix.shardBits))
 		}
 	}
 }
@@ -967,7 +1018,7 @@ func (ix *Index) LiveDigest(w WorkerID, rank int32) (digest, blocks uint64) {
 				if t == TierHost {
 					tier = livedigest.TierHost
 				}
-				digest += n * livedigest.Block(rt.slots[i].key, tier)
+				digest += n * livedigest.Block(rt.slots[i].key(), tier)
 				blocks += n
 			}
 		}
@@ -993,7 +1044,7 @@ func (ix *Index) LiveSet(w WorkerID) []LiveBlock {
 			}
 			for _, t := range []Tier{TierDevice, TierHost} {
 				if n := tierCount(c, t); n > 0 {
-					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.slots[i].key, Copies: int(n)})
+					out = append(out, LiveBlock{Rank: r, Tier: t, EngineHash: rt.slots[i].key(), Copies: int(n)})
 				}
 			}
 		}
@@ -1415,19 +1466,21 @@ func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h
 		return pos, false, false
 	}
 	b := r.body.Load()
-	rn := min(int(atomic.LoadUint32(&r.n)), len(b.hash))
+	rn := min(int(atomic.LoadUint32(&r.n)), b.size())
 	sl := sh.sets.Load()
-	touch := ix.pruning && b.stamp != nil
+	touch := ix.pruning && b.stamped()
 	next, stop, ok = pos, false, true
 	for o := 0; ; {
-		if o >= rn || atomic.LoadUint64(&b.hash[o]) != h {
+		if o >= rn || b.loadHash(o) != h {
 			ok = o > 0 // the head is always position 0
 			break
 		}
-		if touch && atomic.LoadUint32(&b.stamp[o]) != stamp {
-			atomic.StoreUint32(&b.stamp[o], stamp)
+		if touch {
+			if b.loadStamp(o) != stamp {
+				b.setStamp(o, stamp)
+			}
 		}
-		more, good := c.step(next, atomic.LoadUint32(&b.hold[o]), sl)
+		more, good := c.step(next, b.loadHold(o), sl)
 		if !good {
 			ok = false
 			break

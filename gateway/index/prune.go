@@ -2,7 +2,6 @@ package index
 
 import (
 	"slices"
-	"sync/atomic"
 	"time"
 )
 
@@ -53,7 +52,7 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 		sh.mu.Lock()
 		sh.eachPos(func(_ *run, b *runBody, o int) {
 			// Lookups refresh stamps without the lock: read them atomically.
-			if st := atomic.LoadUint32(&b.stamp[o]); b.hold[o] != 0 && st <= graceEnd {
+			if st := b.loadStamp(o); b.hold(o) != 0 && st <= graceEnd {
 				stamps = append(stamps, st)
 			}
 		})
@@ -102,7 +101,7 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 			if limit >= 0 && evicted >= limit {
 				return
 			}
-			if b.hold[o] != 0 && match(atomic.LoadUint32(&b.stamp[o])) {
+			if b.hold(o) != 0 && match(b.loadStamp(o)) {
 				r.ver.Add(1)
 				sh.clearPos(b, o)
 				r.ver.Add(1)

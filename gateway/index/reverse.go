@@ -8,12 +8,13 @@ import "math/bits"
 const copiesCap = 8
 
 // revTable maps one (worker, rank)'s engine block hashes to the position the
-// index filed the block at (a loc: its run and offset, which also give its
-// prefix hash), with its physical copies per tier. It is
+// index filed the block at (a packed loc, see packLoc: its run and offset,
+// which also give its prefix hash), with its physical copies per tier. It is
 // the index's memory hog (one slot per block a worker holds), so it is an
-// open-addressing table of 16-byte slots (key and position side by side: one
-// cache line when a probe hits) plus 2 bytes of metadata per slot, 18 bytes
-// in all. The metadata holds the copy counts and an 8-bit tag of the key, so
+// open-addressing table of 12-byte slots (key and 32-bit position side by
+// side: one cache line when a probe hits, but for the one slot in sixteen
+// that straddles two) plus 2 bytes of metadata per slot, 14 bytes in all.
+// The metadata holds the copy counts and an 8-bit tag of the key, so
 // a probe walks the dense metadata (32 slots a cache line) and reads a slot
 // only when the tag matches: that keeps probes short at a high load.
 // Occupancy is a non-zero count: an entry whose copies all went is deleted.
@@ -43,9 +44,17 @@ type revTable struct {
 	shrinkFloor int
 }
 
+// rslot is one entry. The key is kept as two 32-bit halves so that the slot
+// is 12 bytes: a uint64 field would align the struct to 8 and pad it to 16.
 type rslot struct {
-	key uint64 // engine block hash (the proto int64, bit for bit)
-	loc uint64 // the block's position in the forward map (a loc)
+	keyLo, keyHi uint32 // engine block hash (the proto int64, bit for bit)
+	pos          uint32 // the block's position in the forward map (packLoc), or noPos
+}
+
+func (s *rslot) key() uint64 { return uint64(s.keyLo) | uint64(s.keyHi)<<32 }
+
+func makeSlot(k uint64, p uint32) rslot {
+	return rslot{keyLo: uint32(k), keyHi: uint32(k >> 32), pos: p}
 }
 
 const (
@@ -122,7 +131,7 @@ func (t *revTable) find(k uint64) int {
 		if md&0xff == 0 {
 			return -1
 		}
-		if md&0xff00 == tag && t.slots[i].key == k {
+		if md&0xff00 == tag && t.slots[i].key() == k {
 			return i
 		}
 		if i++; i == n {
@@ -132,8 +141,8 @@ func (t *revTable) find(k uint64) int {
 }
 
 // upsert returns k's slot and whether it was there; if not, k now occupies
-// the returned slot with loc l and counts cnt. One probe sequence serves both.
-func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
+// the returned slot with position p and counts cnt. One probe sequence serves both.
+func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
 	if (t.n+1)*16 > len(t.slots)*revMaxLoad16 {
 		t.grow()
 	}
@@ -146,14 +155,14 @@ func (t *revTable) upsert(k, l uint64, cnt uint8) (int, bool) {
 		if md&0xff == 0 {
 			break
 		}
-		if md&0xff00 == tag && t.slots[i].key == k {
+		if md&0xff00 == tag && t.slots[i].key() == k {
 			return i, true
 		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.slots[i] = rslot{key: k, loc: l}
+	t.slots[i] = makeSlot(k, p)
 	t.meta[i] = tag | uint16(cnt)
 	t.n++
 	t.peak = max(t.peak, t.n)
@@ -186,7 +195,7 @@ func (t *revTable) resize(size int) {
 		if md&0xff == 0 {
 			continue
 		}
-		i := t.homeOf(mix(slots[j].key))
+		i := t.homeOf(mix(slots[j].key()))
 		for t.meta[i]&0xff != 0 {
 			if i++; i == n {
 				i = 0
@@ -216,7 +225,7 @@ func (t *revTable) del(i int) {
 		if t.meta[j]&0xff == 0 {
 			break
 		}
-		h := t.homeOf(mix(t.slots[j].key))
+		h := t.homeOf(mix(t.slots[j].key()))
 		if fillsHole(i, j, h) {
 			t.slots[i], t.meta[i] = t.slots[j], t.meta[j]
 			i = j
@@ -229,8 +238,18 @@ func (t *revTable) del(i int) {
 	case t.n == 0 && len(t.slots) > 1<<16:
 		t.alloc(revMinSlots) // give a drained rank's memory back
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
+		old := len(t.slots)
+		// A table below the load threshold usually stays as it is, kept
+		// large for its recent peak: tell that without the divisions below
+		// (they were a tenth of a deletion's instructions in the Mooncake
+		// corpus replay, whose tables sit there). The test is the size
+		// condition below for the peak's term alone: the size is at least
+		// that term, so when it exceeds old-old/8 no shrink is made.
+		if max(t.peak, t.prevPeak)*100 >= (old-old/8+1)*revPeakLoad100 {
+			break
+		}
 		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
-		if old := len(t.slots); size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
+		if size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
 			t.resize(size)
 			if len(t.slots) > old-old/8 {
 				t.shrinkFloor = size
@@ -239,7 +258,7 @@ func (t *revTable) del(i int) {
 	}
 }
 
-func (t *revTable) bytes() int { return len(t.slots) * 18 }
+func (t *revTable) bytes() int { return len(t.slots)*12 + len(t.meta)*2 }
 
 func tierCount(c uint8, tier Tier) uint8 { return c >> (4 * uint(tier)) & 0xf }
 

@@ -27,16 +27,16 @@ func TestRevTableAgainstMap(t *testing.T) {
 		}
 		if rng.IntN(5) < 3 || len(want) < 50 {
 			c := uint8(1 + rng.IntN(200))
-			i, found := rt.upsert(k, k^0x5555, c)
+			i, found := rt.upsert(k, uint32(k^0x5555), c)
 			_, had := want[k]
 			if found != had {
 				t.Fatalf("step %d: upsert(%#x) found=%v, map has=%v", step, k, found, had)
 			}
 			if !had {
-				want[k] = [2]uint64{k ^ 0x5555, uint64(c)}
+				want[k] = [2]uint64{uint64(uint32(k ^ 0x5555)), uint64(c)}
 				keys = append(keys, k)
-			} else if rt.slots[i].key != k {
-				t.Fatalf("step %d: upsert(%#x) returned slot of %#x", step, k, rt.slots[i].key)
+			} else if rt.slots[i].key() != k {
+				t.Fatalf("step %d: upsert(%#x) returned slot of %#x", step, k, rt.slots[i].key())
 			}
 		} else if i := rt.find(k); i >= 0 {
 			if _, had := want[k]; !had {
@@ -53,7 +53,7 @@ func TestRevTableAgainstMap(t *testing.T) {
 		if step%2500 == 0 {
 			for k, v := range want {
 				i := rt.find(k)
-				if i < 0 || rt.slots[i].loc != v[0] || uint64(rt.counts(i)) != v[1] {
+				if i < 0 || uint64(rt.slots[i].pos) != v[0] || uint64(rt.counts(i)) != v[1] {
 					t.Fatalf("step %d: %#x lost or changed", step, k)
 				}
 			}
@@ -69,7 +69,7 @@ func TestShardAgainstMap(t *testing.T) {
 	const sb = 6
 	rng := rand.New(rand.NewPCG(12, 12))
 	var s shard
-	s.init()
+	s.init(maxRunsFor(sb))
 	type pos struct {
 		run uint32
 		off int
@@ -90,7 +90,7 @@ func TestShardAgainstMap(t *testing.T) {
 		switch x := rng.IntN(100); {
 		case x < 8 || len(live) == 0:
 			h := rng.Uint64() >> sb // one shard: the top bits are the shard's
-			idx := s.newRun(h, false, sb)
+			idx := newRunOrFail(t, &s, h, sb)
 			if _, dup := heads[idx]; dup {
 				t.Fatalf("step %d: run %d handed out twice", step, idx)
 			}
@@ -143,7 +143,7 @@ func TestShardAgainstMap(t *testing.T) {
 			}
 			entries++
 			mem += len(ids)
-			h := body(p).hold[p.off]
+			h := body(p).hold(p.off)
 			got := map[uint32]bool{}
 			if h&1 == 1 {
 				got[h>>1] = true
@@ -189,14 +189,14 @@ func TestShardAgainstMap(t *testing.T) {
 func TestFreedRunReadsEmpty(t *testing.T) {
 	const sb = 6
 	var s shard
-	s.init()
-	a := s.newRun(1, false, sb)
+	s.init(maxRunsFor(sb))
+	a := newRunOrFail(t, &s, 1, sb)
 	ra := s.runAt(a)
 	s.addHolder(ra.body.Load(), 0, 7, 0)
 	old := ra.body.Load()
 	s.removeHolder(old, 0, 7)
 	s.freeRun(a, sb)
-	b := s.newRun(2, false, sb)
+	b := newRunOrFail(t, &s, 2, sb)
 	if s.runAt(b).body.Load() != old {
 		t.Fatalf("the freed run's array was not reused; the test no longer covers reuse")
 	}
@@ -215,7 +215,7 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	rt := newRevTable()
 	const n = 20000
 	for k := range uint64(n) {
-		rt.upsert(k+1, k, 1)
+		rt.upsert(k+1, uint32(k), 1)
 	}
 	loadOK := func(when string) {
 		t.Helper()
@@ -236,7 +236,7 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	changes := 0
 	for range 200 {
 		for range n / 4 / 20 {
-			rt.upsert(next, next, 1)
+			rt.upsert(next, uint32(next), 1)
 			next++
 		}
 		for range n / 4 / 20 {
@@ -274,14 +274,14 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 	const capacity = 512
 	next, oldest := uint64(1), uint64(1)
 	for range capacity {
-		rt.upsert(next, next, 1)
+		rt.upsert(next, uint32(next), 1)
 		next++
 	}
 	resizes := rt.resizes
 	for cycle := range 1000 {
 		k := 32 + rng.IntN(129)
 		for range k {
-			rt.upsert(next, next, 1)
+			rt.upsert(next, uint32(next), 1)
 			next++
 		}
 		for range k {
@@ -316,7 +316,7 @@ func TestRevTableShrinkThatRoundsUpIsNotRepeated(t *testing.T) {
 		rt := newRevTable()
 		next, oldest := uint64(1), uint64(1)
 		for range tc.fill {
-			rt.upsert(next, next, 1)
+			rt.upsert(next, uint32(next), 1)
 			next++
 		}
 		for next-oldest > uint64(tc.level) {
@@ -326,7 +326,7 @@ func TestRevTableShrinkThatRoundsUpIsNotRepeated(t *testing.T) {
 		settled := rt.resizes
 		const rounds = 20000
 		for range rounds {
-			rt.upsert(next, next, 1)
+			rt.upsert(next, uint32(next), 1)
 			next++
 			rt.del(rt.find(oldest))
 			oldest++
