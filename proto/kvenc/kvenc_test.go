@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
@@ -387,6 +388,53 @@ func TestStoredRunWithTooFewTokensIsAnError(t *testing.T) {
 	} {
 		if _, err := kvenc.AppendStoredEvent(nil, 1, nil, &run); err == nil {
 			t.Errorf("run of %d tokens for %d blocks of %d: no error", len(run.Tokens), len(run.Hashes), run.BlockSize)
+		}
+	}
+}
+
+// varintEdges are the uint32 values either side of every varint length
+// boundary, and the ends.
+var varintEdges = []uint32{0, 1, 127, 128, 255, 256, 16383, 16384, 65535, 65536,
+	1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, 1<<31 - 1, 1 << 31, math.MaxUint32}
+
+// TestPutVarints32WritesProtowiresVarints: every value at a length
+// boundary, alone and in runs of every order, is written as
+// protowire.AppendVarint writes it, with the buffer's bytes before and
+// after the varints left alone (the three-byte fast path writes junk past a
+// short varint only where the next value, or nothing, goes).
+func TestPutVarints32WritesProtowiresVarints(t *testing.T) {
+	var runs [][]uint32
+	for _, v := range varintEdges {
+		runs = append(runs, []uint32{v})
+		for _, w := range varintEdges {
+			runs = append(runs, []uint32{v, w}, []uint32{w, v, w})
+		}
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 200 {
+		run := make([]uint32, r.IntN(40))
+		for i := range run {
+			run[i] = varintEdges[r.IntN(len(varintEdges))]
+		}
+		runs = append(runs, run)
+	}
+	for _, vs := range runs {
+		var want []byte
+		for _, v := range vs {
+			want = protowire.AppendVarint(want, uint64(v))
+		}
+		// Room for the worst case, as appendPackedUint32 gives it, then
+		// exactly as much as the varints need (the fast path must not
+		// write past the slice's end), each between guard bytes.
+		for _, room := range []int{5 * len(vs), len(want)} {
+			buf := bytes.Repeat([]byte{0xee}, 2+room+2)
+			end := kvenc.PutVarints32(buf[:2+room], 2, vs)
+			if got := buf[2:end]; !bytes.Equal(got, want) {
+				t.Fatalf("%v (room %d): wrote %x, want %x", vs, room, got, want)
+			}
+			if !bytes.Equal(buf[:2], []byte{0xee, 0xee}) || !bytes.Equal(buf[2+room:], []byte{0xee, 0xee}) {
+				t.Fatalf("%v (room %d): wrote outside its bytes: %x", vs, room, buf)
+			}
 		}
 	}
 }
