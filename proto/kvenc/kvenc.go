@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"unicode/utf8"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -145,7 +146,32 @@ func appendUintField(dst []byte, num int, v uint64) []byte {
 
 func appendOptInt(dst []byte, num int, v int64) []byte {
 	dst = append(dst, tag(num, tagVarint))
-	return protowire.AppendVarint(dst, uint64(v))
+	return appendVarint64(dst, uint64(v))
+}
+
+// appendVarint64 is protowire.AppendVarint with a path for the values at
+// or above 2^56 that block hashes nearly all are (nine or ten bytes):
+// protowire tests the value against each shorter length first and appends
+// byte by byte; here the ten bytes are stored unrolled and the length is
+// nine plus the top bit. Hashes are a tenth of a batch's bytes.
+func appendVarint64(dst []byte, v uint64) []byte {
+	if v < 1<<56 {
+		return protowire.AppendVarint(dst, v)
+	}
+	n := len(dst)
+	dst = slices.Grow(dst, 10)
+	b := dst[n : n+10]
+	b[0] = byte(v) | 0x80
+	b[1] = byte(v>>7) | 0x80
+	b[2] = byte(v>>14) | 0x80
+	b[3] = byte(v>>21) | 0x80
+	b[4] = byte(v>>28) | 0x80
+	b[5] = byte(v>>35) | 0x80
+	b[6] = byte(v>>42) | 0x80
+	b[7] = byte(v>>49) | 0x80
+	b[8] = byte(v >> 56) // its top bit, bit 63, is the continuation bit
+	b[9] = byte(v >> 63)
+	return dst[:n+9+int(v>>63)]
 }
 
 func appendOptString(dst []byte, num int, s *string, field string) ([]byte, error) {
@@ -450,7 +476,7 @@ func appendRemoved(dst []byte, rm *kvpb.KvBlocksRemoved) ([]byte, error) {
 		at := len(dst)
 		dst = append(dst, 0)
 		for _, h := range hs {
-			dst = protowire.AppendVarint(dst, uint64(h))
+			dst = appendVarint64(dst, uint64(h))
 		}
 		dst = closeLen(dst, at)
 	}

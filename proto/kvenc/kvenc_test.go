@@ -438,3 +438,27 @@ func TestPutVarints32WritesProtowiresVarints(t *testing.T) {
 		}
 	}
 }
+
+// TestHashesAtVarintLengthBoundariesEncodeLikeMarshal: block, parent and
+// removed hashes either side of every varint length from 1 to 10 bytes
+// (the nine- and ten-byte ones take appendVarint64's unrolled path), in a
+// buffer with no spare capacity and after a prefix.
+func TestHashesAtVarintLengthBoundariesEncodeLikeMarshal(t *testing.T) {
+	var hashes []int64
+	for k := 7; k < 64; k += 7 {
+		hashes = append(hashes, int64(1)<<k-1, int64(1)<<k)
+	}
+	hashes = append(hashes, 1, math.MaxInt64, math.MinInt64, -1, -2, math.MinInt64+1, -1<<56, -1<<56-1)
+	for _, h := range hashes {
+		parent := h
+		tier := kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE
+		b := &kvpb.KvEventBatch{SequenceNumber: 7, Events: []*kvpb.KvCacheEvent{
+			{EventId: 1, Data: &kvpb.KvCacheEvent_Stored{Stored: &kvpb.KvBlocksStored{
+				ParentBlockHash: &parent, Tier: &tier,
+				Blocks: []*kvpb.KvBlock{{BlockHash: h, TokenIds: []uint32{1, 2}, BlockSize: 2}, {BlockHash: ^h, TokenIds: []uint32{3, 4}, BlockSize: 2}},
+			}}},
+			{EventId: 2, Data: &kvpb.KvCacheEvent_Removed{Removed: &kvpb.KvBlocksRemoved{BlockHashes: []int64{h, ^h, h}}}},
+		}}
+		sameAsMarshal(t, b)
+	}
+}
