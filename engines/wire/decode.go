@@ -211,6 +211,8 @@ type decoder struct {
 	keys     []extraKey
 	keyLists [][]extraKey
 	intern   map[string]string
+	// lastIntern is the string internString returned last.
+	lastIntern string
 
 	ts      float64
 	rank    int32
@@ -558,13 +560,20 @@ func (x *decoder) text(intern bool) (optString, error) {
 // (media, kinds, LoRA names, salts), bounded so hostile input cannot grow it
 // without limit.
 func (x *decoder) internString(b []byte) string {
+	// vLLM repeats a store's LoRA name in every block's extra keys: the
+	// last string interned answers those without hashing it again.
+	if string(b) == x.lastIntern {
+		return x.lastIntern
+	}
 	if s, ok := x.intern[string(b)]; ok {
+		x.lastIntern = s
 		return s
 	}
 	s := string(b)
 	if len(b) <= internMaxLen && len(x.intern) < internMaxEntries {
 		x.intern[s] = s
 	}
+	x.lastIntern = s
 	return s
 }
 
