@@ -1067,7 +1067,18 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 	// needs only the pairs counted.
 	pairs := 0
 	for i := range out {
-		// The widths token ids use, inline; everything else below.
+		// A uint16 or uint32 cell, most ids of a real vocabulary and about
+		// evenly split between the two: one branch for both, the value and
+		// width then computed from the code (0xcd or 0xce) without a
+		// branch on which, as that branch mispredicts on about every other
+		// id. Four bytes are read either way, so this needs five left.
+		if q := p[pos:]; len(q) >= 5 && q[0]-0xcd <= 1 {
+			ce := int(q[0] - 0xcd) // 0 for uint16, 1 for uint32
+			out[i] = binary.BigEndian.Uint32(q[1:5]) >> (16 - 16*ce)
+			pos += 3 + 2*ce
+			continue
+		}
+		// The other widths token ids use, inline; everything else below.
 		if pos < len(p) {
 			switch c := p[pos]; {
 			case c <= 0x7f:
