@@ -394,6 +394,17 @@ func lenAt(p []byte, pos, width int) (int, int, bool) {
 // bytes left before anyone allocates for it.
 func (x *decoder) arrayLen() (int, error) {
 	at := x.pos()
+	// A fixarray (up to 15 elements: events, their slots, extra keys)
+	// straight from the payload; the library's Decoder call costs more
+	// than the rest of reading a short array.
+	if at < len(x.p) && x.p[at]&0xf0 == 0x90 {
+		n, left := int(x.p[at]&0x0f), len(x.p)-at-1
+		if n > left {
+			return 0, x.undecodable(at, "array declares %d elements, %d bytes left", n, left)
+		}
+		x.seek(at + 1)
+		return n, nil
+	}
 	n, err := x.d.DecodeArrayLen()
 	if err != nil {
 		return 0, x.structural(at, "reading an array length", err)
@@ -406,6 +417,14 @@ func (x *decoder) arrayLen() (int, error) {
 
 func (x *decoder) mapLen() (int, error) {
 	at := x.pos()
+	if at < len(x.p) && x.p[at]&0xf0 == 0x80 { // a fixmap, as arrayLen's fixarray
+		n, left := int(x.p[at]&0x0f), len(x.p)-at-1
+		if n > left/2 {
+			return 0, x.undecodable(at, "map declares %d entries, %d bytes left", n, left)
+		}
+		x.seek(at + 1)
+		return n, nil
+	}
 	n, err := x.d.DecodeMapLen()
 	if err != nil {
 		return 0, x.structural(at, "reading a map length", err)
@@ -420,6 +439,16 @@ func (x *decoder) mapLen() (int, error) {
 // payload (callers copy what they keep).
 func (x *decoder) rawBytes() ([]byte, error) {
 	at := x.pos()
+	// A fixstr (up to 31 bytes: tags, keys, media, LoRA names) straight
+	// from the payload, as arrayLen reads a fixarray.
+	if at < len(x.p) && x.p[at]&0xe0 == 0xa0 {
+		n, start := int(x.p[at]&0x1f), at+1
+		if n > len(x.p)-start {
+			return nil, x.undecodable(at, "string declares %d bytes, %d left", n, len(x.p)-start)
+		}
+		x.seek(start + n)
+		return x.p[start : start+n], nil
+	}
 	n, err := x.d.DecodeBytesLen()
 	if err != nil {
 		return nil, x.structural(at, "reading a string length", err)
