@@ -352,3 +352,43 @@ func TestAppendNormalizedRefusesHostileTokenListsLikeNormalize(t *testing.T) {
 		})
 	}
 }
+
+// TestAppendNormalizedSharesOnlyEqualKeyLists: AppendNormalized writes a
+// block's extra keys once and copies them for the next block when the two
+// lists are equal; lists differing only in a text, a number, a blob, a
+// multimodal identifier or offset, a key's kind or their length must each
+// be written for themselves. Every pair is checked against proto.Marshal.
+func TestAppendNormalizedSharesOnlyEqualKeyLists(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		first, sec []any
+	}{
+		{"equal", []any{"L", int64(3)}, []any{"L", int64(3)}},
+		{"text", []any{"L"}, []any{"M"}},
+		{"number", []any{int64(3)}, []any{int64(4)}},
+		{"blob", []any{[]byte{1, 2}}, []any{[]byte{1, 3}}},
+		{"multimodal identifier", []any{[]any{"img", 7}}, []any{[]any{"imh", 7}}},
+		{"multimodal offset", []any{[]any{"img", 7}}, []any{[]any{"img", 8}}},
+		{"kind only (empty text, empty blob)", []any{""}, []any{[]byte{}}},
+		{"length", []any{"L"}, []any{"L", "L"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keys := []any{tc.first, tc.sec, tc.sec, tc.first}
+			payload := batch(t, 0, stored([]any{1, 2, 3, 4}, nil, toks(1, 8), 2, "extra_keys", keys))
+			b, drops, err := NewNormalizer(VLLM).Normalize(payload, 1, 0)
+			if err != nil || drops.Total() != 0 || len(b.Events) != 1 {
+				t.Fatalf("Normalize: %v, drops %v", err, drops)
+			}
+			blocks := b.Events[0].GetStored().Blocks
+			k0, k1 := blocks[0].ExtraKeys, blocks[1].ExtraKeys
+			equal := len(k0) == len(k1)
+			for i := 0; equal && i < len(k0); i++ {
+				equal = proto.Equal(k0[i], k1[i])
+			}
+			if equal != (tc.name == "equal") || len(k0) == 0 {
+				t.Fatalf("blocks 0 and 1 have keys %v and %v: equal %v", k0, k1, equal)
+			}
+			sameAsMarshalled(t, VLLM, []wirePayload{{payload, 1, 0}})
+		})
+	}
+}

@@ -259,6 +259,8 @@ type BlockRun struct {
 	LoraID     *int64 // every block's lora_id
 	CacheLevel *int32 // every block's cache_level
 	// ExtraKeys[j] are block j's extra keys; blocks beyond its end have none.
+	// Consecutive blocks may share one list (the same slice): its bytes are
+	// then written once and copied.
 	ExtraKeys [][]*kvpb.KvBlockExtraKey
 }
 
@@ -276,6 +278,10 @@ func AppendStoredEvent(dst []byte, eventID uint64, tail *kvpb.KvBlocksStored, ru
 	at := len(dst)
 	dst = append(dst, 0)
 	var err error
+	// prevKeys were the last block's extra keys, its last prevKeysLen
+	// bytes; prevEnd is where it ended.
+	var prevKeys []*kvpb.KvBlockExtraKey
+	prevKeysLen, prevEnd := 0, 0
 	for j, h := range run.Hashes {
 		dst = append(dst, tag(1, tagBytes))
 		blockAt := len(dst)
@@ -297,12 +303,26 @@ func AppendStoredEvent(dst []byte, eventID uint64, tail *kvpb.KvBlocksStored, ru
 		if run.CacheLevel != nil {
 			dst = appendOptInt(dst, 5, int64(*run.CacheLevel))
 		}
-		if j < len(run.ExtraKeys) {
-			if dst, err = appendExtraKeys(dst, run.ExtraKeys[j]); err != nil {
-				return dst, err
+		if j < len(run.ExtraKeys) && len(run.ExtraKeys[j]) > 0 {
+			keys := run.ExtraKeys[j]
+			if len(keys) == len(prevKeys) && &keys[0] == &prevKeys[0] {
+				// The previous block's list again (the wire normalizer
+				// shares one list among blocks whose keys are equal, as
+				// vLLM's LoRA name on every block): the previous block
+				// ends with its bytes, already checked; they are copied.
+				dst = append(dst, dst[prevEnd-prevKeysLen:prevEnd]...)
+			} else {
+				keysAt := len(dst)
+				if dst, err = appendExtraKeys(dst, keys); err != nil {
+					return dst, err
+				}
+				prevKeys, prevKeysLen = keys, len(dst)-keysAt
 			}
+		} else {
+			prevKeys = nil
 		}
 		dst = closeLen(dst, blockAt)
+		prevEnd = len(dst)
 	}
 	if tail != nil {
 		if dst, err = appendStoredTail(dst, tail); err != nil {

@@ -462,3 +462,58 @@ func TestHashesAtVarintLengthBoundariesEncodeLikeMarshal(t *testing.T) {
 		sameAsMarshal(t, b)
 	}
 }
+
+// TestStoredRunsWithSharedKeyListsEncodeLikeTheirMessages: blocks sharing
+// one extra-key list (the same slice, as the wire normalizer passes vLLM's
+// LoRA name on every block) encode like their messages, the shared bytes
+// copied from the block before: runs of shared lists broken by blocks
+// without keys, by other lists and by a list equal in content but not
+// shared, at block sizes whose blocks need one- and two-byte lengths; a
+// shared list holding invalid UTF-8 is refused as proto.Marshal refuses it.
+func TestStoredRunsWithSharedKeyListsEncodeLikeTheirMessages(t *testing.T) {
+	text := func(s string) *kvpb.KvBlockExtraKey {
+		return &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: s}}
+	}
+	lora := []*kvpb.KvBlockExtraKey{text("adapter-1")}
+	salted := []*kvpb.KvBlockExtraKey{text("adapter-1"), text("tenant-3"),
+		{Key: &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: "img", Offset: 7}}}}
+	sameButNotShared := []*kvpb.KvBlockExtraKey{text("adapter-1")}
+	bad := []*kvpb.KvBlockExtraKey{text("ok"), text("\xff\xfe")}
+	for _, tc := range []struct {
+		name string
+		keys [][]*kvpb.KvBlockExtraKey
+	}{
+		{"one list on every block", [][]*kvpb.KvBlockExtraKey{lora, lora, lora, lora, lora}},
+		{"salt on the first block", [][]*kvpb.KvBlockExtraKey{salted, lora, lora, lora}},
+		{"runs broken by gaps and others", [][]*kvpb.KvBlockExtraKey{lora, lora, nil, lora, salted, salted, lora, sameButNotShared, lora}},
+		{"keys on the first blocks only", [][]*kvpb.KvBlockExtraKey{salted, salted}},
+		{"a shared invalid list", [][]*kvpb.KvBlockExtraKey{lora, bad, bad}},
+	} {
+		for _, size := range []int32{0, 1, 16, 64} {
+			run := kvenc.BlockRun{BlockSize: size, ExtraKeys: tc.keys}
+			want := &kvpb.KvBlocksStored{}
+			for j := range len(tc.keys) + 2 { // two blocks past the list's end have none
+				h := int64(j+1) * -0x0123456789abcdef
+				run.Hashes = append(run.Hashes, h)
+				blk := &kvpb.KvBlock{BlockHash: h, BlockSize: size}
+				for k := range size {
+					blk.TokenIds = append(blk.TokenIds, uint32(j*1000+int(k)*200))
+				}
+				run.Tokens = append(run.Tokens, blk.TokenIds...)
+				if j < len(tc.keys) {
+					blk.ExtraKeys = tc.keys[j]
+				}
+				want.Blocks = append(want.Blocks, blk)
+			}
+			ev := &kvpb.KvCacheEvent{EventId: 9, Data: &kvpb.KvCacheEvent_Stored{Stored: want}}
+			wantBytes, wantErr := proto.Marshal(ev)
+			got, gotErr := kvenc.AppendStoredEvent([]byte("prefix"), 9, &kvpb.KvBlocksStored{}, &run)
+			if (wantErr != nil) != (gotErr != nil) {
+				t.Fatalf("%s, size %d: proto.Marshal error %v, AppendStoredEvent error %v", tc.name, size, wantErr, gotErr)
+			}
+			if wantErr == nil && (string(got[:6]) != "prefix" || !bytes.Equal(got[6:], wantBytes)) {
+				t.Fatalf("%s, size %d: bytes differ\n got  %x\n want %x", tc.name, size, got[6:], wantBytes)
+			}
+		}
+	}
+}
