@@ -1241,7 +1241,19 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 	// pointing at its old array, whose contents never change.
 	start := len(x.keyLists)
 	present := false
+	// lastRaw is the previous block's list as msgpack bytes. A block whose
+	// next bytes repeat them holds the same list (a msgpack value ends
+	// where its bytes say, so equal leading bytes are an equal value), and
+	// vLLM repeats a LoRA store's list on every block: it gets the
+	// previous block's keys, not a parse of its own.
+	var lastRaw []byte
 	for i := 0; i < n; i++ {
+		at := x.pos()
+		if len(lastRaw) > 0 && len(x.p)-at >= len(lastRaw) && bytes.Equal(x.p[at:at+len(lastRaw)], lastRaw) {
+			x.seek(at + len(lastRaw))
+			x.keyLists = append(x.keyLists, x.keyLists[len(x.keyLists)-1])
+			continue
+		}
 		c, err := x.peek()
 		if err != nil {
 			return nil, err
@@ -1251,6 +1263,7 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 				return nil, err
 			}
 			x.keyLists = append(x.keyLists, nil)
+			lastRaw = nil
 			continue
 		}
 		items, err := x.arrayLen()
@@ -1259,6 +1272,7 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 		}
 		present = true
 		off := len(x.keys)
+		shareable := true // a blob is copied per block: callers own each
 		for j := 0; j < items; j++ {
 			key, ok, err := x.extraKey()
 			if err != nil {
@@ -1266,9 +1280,14 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 			}
 			if ok {
 				x.keys = append(x.keys, key)
+				shareable = shareable && key.kind != extraBlob
 			}
 		}
 		x.keyLists = append(x.keyLists, x.keys[off:len(x.keys):len(x.keys)])
+		lastRaw = nil
+		if shareable {
+			lastRaw = x.p[at:x.pos()]
+		}
 	}
 	if !present {
 		// Absent, or every block said nil: nothing to carry.

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -367,6 +368,7 @@ func TestAppendNormalizedSharesOnlyEqualKeyLists(t *testing.T) {
 		{"text", []any{"L"}, []any{"M"}},
 		{"number", []any{int64(3)}, []any{int64(4)}},
 		{"blob", []any{[]byte{1, 2}}, []any{[]byte{1, 3}}},
+		{"equal blobs", []any{"L", []byte{1, 2}}, []any{"L", []byte{1, 2}}},
 		{"multimodal identifier", []any{[]any{"img", 7}}, []any{[]any{"imh", 7}}},
 		{"multimodal offset", []any{[]any{"img", 7}}, []any{[]any{"img", 8}}},
 		{"kind only (empty text, empty blob)", []any{""}, []any{[]byte{}}},
@@ -385,8 +387,15 @@ func TestAppendNormalizedSharesOnlyEqualKeyLists(t *testing.T) {
 			for i := 0; equal && i < len(k0); i++ {
 				equal = proto.Equal(k0[i], k1[i])
 			}
-			if equal != (tc.name == "equal") || len(k0) == 0 {
+			if equal != strings.HasPrefix(tc.name, "equal") || len(k0) == 0 {
 				t.Fatalf("blocks 0 and 1 have keys %v and %v: equal %v", k0, k1, equal)
+			}
+			// Normalize's messages are the caller's: equal blobs of two
+			// blocks must not share bytes.
+			for i := range min(len(k0), len(k1)) {
+				if b0, b1 := k0[i].GetBlob(), k1[i].GetBlob(); len(b0) > 0 && len(b1) > 0 && &b0[0] == &b1[0] {
+					t.Fatalf("blocks 0 and 1 share key %d's blob bytes", i)
+				}
 			}
 			sameAsMarshalled(t, VLLM, []wirePayload{{payload, 1, 0}})
 		})
