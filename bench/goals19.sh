@@ -16,7 +16,7 @@
 # Parts, in the order they run (--only takes a comma-separated subset):
 #   sidebyside  kvrelay serve vs SMG's Python relay: CPU per block at 1k/s, sustained rate
 #   latency     added latency at 1k/s (p50) and 10k/s (p99) vs the no-relay control
-#   decode      engines/wire: decode, decode + normalize per CPU-second
+#   decode      engines/wire: decode + normalize to wire bytes (the relay's path) per CPU-second; decode alone, Normalize's messages
 #   snapshot    1 M live blocks delivered over gRPC; the relay's order + encode; the cut's COW
 #   route       kvrelay bench --only route (8k tokens × 128 and × 512 workers)
 #   indexers    bench/indexers/run.sh: ours vs SMG's and Dynamo's Rust indexers (and llm-d)
@@ -45,7 +45,7 @@ budget_of() { # part runs
   case $1 in
     sidebyside) fixed=30 per=400 ;;   # ramp 250..60k batches/s, 5 s a step, three relays: 2.3 min a run at load 6-15
     latency) fixed=30 per=600 ;;      # 3 rounds × 2 pacings × 3 rates × 3 s × 2 contenders + probes: 5.5 min at load 15-22
-    decode) fixed=30 per=60 ;;        # 42 s for 3 runs at load 21
+    decode) fixed=30 per=80 ;;        # 42 s for 3 runs at load 21 before the wire runs were added (a third more)
     snapshot) fixed=60 per=180 ;;     # 1 M-block relays built per benchmark: 4.6 min for 3 runs at load 21
     route) fixed=30 per=60 ;;         # 25 s a run at load 22
     indexers) fixed=600 per=200 ;;    # build + corpus derivation once (~5 min at load 25); llm-d's replay is most of a run
@@ -92,10 +92,11 @@ if [[ ${1:-} == --run-part ]]; then
       for ((k = 1; k <= runs; k++)); do kvbench "$dir/run-$k" --only route; done ;;
     decode)
       # Realistic streams (removals, LoRA, salts; 512 distinct batches per
-      # form), decoder alone and Normalize whole; then the repeated 64-block
-      # payloads the goal was first stated on.
+      # form): AppendNormalized (wire, the relay's path: decode, normalize,
+      # wire bytes), the decoder alone and Normalize's messages; then the
+      # repeated 64-block payloads the goal was first stated on.
       gobench engines/wire "$bin/wire.test" "$dir/stream.txt" \
-        -test.bench '^BenchmarkDecodeAndNormalize$/^(decode|normalize)$' -test.benchtime 5120x -test.count "$runs"
+        -test.bench '^BenchmarkDecodeAndNormalize$/^(decode|normalize|wire)$' -test.benchtime 5120x -test.count "$runs"
       gobench engines/wire "$bin/wire.test" "$dir/repeated.txt" \
         -test.bench '^BenchmarkNormalize$' -test.benchtime 20000x -test.count "$runs" ;;
     snapshot)

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -158,6 +159,72 @@ func TestGoals19TableVerdicts(t *testing.T) {
 			for goal, want := range tc.contains {
 				if row := rows[goal]; row == nil || !strings.Contains(row[1], want) {
 					t.Errorf("%s: measured %q does not hold %q", goal, row, want)
+				}
+			}
+		})
+	}
+}
+
+// TestGoals19DecodeRowIsTheRelaysPath: the decode row's figure and verdict
+// are AppendNormalized's (wire, the relay's path), with Normalize's messages
+// and the decoder alone as extra wording; a run without wire lines falls
+// back to Normalize and says so.
+func TestGoals19DecodeRowIsTheRelaysPath(t *testing.T) {
+	const decGoal = "decode + normalize ≥ 5 M blocks per CPU-second"
+	line := func(kind, form string, perCPUs float64) string {
+		return fmt.Sprintf("BenchmarkDecodeAndNormalize/%s/%s-2 \t    5120\t     82513 ns/op\t        82.22 blocks/batch\t   %.0f blocks/cpu-s\n", kind, form, perCPUs)
+	}
+	for _, tc := range []struct {
+		name     string
+		stream   string
+		want     string   // met? column
+		contains []string // in the measured column
+		excludes []string
+	}{
+		{
+			name: "wire meets it while the message path does not",
+			stream: line("decode", "vllm-map", 8.1e6) + line("decode", "sglang-map", 11e6) +
+				line("normalize", "vllm-map", 3.2e6) + line("normalize", "sglang-map", 4.4e6) +
+				line("wire", "vllm-map", 5.1e6) + line("wire", "sglang-map", 6.3e6),
+			want: "**met**",
+			contains: []string{"AppendNormalized (the relay's path: decode, normalize, wire bytes) 5.10 M (vllm-map) to 6.30 M (sglang-map)",
+				"Normalize's messages 3.20 M (vllm-map) to 4.40 M (sglang-map)", "decode alone 8.10 M (vllm-map) to 11.00 M (sglang-map)"},
+		},
+		{
+			name: "one wire form short of it",
+			stream: line("normalize", "vllm-map", 5.5e6) + line("normalize", "sglang-map", 6e6) +
+				line("wire", "vllm-map", 4.9e6) + line("wire", "sglang-map", 6.3e6),
+			want:     "**not met**",
+			contains: []string{"4.90 M (vllm-map)", "Normalize's messages 5.50 M (vllm-map)"},
+		},
+		{
+			name:     "no wire runs: Normalize stands in",
+			stream:   line("normalize", "vllm-map", 5.5e6) + line("normalize", "sglang-map", 6e6),
+			want:     "**met**",
+			contains: []string{"Normalize (messages) 5.50 M (vllm-map) to 6.00 M (sglang-map)"},
+			excludes: []string{"AppendNormalized", "Normalize's messages"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := goals19Folder(t, 1.1, 0.15, true, 19)
+			if err := os.WriteFile(filepath.Join(dir, "decode", "stream.txt"), []byte("goos: linux\n"+tc.stream), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			row := goals19Rows(t, dir)[decGoal]
+			if row == nil {
+				t.Fatalf("no row %q", decGoal)
+			}
+			if row[2] != tc.want {
+				t.Errorf("met? = %q, want %q (row %q)", row[2], tc.want, row)
+			}
+			for _, s := range tc.contains {
+				if !strings.Contains(row[1], s) {
+					t.Errorf("measured %q does not hold %q", row[1], s)
+				}
+			}
+			for _, s := range tc.excludes {
+				if strings.Contains(row[1], s) {
+					t.Errorf("measured %q holds %q", row[1], s)
 				}
 			}
 		})

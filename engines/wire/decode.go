@@ -211,6 +211,8 @@ type decoder struct {
 	keys     []extraKey
 	keyLists [][]extraKey
 	intern   map[string]string
+	// lastIntern is the string internString returned last.
+	lastIntern string
 
 	ts      float64
 	rank    int32
@@ -392,6 +394,17 @@ func lenAt(p []byte, pos, width int) (int, int, bool) {
 // bytes left before anyone allocates for it.
 func (x *decoder) arrayLen() (int, error) {
 	at := x.pos()
+	// A fixarray (up to 15 elements: events, their slots, extra keys)
+	// straight from the payload; the library's Decoder call costs more
+	// than the rest of reading a short array.
+	if at < len(x.p) && x.p[at]&0xf0 == 0x90 {
+		n, left := int(x.p[at]&0x0f), len(x.p)-at-1
+		if n > left {
+			return 0, x.undecodable(at, "array declares %d elements, %d bytes left", n, left)
+		}
+		x.seek(at + 1)
+		return n, nil
+	}
 	n, err := x.d.DecodeArrayLen()
 	if err != nil {
 		return 0, x.structural(at, "reading an array length", err)
@@ -404,6 +417,14 @@ func (x *decoder) arrayLen() (int, error) {
 
 func (x *decoder) mapLen() (int, error) {
 	at := x.pos()
+	if at < len(x.p) && x.p[at]&0xf0 == 0x80 { // a fixmap, as arrayLen's fixarray
+		n, left := int(x.p[at]&0x0f), len(x.p)-at-1
+		if n > left/2 {
+			return 0, x.undecodable(at, "map declares %d entries, %d bytes left", n, left)
+		}
+		x.seek(at + 1)
+		return n, nil
+	}
 	n, err := x.d.DecodeMapLen()
 	if err != nil {
 		return 0, x.structural(at, "reading a map length", err)
@@ -418,6 +439,16 @@ func (x *decoder) mapLen() (int, error) {
 // payload (callers copy what they keep).
 func (x *decoder) rawBytes() ([]byte, error) {
 	at := x.pos()
+	// A fixstr (up to 31 bytes: tags, keys, media, LoRA names) straight
+	// from the payload, as arrayLen reads a fixarray.
+	if at < len(x.p) && x.p[at]&0xe0 == 0xa0 {
+		n, start := int(x.p[at]&0x1f), at+1
+		if n > len(x.p)-start {
+			return nil, x.undecodable(at, "string declares %d bytes, %d left", n, len(x.p)-start)
+		}
+		x.seek(start + n)
+		return x.p[start : start+n], nil
+	}
 	n, err := x.d.DecodeBytesLen()
 	if err != nil {
 		return nil, x.structural(at, "reading a string length", err)
@@ -558,13 +589,20 @@ func (x *decoder) text(intern bool) (optString, error) {
 // (media, kinds, LoRA names, salts), bounded so hostile input cannot grow it
 // without limit.
 func (x *decoder) internString(b []byte) string {
+	// vLLM repeats a store's LoRA name in every block's extra keys: the
+	// last string interned answers those without hashing it again.
+	if string(b) == x.lastIntern {
+		return x.lastIntern
+	}
 	if s, ok := x.intern[string(b)]; ok {
+		x.lastIntern = s
 		return s
 	}
 	s := string(b)
 	if len(b) <= internMaxLen && len(x.intern) < internMaxEntries {
 		x.intern[s] = s
 	}
+	x.lastIntern = s
 	return s
 }
 
@@ -1058,7 +1096,18 @@ func (x *decoder) tokenList() (off, n int, bigram, ok bool, err error) {
 	// needs only the pairs counted.
 	pairs := 0
 	for i := range out {
-		// The widths token ids use, inline; everything else below.
+		// A uint16 or uint32 cell, most ids of a real vocabulary and about
+		// evenly split between the two: one branch for both, the value and
+		// width then computed from the code (0xcd or 0xce) without a
+		// branch on which, as that branch mispredicts on about every other
+		// id. Four bytes are read either way, so this needs five left.
+		if q := p[pos:]; len(q) >= 5 && q[0]-0xcd <= 1 {
+			ce := int(q[0] - 0xcd) // 0 for uint16, 1 for uint32
+			out[i] = binary.BigEndian.Uint32(q[1:5]) >> (16 - 16*ce)
+			pos += 3 + 2*ce
+			continue
+		}
+		// The other widths token ids use, inline; everything else below.
 		if pos < len(p) {
 			switch c := p[pos]; {
 			case c <= 0x7f:
@@ -1192,7 +1241,19 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 	// pointing at its old array, whose contents never change.
 	start := len(x.keyLists)
 	present := false
+	// lastRaw is the previous block's list as msgpack bytes. A block whose
+	// next bytes repeat them holds the same list (a msgpack value ends
+	// where its bytes say, so equal leading bytes are an equal value), and
+	// vLLM repeats a LoRA store's list on every block: it gets the
+	// previous block's keys, not a parse of its own.
+	var lastRaw []byte
 	for i := 0; i < n; i++ {
+		at := x.pos()
+		if len(lastRaw) > 0 && len(x.p)-at >= len(lastRaw) && bytes.Equal(x.p[at:at+len(lastRaw)], lastRaw) {
+			x.seek(at + len(lastRaw))
+			x.keyLists = append(x.keyLists, x.keyLists[len(x.keyLists)-1])
+			continue
+		}
 		c, err := x.peek()
 		if err != nil {
 			return nil, err
@@ -1202,6 +1263,7 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 				return nil, err
 			}
 			x.keyLists = append(x.keyLists, nil)
+			lastRaw = nil
 			continue
 		}
 		items, err := x.arrayLen()
@@ -1210,6 +1272,7 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 		}
 		present = true
 		off := len(x.keys)
+		shareable := true // a blob is copied per block: callers own each
 		for j := 0; j < items; j++ {
 			key, ok, err := x.extraKey()
 			if err != nil {
@@ -1217,9 +1280,14 @@ func (x *decoder) extraKeys() ([][]extraKey, error) {
 			}
 			if ok {
 				x.keys = append(x.keys, key)
+				shareable = shareable && key.kind != extraBlob
 			}
 		}
 		x.keyLists = append(x.keyLists, x.keys[off:len(x.keys):len(x.keys)])
+		lastRaw = nil
+		if shareable {
+			lastRaw = x.p[at:x.pos()]
+		}
 	}
 	if !present {
 		// Absent, or every block said nil: nothing to carry.

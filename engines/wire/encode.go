@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"bytes"
 	"fmt"
 
 	"github.com/kvrelay/kvrelay/proto/kvenc"
@@ -115,10 +116,16 @@ func (e *encodeScratch) extraKeys(ev *wireEvent) [][]*kvpb.KvBlockExtraKey {
 	}
 	slab, ptrs := e.keySlab[:total], e.keyPtrs[:total]
 	perBlock := e.perBlock[:0]
-	for _, keys := range ev.extraKeys[:nb] {
+	for j, keys := range ev.extraKeys[:nb] {
 		k := len(keys)
 		if k == 0 {
 			perBlock = append(perBlock, nil)
+			continue
+		}
+		if j > 0 && sameKeys(keys, ev.extraKeys[j-1]) {
+			// The previous block's keys again (vLLM's LoRA name on every
+			// block): one shared list, which kvenc writes once and copies.
+			perBlock = append(perBlock, perBlock[j-1])
 			continue
 		}
 		extraKeysProto(keys, slab[:k], ptrs[:k:k])
@@ -127,4 +134,20 @@ func (e *encodeScratch) extraKeys(ev *wireEvent) [][]*kvpb.KvBlockExtraKey {
 	}
 	e.perBlock = perBlock
 	return perBlock
+}
+
+// sameKeys reports whether two blocks' extra keys are equal, key by key.
+func sameKeys(a, b []extraKey) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	if len(a) > 0 && &a[0] == &b[0] {
+		return true // one list (the decoder shares a repeated one)
+	}
+	for i := range a {
+		if a[i].kind != b[i].kind || a[i].text != b[i].text || a[i].num != b[i].num || !bytes.Equal(a[i].blob, b[i].blob) {
+			return false
+		}
+	}
+	return true
 }

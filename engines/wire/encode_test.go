@@ -5,9 +5,12 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -217,4 +220,184 @@ func FuzzAppendNormalizedMatchesMarshal(f *testing.F) {
 		in := []wirePayload{{payload, 1, int32(dialect%5) - 1}, {payload, 2, int32(dialect%5) - 1}}
 		sameAsMarshalled(t, Dialect(dialect%3)+1, in)
 	})
+}
+
+// cellOf writes v as a msgpack integer cell of the given code's width
+// (0: a positive or negative fixint), whether or not the form is the
+// shortest; ok is false when v does not fit the form.
+func cellOf(code byte, v int64) (raw, bool) {
+	be := func(n int) raw {
+		out := raw{code}
+		for i := n - 1; i >= 0; i-- {
+			out = append(out, byte(uint64(v)>>(8*i)))
+		}
+		return out
+	}
+	switch code {
+	case 0:
+		return raw{byte(v)}, v >= -32 && v <= 0x7f
+	case 0xcc:
+		return be(1), v >= 0 && v <= math.MaxUint8
+	case 0xcd:
+		return be(2), v >= 0 && v <= math.MaxUint16
+	case 0xce:
+		return be(4), v >= 0 && v <= math.MaxUint32
+	case 0xcf:
+		return be(8), v >= 0
+	case 0xd0:
+		return be(1), v >= math.MinInt8 && v <= math.MaxInt8
+	case 0xd1:
+		return be(2), v >= math.MinInt16 && v <= math.MaxInt16
+	case 0xd2:
+		return be(4), v >= math.MinInt32 && v <= math.MaxInt32
+	case 0xd3:
+		return be(8), true
+	}
+	return nil, false
+}
+
+// TestAppendNormalizedTokenCellsOfEveryWidth: a store's token ids either
+// side of every varint length, each written in every msgpack integer form
+// that holds it (not only the shortest), are forwarded with those ids and
+// AppendNormalized writes proto.Marshal's bytes for them; negative ids and
+// ids beyond uint32, in any form, make the store malformed on both paths
+// alike. uint64 values above MaxInt64 are written as 0xcf only.
+func TestAppendNormalizedTokenCellsOfEveryWidth(t *testing.T) {
+	values := []int64{0, 1, 127, 128, 255, 256, 16383, 16384, 65535, 65536,
+		1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, 1<<31 - 1, 1 << 31, math.MaxUint32,
+		1 << 32, math.MaxInt64, -1, -32, -33, -128, -129, math.MinInt32, math.MinInt64}
+	codes := []byte{0, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd1, 0xd2, 0xd3}
+	cases := 0
+	for _, v := range values {
+		for _, code := range codes {
+			cell, fits := cellOf(code, v)
+			if !fits {
+				continue
+			}
+			cases++
+			// Four blocks of 2: the cell alone, then next to neighbours of
+			// other widths, so a wrong length shifts what follows.
+			tokens := []any{cell, cell, raw{0x05}, cell, cell, raw{0xcd, 0x40, 0x00}, raw{0xce, 0x00, 0x20, 0x00, 0x00}, cell}
+			payload := batch(t, 0, []any{"BlockStored", []any{11, 12, 13, 14}, nil, tokens, 2, nil, "GPU"})
+			name := fmt.Sprintf("%d as 0x%02x", v, code)
+			b, drops, err := NewNormalizer(SGLang).Normalize(payload, 1, 0)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if v >= 0 && v <= math.MaxUint32 {
+				u := uint32(v)
+				want := [][]uint32{{u, u}, {5, u}, {u, 0x4000}, {0x200000, u}}
+				if len(b.Events) != 1 || drops.Total() != 0 {
+					t.Fatalf("%s: %d events, drops %v; want the store forwarded", name, len(b.Events), drops)
+				}
+				for j, blk := range b.Events[0].GetStored().Blocks {
+					if !slices.Equal(blk.TokenIds, want[j]) {
+						t.Fatalf("%s: block %d holds %v, want %v", name, j, blk.TokenIds, want[j])
+					}
+				}
+			} else if len(b.Events) != 0 || drops != dropsOf(DropMalformed, 1) {
+				t.Fatalf("%s: %d events, drops %v; want the store malformed", name, len(b.Events), drops)
+			}
+			sameAsMarshalled(t, SGLang, []wirePayload{{payload, 1, 0}, {payload, 2, -1}})
+		}
+	}
+	big := raw{0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff} // 2^64-1
+	payload := batch(t, 0, []any{"BlockStored", []any{11}, nil, []any{big, raw{0x01}}, 2, nil, "GPU"})
+	if b, drops, err := NewNormalizer(SGLang).Normalize(payload, 1, 0); err != nil || len(b.Events) != 0 || drops != dropsOf(DropMalformed, 1) {
+		t.Fatalf("2^64-1 as a token: %v, %v, %v; want the store malformed", b, drops, err)
+	}
+	sameAsMarshalled(t, SGLang, []wirePayload{{payload, 1, 0}})
+	if cases < 100 {
+		t.Fatalf("only %d (value, form) cases", cases)
+	}
+}
+
+// TestAppendNormalizedRefusesHostileTokenListsLikeNormalize: a token list
+// declaring more cells than the payload has bytes, a truncated cell, and a
+// cell nested far deeper than any stack could recurse are refused (or
+// dropped) by AppendNormalized exactly as by Normalize, without a panic.
+func TestAppendNormalizedRefusesHostileTokenListsLikeNormalize(t *testing.T) {
+	deep := bytes.Repeat([]byte{0x91}, 200_000)
+	deep = append(deep, 0x01)
+	for _, tc := range []struct {
+		name        string
+		tokens      raw
+		undecodable bool
+	}{
+		{"array32 declaring 2^32-1 cells", raw{0xdd, 0xff, 0xff, 0xff, 0xff, 0x01}, true},
+		{"array16 declaring 65535 cells", raw{0xdc, 0xff, 0xff, 0x01, 0x02}, true},
+		{"uint32 cell cut short", raw{0x92, 0x01, 0xce, 0x00}, true},
+		{"cell nested 200,000 deep", append(raw{0x92, 0x01}, deep...), false},
+		{"bigram pair beside a plain id", raw{0x92, 0x92, 0x01, 0x02, 0x03}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var payload []byte
+			if tc.undecodable {
+				// The cut or lying list ends the payload: nothing after it.
+				head := enc(t, []any{1.5, raw{0x91, 0x97}})
+				head = append(head, enc(t, "BlockStored")...)
+				head = append(head, enc(t, []any{11})...)
+				head = append(head, 0xc0)
+				payload = append(head, tc.tokens...)
+			} else {
+				payload = batch(t, 0, []any{"BlockStored", []any{11}, nil, tc.tokens, 2, nil, "GPU"})
+			}
+			_, drops, err := NewNormalizer(SGLang).Normalize(payload, 1, 0)
+			if tc.undecodable != isUndecodable(err) {
+				t.Fatalf("Normalize: %v (drops %v), want undecodable %v", err, drops, tc.undecodable)
+			}
+			if !tc.undecodable && drops != dropsOf(DropMalformed, 1) {
+				t.Fatalf("Normalize: drops %v, want the store malformed", drops)
+			}
+			sameAsMarshalled(t, SGLang, []wirePayload{{payload, 1, 0}})
+		})
+	}
+}
+
+// TestAppendNormalizedSharesOnlyEqualKeyLists: AppendNormalized writes a
+// block's extra keys once and copies them for the next block when the two
+// lists are equal; lists differing only in a text, a number, a blob, a
+// multimodal identifier or offset, a key's kind or their length must each
+// be written for themselves. Every pair is checked against proto.Marshal.
+func TestAppendNormalizedSharesOnlyEqualKeyLists(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		first, sec []any
+	}{
+		{"equal", []any{"L", int64(3)}, []any{"L", int64(3)}},
+		{"text", []any{"L"}, []any{"M"}},
+		{"number", []any{int64(3)}, []any{int64(4)}},
+		{"blob", []any{[]byte{1, 2}}, []any{[]byte{1, 3}}},
+		{"equal blobs", []any{"L", []byte{1, 2}}, []any{"L", []byte{1, 2}}},
+		{"multimodal identifier", []any{[]any{"img", 7}}, []any{[]any{"imh", 7}}},
+		{"multimodal offset", []any{[]any{"img", 7}}, []any{[]any{"img", 8}}},
+		{"kind only (empty text, empty blob)", []any{""}, []any{[]byte{}}},
+		{"length", []any{"L"}, []any{"L", "L"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keys := []any{tc.first, tc.sec, tc.sec, tc.first}
+			payload := batch(t, 0, stored([]any{1, 2, 3, 4}, nil, toks(1, 8), 2, "extra_keys", keys))
+			b, drops, err := NewNormalizer(VLLM).Normalize(payload, 1, 0)
+			if err != nil || drops.Total() != 0 || len(b.Events) != 1 {
+				t.Fatalf("Normalize: %v, drops %v", err, drops)
+			}
+			blocks := b.Events[0].GetStored().Blocks
+			k0, k1 := blocks[0].ExtraKeys, blocks[1].ExtraKeys
+			equal := len(k0) == len(k1)
+			for i := 0; equal && i < len(k0); i++ {
+				equal = proto.Equal(k0[i], k1[i])
+			}
+			if equal != strings.HasPrefix(tc.name, "equal") || len(k0) == 0 {
+				t.Fatalf("blocks 0 and 1 have keys %v and %v: equal %v", k0, k1, equal)
+			}
+			// Normalize's messages are the caller's: equal blobs of two
+			// blocks must not share bytes.
+			for i := range min(len(k0), len(k1)) {
+				if b0, b1 := k0[i].GetBlob(), k1[i].GetBlob(); len(b0) > 0 && len(b1) > 0 && &b0[0] == &b1[0] {
+					t.Fatalf("blocks 0 and 1 share key %d's blob bytes", i)
+				}
+			}
+			sameAsMarshalled(t, VLLM, []wirePayload{{payload, 1, 0}})
+		})
+	}
 }

@@ -190,7 +190,7 @@ type blockRecord struct {
 
 type rankState struct {
 	// tiers[t-1] holds tier t's records (DEVICE=1 … EXTERNAL=4).
-	tiers [4]map[int64]blockRecord
+	tiers [4]*recordTable
 	// filters[t-1] is a superset of tiers[t-1]'s keys, cheap to ask.
 	filters [4]recordFilter
 	// groups maps a cache group to whether it is a main-attention group.
@@ -209,13 +209,13 @@ func (s *rankState) mainSeen() bool {
 	return false
 }
 
-func (s *rankState) tier(t kvpb.KvCacheTier, create bool) map[int64]blockRecord {
+func (s *rankState) tier(t kvpb.KvCacheTier, create bool) *recordTable {
 	i := int(t) - 1
 	if i < 0 || i >= len(s.tiers) {
 		return nil
 	}
 	if s.tiers[i] == nil && create {
-		s.tiers[i] = make(map[int64]blockRecord)
+		s.tiers[i] = &recordTable{}
 	}
 	return s.tiers[i]
 }
@@ -530,7 +530,7 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 	records := state.tier(a.tier, true)
 	filter := &state.filters[a.tier-1]
 	if (!ns.lora.ok || !ns.salt.ok) && ev.parent.ok {
-		if rec, ok := records[ev.parent.v]; ok && rec.ns != 0 {
+		if rec, ok := records.get(ev.parent.v); ok && rec.ns != 0 {
 			parent := n.nsList[rec.ns]
 			if !ns.lora.ok {
 				ns.lora = parent.lora
@@ -541,24 +541,24 @@ func (n *Normalizer) stored(ev *wireEvent, key int32, id uint64, drops *Drops) (
 		}
 	}
 	nsID := n.namespaceID(ns)
-	if nsID != 0 || len(records) > 0 {
+	if nsID != 0 || records.len() > 0 {
 		for _, h := range hashes {
 			if nsID == 0 && !filter.mayHold(h) {
 				continue // not recorded, and a block without a namespace is not recorded
 			}
-			rec, ok := records[h]
-			if !ok {
+			i := records.find(h)
+			if i < 0 {
 				if nsID != 0 {
-					records[h] = blockRecord{ns: nsID, copies: 1}
+					records.insert(h, blockRecord{ns: nsID, copies: 1})
 					filter.add(h, records)
 				}
 				continue
 			}
+			rec := &records.slots[i].rec
 			if rec.copies < copiesCap {
 				rec.copies++
 			}
 			rec.ns = nsID
-			records[h] = rec
 		}
 	}
 	if ev.bigram {
@@ -661,16 +661,15 @@ func (n *Normalizer) removedEvent(ev *wireEvent, key int32, id uint64, drops *Dr
 				if !filter.mayHold(h) {
 					continue
 				}
-				rec, ok := records[h]
-				if !ok {
+				i := records.find(h)
+				if i < 0 {
 					continue
 				}
-				if rec.copies <= 1 {
-					delete(records, h)
-					filter.removed(records)
-				} else {
+				if rec := &records.slots[i].rec; rec.copies > 1 {
 					rec.copies--
-					records[h] = rec
+				} else {
+					records.deleteAt(i)
+					filter.removed(records)
 				}
 			}
 		}
@@ -701,9 +700,12 @@ func (n *Normalizer) maybeCompactNamespaces() {
 	nsIDs := map[namespace]uint32{{}: 0}
 	for _, state := range n.ranks {
 		for _, records := range state.tiers {
-			for h, rec := range records {
+			if records == nil {
+				continue
+			}
+			records.each(func(_ int64, rec *blockRecord) {
 				if rec.ns == 0 {
-					continue
+					return
 				}
 				id, ok := remap[rec.ns]
 				if !ok {
@@ -714,8 +716,7 @@ func (n *Normalizer) maybeCompactNamespaces() {
 					remap[rec.ns] = id
 				}
 				rec.ns = id
-				records[h] = rec
-			}
+			})
 		}
 	}
 	n.nsList, n.nsIDs = nsList, nsIDs

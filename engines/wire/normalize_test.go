@@ -488,7 +488,8 @@ func TestCopiesAreCappedAtEight(t *testing.T) {
 		evs = append(evs, stored([]any{1}, nil, toks(1, 2), 2, "lora_name", "L"))
 	}
 	mustNormalize(t, n, batch(t, 0, evs...), 1, -1)
-	if got := n.ranks[0].tiers[0][1].copies; got != copiesCap {
+	if rec, _ := n.ranks[0].tiers[0].get(1); rec.copies != copiesCap {
+		got := rec.copies
 		t.Fatalf("copies %d, want %d", got, copiesCap)
 	}
 	var rms []any
@@ -496,7 +497,7 @@ func TestCopiesAreCappedAtEight(t *testing.T) {
 		rms = append(rms, removed([]any{1}))
 	}
 	mustNormalize(t, n, batch(t, 0, rms...), 2, -1)
-	if _, ok := n.ranks[0].tiers[0][1]; ok {
+	if _, ok := n.ranks[0].tiers[0].get(1); ok {
 		t.Errorf("record survives %d removals", copiesCap)
 	}
 }

@@ -41,7 +41,7 @@ func (f *recordFilter) set(h int64) {
 }
 
 // added notes that records gained h (records already holds it).
-func (f *recordFilter) add(h int64, records map[int64]blockRecord) {
+func (f *recordFilter) add(h int64, records *recordTable) {
 	if f.bits == nil || 16*(f.added+1) > 64*len(f.bits) {
 		f.rebuild(records)
 		return // the rebuild saw h
@@ -51,18 +51,18 @@ func (f *recordFilter) add(h int64, records map[int64]blockRecord) {
 }
 
 // removed notes that records lost a key.
-func (f *recordFilter) removed(records map[int64]blockRecord) {
+func (f *recordFilter) removed(records *recordTable) {
 	f.lost++
-	if f.lost > 1024 && f.lost > len(records) {
+	if f.lost > 1024 && f.lost > records.len() {
 		f.rebuild(records)
 	}
 }
 
 // rebuild sizes the filter at 32 bits a key (at least 1,024 bits) and sets
 // every key of records.
-func (f *recordFilter) rebuild(records map[int64]blockRecord) {
+func (f *recordFilter) rebuild(records *recordTable) {
 	nbits, log := 1024, 10
-	for nbits < 32*len(records) {
+	for nbits < 32*records.len() {
 		nbits, log = 2*nbits, log+1
 	}
 	if len(f.bits) == nbits/64 {
@@ -71,8 +71,6 @@ func (f *recordFilter) rebuild(records map[int64]blockRecord) {
 		f.bits = make([]uint64, nbits/64)
 	}
 	f.shift = uint8(64 - log)
-	f.added, f.lost = len(records), 0
-	for h := range records {
-		f.set(h)
-	}
+	f.added, f.lost = records.len(), 0
+	records.each(func(h int64, _ *blockRecord) { f.set(h) })
 }

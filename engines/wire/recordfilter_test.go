@@ -12,12 +12,12 @@ import (
 // the filter saves nothing.
 func TestRecordFilterNeverMissesAKey(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	records := map[int64]blockRecord{}
+	records := &recordTable{}
 	var f recordFilter
 	var keys []int64
 	check := func(phase string) {
 		for _, h := range keys {
-			if _, ok := records[h]; ok && !f.mayHold(h) {
+			if _, ok := records.get(h); ok && !f.mayHold(h) {
 				t.Fatalf("%s: key %d is in the table, the filter says not", phase, h)
 			}
 		}
@@ -28,31 +28,31 @@ func TestRecordFilterNeverMissesAKey(t *testing.T) {
 				falsePos++
 			}
 		}
-		if len(records) > 0 && falsePos > 500 {
-			t.Fatalf("%s: %d of 10000 absent keys read as held with %d keys in the table", phase, falsePos, len(records))
+		if records.len() > 0 && falsePos > 500 {
+			t.Fatalf("%s: %d of 10000 absent keys read as held with %d keys in the table", phase, falsePos, records.len())
 		}
 	}
 	for range 50000 {
 		h := int64(rng.Uint64()) &^ 1
-		records[h] = blockRecord{ns: 1, copies: 1}
+		records.insert(h, blockRecord{ns: 1, copies: 1})
 		f.add(h, records)
 		keys = append(keys, h)
 	}
 	check("after growing")
 	for _, h := range keys[:49000] {
-		delete(records, h)
+		records.deleteAt(records.find(h))
 		f.removed(records)
 	}
 	check("after shrinking")
 	if len(f.bits)*64 > 64*1024 {
-		t.Errorf("the filter kept %d bits for %d keys", len(f.bits)*64, len(records))
+		t.Errorf("the filter kept %d bits for %d keys", len(f.bits)*64, records.len())
 	}
 	// Sequential hashes, as tests and some engines' hashes look.
-	clear(records)
+	records = &recordTable{}
 	f = recordFilter{}
 	keys = keys[:0]
 	for h := int64(2); h < 20000; h += 2 {
-		records[h] = blockRecord{ns: 1, copies: 1}
+		records.insert(h, blockRecord{ns: 1, copies: 1})
 		f.add(h, records)
 		keys = append(keys, h)
 	}

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
@@ -387,6 +388,132 @@ func TestStoredRunWithTooFewTokensIsAnError(t *testing.T) {
 	} {
 		if _, err := kvenc.AppendStoredEvent(nil, 1, nil, &run); err == nil {
 			t.Errorf("run of %d tokens for %d blocks of %d: no error", len(run.Tokens), len(run.Hashes), run.BlockSize)
+		}
+	}
+}
+
+// varintEdges are the uint32 values either side of every varint length
+// boundary, and the ends.
+var varintEdges = []uint32{0, 1, 127, 128, 255, 256, 16383, 16384, 65535, 65536,
+	1<<21 - 1, 1 << 21, 1<<28 - 1, 1 << 28, 1<<31 - 1, 1 << 31, math.MaxUint32}
+
+// TestPutVarints32WritesProtowiresVarints: every value at a length
+// boundary, alone and in runs of every order, is written as
+// protowire.AppendVarint writes it, with the buffer's bytes before and
+// after the varints left alone (the three-byte fast path writes junk past a
+// short varint only where the next value, or nothing, goes).
+func TestPutVarints32WritesProtowiresVarints(t *testing.T) {
+	var runs [][]uint32
+	for _, v := range varintEdges {
+		runs = append(runs, []uint32{v})
+		for _, w := range varintEdges {
+			runs = append(runs, []uint32{v, w}, []uint32{w, v, w})
+		}
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 200 {
+		run := make([]uint32, r.IntN(40))
+		for i := range run {
+			run[i] = varintEdges[r.IntN(len(varintEdges))]
+		}
+		runs = append(runs, run)
+	}
+	for _, vs := range runs {
+		var want []byte
+		for _, v := range vs {
+			want = protowire.AppendVarint(want, uint64(v))
+		}
+		// Room for the worst case, as appendPackedUint32 gives it, then
+		// exactly as much as the varints need (the fast path must not
+		// write past the slice's end), each between guard bytes.
+		for _, room := range []int{5 * len(vs), len(want)} {
+			buf := bytes.Repeat([]byte{0xee}, 2+room+2)
+			end := kvenc.PutVarints32(buf[:2+room], 2, vs)
+			if got := buf[2:end]; !bytes.Equal(got, want) {
+				t.Fatalf("%v (room %d): wrote %x, want %x", vs, room, got, want)
+			}
+			if !bytes.Equal(buf[:2], []byte{0xee, 0xee}) || !bytes.Equal(buf[2+room:], []byte{0xee, 0xee}) {
+				t.Fatalf("%v (room %d): wrote outside its bytes: %x", vs, room, buf)
+			}
+		}
+	}
+}
+
+// TestHashesAtVarintLengthBoundariesEncodeLikeMarshal: block, parent and
+// removed hashes either side of every varint length from 1 to 10 bytes
+// (the nine- and ten-byte ones take appendVarint64's unrolled path), in a
+// buffer with no spare capacity and after a prefix.
+func TestHashesAtVarintLengthBoundariesEncodeLikeMarshal(t *testing.T) {
+	var hashes []int64
+	for k := 7; k < 64; k += 7 {
+		hashes = append(hashes, int64(1)<<k-1, int64(1)<<k)
+	}
+	hashes = append(hashes, 1, math.MaxInt64, math.MinInt64, -1, -2, math.MinInt64+1, -1<<56, -1<<56-1)
+	for _, h := range hashes {
+		parent := h
+		tier := kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE
+		b := &kvpb.KvEventBatch{SequenceNumber: 7, Events: []*kvpb.KvCacheEvent{
+			{EventId: 1, Data: &kvpb.KvCacheEvent_Stored{Stored: &kvpb.KvBlocksStored{
+				ParentBlockHash: &parent, Tier: &tier,
+				Blocks: []*kvpb.KvBlock{{BlockHash: h, TokenIds: []uint32{1, 2}, BlockSize: 2}, {BlockHash: ^h, TokenIds: []uint32{3, 4}, BlockSize: 2}},
+			}}},
+			{EventId: 2, Data: &kvpb.KvCacheEvent_Removed{Removed: &kvpb.KvBlocksRemoved{BlockHashes: []int64{h, ^h, h}}}},
+		}}
+		sameAsMarshal(t, b)
+	}
+}
+
+// TestStoredRunsWithSharedKeyListsEncodeLikeTheirMessages: blocks sharing
+// one extra-key list (the same slice, as the wire normalizer passes vLLM's
+// LoRA name on every block) encode like their messages, the shared bytes
+// copied from the block before: runs of shared lists broken by blocks
+// without keys, by other lists and by a list equal in content but not
+// shared, at block sizes whose blocks need one- and two-byte lengths; a
+// shared list holding invalid UTF-8 is refused as proto.Marshal refuses it.
+func TestStoredRunsWithSharedKeyListsEncodeLikeTheirMessages(t *testing.T) {
+	text := func(s string) *kvpb.KvBlockExtraKey {
+		return &kvpb.KvBlockExtraKey{Key: &kvpb.KvBlockExtraKey_Text{Text: s}}
+	}
+	lora := []*kvpb.KvBlockExtraKey{text("adapter-1")}
+	salted := []*kvpb.KvBlockExtraKey{text("adapter-1"), text("tenant-3"),
+		{Key: &kvpb.KvBlockExtraKey_Multimodal{Multimodal: &kvpb.KvMultimodalKey{Identifier: "img", Offset: 7}}}}
+	sameButNotShared := []*kvpb.KvBlockExtraKey{text("adapter-1")}
+	bad := []*kvpb.KvBlockExtraKey{text("ok"), text("\xff\xfe")}
+	for _, tc := range []struct {
+		name string
+		keys [][]*kvpb.KvBlockExtraKey
+	}{
+		{"one list on every block", [][]*kvpb.KvBlockExtraKey{lora, lora, lora, lora, lora}},
+		{"salt on the first block", [][]*kvpb.KvBlockExtraKey{salted, lora, lora, lora}},
+		{"runs broken by gaps and others", [][]*kvpb.KvBlockExtraKey{lora, lora, nil, lora, salted, salted, lora, sameButNotShared, lora}},
+		{"keys on the first blocks only", [][]*kvpb.KvBlockExtraKey{salted, salted}},
+		{"a shared invalid list", [][]*kvpb.KvBlockExtraKey{lora, bad, bad}},
+	} {
+		for _, size := range []int32{0, 1, 16, 64} {
+			run := kvenc.BlockRun{BlockSize: size, ExtraKeys: tc.keys}
+			want := &kvpb.KvBlocksStored{}
+			for j := range len(tc.keys) + 2 { // two blocks past the list's end have none
+				h := int64(j+1) * -0x0123456789abcdef
+				run.Hashes = append(run.Hashes, h)
+				blk := &kvpb.KvBlock{BlockHash: h, BlockSize: size}
+				for k := range size {
+					blk.TokenIds = append(blk.TokenIds, uint32(j*1000+int(k)*200))
+				}
+				run.Tokens = append(run.Tokens, blk.TokenIds...)
+				if j < len(tc.keys) {
+					blk.ExtraKeys = tc.keys[j]
+				}
+				want.Blocks = append(want.Blocks, blk)
+			}
+			ev := &kvpb.KvCacheEvent{EventId: 9, Data: &kvpb.KvCacheEvent_Stored{Stored: want}}
+			wantBytes, wantErr := proto.Marshal(ev)
+			got, gotErr := kvenc.AppendStoredEvent([]byte("prefix"), 9, &kvpb.KvBlocksStored{}, &run)
+			if (wantErr != nil) != (gotErr != nil) {
+				t.Fatalf("%s, size %d: proto.Marshal error %v, AppendStoredEvent error %v", tc.name, size, wantErr, gotErr)
+			}
+			if wantErr == nil && (string(got[:6]) != "prefix" || !bytes.Equal(got[6:], wantBytes)) {
+				t.Fatalf("%s, size %d: bytes differ\n got  %x\n want %x", tc.name, size, got[6:], wantBytes)
+			}
 		}
 	}
 }
