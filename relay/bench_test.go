@@ -48,7 +48,8 @@ func BenchmarkRelayBatch(b *testing.B) {
 				go func() {
 					defer func() { done <- struct{}{} }()
 					for {
-						if _, err := s.Next(ctx); err != nil {
+						// As the gRPC server reads: the bytes.
+						if _, err := s.NextEncoded(ctx); err != nil {
 							return
 						}
 					}
