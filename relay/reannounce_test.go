@@ -13,9 +13,10 @@ func TestReannouncedStoresLeaveTheStreamOnlyWithTheSuppressionStage(t *testing.T
 		name     string
 		suppress bool
 		want     string
+		events   float64 // kvrelay_events_relayed_total: the events the stream carried
 	}{
-		{"faithful by default", false, "[1 2 3] [1 2] [4] [1 2 3]"},
-		{"suppressed", true, "[1 2 3] [4]"},
+		{"faithful by default", false, "[1 2 3] [1 2] [4] [1 2 3]", 4},
+		{"suppressed", true, "[1 2 3] [4]", 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newLab(t, labOpts{reportModeFull: true, suppress: tc.suppress})
@@ -37,6 +38,7 @@ func TestReannouncedStoresLeaveTheStreamOnlyWithTheSuppressionStage(t *testing.T
 			}
 			label := map[bool]string{false: "false", true: "true"}[tc.suppress]
 			l.counts("reannounced", []float64{2}, l.m().reannounced.WithLabelValues("0", label))
+			l.counts("events relayed", []float64{tc.events}, l.m().events.WithLabelValues("0"))
 			if st := l.r.Status(); st.RecordBlocks != 4 {
 				t.Fatalf("record blocks %d, want 4", st.RecordBlocks)
 			}

@@ -558,11 +558,14 @@ func (r *Relay) relay(rk *rankState, seq uint64, payload []byte) {
 		// empty, as an undecodable one, rather than send bytes the
 		// record could not read.
 		r.log.Error("the record could not apply a relayed batch; relaying it empty", "rank", rk.rank, "seq", seq, "err", err)
-		enc = r.emptyBatch(rk, seq, nil)
+		// Cloned: emptyBatch writes in the rank's buffer, which the next
+		// batch reuses, and these bytes go to the history.
+		enc = bytes.Clone(r.emptyBatch(rk, seq, nil))
 		got = applied{}
 	}
 	if len(got.reannounced) > 0 && r.cfg.SuppressReannounced {
 		enc = withoutEvents(enc, got.reannounced)
+		got.events -= len(got.reannounced) // they are not relayed
 	}
 	sum, n := r.rec.LiveDigest(rk.rank)
 	digest := liveDigest{sum: sum, blocks: n, set: true}

@@ -1,8 +1,11 @@
 package relay
 
 import (
+	"errors"
 	"log/slog"
 	"testing"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -53,5 +56,48 @@ func TestABatchThatCannotBeEncodedIsRelayedEmpty(t *testing.T) {
 	}
 	if n := counter(l.m().blocks.WithLabelValues("0")); n != 3 {
 		t.Errorf("kvrelay_blocks counted %v, want 3", n)
+	}
+}
+
+// failingRecord is the relay's record with applyEncoded failing for the
+// sequences in fail (the record's refusal of the relay's own bytes, which
+// cannot happen with the real record: a defect's path, kept safe).
+type failingRecord struct {
+	liveRecord
+	fail map[uint64]bool
+}
+
+func (f failingRecord) applyEncoded(enc []byte) (applied, error) {
+	b := &kvpb.KvEventBatch{}
+	if err := proto.Unmarshal(enc, b); err != nil {
+		return applied{}, err
+	}
+	if f.fail[b.GetSequenceNumber()] {
+		return applied{}, errors.New("refused for the test")
+	}
+	return f.liveRecord.applyEncoded(enc)
+}
+
+// A batch the record refuses is relayed empty under its sequence, and its
+// bytes stay its own: the rank's encoding buffer, reused by the next batch,
+// must not be what the history and the subscribers hold.
+func TestABatchTheRecordRefusesIsRelayedEmptyAndKeepsItsBytes(t *testing.T) {
+	l := newLab(t, labOpts{noReplay: true, beforeRun: func(l *lab) {
+		l.r.log = quietLogger()
+		l.r.rec = failingRecord{liveRecord: l.r.rec, fail: map[uint64]bool{0: true}}
+	}})
+	p := l.pubs[0]
+	p.publish(payload(0, stored(-1, 10, 11)))
+	p.publish(payload(0, stored(-1, 20, 21, 22, 23)))
+	l.cursor(0, 1)
+	for _, sub := range []*Subscription{l.subscribe(0), l.subscribe(0)} { // history, twice
+		b0, b1 := next(t, sub), next(t, sub)
+		if got := describe(b0) + " " + describe(b1); got != "0:0 0:1" {
+			t.Fatalf("batches %s, want 0:0 0:1", got)
+		}
+		if h := storedHashes(b0, b1); h != "[20 21 22 23]" {
+			t.Fatalf("stores %q, want only the second batch's", h)
+		}
+		sub.Close()
 	}
 }

@@ -407,6 +407,17 @@ func (s *shard) rebuildFilter(t *table) {
 	s.filterStale = 0
 }
 
+// staleBound is how many deleted heads a filter may still have bits for
+// before it is rebuilt: as many as the live heads, so that at most half its
+// bits are stale, but never fewer than a quarter of the table's slots. A
+// rebuild scans the whole table, which does not shrink when the heads drain,
+// so a bound of the live heads alone would rebuild a peak-sized filter every
+// few deletions in a drained shard; a quarter of the slots makes each
+// rebuild's cost amortized over that many deletions.
+func staleBound(heads, slots int) int {
+	return max(heads+8, slots/4)
+}
+
 // deleteHead removes k by backward shift (no tombstones).
 func (s *shard) deleteHead(k uint64, sb uint8) {
 	t := s.tab.Load()
@@ -432,7 +443,7 @@ func (s *shard) deleteHead(k uint64, sb uint8) {
 	}
 	t.setVal(i, 0)
 	s.heads--
-	if s.filterStale++; s.filterStale > s.heads+8 {
+	if s.filterStale++; s.filterStale > staleBound(s.heads, t.n) {
 		s.rebuildFilter(t)
 	}
 }

@@ -557,3 +557,27 @@ func FuzzWireHelpers(f *testing.F) {
 	f.Add(bytes.Repeat([]byte{0xff}, 11))
 	f.Fuzz(checkWireHelpers)
 }
+
+// A hand-built event whose oneof holds a nil payload applies as nothing,
+// in every record mode, as it did before Apply and ApplyEncoded shared
+// their store path (the relay never builds one; Apply is public).
+func TestApplySkipsEventsWithANilPayload(t *testing.T) {
+	for _, full := range []bool{false, true} {
+		r := New()
+		if full {
+			r.DetectReannouncements()
+		}
+		b := &kvpb.KvEventBatch{DpRank: proto.Int32(0), Events: []*kvpb.KvCacheEvent{
+			{Data: &kvpb.KvCacheEvent_Stored{}},
+			{Data: &kvpb.KvCacheEvent_Removed{}},
+			{Data: &kvpb.KvCacheEvent_Stored{Stored: &kvpb.KvBlocksStored{Blocks: []*kvpb.KvBlock{{BlockHash: 7}}}}},
+			{Data: &kvpb.KvCacheEvent_Removed{}},
+		}}
+		if got := r.Apply(b); got != nil {
+			t.Errorf("full=%v: re-announced %v, want none", full, got)
+		}
+		if st := r.Stats(); st.Blocks != 1 || st.Stored != 1 || st.Removed != 0 {
+			t.Errorf("full=%v: stats %+v, want the one real block stored", full, st)
+		}
+	}
+}

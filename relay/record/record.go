@@ -14,9 +14,9 @@
 // Batches come as messages (Apply) or as their protobuf wire bytes (ApplyEncoded, which takes a
 // stored block's packed token ids into the arena as they are); both leave the record alike.
 //
-// Concurrency: Apply, ApplyEncoded, ClearRank, Reset, Stats and Cut must be serialized by the
-// caller (the relay calls them under its admission lock). Cut.Chunks and Cut.Release may run on any goroutine,
-// concurrently with those calls.
+// Concurrency: Apply, ApplyEncoded, IsReannouncement (it shares their scratch), ClearRank, Reset,
+// Stats and Cut must be serialized by the caller (the relay calls them under its admission lock).
+// Cut.Chunks and Cut.Release may run on any goroutine, concurrently with those calls.
 package record
 
 import (
@@ -142,6 +142,9 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) (reannounced []int) {
 	for i, ev := range b.GetEvents() {
 		switch d := ev.GetData().(type) {
 		case *kvpb.KvCacheEvent_Stored:
+			if d.Stored == nil {
+				continue // a hand-built event with no payload stores nothing
+			}
 			op := r.storeOpOf(d.Stored)
 			if r.applyStore(rank, op) {
 				reannounced = append(reannounced, i)
@@ -149,6 +152,9 @@ func (r *Record) Apply(b *kvpb.KvEventBatch) (reannounced []int) {
 			clear(op.blocks) // the scratch must not keep the batch's tokens alive
 		case *kvpb.KvCacheEvent_Removed:
 			rm := d.Removed
+			if rm == nil {
+				continue // as above: it removes nothing
+			}
 			r.remove(rank, tierOf(rm.Tier, rm.CacheLevel), rm.GetBlockHashes())
 		case *kvpb.KvCacheEvent_Cleared:
 			r.dropRank(rank)
