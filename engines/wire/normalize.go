@@ -316,6 +316,10 @@ func (n *Normalizer) drop(d *Drops, reason DropReason, eventID uint64) {
 // when the envelope is not a batch or the msgpack is truncated or invalid;
 // then no event id is consumed. A bad event costs only itself and is
 // counted in the returned Drops.
+//
+// The batch is the caller's, but read-only in one respect: blocks whose
+// extra-key lists are equal (and hold no blob) share one list of key
+// messages, so changing one block's keys changes its neighbours'.
 func (n *Normalizer) Normalize(payload []byte, seq uint64, rank int32) (*kvpb.KvEventBatch, Drops, error) {
 	h, drops, err := n.plan(payload, rank)
 	if err != nil {
