@@ -803,3 +803,44 @@ func TestPutRecordPlacesEveryRecordWhereItBelongs(t *testing.T) {
 		}
 	}
 }
+
+// touchEntry, the removal's prefetch pass, reads the entry a live key's
+// probe finds (its hash comes back) and nothing for a key the record does
+// not hold.
+func TestTouchEntryReadsTheEntryALookupFinds(t *testing.T) {
+	r := New()
+	hashes := make([]int64, 5000)
+	for i := range hashes {
+		hashes[i] = int64(i)*7919 + 3
+	}
+	r.Apply(batchOf(0, storedEv(hashes)))
+	rs := r.ranks[0]
+	tier := tierOf(nil, nil)
+	live := map[uint32]bool{}
+	for _, h := range hashes {
+		live[uint32(h)] = true
+	}
+	found := 0
+	for _, h := range hashes {
+		got := rs.index.touchEntry(rs, h, tier)
+		switch {
+		case got == uint32(h):
+			found++
+		case got != 0 && !live[got]:
+			// A fingerprint shared with another key reads that key's
+			// entry first, as the lookup does; anything else is wrong.
+			t.Fatalf("touchEntry(%d) read %#x, no live entry's hash", h, got)
+		}
+	}
+	// Keys past touchRun cells from their home, or behind another key's
+	// matching fingerprint, are not reached: most are all the same.
+	if found < len(hashes)*9/10 {
+		t.Errorf("touchEntry found %d of %d live keys' entries", found, len(hashes))
+	}
+	for i := range 5000 {
+		h := -int64(i) - 1
+		if got := rs.index.touchEntry(rs, h, tier); got != 0 && got == uint32(h) {
+			t.Fatalf("touchEntry(%d) claims an entry the record does not hold", h)
+		}
+	}
+}
