@@ -508,9 +508,6 @@ func (r *Record) remove(rank int32, tier uint8, hashes []int64) {
 		r.touched += rs.index.touchHome(h, tier)
 	}
 	for _, h := range hashes {
-		r.touched += rs.index.touchEntry(rs, h, tier)
-	}
-	for _, h := range hashes {
 		slot, at, ok := rs.index.lookup(rs, h, tier)
 		if !ok {
 			r.removedUnknown++

@@ -512,37 +512,6 @@ func (ix *slotIndex) touchHome(h int64, tier uint8) uint32 {
 	return uint32(ix.fps[i]) + ix.cells[i]
 }
 
-// touchEntry reads the entry the first fingerprint match of a key's probe run points to, the
-// entry a removal is about to read and write, for touchHome's reason: called for every block of
-// a removal after touchHome (whose reads it depends on), the entries' misses overlap instead of
-// coming one block at a time. It reads nothing else and changes nothing; the result only keeps
-// the reads from being dropped.
-func (ix *slotIndex) touchEntry(rs *rankState, h int64, tier uint8) uint32 {
-	if ix.n == 0 {
-		return 0
-	}
-	home, fp := ix.place(h, tier)
-	fps := ix.fps
-	i := home
-	for range touchRun {
-		f := fps[i]
-		if f == 0 {
-			return 0
-		}
-		if f&^fpAtHome == fp {
-			return uint32(rs.entry(ix.cells[i] - 1).hash)
-		}
-		if i++; i == len(fps) {
-			i = 0
-		}
-	}
-	return 0
-}
-
-// touchRun is how far touchEntry follows a probe run: most keys sit within a few cells of their
-// home, and the fingerprints of those cells share the home's cache line.
-const touchRun = 4
-
 // insertAt inserts slot's key, whose lookup ended at at (not found) with no change to the table
 // since: unless the table grows first, the key goes straight into the empty cell found.
 func (ix *slotIndex) insertAt(rs *rankState, slot uint32, at probe) {
