@@ -233,7 +233,9 @@ func (s *segment) writeRecord(off, tokBytes int, toks []uint32, packed []byte, e
 // packTokens writes token ids as varints at b[i:], which has room, and returns the end. Ids of
 // 3 bytes (16,384 to 2,097,151: nine in ten of a 152k vocabulary) are written with one range
 // check and one bounds check, the rest a byte per loop turn. Under callgrind, 24.8 instructions
-// a token against 31.6 for kvenc.PutVarints32's loop (16,384 ids below 152,000).
+// a token against 31.6 for kvenc.PutVarints32's loop before that took its branch-free path (not
+// measured against each other since). Only Apply's messages are packed here: the relay's path
+// (ApplyEncoded) copies the packed bytes the wire already has.
 func packTokens(b []byte, i int, toks []uint32) int {
 	for _, v := range toks {
 		if v-1<<14 < 1<<21-1<<14 {
