@@ -18,6 +18,7 @@ type metrics struct {
 	drops                   *prometheus.CounterVec // reason
 	undecodable             *prometheus.CounterVec // rank
 	duplicates              *prometheus.CounterVec // rank
+	stale                   *prometheus.CounterVec // rank
 	reannounced             *prometheus.CounterVec // rank, suppressed
 	gaps                    *prometheus.CounterVec // rank
 	replays                 *prometheus.CounterVec // rank, result
@@ -54,6 +55,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 		drops:       counter("kvrelay_events_dropped_total", "Events or blocks the normalizer dropped, by reason.", "reason"),
 		undecodable: counter("kvrelay_undecodable_batches_total", "Batches whose envelope did not decode; relayed as empty batches under their sequence.", "rank"),
 		duplicates:  counter("kvrelay_duplicate_batches_total", "Live batches skipped because they were already relayed.", "rank"),
+		stale:       counter("kvrelay_stale_batches_total", "Live batches skipped because a replay had moved the cursor past them while they waited on the socket (the engine still held the cursor's batch: no restart).", "rank"),
 		gaps:        counter("kvrelay_publisher_gaps_total", "Gaps in a publisher's sequence seen on the live stream.", "rank"),
 		replays:     counter("kvrelay_replays_total", "Replay requests, by result (complete, truncated, error).", "rank", "result"),
 		replayStale: counter("kvrelay_replay_stale_replies_total", "Replay replies below the sequence asked for, dropped.", "rank"),
@@ -86,7 +88,7 @@ func newMetrics(reg prometheus.Registerer, labels prometheus.Labels) (*metrics, 
 			Buckets: prometheus.ExponentialBuckets(0.001, 4, 9)}),
 		reg: reg,
 	}
-	m.collectors = []prometheus.Collector{m.batches, m.events, m.blocks, m.drops, m.undecodable, m.duplicates, m.gaps,
+	m.collectors = []prometheus.Collector{m.batches, m.events, m.blocks, m.drops, m.undecodable, m.duplicates, m.stale, m.gaps,
 		m.replays, m.replayStale, m.recovered, m.primed, m.lost, m.reannounced, m.unknownBefore, m.unknownBeforeStart, m.restarts,
 		m.recordEvicted, m.served, m.subscribers, m.lagged, m.refilled, m.ended, m.lag, m.snapshotLock, m.snapshotTotal}
 	if err := m.register(m.collectors...); err != nil {
@@ -111,7 +113,7 @@ func restartReasonsOf(engine engines.Engine) []restartReason {
 // was touched).
 func (m *metrics) zeroSeries(rankLabels []string, restartReasons []restartReason) {
 	for _, rank := range rankLabels {
-		for _, v := range []*prometheus.CounterVec{m.batches, m.events, m.blocks, m.undecodable, m.duplicates, m.gaps,
+		for _, v := range []*prometheus.CounterVec{m.batches, m.events, m.blocks, m.undecodable, m.duplicates, m.stale, m.gaps,
 			m.replayStale, m.recovered, m.primed, m.lost, m.unknownBeforeStart} {
 			v.WithLabelValues(rank)
 		}

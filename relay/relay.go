@@ -157,6 +157,14 @@ type rankState struct {
 	// from this relay's log (see resumeRank0).
 	hasLiveFrom bool
 	liveFrom    uint64
+	// lastLive is the sequence of the last live batch of this incarnation
+	// the rank loop took (hasLastLive: it took one). Owned by the rank
+	// goroutine. One incarnation's live stream is in order, so a batch
+	// below the cursor but past lastLive may be an old batch that waited on
+	// the socket while a replay ran past it (see staleLive); one below
+	// lastLive cannot be.
+	lastLive    uint64
+	hasLastLive bool
 
 	// Owned by the rank goroutine. encBuf is the scratch buffer its
 	// batches are encoded into.
@@ -435,6 +443,7 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 				retry.Stop()
 			}
 			r.admitLive(ctx, rk, m)
+			rk.lastLive, rk.hasLastLive = m.Seq, true
 		}
 	}
 }
@@ -489,6 +498,9 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		maxGap *= 2
 	}
 	v, reason := admit(rk.hasCursor, rk.cursor, m.Seq, clear, maxGap)
+	if v == restart && r.staleLive(ctx, rk, m.Seq, reason) {
+		return
+	}
 	if v == restart {
 		r.restartRank(rk, reason, m.Seq)
 		v = accept
@@ -527,6 +539,44 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 		return
 	}
 	r.relay(rk, m.Seq, m.Payload)
+}
+
+// staleLive reports whether a live batch the admission table reads as a
+// restart, because it went back below the cursor, is an old batch of the
+// current incarnation; it is then counted and skipped.
+//
+// Live batches wait on the socket while the rank loop runs a replay (the
+// start replay, a catch-up). A replay that runs past them relays later
+// batches, and the live copies of those are recognised by their hashes
+// (replayed); but what the engine's ring no longer held when it answered
+// was written off as lost or unknown, and the live copies of those arrive
+// below the cursor with nothing to recognise them by. A relay that took
+// them for a restart would end every subscriber with DATA_LOSS for an
+// engine that never restarted. Only a batch past the last live one can be
+// such a copy (one incarnation's live stream is in order); for it the
+// engine's replay decides, as in catchUp: an engine whose ring still holds
+// the batch the relay relayed last, byte for byte, has not restarted (a new
+// incarnation stamps new times). Without that answer (no replay, an error,
+// a cut or empty answer, a ring that rolled past the cursor) the table's
+// verdict stands.
+func (r *Relay) staleLive(ctx context.Context, rk *rankState, seq uint64, reason restartReason) bool {
+	switch {
+	case reason != counterRestarted && reason != sequenceRegression,
+		rk.replay == nil, !rk.hasCursor, !rk.hasLast, rk.lastSeq != rk.cursor,
+		rk.hasLastLive && seq < rk.lastLive:
+		return false
+	}
+	msgs, _, err := r.askReplay(ctx, rk, rk.cursor)
+	if err != nil || len(msgs) == 0 || msgs[0].Seq != rk.cursor || xxh3.Hash(msgs[0].Payload) != rk.lastHash {
+		return false
+	}
+	r.metrics.stale.WithLabelValues(rk.label).Inc()
+	if !rk.hasLastLive || seq != rk.lastLive+1 {
+		// Once per run of such batches: the next ones follow in order.
+		r.log.Info("live batch older than what a replay relayed; the engine still holds the cursor's batch, so it did not restart: skipping it",
+			"rank", rk.rank, "seq", seq, "cursor", rk.cursor)
+	}
+	return true
 }
 
 // relay normalizes one batch and admits it: history, record, cursor, then
@@ -691,6 +741,7 @@ func (r *Relay) restartRank(rk *rankState, reason restartReason, seq uint64) {
 	rk.hasCursor, rk.cursor = false, 0
 	rk.hasStart, rk.startedAt = false, 0
 	rk.hasLiveFrom, rk.liveFrom = false, 0
+	rk.hasLastLive, rk.lastLive = false, 0
 	rk.unknownBefore = 0
 	rk.restarts++
 	err := fmt.Errorf("%w: publisher of rank %d at %s restarted (%s, incarnation %d); resubscribe from zero",
