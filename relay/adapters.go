@@ -65,7 +65,14 @@ func (f zmqFeed) Close() error    { return f.s.Close() }
 type zmqReplayer struct{ r *zmqsource.Replayer }
 
 func (z zmqReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {
-	msgs, complete, err := z.r.Replay(ctx, from)
+	return z.messages(z.r.Replay(ctx, from))
+}
+
+func (z zmqReplayer) ReplayUpTo(ctx context.Context, from uint64, n int) ([]Message, bool, error) {
+	return z.messages(z.r.ReplayUpTo(ctx, from, n))
+}
+
+func (zmqReplayer) messages(msgs []zmqsource.Message, complete bool, err error) ([]Message, bool, error) {
 	out := make([]Message, len(msgs))
 	for i, m := range msgs {
 		out[i] = Message{Seq: m.Seq, Payload: m.Payload}

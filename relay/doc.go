@@ -36,9 +36,10 @@
 // queued on the socket, are recognised by payload hash and skipped.
 // The live copies of what a replay wrote off (the ring no longer held them)
 // may be queued too, and read as a regression: before such a batch, past
-// the last live one, is taken for a restart, the replay is asked from the
-// cursor, and if the engine still holds the batch relayed last, byte for
-// byte, it did not restart and the batch is skipped as stale.
+// the last live one, is taken for a restart, the replay is asked for the
+// batch at the cursor alone, and if the engine still holds the batch
+// relayed last, byte for byte, it did not restart and the batch is skipped
+// as stale.
 //
 // Before its first live batch a rank "primes": it asks the replay for
 // everything from 0, every PrimeRetry until the ROUTER answers. Sequences

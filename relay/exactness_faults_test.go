@@ -102,3 +102,17 @@ func (r *dupReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 	}
 	return out, complete, err
 }
+
+// ReplayUpTo forwards to the real replayer, so the drill's stale checks
+// take the path production takes; a head of n replies has nothing to
+// duplicate within it that matters.
+func (r *dupReplayer) ReplayUpTo(ctx context.Context, from uint64, n int) ([]Message, bool, error) {
+	if h, ok := r.inner.(headReplayer); ok {
+		return h.ReplayUpTo(ctx, from, n)
+	}
+	msgs, complete, err := r.inner.Replay(ctx, from)
+	if len(msgs) >= n {
+		return msgs[:n], true, err
+	}
+	return msgs, complete, err
+}

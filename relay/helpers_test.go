@@ -101,6 +101,8 @@ type fakePub struct {
 	// afterAnswer runs after each replay request is answered, outside the
 	// lock: the engine publishing while the relay is between requests.
 	afterAnswer func(from uint64)
+	// upTo records the reply limit of each ReplayUpTo request.
+	upTo []int
 }
 
 func newFakePub(rank int32) *fakePub {
@@ -152,6 +154,12 @@ func (p *fakePub) set(f func(p *fakePub)) {
 	p.mu.Unlock()
 }
 
+func (p *fakePub) upToLimits() []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]int(nil), p.upTo...)
+}
+
 func (p *fakePub) askedFrom() []uint64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -178,6 +186,18 @@ func (f fakeReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool,
 	f.p.mu.Unlock()
 	if after != nil {
 		after(from)
+	}
+	return msgs, complete, err
+}
+
+// ReplayUpTo answers as Replay does, cut after n replies, and records n.
+func (f fakeReplayer) ReplayUpTo(ctx context.Context, from uint64, n int) ([]Message, bool, error) {
+	f.p.mu.Lock()
+	f.p.upTo = append(f.p.upTo, n)
+	f.p.mu.Unlock()
+	msgs, complete, err := f.Replay(ctx, from)
+	if len(msgs) >= n {
+		return msgs[:n], true, err
 	}
 	return msgs, complete, err
 }

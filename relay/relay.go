@@ -47,6 +47,14 @@ type Replayer interface {
 	Replay(ctx context.Context, from uint64) (msgs []Message, complete bool, err error)
 }
 
+// headReplayer is a Replayer that can stop after n replies (complete once
+// they came). The stale-batch check needs only the batch at the cursor:
+// streaming it the whole ring per queued batch would cost the engine's
+// replay thread a ring per batch.
+type headReplayer interface {
+	ReplayUpTo(ctx context.Context, from uint64, n int) (msgs []Message, complete bool, err error)
+}
+
 // Transport opens rank's live feed at endpoint and, when replayEndpoint is
 // not empty, its replayer (nil otherwise). It must not block on the network:
 // feeds connect in the background.
@@ -552,13 +560,17 @@ func (r *Relay) admitLive(ctx context.Context, rk *rankState, m Message) {
 // was written off as lost or unknown, and the live copies of those arrive
 // below the cursor with nothing to recognise them by. A relay that took
 // them for a restart would end every subscriber with DATA_LOSS for an
-// engine that never restarted. Only a batch past the last live one can be
-// such a copy (one incarnation's live stream is in order); for it the
-// engine's replay decides, as in catchUp: an engine whose ring still holds
-// the batch the relay relayed last, byte for byte, has not restarted (a new
-// incarnation stamps new times). Without that answer (no replay, an error,
-// a cut or empty answer, a ring that rolled past the cursor) the table's
-// verdict stands.
+// engine that never restarted. Only a batch at or past the last live one
+// (a second copy of a stale batch is at it) can be such a copy: one
+// incarnation's live stream is in order. For it the engine's replay
+// decides, as in catchUp: an engine whose ring still holds the batch the
+// relay relayed last, byte for byte, has not restarted (a new incarnation
+// stamps new times). Only that batch is asked for, so a run of stale
+// batches costs the engine one reply each, not a ring each. Without that
+// answer (no replay, an error, no batch at the cursor, a ring that rolled
+// past it) the table's verdict stands. The check trusts that the replay
+// endpoint is served by the process that publishes the live stream, as
+// every engine binds both.
 func (r *Relay) staleLive(ctx context.Context, rk *rankState, seq uint64, reason restartReason) bool {
 	switch {
 	case reason != counterRestarted && reason != sequenceRegression,
@@ -566,7 +578,7 @@ func (r *Relay) staleLive(ctx context.Context, rk *rankState, seq uint64, reason
 		rk.hasLastLive && seq < rk.lastLive:
 		return false
 	}
-	msgs, _, err := r.askReplay(ctx, rk, rk.cursor)
+	msgs, _, err := r.askReplayHead(ctx, rk, rk.cursor)
 	if err != nil || len(msgs) == 0 || msgs[0].Seq != rk.cursor || xxh3.Hash(msgs[0].Payload) != rk.lastHash {
 		return false
 	}
@@ -786,6 +798,25 @@ func (r *Relay) fill(ctx context.Context, rk *rankState, from, to uint64) replay
 
 func (r *Relay) askReplay(ctx context.Context, rk *rankState, from uint64) ([]Message, bool, error) {
 	msgs, complete, err := rk.replay.Replay(ctx, from)
+	r.noteReplay(ctx, rk, from, complete, err)
+	return msgs, complete, err
+}
+
+// askReplayHead asks for the first batch the engine holds from from on,
+// and for the whole ring from a replayer that cannot stop early.
+func (r *Relay) askReplayHead(ctx context.Context, rk *rankState, from uint64) ([]Message, bool, error) {
+	h, ok := rk.replay.(headReplayer)
+	if !ok {
+		return r.askReplay(ctx, rk, from)
+	}
+	msgs, complete, err := h.ReplayUpTo(ctx, from, 1)
+	r.noteReplay(ctx, rk, from, complete, err)
+	return msgs, complete, err
+}
+
+// noteReplay logs a replay's failure once per outage and counts the request
+// by result.
+func (r *Relay) noteReplay(ctx context.Context, rk *rankState, from uint64, complete bool, err error) {
 	result := "complete"
 	switch {
 	case err != nil:
@@ -808,7 +839,6 @@ func (r *Relay) askReplay(ctx context.Context, rk *rankState, from uint64) ([]Me
 		rk.replayFailures = 0
 	}
 	r.metrics.replays.WithLabelValues(rk.label, result).Inc()
-	return msgs, complete, err
 }
 
 // takeReplies relays a replay's answer from expected on, and asks again

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 )
 
@@ -28,10 +29,18 @@ func TestLiveBatchesAStartReplayRanPastAreStaleNotARestart(t *testing.T) {
 		// Once the relay has primed: the publisher restarts and publishes
 		// its sequence 0.
 		restart bool
+		// With restart: the new incarnation first published this many
+		// batches its live socket lost, so its ring holds a different batch
+		// at the relay's cursor when the live 0 arrives.
+		republished int
+		// Once the relay has primed, it takes live 10 and 11; then an
+		// earlier sequence comes: the live stream itself went back.
+		wentBack bool
 		// The replay stops answering once the start replay is answered.
 		replayDown bool
 
-		wantRestart bool // a counter_restarted restart
+		wantRestart bool          // a restart, for wantReason
+		wantReason  restartReason // counter_restarted when empty
 		// Without a restart: the batches skipped as stale and as
 		// duplicates, and the start the relay wrote off.
 		wantStale, wantDuplicates, wantUnknown, wantLost float64
@@ -47,6 +56,12 @@ func TestLiveBatchesAStartReplayRanPastAreStaleNotARestart(t *testing.T) {
 		// A restart right after priming, before any live batch: the new
 		// ring holds nothing at the cursor.
 		{name: "the publisher restarted after priming", ring: 8, restart: true, wantRestart: true},
+		// A restart whose new ring has moved past the cursor: the engine
+		// answers at the cursor, with another batch.
+		{name: "the publisher restarted and published past the cursor", ring: 8, restart: true, republished: 12,
+			wantRestart: true},
+		// Below the last live batch: a restart without asking the engine.
+		{name: "the live stream went back", ring: 8, wentBack: true, wantRestart: true, wantReason: sequenceRegression},
 		// The engine does not answer: nothing tells an old batch from a
 		// restart, and the admission table's verdict stands.
 		{name: "live 1..9 queued, the replay then down", ring: 8, liveFrom: 1, replayDown: true, wantRestart: true},
@@ -81,15 +96,46 @@ func TestLiveBatchesAStartReplayRanPastAreStaleNotARestart(t *testing.T) {
 			p := l.pubs[0]
 			m := l.m()
 			if c.wantRestart {
+				reason := c.wantReason
+				if reason == "" {
+					reason = counterRestarted
+				}
 				l.cursor(0, 9)
 				s := l.subscribe(0)
-				if c.restart {
+				cursor := uint64(9)
+				switch {
+				case c.restart && c.republished > 0:
+					p.restart(0)
+					var first []byte
+					for i := range c.republished {
+						b := payload(0, stored(-1, int64(200+i)))
+						if i == 0 {
+							first = b
+						}
+						p.hide(b)
+					}
+					p.send(0, first)
+				case c.restart:
 					p.restart(0)
 					p.publish(payload(0, stored(-1, 200)))
+				case c.wentBack:
+					p.publish(payload(0, stored(-1, 110)))
+					p.publish(payload(0, stored(-1, 111)))
+					l.cursor(0, 11)
+					cursor = 11
+					p.send(5, payloads[5])
 				}
 				l.waitFor("the restart", func() bool { return l.r.Status().Ranks[0].Restarts == 1 })
-				if got := counter(m.restarts.WithLabelValues("0", string(counterRestarted))); got != 1 {
-					t.Fatalf("restarts{counter_restarted} = %v, want 1", got)
+				if got := counter(m.restarts.WithLabelValues("0", string(reason))); got != 1 {
+					t.Fatalf("restarts{%s} = %v, want 1", reason, got)
+				}
+				asked := slices.Contains(p.askedFrom(), cursor)
+				switch {
+				case c.wentBack && asked:
+					t.Fatalf("the replay was asked from the cursor %d (%v) for a batch below the last live one", cursor, p.askedFrom())
+				case c.republished > 0 && (!asked || !slices.Equal(p.upToLimits(), []int{1})):
+					t.Fatalf("asked from %v, reply limits %v: want the cursor's batch asked for alone (from %d, limit 1)",
+						p.askedFrom(), p.upToLimits(), cursor)
 				}
 				if c.restart {
 					// Subscribed before the restart: ended.
@@ -112,6 +158,10 @@ func TestLiveBatchesAStartReplayRanPastAreStaleNotARestart(t *testing.T) {
 			st := l.r.Status()
 			if rs := st.Ranks[0]; rs.Restarts != 0 || st.Generation != 0 {
 				t.Fatalf("restarts %d, generation %d: an old batch was taken for a restart", rs.Restarts, st.Generation)
+			}
+			// One head request per stale batch, the batch at the cursor alone.
+			if limits := p.upToLimits(); len(limits) != int(c.wantStale) || slices.ContainsFunc(limits, func(n int) bool { return n != 1 }) {
+				t.Fatalf("reply limits of the stale checks %v, want %v requests for one reply", limits, c.wantStale)
 			}
 			l.counts("stale/duplicates/unknown_before/lost", []float64{c.wantStale, c.wantDuplicates, c.wantUnknown, c.wantLost},
 				m.stale.WithLabelValues("0"), m.duplicates.WithLabelValues("0"), m.unknownBefore.WithLabelValues("0"), m.lost.WithLabelValues("0"))

@@ -94,6 +94,23 @@ func (r *Replayer) Stats() ReplayerStats {
 // broke, or a reply was malformed or out of bounds; msgs still holds the
 // replies received before that. ctx ending returns ctx.Err() the same way.
 func (r *Replayer) Replay(ctx context.Context, from uint64) (msgs []Message, complete bool, err error) {
+	return r.replay(ctx, from, 0)
+}
+
+// ReplayUpTo is Replay stopped after n replies (n > 0), with complete true
+// once they arrived: a caller that needs only the head of the ring (is the
+// batch at from still there?) does not have the whole ring streamed to it,
+// nor wait out the timeout of an answer the engine cuts short. The
+// engines' ROUTERs drop what they still send to a DEALER that has gone.
+func (r *Replayer) ReplayUpTo(ctx context.Context, from uint64, n int) (msgs []Message, complete bool, err error) {
+	if n <= 0 {
+		return nil, false, fmt.Errorf("replay from %s: asked for %d replies", r.Endpoint, n)
+	}
+	return r.replay(ctx, from, n)
+}
+
+// replay is Replay, stopped after limit replies when limit > 0.
+func (r *Replayer) replay(ctx context.Context, from uint64, limit int) (msgs []Message, complete bool, err error) {
 	per := r.PerReply
 	if per <= 0 {
 		per = 5 * time.Second
@@ -202,6 +219,9 @@ func (r *Replayer) Replay(ctx context.Context, from uint64) (msgs []Message, com
 			}
 			payloadBytes += int64(len(msg.Payload))
 			msgs = append(msgs, msg)
+			if len(msgs) == limit {
+				return msgs, true, nil
+			}
 			if payloadBytes >= maxBytes {
 				r.stats.tooBig.Add(1)
 				log.Warn("replay cut at its byte limit; the rest may be asked for again", "from", from,

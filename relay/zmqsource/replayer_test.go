@@ -218,6 +218,58 @@ func TestReplayMatchesLiveAndFillsDrop(t *testing.T) {
 	}
 }
 
+// ReplayUpTo stops after n replies, complete, whatever follows; the ROUTER
+// serves the next request whole after the DEALERs that left early.
+func TestReplayUpTo(t *testing.T) {
+	for _, engine := range []string{enginepeer.VLLM, enginepeer.SGLang, enginepeer.TokenSpeed} {
+		t.Run(engine, func(t *testing.T) {
+			p := enginepeer.Start(t, enginepeer.Options{Engine: engine, StartupClear: "none", BufferSteps: 50})
+			seqs := publishN(t, p, 0, 8)
+			first, last := seqs[0], seqs[len(seqs)-1]
+			r := &Replayer{Endpoint: p.ReplayEndpoint(0), PerReply: 2 * time.Second, Logger: quietLogger()}
+			tests := []struct {
+				name string
+				from uint64
+				n    int
+				want []uint64
+			}{
+				{"the head alone", first + 3, 1, span(first+3, first+3)},
+				{"three", first + 3, 3, span(first+3, first+5)},
+				{"fewer than n: up to the end marker", last - 1, 5, span(last-1, last)},
+				{"newer than everything: end marker only", last + 10, 1, nil},
+			}
+			for _, tt := range tests {
+				msgs, complete, err := r.ReplayUpTo(context.Background(), tt.from, tt.n)
+				if err != nil || !complete || !equalSeqs(seqsOf(msgs), tt.want) {
+					t.Fatalf("%s: ReplayUpTo(%d, %d) = %v, complete %v, err %v; want %v, complete",
+						tt.name, tt.from, tt.n, seqsOf(msgs), complete, err, tt.want)
+				}
+			}
+			if _, _, err := r.ReplayUpTo(context.Background(), first, 0); err == nil {
+				t.Error("ReplayUpTo(0 replies) did not fail")
+			}
+			msgs, complete, err := r.Replay(context.Background(), first)
+			if err != nil || !complete || !equalSeqs(seqsOf(msgs), seqs) {
+				t.Fatalf("the whole ring after the early leavers: %v, complete %v, err %v; want %v", seqsOf(msgs), complete, err, seqs)
+			}
+		})
+	}
+	// SGLang drops replies past its ROUTER's HWM, the end marker with them:
+	// the head is still a complete answer.
+	t.Run("an answer cut short after the head", func(t *testing.T) {
+		p := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, StartupClear: "none"})
+		publishN(t, p, 0, 6)
+		if err := p.TruncateReplay(0, 2); err != nil {
+			t.Fatal(err)
+		}
+		r := &Replayer{Endpoint: p.ReplayEndpoint(0), PerReply: time.Minute, Logger: quietLogger()}
+		msgs, complete, err := r.ReplayUpTo(context.Background(), 1, 1)
+		if err != nil || !complete || !equalSeqs(seqsOf(msgs), []uint64{1}) {
+			t.Fatalf("%v, complete %v, err %v; want [1], complete", seqsOf(msgs), complete, err)
+		}
+	})
+}
+
 func TestReplayIncomplete(t *testing.T) {
 	p := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, StartupClear: "none"})
 	publishN(t, p, 0, 6)
