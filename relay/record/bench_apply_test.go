@@ -52,6 +52,17 @@ func BenchmarkApply(b *testing.B) {
 }
 
 // applyStream prepares BenchmarkApply's batches: store 64 new blocks, remove the oldest store's.
+// benchStored is a store event with the fields vLLM's device stores carry,
+// before its blocks.
+func benchStored() *kvpb.KvBlocksStored {
+	return &kvpb.KvBlocksStored{
+		Medium: proto.String("GPU"), GroupIdx: proto.Uint32(0),
+		KvCacheSpecKind: proto.String("full_attention"),
+		Tier:            kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE.Enum(),
+		Locality:        kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL.Enum(),
+	}
+}
+
 func applyStream(r *Record, n int, ns benchNamespaces) []*kvpb.KvEventBatch {
 	rs := r.ranks[0]
 	rng := rand.New(rand.NewPCG(7, 7))
@@ -65,12 +76,7 @@ func applyStream(r *Record, n int, ns benchNamespaces) []*kvpb.KvEventBatch {
 		tokens[i] = rng.Uint32() % 152000
 	}
 	for i := range n {
-		st := &kvpb.KvBlocksStored{
-			Medium: proto.String("GPU"), GroupIdx: proto.Uint32(0),
-			KvCacheSpecKind: proto.String("full_attention"),
-			Tier:            kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE.Enum(),
-			Locality:        kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL.Enum(),
-		}
+		st := benchStored()
 		if rng.IntN(2) == 0 {
 			st.ParentBlockHash = proto.Int64(live[rng.IntN(len(live))])
 		}

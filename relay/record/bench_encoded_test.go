@@ -93,12 +93,7 @@ func wireStream(r *Record, n, tokens int, ns benchNamespaces) ([]*kvpb.KvEventBa
 	msgs := make([]*kvpb.KvEventBatch, 0, n)
 	encs := make([][]byte, 0, n)
 	for range n {
-		st := &kvpb.KvBlocksStored{
-			Medium: proto.String("GPU"), GroupIdx: proto.Uint32(0),
-			KvCacheSpecKind: proto.String("full_attention"),
-			Tier:            kvpb.KvCacheTier_KV_CACHE_TIER_DEVICE.Enum(),
-			Locality:        kvpb.KvCacheLocality_KV_CACHE_LOCALITY_LOCAL.Enum(),
-		}
+		st := benchStored()
 		if rng.IntN(2) == 0 {
 			st.ParentBlockHash = proto.Int64(fifo[len(fifo)-1-rng.IntN(min(len(fifo), 4096))])
 		}
