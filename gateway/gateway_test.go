@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -203,6 +204,33 @@ func TestRoutesToTheWorkerHoldingThePrefix(t *testing.T) {
 	}
 	if n, err := testutil.GatherAndCount(reg, "kvrelay_gateway_index_blocks"); err != nil || n < 2 {
 		t.Errorf("index_blocks series: %d, %v", n, err)
+	}
+
+	// A removal of blocks A's index never held is counted for A; nothing
+	// was left out at a run cap.
+	rank := int32(0)
+	a.batches <- &kvpb.KvEventBatch{SequenceNumber: 2, DpRank: &rank, Events: []*kvpb.KvCacheEvent{{EventId: 2,
+		Data: &kvpb.KvCacheEvent_Removed{Removed: &kvpb.KvBlocksRemoved{BlockHashes: []int64{9001, 9002}}}}}}
+	eventually(t, "the removal applied", func() bool {
+		g.mu.Lock()
+		ix := g.models["llama"].ix
+		g.mu.Unlock()
+		return ix.Stats().Workers["A"].Counters.UnknownRemovals == 2
+	})
+	const want = `
+# HELP kvrelay_gateway_index_unknown_removals_total Removals of a block (or tier copy) the model's index did not hold for the worker: blocks left out at the run cap, or stores the index never saw.
+# TYPE kvrelay_gateway_index_unknown_removals_total counter
+kvrelay_gateway_index_unknown_removals_total{model="llama",worker="A"} 2
+kvrelay_gateway_index_unknown_removals_total{model="llama",worker="B"} 0
+# HELP kvrelay_gateway_index_unindexed_blocks_total Stored blocks the model's index left out for the worker because the forward shard their run would start in was at its run cap; lookups under-report the worker for them until runs are freed.
+# TYPE kvrelay_gateway_index_unindexed_blocks_total counter
+kvrelay_gateway_index_unindexed_blocks_total{model="llama",worker="A"} 0
+kvrelay_gateway_index_unindexed_blocks_total{model="llama",worker="B"} 0
+`
+	// C, whose engine sent nothing, has no series yet (as index_blocks).
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"kvrelay_gateway_index_unknown_removals_total", "kvrelay_gateway_index_unindexed_blocks_total"); err != nil {
+		t.Error(err)
 	}
 }
 

@@ -54,6 +54,10 @@ var (
 		"Distinct prefix entries in the model's index.", []string{"model"}, nil)
 	indexMembershipsDesc = prometheus.NewDesc("kvrelay_gateway_index_memberships",
 		"Prefix entries counted once per holding worker.", []string{"model"}, nil)
+	indexUnindexedDesc = prometheus.NewDesc("kvrelay_gateway_index_unindexed_blocks_total",
+		"Stored blocks the model's index left out for the worker because the forward shard their run would start in was at its run cap; lookups under-report the worker for them until runs are freed.", []string{"model", "worker"}, nil)
+	indexUnknownRemovalsDesc = prometheus.NewDesc("kvrelay_gateway_index_unknown_removals_total",
+		"Removals of a block (or tier copy) the model's index did not hold for the worker: blocks left out at the run cap, or stores the index never saw.", []string{"model", "worker"}, nil)
 	indexMemoryDesc = prometheus.NewDesc("kvrelay_gateway_index_memory_bytes",
 		"Estimated size of the model's index tables.", []string{"model"}, nil)
 	inflightDesc = prometheus.NewDesc("kvrelay_gateway_inflight_requests",
@@ -73,6 +77,8 @@ func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- indexEntriesDesc
 	ch <- indexMembershipsDesc
 	ch <- indexMemoryDesc
+	ch <- indexUnindexedDesc
+	ch <- indexUnknownRemovalsDesc
 	ch <- inflightDesc
 	ch <- cacheHitRateDesc
 	ch <- blockSizeDesc
@@ -121,6 +127,8 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(indexMemoryDesc, prometheus.GaugeValue, float64(st.MemoryBytes), name)
 		for w, ws := range st.Workers {
 			ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(ws.Blocks), name, w)
+			ch <- prometheus.MustNewConstMetric(indexUnindexedDesc, prometheus.CounterValue, float64(ws.Counters.UnindexedBlocks), name, w)
+			ch <- prometheus.MustNewConstMetric(indexUnknownRemovalsDesc, prometheus.CounterValue, float64(ws.Counters.UnknownRemovals), name, w)
 		}
 	}
 	for name, p := range places {

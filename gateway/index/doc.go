@@ -51,7 +51,8 @@
 // reverse entries that name it and is freed when none is left. The 32-bit
 // position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
 // all); a block that would need a run beyond it is not indexed and counted
-// (WorkerCounters.UnindexedBlocks), the index then under-reporting its
+// (WorkerCounters.UnindexedBlocks; the gateway exports it as
+// kvrelay_gateway_index_unindexed_blocks_total), the index then under-reporting its
 // worker, never over-reporting.
 //
 // The content hashes of a stored batch can be computed before the index is
