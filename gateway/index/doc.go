@@ -52,8 +52,8 @@
 // position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
 // all); a block that would need a run beyond it is not indexed and counted
 // (WorkerCounters.UnindexedBlocks; the gateway exports it as
-// kvrelay_gateway_index_unindexed_blocks_total), the index then under-reporting its
-// worker, never over-reporting.
+// kvrelay_gateway_index_unindexed_blocks_total), the index then
+// under-reporting its worker, never over-reporting.
 //
 // The content hashes of a stored batch can be computed before the index is
 // touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that
