@@ -146,51 +146,193 @@ func (w *wireBatch) release() {
 	}
 }
 
+// fieldReader reads one message's fields off its wire bytes; every reader below loops over its
+// message with one. A failure (a value cut short or longer than protowire takes, a field the
+// fast path leaves to proto.Unmarshal) is sticky: it moves to the end, so that the reader's
+// `for r.more()` loop ends, and marks the reader failed, which the reader returns. The failing
+// call returns a zero value that the reader may still store: the scratch it lands in is thrown
+// away with the batch, which goes to proto.Unmarshal. So each field is one call, with no check
+// of its own.
+//
+// The reader keeps an offset into the message rather than re-slicing it: the methods that are
+// not inlined (tag, varint, bytes; too big for the compiler's budget) would store the slice's
+// pointer through r, each store with a write barrier check, and a re-sliced b[n:] takes a pointer
+// mask; together they made a block's varints cost about a third more instructions. at and short,
+// which are inlined, read the one-byte tags and lengths of the fields every block has.
+type fieldReader struct {
+	b      []byte // the message's bytes
+	i      int    // how many of them are read; at most len(b)
+	failed bool
+}
+
+// more reports whether a field is left to read; false after a failure.
+func (r *fieldReader) more() bool { return r.i < len(r.b) }
+
+// ok reports whether every field read so far was read without failing.
+func (r *fieldReader) ok() bool { return !r.failed }
+
+// fail stops the reading: see fieldReader.
+func (r *fieldReader) fail() { r.i, r.failed = len(r.b), true }
+
+// rest is the bytes not read yet.
+func (r *fieldReader) rest() []byte { return r.b[r.i:] }
+
+// took moves past a value of n bytes and returns it; n < 0 (protowire's refusal) fails.
+func (r *fieldReader) took(v uint64, n int) uint64 {
+	if n < 0 {
+		r.fail()
+		return 0
+	}
+	r.i += n
+	return v
+}
+
+// tag reads a field's tag (field number and wire type), one byte for field numbers below 16.
+func (r *fieldReader) tag() uint64 {
+	if i := r.i; uint(i) < uint(len(r.b)) && r.b[i] < 0x80 {
+		r.i = i + 1
+		return uint64(r.b[i])
+	}
+	return r.took(protowire.ConsumeVarint(r.rest()))
+}
+
+// at moves past the one-byte tag next, if it is the next byte: for fields that come in the
+// order proto.Marshal writes them, read without the switch on tags.
+func (r *fieldReader) at(tag byte) bool {
+	if i := r.i; uint(i) < uint(len(r.b)) && r.b[i] == tag {
+		r.i = i + 1
+		return true
+	}
+	return false
+}
+
+// short reads the field next if its tag is the one byte tag and its value is length-delimited
+// with a one-byte length (below 128), as bytes would; false, with nothing read, if not. It is at
+// and bytes in one, small enough to be inlined, for the fields read for every block: tag and
+// bytes are calls.
+func (r *fieldReader) short(tag byte) ([]byte, bool) {
+	b := r.rest()
+	if len(b) < 2 || b[0] != tag || b[1] >= 0x80 || 2+int(b[1]) > len(b) {
+		return nil, false
+	}
+	end := 2 + int(b[1])
+	r.i += end
+	return b[2:end:end], true
+}
+
+// varint reads a varint value, as protowire.ConsumeVarint does (same values, same refusals),
+// with a fast way for the 9 and 10-byte varints of block hashes: their first eight bytes' 7-bit
+// groups are gathered in three steps instead of a byte at a time.
+func (r *fieldReader) varint() uint64 {
+	b, i := r.b, r.i // indexed, not re-sliced: a slice b[i:] that may be empty costs a pointer mask
+	if uint(i) < uint(len(b)) && b[i] < 0x80 {
+		r.i = i + 1
+		return uint64(b[i])
+	}
+	if len(b)-i >= 10 {
+		h := b[i : i+10 : i+10]
+		if x := binary.LittleEndian.Uint64(h); ^x&wordHigh == 0 { // not ending within eight bytes
+			v := gather7(x)
+			if c := h[8]; c < 0x80 {
+				r.i = i + 9
+				return v | uint64(c)<<56
+			}
+			if c := h[9]; c < 2 {
+				r.i = i + 10
+				return v | uint64(h[8]&0x7f)<<56 | uint64(c)<<63
+			}
+			// Longer than ten bytes: protowire refuses it.
+		}
+	}
+	return r.took(protowire.ConsumeVarint(r.rest()))
+}
+
+// bytes reads a length-delimited value; its length is checked against what is left. The value
+// aliases the message's bytes and is capped at its length. Lengths of one and two bytes (below
+// 16384: blocks of up to a few thousand tokens, strings) are read here, without varint.
+func (r *fieldReader) bytes() []byte {
+	b, i := r.b, r.i
+	var m uint64
+	switch {
+	case uint(i) < uint(len(b)) && b[i] < 0x80:
+		m, i = uint64(b[i]), i+1
+	case uint(i+1) < uint(len(b)) && b[i+1] < 0x80: // and b[i] >= 0x80
+		m, i = uint64(b[i]&0x7f)|uint64(b[i+1])<<7, i+2
+	default:
+		m = r.varint()
+		i = r.i
+	}
+	if m > uint64(len(b)-i) {
+		r.fail()
+		return nil
+	}
+	end := i + int(m)
+	r.i = end
+	return b[i:end:end]
+}
+
+// str reads a string value aliasing the batch's bytes; invalid UTF-8, which proto.Unmarshal
+// refuses in a proto3 string, fails.
+func (r *fieldReader) str() string {
+	v := r.bytes()
+	if !utf8.Valid(v) {
+		r.fail()
+		return ""
+	}
+	return unsafe.String(unsafe.SliceData(v), len(v))
+}
+
+// skipFixed64 moves past a fixed64 value.
+func (r *fieldReader) skipFixed64() {
+	if len(r.b)-r.i < 8 {
+		r.fail()
+		return
+	}
+	r.i += 8
+}
+
+// skipOther moves past a field that the reader's switch does not expect, of a message that
+// declares the field numbers in declared: an unknown field is skipped, its value checked as
+// proto.Unmarshal checks it. A declared field of another wire type (to proto, an unknown
+// field), a group (which nests) or an invalid tag fails: the fast path leaves the batch to
+// proto.Unmarshal.
+func (r *fieldReader) skipOther(tag, declared uint64) {
+	num, typ := tag>>3, protowire.Type(tag&7)
+	if num < uint64(protowire.MinValidNumber) || num > uint64(protowire.MaxValidNumber) ||
+		num < 64 && declared>>num&1 != 0 ||
+		typ == protowire.StartGroupType || typ == protowire.EndGroupType {
+		r.fail()
+		return
+	}
+	r.took(0, protowire.ConsumeFieldValue(protowire.Number(num), typ, r.rest()))
+}
+
 // read reads enc into the scratch. false: the fast path does not read this batch exactly (or it
 // is not valid protobuf); the caller falls back to proto.Unmarshal.
 //
 // Each reader switches on whole tags (field number and wire type) of the fields it expects: one
-// byte each, as every field number below 16 takes. Anything else goes to other.
+// byte each, as every field number below 16 takes. Anything else goes to skipOther.
 func (w *wireBatch) read(enc []byte) bool {
 	w.hasRank = false
-	for b := enc; len(b) > 0; {
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
+	r := fieldReader{b: enc}
+	for r.more() {
+		switch tag := r.tag(); tag {
 		case 3<<3 | wBytes: // events
-			v, n := lenPrefixed(b)
-			if n < 0 || !w.readEvent(v) {
+			if !w.readEvent(r.bytes()) {
 				return false
 			}
-			b = b[n:]
 		case 4<<3 | wVarint: // dp_rank; the last one counts
-			v, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			w.rank, w.hasRank = int32(v), true
-			b = b[n:]
+			w.rank, w.hasRank = int32(r.varint()), true
 		case 1<<3 | wVarint, 17<<3 | wVarint: // sequence_number, live_blocks: not the record's
-			_, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.varint()
 		case 2<<3 | wFixed64, 16<<3 | wFixed64: // timestamp, live_digest
-			if len(b) < 8 {
-				return false
-			}
-			b = b[8:]
+			r.skipFixed64()
 		default: // snapshot and load (messages whose contents would need checking) among others
-			n := other(tag, b, batchFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, batchFields)
 		}
+	}
+	if !r.ok() {
+		return false
 	}
 	if len(w.keys) > 0 {
 		for _, k := range w.keyOf {
@@ -217,38 +359,6 @@ const (
 	clearedFields = 1 << 1
 )
 
-// tagOf reads a field's tag.
-func tagOf(b []byte) (uint64, int) {
-	if len(b) > 0 && b[0] < 0x80 {
-		return uint64(b[0]), 1
-	}
-	return protowire.ConsumeVarint(b)
-}
-
-// varint is protowire.ConsumeVarint (same values, same refusals), with a fast way for the
-// 9 and 10-byte varints of block hashes: their first eight bytes' 7-bit groups are gathered in
-// three steps instead of a byte at a time.
-func varint(b []byte) (uint64, int) {
-	if len(b) > 0 && b[0] < 0x80 {
-		return uint64(b[0]), 1
-	}
-	if len(b) < 10 {
-		return protowire.ConsumeVarint(b)
-	}
-	x := binary.LittleEndian.Uint64(b)
-	if ^x&wordHigh != 0 {
-		return protowire.ConsumeVarint(b) // ends within eight bytes
-	}
-	v := gather7(x)
-	if c := b[8]; c < 0x80 {
-		return v | uint64(c)<<56, 9
-	}
-	if c := b[9]; c < 2 {
-		return v | uint64(b[8]&0x7f)<<56 | uint64(c)<<63, 10
-	}
-	return protowire.ConsumeVarint(b) // longer than ten bytes: refused
-}
-
 // gather7 packs the low 7 bits of x's eight bytes (little endian) into 56 bits.
 func gather7(x uint64) uint64 {
 	x &= wordLow
@@ -257,64 +367,26 @@ func gather7(x uint64) uint64 {
 	return x&0x000000000fffffff | x&0x0fffffff00000000>>4
 }
 
-// lenPrefixed reads a length-delimited value; its length is checked against what b holds.
-func lenPrefixed(b []byte) ([]byte, int) {
-	m, n := varint(b)
-	if n < 0 || m > uint64(len(b)-n) {
-		return nil, -1
-	}
-	end := n + int(m)
-	return b[n:end:end], end
-}
-
-// other takes a field no reader's switch expects: an unknown field is skipped, its value
-// checked as proto.Unmarshal checks it. A declared field of another wire type (to proto, an
-// unknown field), a group (which nests) or an invalid tag gives n < 0: the fast path leaves the
-// batch to proto.Unmarshal.
-func other(tag uint64, b []byte, declared uint64) int {
-	num, typ := tag>>3, protowire.Type(tag&7)
-	if num < uint64(protowire.MinValidNumber) || num > uint64(protowire.MaxValidNumber) ||
-		num < 64 && declared>>num&1 != 0 ||
-		typ == protowire.StartGroupType || typ == protowire.EndGroupType {
-		return -1
-	}
-	return protowire.ConsumeFieldValue(protowire.Number(num), typ, b)
-}
-
 // readEvent reads one KvCacheEvent.
 func (w *wireBatch) readEvent(b []byte) bool {
 	var data []byte
 	kind := uint8(wireNone)
-	for len(b) > 0 {
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
+	r := fieldReader{b: b}
+	for r.more() {
+		switch tag := r.tag(); tag {
 		case 2<<3 | wBytes, 3<<3 | wBytes, 4<<3 | wBytes: // stored, removed, cleared
 			if kind != wireNone {
 				return false // the oneof set twice: proto merges or replaces
 			}
-			v, n := lenPrefixed(b)
-			if n < 0 {
-				return false
-			}
-			data, b = v, b[n:]
-			kind = uint8(tag>>3) - 1 // wireStored, wireRemoved, wireCleared
+			data, kind = r.bytes(), uint8(tag>>3)-1 // wireStored, wireRemoved, wireCleared
 		case 1<<3 | wVarint: // event_id
-			_, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.varint()
 		default:
-			n := other(tag, b, eventFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, eventFields)
 		}
+	}
+	if !r.ok() {
+		return false
 	}
 	w.events = append(w.events, wireEvent{kind: kind})
 	ev := &w.events[len(w.events)-1]
@@ -335,47 +407,26 @@ func (w *wireBatch) readEvent(b []byte) bool {
 	return true
 }
 
-// str is a string field's value aliasing the batch's bytes; ok is false for invalid UTF-8,
-// which proto.Unmarshal refuses in a proto3 string.
-func str(v []byte) (string, bool) {
-	if !utf8.Valid(v) {
-		return "", false
-	}
-	return unsafe.String(unsafe.SliceData(v), len(v)), true
-}
-
 // readStored reads one KvBlocksStored; singular fields repeated count by their last value, as
 // proto.Unmarshal has it.
 func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 	k := &ev.tail
-	for len(b) > 0 {
-		if len(b) > 1 && b[0] == 1<<3|wBytes && b[1] < 0x80 {
+	r := fieldReader{b: b}
+	for r.more() {
+		if v, ok := r.short(1<<3 | wBytes); ok {
 			// A block of fewer than 128 bytes (16-token blocks), the common case read inline.
-			end := 2 + int(b[1])
-			if end > len(b) || !w.readBlock(b[2:end:end]) {
+			if !w.readBlock(v) {
 				return false
 			}
-			b = b[end:]
 			continue
 		}
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
+		switch tag := r.tag(); tag {
 		case 1<<3 | wBytes: // blocks
-			v, n := lenPrefixed(b)
-			if n < 0 || !w.readBlock(v) {
+			if !w.readBlock(r.bytes()) {
 				return false
 			}
-			b = b[n:]
 		case 2<<3 | wVarint, 3<<3 | wVarint, 5<<3 | wVarint, 7<<3 | wVarint, 8<<3 | wVarint:
-			v, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			v := r.varint()
 			switch tag >> 3 {
 			case 2:
 				ev.parent, ev.hasParent = int64(v), true
@@ -389,15 +440,7 @@ func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 				k.locality, k.has = kvpb.KvCacheLocality(int32(v)), k.has|hasLocality
 			}
 		case 4<<3 | wBytes, 6<<3 | wBytes, 9<<3 | wBytes, 10<<3 | wBytes, 11<<3 | wBytes, 12<<3 | wBytes:
-			v, n := lenPrefixed(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
-			s, ok := str(v)
-			if !ok {
-				return false
-			}
+			s := r.str()
 			switch tag >> 3 {
 			case 4:
 				k.medium, k.has = s, k.has|hasMedium
@@ -413,14 +456,10 @@ func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 				k.cacheSalt, k.has = s, k.has|hasSalt
 			}
 		default:
-			n := other(tag, b, storedFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, storedFields)
 		}
 	}
-	return true
+	return r.ok()
 }
 
 // readBlock reads one KvBlock. Its token ids are taken packed only when they are one packed field
@@ -435,57 +474,34 @@ func (w *wireBatch) readStored(b []byte, ev *wireEvent) bool {
 func (w *wireBatch) readBlock(b []byte) bool {
 	w.blocks = append(w.blocks, blockOp{})
 	blk := &w.blocks[len(w.blocks)-1]
-	i := 0
-	if i < len(b) && b[i] == 1<<3|wVarint {
-		v, n := varint(b[i+1:])
-		if n < 0 {
+	r := fieldReader{b: b}
+	if r.at(1<<3 | wVarint) {
+		blk.hash = int64(r.varint())
+	}
+	if v, ok := r.short(2<<3 | wBytes); ok || r.at(2<<3|wBytes) { // token_ids, packed
+		if !ok {
+			v = r.bytes() // a length of two bytes or more: blocks of about 40 tokens and more
+		}
+		if blk.packed = v; !minimalPacked32(v) {
 			return false
 		}
-		blk.hash, i = int64(v), i+1+n
 	}
-	if i+1 < len(b) && b[i] == 2<<3|wBytes {
-		m, n := uint64(b[i+1]), 1
-		if m >= 0x80 {
-			m, n = varint(b[i+1:])
-		}
-		start := i + 1 + n
-		if n < 0 || m > uint64(len(b)-start) {
-			return false
-		}
-		end := start + int(m)
-		if !minimalPacked32(b[start:end]) {
-			return false
-		}
-		blk.packed, i = b[start:end:end], end
+	if r.at(3<<3 | wVarint) {
+		blk.blockSize = int32(r.varint())
 	}
-	if i < len(b) && b[i] == 3<<3|wVarint { // block_size
-		v, n := varint(b[i+1:])
-		if n < 0 {
-			return false
-		}
-		blk.blockSize, i = int32(v), i+1+n
+	if r.at(4<<3 | wVarint) {
+		blk.loraID, blk.has = int64(r.varint()), blk.has|hasLoraID
 	}
-	if i < len(b) && b[i] == 4<<3|wVarint { // lora_id
-		v, n := varint(b[i+1:])
-		if n < 0 {
-			return false
-		}
-		blk.loraID, blk.has, i = int64(v), blk.has|hasLoraID, i+1+n
+	if r.at(5<<3 | wVarint) {
+		blk.cacheLevel, blk.has = int32(r.varint()), blk.has|hasCacheLevel
 	}
-	if i < len(b) && b[i] == 5<<3|wVarint { // cache_level
-		v, n := varint(b[i+1:])
-		if n < 0 {
-			return false
-		}
-		blk.cacheLevel, blk.has, i = int32(v), blk.has|hasCacheLevel, i+1+n
+	if r.more() {
+		return w.readBlockFields(r.rest(), blk, len(w.blocks)-1)
 	}
-	if i < len(b) {
-		return w.readBlockFields(b[i:], blk, len(w.blocks)-1)
-	}
-	return true
+	return r.ok()
 }
 
-// setVarint sets a KvBlock varint field other than the hash.
+// setVarint sets a KvBlock varint field.
 func (blk *blockOp) setVarint(field uint8, v uint64) {
 	switch field {
 	case 1:
@@ -502,46 +518,32 @@ func (blk *blockOp) setVarint(field uint8, v uint64) {
 // readBlockFields reads KvBlock fields in any order into blk, block i of the batch.
 func (w *wireBatch) readBlockFields(b []byte, blk *blockOp, i int) bool {
 	keysFrom := int32(len(w.keys))
-	for len(b) > 0 {
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
+	r := fieldReader{b: b}
+	for r.more() {
+		switch tag := r.tag(); tag {
 		case 1<<3 | wVarint, 3<<3 | wVarint, 4<<3 | wVarint, 5<<3 | wVarint:
-			v, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
-			blk.setVarint(uint8(tag>>3), v)
+			blk.setVarint(uint8(tag>>3), r.varint())
 		case 2<<3 | wBytes: // token_ids, packed
-			v, n := lenPrefixed(b)
-			if n < 0 || blk.packed != nil || !minimalPacked32(v) {
+			if blk.packed != nil {
+				return false // a second field: proto appends, the record would keep one
+			}
+			if blk.packed = r.bytes(); !minimalPacked32(blk.packed) {
 				return false
 			}
-			blk.packed, b = v, b[n:]
 		case 6<<3 | wBytes:
-			v, n := lenPrefixed(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
 			// Extra keys are rare; the record keeps them as proto.Marshal writes the message
 			// (extraTable), so they are read as messages, with proto's checks.
 			key := &kvpb.KvBlockExtraKey{}
-			if err := proto.Unmarshal(v, key); err != nil {
+			if err := proto.Unmarshal(r.bytes(), key); err != nil {
 				return false
 			}
 			w.keys = append(w.keys, key)
 		default:
-			n := other(tag, b, blockFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, blockFields)
 		}
+	}
+	if !r.ok() {
+		return false
 	}
 	if to := int32(len(w.keys)); to > keysFrom {
 		w.keyOf = append(w.keyOf, keyRange{int32(i), keysFrom, to})
@@ -616,33 +618,19 @@ func (w *wireBatch) readRemoved(b []byte, ev *wireEvent) bool {
 	var tier kvpb.KvCacheTier
 	var level int32
 	hasTier, hasLevel := false, false
-	for len(b) > 0 {
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
+	r := fieldReader{b: b}
+	for r.more() {
+		switch tag := r.tag(); tag {
 		case 1<<3 | wBytes: // block_hashes, packed
-			v, n := lenPrefixed(b)
-			if n < 0 {
-				return false
+			hashes := fieldReader{b: r.bytes()}
+			for hashes.more() {
+				w.hashes = append(w.hashes, int64(hashes.varint()))
 			}
-			b = b[n:]
-			for len(v) > 0 {
-				h, n := varint(v)
-				if n < 0 {
-					return false
-				}
-				w.hashes = append(w.hashes, int64(h))
-				v = v[n:]
+			if !hashes.ok() {
+				return false
 			}
 		case 1<<3 | wVarint, 2<<3 | wVarint, 3<<3 | wVarint, 5<<3 | wVarint, 6<<3 | wVarint:
-			v, n := varint(b)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			v := r.varint()
 			switch tag >> 3 {
 			case 1:
 				w.hashes = append(w.hashes, int64(v))
@@ -652,46 +640,26 @@ func (w *wireBatch) readRemoved(b []byte, ev *wireEvent) bool {
 				tier, hasTier = kvpb.KvCacheTier(int32(v)), true
 			}
 			// 5 group_idx, 6 locality: not the record's.
-		case 4<<3 | wBytes, 7<<3 | wBytes: // medium, ownership
-			v, n := lenPrefixed(b)
-			if n < 0 || !utf8.Valid(v) {
-				return false
-			}
-			b = b[n:]
+		case 4<<3 | wBytes, 7<<3 | wBytes: // medium, ownership: checked, not kept
+			r.str()
 		default:
-			n := other(tag, b, removedFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, removedFields)
 		}
 	}
 	ev.removalTier = tierFrom(hasTier, tier, hasLevel, level)
-	return true
+	return r.ok()
 }
 
 // readCleared checks one KvCacheCleared, whose only field the record does not use.
 func readCleared(b []byte) bool {
-	for len(b) > 0 {
-		tag, n := tagOf(b)
-		if n < 0 {
-			return false
-		}
-		b = b[n:]
-		switch tag {
-		case 1<<3 | wBytes: // ownership
-			v, n := lenPrefixed(b)
-			if n < 0 || !utf8.Valid(v) {
-				return false
-			}
-			b = b[n:]
+	r := fieldReader{b: b}
+	for r.more() {
+		switch tag := r.tag(); tag {
+		case 1<<3 | wBytes: // ownership: checked, not kept
+			r.str()
 		default:
-			n := other(tag, b, clearedFields)
-			if n < 0 {
-				return false
-			}
-			b = b[n:]
+			r.skipOther(tag, clearedFields)
 		}
 	}
-	return true
+	return r.ok()
 }

@@ -497,6 +497,19 @@ func minimalPackedReference(p []byte) bool {
 	return bytes.Equal(again, p)
 }
 
+// varint is fieldReader.varint in protowire.ConsumeVarint's form, for checkWireHelpers. The
+// reader keeps no reason for a refusal: a refused varint gives protowire's error code if
+// protowire refuses it too, and -1, which no accepted varint has, if not.
+func varint(p []byte) (uint64, int) {
+	r := fieldReader{b: p}
+	v := r.varint()
+	if r.ok() {
+		return v, r.i
+	}
+	_, n := protowire.ConsumeVarint(p)
+	return 0, min(n, -1)
+}
+
 // checkWireHelpers requires minimalPacked32 to follow its reference, and varint to read every
 // prefix of p as protowire.ConsumeVarint does.
 func checkWireHelpers(t *testing.T, p []byte) {
