@@ -89,7 +89,7 @@ fmt-check:
 # failing tests, the packages still running every 30 s, and go test's own
 # "ok pkg" / "FAIL pkg" summary lines.
 test-go: venv engines build
-	$(GO) build -o $(BIN)/testprogress ./internal/testprogress
+	$(GO) build -o $(BIN)/testprogress ./internal/testkit/testprogress
 	bash -o pipefail -c '$(GO) test -race -count=1 -timeout 20m -json ./... | $(BIN)/testprogress'
 
 # The longer tier (not run by .ci/run): the interop tests against every

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 )

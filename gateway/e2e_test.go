@@ -11,7 +11,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
-	"github.com/kvrelay/kvrelay/internal/testrelay"
+	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
 )

@@ -14,7 +14,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/sim"
 )
 

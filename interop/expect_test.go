@@ -7,7 +7,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

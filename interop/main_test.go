@@ -20,7 +20,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 )
 
 var (

@@ -23,7 +23,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

@@ -10,8 +10,8 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 )
 
 // gatedForwarder forwards TCP connections to a backend port. While it is

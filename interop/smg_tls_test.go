@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/pyenv"
-	"github.com/kvrelay/kvrelay/internal/testpki"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 )
 
 // TestSMGGatewayOverTLS runs SMG's real gateway against `kvrelay serve` with

@@ -14,7 +14,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/testing/protocmp"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

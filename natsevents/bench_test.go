@@ -13,7 +13,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/testrelay"
+	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/testrelay"
+	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"

@@ -15,8 +15,8 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/testnats"
-	"github.com/kvrelay/kvrelay/internal/testrelay"
+	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
+	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
 )

@@ -21,7 +21,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 	"google.golang.org/protobuf/types/descriptorpb"
 
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

@@ -10,7 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/engines"
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 )
 
 // TestMsgspecPeer runs every engine and wire generation against a real

@@ -21,8 +21,8 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrelay/kvrelay/engines/sglang"
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testpki"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 )
 
 // fakeSGLangServicer answers SglangScheduler.GetServerInfo on loopback as

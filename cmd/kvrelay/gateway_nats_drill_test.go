@@ -20,7 +20,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvrelay/kvrelay/internal/testnats"
+	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
 
 // The drill of issue #18, in make test-long only (KVRELAY_NATS_DRILL=1):

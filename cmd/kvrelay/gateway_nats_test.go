@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testnats"
+	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
 
 // TestGatewayNATSSharesLoadByDefault: two `kvrelay gateway --nats` replicas

@@ -13,7 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testnats"
+	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/sim"
 )
 

@@ -21,8 +21,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testpki"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )

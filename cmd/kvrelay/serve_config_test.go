@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 )
 

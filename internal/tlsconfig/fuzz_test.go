@@ -4,7 +4,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testpki"
+	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 )
 
 // FuzzParseAllowList: any entry is accepted or refused with an error naming

@@ -11,7 +11,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/goldenvec"
+	"github.com/kvrelay/kvrelay/internal/testkit/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"

@@ -22,7 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/testpki"
+	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/relay/server"
 )

@@ -22,7 +22,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 )
 
 func TestParseSeq(t *testing.T) {

@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/zmtppeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/zmtppeer"
 )
 
 func TestZMTPGuard(t *testing.T) {

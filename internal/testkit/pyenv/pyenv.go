@@ -17,7 +17,7 @@ import (
 // tests in any package can reach testdata/.
 func RepoRoot() string {
 	_, file, _, _ := runtime.Caller(0)
-	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", "..", ".."))
 }
 
 // Python returns the venv interpreter. KVRELAY_PYTHON (set by the Makefile)

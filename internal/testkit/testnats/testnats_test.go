@@ -182,7 +182,7 @@ func TestOnlyTestsImportIt(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
 		t.Fatalf("module root not at %s: %v", root, err)
 	}
-	const self = `"github.com/kvrelay/kvrelay/internal/testnats"`
+	const self = `"github.com/kvrelay/kvrelay/internal/testkit/testnats"`
 	checked := 0
 	err = filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {

@@ -29,7 +29,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/pyenv"
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 )
 
 // Engines the script can imitate.
