@@ -13,8 +13,8 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 )
 
 // Configurations the engines accept (or that only fail later) that leave
