@@ -2,11 +2,6 @@ package testnats
 
 import (
 	"context"
-	"go/parser"
-	"go/token"
-	"io/fs"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -169,53 +164,5 @@ func TestClientsNamed(t *testing.T) {
 	n.Stop()
 	if got := n.ClientsNamed("gw-"); got != 0 {
 		t.Errorf("stopped node counts %d clients", got)
-	}
-}
-
-// TestOnlyTestsImportIt: no non-test file of the module imports this
-// package, so no binary links nats-server through it.
-func TestOnlyTestsImportIt(t *testing.T) {
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("module root not at %s: %v", root, err)
-	}
-	const self = `"github.com/kvrelay/kvrelay/internal/testkit/testnats"`
-	checked := 0
-	err = filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.IsDir() {
-			if path != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata") {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
-			return nil
-		}
-		f, err := parser.ParseFile(token.NewFileSet(), path, nil, parser.ImportsOnly)
-		if err != nil {
-			return err
-		}
-		checked++
-		if filepath.Dir(path) == filepath.Join(root, "internal", "testnats") {
-			return nil
-		}
-		for _, imp := range f.Imports {
-			if imp.Path.Value == self {
-				t.Errorf("%s imports testnats, which is for tests only", path)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if checked < 50 {
-		t.Fatalf("checked only %d files: walked the wrong tree?", checked)
 	}
 }
