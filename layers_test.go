@@ -32,6 +32,7 @@ const layers = `
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
 	internal/natslog, internal/tlsconfig, internal/freeport,
+	internal/exposure, internal/webserve, internal/reload, internal/sdnotify,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
 
@@ -61,11 +62,19 @@ const layers = `
 	# NATS bridges the relay's stream and the gateway's monitor.
 	relay, gateway/monitor, internal/natslog < natsevents;
 
+	# The processes the binary runs: serve's relays, listeners, sink and
+	# metrics endpoint; the gateway's HTTP API.
+	relay/server, natsevents, engines/discover, internal/buildinfo,
+	internal/tlsconfig, internal/exposure, internal/webserve,
+	internal/reload, internal/sdnotify < relay/daemon;
+	gateway, internal/webserve < gateway/httpapi;
+
 	# Programs built on the packages: benchmarks, the demo, the binaries.
 	relay/server, gateway, gateway/placementsync, sim/fleetsim < bench < bench/charts;
 	relay/server, gateway, sim, internal/freeport < demo;
-	bench, demo, natsevents, engines/discover, internal/buildinfo,
-	internal/tlsconfig < cmd/kvrelay;
+	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
+	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
+	internal/reload, internal/webserve < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
 `
 

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
+	"github.com/kvrelay/kvrelay/relay/daemon"
 )
 
 func init() {
@@ -59,7 +60,7 @@ func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr
 		fmt.Fprintln(stderr, "kvrelay decode: --engine is required: vllm, sglang or tokenspeed")
 		return 2
 	}
-	eng, err := engineByName(*engine)
+	eng, err := daemon.EngineByName(*engine)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay decode: --engine %q: want vllm, sglang or tokenspeed\n", *engine)
 		return 2

@@ -2,119 +2,67 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"strings"
-	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/status"
-
-	"github.com/kvrelay/kvrelay/engines/discover"
+	"github.com/kvrelay/kvrelay/internal/exposure"
+	"github.com/kvrelay/kvrelay/internal/tlsconfig"
+	"github.com/kvrelay/kvrelay/relay/daemon"
 )
 
-// discoverTimeout bounds how long serve waits for the engine's servicer to
-// answer GetServerInfo: an engine loading a model starts its servicer late.
-const discoverTimeout = 2 * time.Minute
+// learned is what serve takes from the engine's servicer when no
+// --kv-events-config is given.
+type learned struct {
+	kvConfig string
+	dpSize   int
+	moved    bool // wildcard binds are dialled at the upstream's host
+}
 
-// discoverPublishers asks the engine's servicer at upstream (HOST:PORT,
-// dialled with creds) for its --kv-events-config and dp_size, retrying each
-// second while it is not up. Errors that retrying cannot fix (vLLM
-// advertises nothing, a malformed answer) end it at once.
-func discoverPublishers(ctx context.Context, engine, upstream string, creds credentials.TransportCredentials, timeout time.Duration, stderr io.Writer) (discover.Publishers, error) {
-	conn, err := grpc.NewClient(upstream, grpc.WithTransportCredentials(creds))
+// learnFromUpstream asks the engine's servicer for its config and rank
+// count, dialled as the proxy dials it (grpcs:// with the upstream TLS
+// settings), and says on stderr what it learned. A non-zero code is the
+// exit code, its reason already printed.
+func learnFromUpstream(ctx context.Context, engine, upstream string, upstreamTLS tlsconfig.Client, dpSize int, dpSizeSet bool, stderr io.Writer) (learned, int) {
+	addr, useTLS, err := daemon.ParseUpstream(upstream, upstreamTLS)
 	if err != nil {
-		return discover.Publishers{}, fmt.Errorf("upstream %q: %w", upstream, err)
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return learned{}, 2
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	for attempt := 1; ; attempt++ {
-		callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
-		p, err := discover.FromServerInfo(callCtx, conn, engine)
-		callCancel()
-		if err == nil || errors.Is(err, discover.ErrNotAdvertised) || !retryable(err) {
-			return p, err
-		}
-		if attempt == 1 {
-			fmt.Fprintf(stderr, "kvrelay serve: waiting for the engine's servicer at %s: %v\n", upstream, err)
-		}
-		select {
-		case <-ctx.Done():
-			return discover.Publishers{}, fmt.Errorf("no answer from the engine's servicer at %s within %v: %w", upstream, timeout, err)
-		case <-time.After(time.Second):
-		}
-	}
-}
-
-// retryable: the servicer is not up yet (or was too slow), as opposed to an
-// answer that a second try would repeat.
-func retryable(err error) bool {
-	switch status.Code(errors.Unwrap(err)) {
-	case codes.Unavailable, codes.DeadlineExceeded:
-		return true
-	}
-	return false
-}
-
-// publishersOnHost rewrites a --kv-events-config learned from the engine's
-// servicer at host so that endpoints binding every interface (tcp://*:P,
-// 0.0.0.0, ::) are dialled at host. Such an endpoint says where the engine
-// listens, not where to reach it: a relay on the engine's host reaches it on
-// loopback (engines.ConnectEndpoint), but one whose --upstream is another
-// host would dial its own. Other endpoints are kept as the engine gave
-// them. It returns the config and what it changed ("endpoint A -> B").
-func publishersOnHost(kvConfig, host string) (string, []string, error) {
-	var obj map[string]json.RawMessage
-	if err := json.Unmarshal([]byte(kvConfig), &obj); err != nil {
-		return "", nil, fmt.Errorf("kv-events-config: %w", err)
-	}
-	var changed []string
-	for _, key := range []string{"endpoint", "replay_endpoint"} {
-		raw, ok := obj[key]
-		if !ok {
-			continue
-		}
-		var ep string
-		if err := json.Unmarshal(raw, &ep); err != nil {
-			continue // not a string: the engine's own parser names the problem
-		}
-		moved, ok := endpointOnHost(ep, host)
-		if !ok {
-			continue
-		}
-		obj[key], _ = json.Marshal(moved) // a string always encodes
-		changed = append(changed, fmt.Sprintf("%s %s -> %s", key, ep, moved))
-	}
-	if len(changed) == 0 {
-		return kvConfig, nil, nil
-	}
-	out, err := json.Marshal(obj)
+	creds, _, err := daemon.UpstreamCredentials(useTLS, upstreamTLS, nil)
 	if err != nil {
-		return "", nil, fmt.Errorf("kv-events-config: %w", err)
+		fmt.Fprintf(stderr, "kvrelay serve: upstream TLS: %v\n", err)
+		return learned{}, 2
 	}
-	return string(out), changed, nil
-}
-
-// endpointOnHost is a tcp:// endpoint that binds every interface with its
-// host replaced by host; ok is false for any other endpoint.
-func endpointOnHost(endpoint, host string) (string, bool) {
-	rest, ok := strings.CutPrefix(endpoint, "tcp://")
-	if !ok {
-		return "", false
+	pubs, err := daemon.DiscoverPublishers(ctx, engine, addr, creds, daemon.DiscoverTimeout, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: no --kv-events-config, and the engine's servicer did not give one: %v\n", err)
+		return learned{}, 2
 	}
-	i := strings.LastIndex(rest, ":")
-	if i < 0 {
-		return "", false
+	if pubs.KVEventsConfig == "" {
+		fmt.Fprintf(stderr, "kvrelay serve: the engine at %s publishes no KV events (its kv_events_config is unset)\n", upstream)
+		return learned{}, 2
 	}
-	switch rest[:i] {
-	case "*", "0.0.0.0", "::", "[::]":
-		return "tcp://" + net.JoinHostPort(host, rest[i+1:]), true
+	if dpSizeSet && dpSize != pubs.DPSize {
+		fmt.Fprintf(stderr, "kvrelay serve: --dp-size %d, but the engine at %s runs %d publishers\n", dpSize, upstream, pubs.DPSize)
+		return learned{}, 2
 	}
-	return "", false
+	out := learned{kvConfig: pubs.KVEventsConfig, dpSize: pubs.DPSize}
+	fmt.Fprintf(stderr, "kvrelay serve: learned from %s: --kv-events-config '%s' --dp-size %d\n", upstream, out.kvConfig, out.dpSize)
+	if !exposure.IsLoopback(addr) {
+		// The engine runs at the upstream's host: a wildcard bind is
+		// reached there, not on this host.
+		host, _, _ := net.SplitHostPort(addr)
+		moved, changed, err := daemon.PublishersOnHost(out.kvConfig, host)
+		if err != nil {
+			fmt.Fprintf(stderr, "kvrelay serve: the engine at %s advertised an unreadable config: %v\n", upstream, err)
+			return learned{}, 2
+		}
+		if len(changed) > 0 {
+			out.kvConfig, out.moved = moved, true
+			fmt.Fprintf(stderr, "kvrelay serve: the engine binds its publishers on every interface; dialling them at the upstream's host: %s\n", strings.Join(changed, ", "))
+		}
+	}
+	return out, 0
 }

@@ -1,13 +1,11 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"strings"
 	"testing"
@@ -20,7 +18,6 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 )
@@ -227,78 +224,6 @@ func TestServeDiscoveryRefusesTLSSettingsForAPlaintextUpstream(t *testing.T) {
 		"--upstream", "127.0.0.1:1", "--upstream-tls-ca", "ca.pem"}, strings.NewReader(""), io.Discard, &stderr)
 	if code != 2 || !strings.Contains(stderr.String(), "is plaintext (use grpcs://HOST:PORT)") {
 		t.Fatalf("exit %d, stderr %q", code, stderr.String())
-	}
-}
-
-// A config learned from an engine on another host has its wildcard binds
-// dialled at that host; explicit hosts and ipc:// stay as the engine gave
-// them.
-func TestPublishersOnHost(t *testing.T) {
-	for _, tc := range []struct {
-		name, config, host string
-		wantEndpoint       string
-		wantReplay         string // "" when the config has none
-		moved              int
-	}{
-		{"star", `{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657", "topic": "kv"}`, "10.0.0.5",
-			"tcp://10.0.0.5:5557", "tcp://10.0.0.5:5657", 2},
-		{"0.0.0.0", `{"endpoint": "tcp://0.0.0.0:5557"}`, "engine-0.internal", "tcp://engine-0.internal:5557", "", 1},
-		{"ipv6 any", `{"endpoint": "tcp://[::]:5557", "replay_endpoint": "tcp://:::5657"}`, "fd00::5",
-			"tcp://[fd00::5]:5557", "tcp://[fd00::5]:5657", 2},
-		{"explicit host kept", `{"endpoint": "tcp://10.0.0.7:5557", "replay_endpoint": "tcp://*:5657"}`, "10.0.0.5",
-			"tcp://10.0.0.7:5557", "tcp://10.0.0.5:5657", 1},
-		{"ipc kept", `{"endpoint": "ipc:///run/sglang/kv"}`, "10.0.0.5", "ipc:///run/sglang/kv", "", 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, changed, err := publishersOnHost(tc.config, tc.host)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(changed) != tc.moved {
-				t.Errorf("changed %q, want %d endpoints", changed, tc.moved)
-			}
-			if tc.moved == 0 && got != tc.config {
-				t.Errorf("config rewritten without a change: %s", got)
-			}
-			var obj map[string]any
-			if err := json.Unmarshal([]byte(got), &obj); err != nil {
-				t.Fatalf("%q: %v", got, err)
-			}
-			if obj["endpoint"] != tc.wantEndpoint {
-				t.Errorf("endpoint %v, want %s", obj["endpoint"], tc.wantEndpoint)
-			}
-			if replay, _ := obj["replay_endpoint"].(string); replay != tc.wantReplay {
-				t.Errorf("replay_endpoint %q, want %q", replay, tc.wantReplay)
-			}
-			for k, v := range map[string]any{"publisher": "zmq", "topic": "kv"} {
-				if strings.Contains(tc.config, `"`+k+`"`) && obj[k] != v {
-					t.Errorf("%s %v, want %v kept", k, obj[k], v)
-				}
-			}
-		})
-	}
-	if _, _, err := publishersOnHost(`[1]`, "h"); err == nil || !strings.Contains(err.Error(), "kv-events-config") {
-		t.Errorf("a config that is not an object: err %v", err)
-	}
-}
-
-// Endpoints discovery moved to the upstream's host were wildcard binds: no
-// warning that the engine connects instead of binding.
-func TestLogEndpointsOfPublishersOnTheUpstreamHost(t *testing.T) {
-	for _, moved := range []bool{false, true} {
-		kv, err := sglang.ParseConfig(`{"publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}`)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var logs bytes.Buffer
-		logEndpoints(slog.New(slog.NewTextHandler(&logs, nil)), resolvedRelay{
-			relayConfig: relayConfig{Name: "r", DPSize: 1, publishersOnUpstreamHost: moved}, engine: sglang.Engine, kv: kv})
-		if warned := strings.Contains(logs.String(), "will connect its publisher"); warned == moved {
-			t.Errorf("moved %v: warned %v:\n%s", moved, warned, logs.String())
-		}
-		if !strings.Contains(logs.String(), "publisher=tcp://10.0.0.5:5557") {
-			t.Errorf("moved %v: the endpoint is not dialled at the upstream's host:\n%s", moved, logs.String())
-		}
 	}
 }
 

@@ -2,34 +2,30 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"math"
 	"net"
-	"net/http"
 	"net/url"
 	"os"
-	"reflect"
-	"sort"
 	"strings"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/httpapi"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
+	"github.com/kvrelay/kvrelay/internal/exposure"
+	"github.com/kvrelay/kvrelay/internal/reload"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
+	"github.com/kvrelay/kvrelay/internal/webserve"
 )
 
 func init() {
@@ -124,10 +120,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
 	maxRecv := fs.Int("max-recv-msg-bytes", monitor.DefaultMaxRecvMsgBytes, "largest gRPC message accepted from a worker; at least the relay's --max-send-msg-bytes")
-	var lim httpLimits
-	fs.IntVar(&lim.MaxTokens, "max-request-tokens", defaultHTTPLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
-	fs.IntVar(&lim.MaxInFlight, "max-inflight-requests", defaultHTTPLimits.MaxInFlight, "/v1/route and /v1/load requests handled at once; more get 503 with Retry-After")
-	fs.DurationVar(&lim.ReadTimeout, "http-read-timeout", defaultHTTPLimits.ReadTimeout, "time to read a whole request, body included")
+	var lim httpapi.Limits
+	fs.IntVar(&lim.MaxTokens, "max-request-tokens", httpapi.DefaultLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
+	fs.IntVar(&lim.MaxInFlight, "max-inflight-requests", httpapi.DefaultLimits.MaxInFlight, "/v1/route and /v1/load requests handled at once; more get 503 with Retry-After")
+	fs.DurationVar(&lim.ReadTimeout, "http-read-timeout", httpapi.DefaultLimits.ReadTimeout, "time to read a whole request, body included")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var workerTLS tlsconfig.Client
@@ -181,8 +177,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
 	case *maxRecv < 4<<20:
 		return fail("--max-recv-msg-bytes must be at least 4194304 (gRPC's default), got %d", *maxRecv)
-	case lim.MaxTokens < 1 || lim.MaxTokens > maxRequestTokensCap:
-		return fail("--max-request-tokens must be 1..%d, got %d", maxRequestTokensCap, lim.MaxTokens)
+	case lim.MaxTokens < 1 || lim.MaxTokens > httpapi.MaxRequestTokensCap:
+		return fail("--max-request-tokens must be 1..%d, got %d", httpapi.MaxRequestTokensCap, lim.MaxTokens)
 	case lim.MaxInFlight < 1:
 		return fail("--max-inflight-requests must be at least 1, got %d", lim.MaxInFlight)
 	case lim.ReadTimeout <= 0:
@@ -195,7 +191,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	if err != nil {
 		return fail("%v", err)
 	}
-	var reloaders []reloader
+	var reloaders []reload.Reloader
 	anyTLS := false
 	for _, w := range workers {
 		anyTLS = anyTLS || strings.HasPrefix(w.ID, "grpcs://")
@@ -215,7 +211,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	case workerTLS.Set():
 		return fail("--worker-tls-* are set but no --worker is grpcs://")
 	}
-	if err := checkWebConfig(*webConfig); err != nil {
+	if err := webserve.CheckConfig(*webConfig); err != nil {
 		return fail("%v", err)
 	}
 	named, err := nameWorkers(workers)
@@ -277,86 +273,16 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 		defer share.Close()
 		g.SetPlacementPublisher(share)
 	}
-	warnIfExposed(log, "gateway", *listen, *webConfig != "")
+	exposure.WarnIfExposed(log, "gateway", *listen, *webConfig != "")
 	hupCtx, hupCancel := context.WithCancel(ctx)
-	hupDone := reloadOnHangup(hupCtx, log, reloaders)
+	hupDone := reload.OnHangup(hupCtx, log, reloaders)
 	defer func() { hupCancel(); <-hupDone }()
-	if err := serveGateway(ctx, log, g, reg, ln, *webConfig, lim); err != nil {
+	if err := httpapi.Serve(ctx, log, g, reg, ln, *webConfig, lim); err != nil {
 		log.Error("gateway failed", "err", err)
 		return 1
 	}
 	return 0
 }
-
-// serveGateway runs g and its HTTP API on ln until ctx ends, then shuts the
-// HTTP server down gracefully and waits for the subscriptions to stop.
-func serveGateway(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string, lim httpLimits) error {
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	runDone := make(chan error, 1)
-	go func() { runDone <- g.Run(runCtx) }()
-
-	srv := &http.Server{
-		Handler:           newGatewayHandlerWith(g, reg, log, lim),
-		ReadHeaderTimeout: 10 * time.Second,
-		// A body trickled in byte by byte holds its request (and its share
-		// of the in-flight cap) no longer than this.
-		ReadTimeout: lim.ReadTimeout,
-		IdleTimeout: 2 * time.Minute,
-		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-	}
-	serveDone := make(chan error, 1)
-	go func() { serveDone <- serveHTTP(srv, ln, webConfig, log) }()
-	log.Info("gateway listening", "addr", ln.Addr().String(), "models", g.Models())
-
-	var serveErr error
-	select {
-	case <-ctx.Done():
-	case serveErr = <-serveDone:
-	}
-	shutCtx, shutCancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer shutCancel()
-	if err := srv.Shutdown(shutCtx); err != nil {
-		log.Warn("HTTP shutdown", "err", err)
-	}
-	if serveErr == nil {
-		if err := <-serveDone; err != nil && !errors.Is(err, http.ErrServerClosed) {
-			serveErr = err
-		}
-	}
-	cancel()
-	<-runDone
-	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
-		return fmt.Errorf("http: %w", serveErr)
-	}
-	log.Info("gateway stopped")
-	return nil
-}
-
-// httpLimits bound what HTTP clients can make the gateway hold.
-type httpLimits struct {
-	// MaxTokens bounds the token ids of one request, and through them the
-	// body: each id takes at most 11 bytes of JSON ("4294967295,").
-	MaxTokens int
-	// MaxInFlight bounds the POST requests handled at once, so bodies and
-	// decoded token arrays take at most MaxInFlight × the body bound.
-	MaxInFlight int
-	// ReadTimeout bounds reading a whole request.
-	ReadTimeout time.Duration
-}
-
-// defaultHTTPLimits: a million-token prompt (the longest contexts served
-// today) is routable; 64 bodies of that size are under 1 GiB, and routing
-// takes microseconds, so 64 at once is far above what two cores get through
-// anyway.
-var defaultHTTPLimits = httpLimits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second}
-
-// maxRequestTokensCap keeps the body bound within an int on any platform.
-const maxRequestTokensCap = 1 << 26
-
-// bodyLimit is the largest body accepted: the token array at its bound plus
-// room for the other fields (a loads map naming many workers).
-func (l httpLimits) bodyLimit() int64 { return int64(l.MaxTokens)*11 + 256<<10 }
 
 // nameWorkers gives each worker its name. A worker is grpc://HOST:PORT; when
 // several --worker entries share an address (one relay listener serving
@@ -383,262 +309,4 @@ func nameWorkers(in []gateway.Worker) ([]gateway.Worker, error) {
 		out[i] = w
 	}
 	return out, nil
-}
-
-// routeRequest is the /v1/route body. Pointers tell a missing field from a
-// zero one.
-type routeRequest struct {
-	Model    string    `json:"model"`
-	TokenIDs *[]uint32 `json:"token_ids"`
-	// Text, for a client without a tokenizer, is used when token_ids is
-	// absent: prefix affinity from the gateway's placements only.
-	Text      *string         `json:"text"`
-	LoraName  string          `json:"lora_name"`
-	CacheSalt string          `json:"cache_salt"`
-	Loads     map[string]*int `json:"loads"`
-	// Track counts the request in its worker's in-flight load until POST
-	// /v1/done names its request_id.
-	Track bool `json:"track"`
-}
-
-type routeResponse struct {
-	Worker        string         `json:"worker"`
-	Model         string         `json:"model"`
-	Reason        string         `json:"reason"`
-	MatchedBlocks map[string]int `json:"matched_blocks"`
-	BlockSize     int            `json:"block_size"`
-	RequestBlocks int            `json:"request_blocks"`
-	RequestID     uint64         `json:"request_id,omitempty"`
-}
-
-// doneRequest is the /v1/done body: {"request_id": N} from a tracked route.
-type doneRequest struct {
-	RequestID *uint64 `json:"request_id"`
-}
-
-// loadRequest is the /v1/load body: {"loads": {"worker": inflight, ...}}.
-type loadRequest struct {
-	Loads map[string]*int `json:"loads"`
-}
-
-func newGatewayHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger) http.Handler {
-	return newGatewayHandlerWith(g, reg, log, defaultHTTPLimits)
-}
-
-func newGatewayHandlerWith(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, lim httpLimits) http.Handler {
-	mux := http.NewServeMux()
-	inflight := make(chan struct{}, lim.MaxInFlight)
-	// bounded admits a POST only while fewer than MaxInFlight are handled;
-	// a refused client is told when to come back.
-	bounded := func(h http.HandlerFunc) http.HandlerFunc {
-		return func(w http.ResponseWriter, r *http.Request) {
-			select {
-			case inflight <- struct{}{}:
-				defer func() { <-inflight }()
-				h(w, r)
-			default:
-				w.Header().Set("Retry-After", "1")
-				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("the gateway is handling %d requests already (--max-inflight-requests); retry shortly", lim.MaxInFlight))
-			}
-		}
-	}
-	mux.HandleFunc("POST /v1/route", bounded(func(w http.ResponseWriter, r *http.Request) {
-		var req routeRequest
-		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
-			return
-		}
-		var toks []uint32
-		var text string
-		switch {
-		case req.TokenIDs != nil:
-			toks = *req.TokenIDs
-		case req.Text != nil:
-			text = *req.Text
-		default:
-			writeError(w, http.StatusBadRequest, `"token_ids" (an array of token ids) or "text" is required`)
-			return
-		}
-		if n := len(toks); n > lim.MaxTokens {
-			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf(`"token_ids" holds %d tokens; this gateway takes at most %d (--max-request-tokens)`, n, lim.MaxTokens))
-			return
-		}
-		loads, err := checkLoads(req.Loads)
-		if err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
-			return
-		}
-		d, err := g.Route(gateway.RouteRequest{
-			Model: req.Model, TokenIDs: toks, Text: text, LoraName: req.LoraName, CacheSalt: req.CacheSalt, Loads: loads,
-			Track: req.Track,
-		})
-		switch {
-		case errors.Is(err, gateway.ErrUnknownWorker):
-			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
-			return
-		case errors.Is(err, gateway.ErrUnknownModel):
-			writeError(w, http.StatusNotFound, err.Error())
-			return
-		case errors.Is(err, gateway.ErrNoWorkers):
-			writeError(w, http.StatusServiceUnavailable, err.Error())
-			return
-		case err != nil:
-			log.Error("route failed", "err", err)
-			writeError(w, http.StatusInternalServerError, err.Error())
-			return
-		}
-		writeJSON(w, http.StatusOK, routeResponse{
-			Worker: d.Worker, Model: d.Model, Reason: string(d.Reason), MatchedBlocks: d.MatchedBlocks,
-			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks, RequestID: d.RequestID,
-		})
-	}))
-	mux.HandleFunc("POST /v1/done", bounded(func(w http.ResponseWriter, r *http.Request) {
-		var req doneRequest
-		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
-			return
-		}
-		if req.RequestID == nil {
-			writeError(w, http.StatusBadRequest, `"request_id" is required (from a /v1/route answer with "track": true)`)
-			return
-		}
-		if err := g.Complete(*req.RequestID); err != nil {
-			writeError(w, http.StatusNotFound, err.Error())
-			return
-		}
-		writeJSON(w, http.StatusOK, map[string]bool{"completed": true})
-	}))
-	mux.HandleFunc("POST /v1/load", bounded(func(w http.ResponseWriter, r *http.Request) {
-		var req loadRequest
-		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
-			return
-		}
-		if len(req.Loads) == 0 {
-			writeError(w, http.StatusBadRequest, `"loads" is required: {"loads": {"WORKER": INFLIGHT}}`)
-			return
-		}
-		loads, err := checkLoads(req.Loads)
-		if err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
-			return
-		}
-		if err := g.ReportLoads(loads); err != nil {
-			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
-			return
-		}
-		writeJSON(w, http.StatusOK, map[string]int{"accepted": len(loads)})
-	}))
-	// Liveness: the process serves HTTP.
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-	})
-	// Readiness: every model that has workers has one whose stream is
-	// open, so its routing rests on a live index.
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		streaming := map[string]bool{}
-		for _, ws := range g.Workers() {
-			streaming[ws.Model] = streaming[ws.Model] || ws.State == monitor.StateStreaming
-		}
-		waiting := []string{}
-		for m, ok := range streaming {
-			if !ok {
-				waiting = append(waiting, m)
-			}
-		}
-		sort.Strings(waiting)
-		if len(waiting) > 0 {
-			writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "models_without_a_stream": waiting})
-			return
-		}
-		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
-	})
-	mux.HandleFunc("GET /v1/workers", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"workers": g.Workers()})
-	})
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	return mux
-}
-
-// checkLoads validates in-flight counts (the gateway checks the names).
-func checkLoads(in map[string]*int) (map[string]int, error) {
-	if len(in) == 0 {
-		return nil, nil
-	}
-	out := make(map[string]int, len(in))
-	for w, n := range in {
-		if n == nil || *n < 0 {
-			return nil, fmt.Errorf("loads: %q must be a count ≥ 0", w)
-		}
-		out[w] = *n
-	}
-	return out, nil
-}
-
-// decodeBody reads one JSON object from a bounded body; on failure, the
-// status to answer and a message in the API's terms (no Go type names).
-func decodeBody(w http.ResponseWriter, r *http.Request, v any, lim httpLimits) (int, error) {
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, lim.bodyLimit()))
-	if err := dec.Decode(v); err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			return http.StatusRequestEntityTooLarge, fmt.Errorf("body over %d bytes; this gateway takes at most %d tokens per request (--max-request-tokens)", tooBig.Limit, lim.MaxTokens)
-		}
-		if errors.Is(err, io.EOF) {
-			return http.StatusBadRequest, errors.New("empty body: want a JSON object")
-		}
-		return http.StatusBadRequest, fmt.Errorf("bad JSON body: %s", describeJSONError(err))
-	}
-	if dec.More() {
-		return http.StatusBadRequest, errors.New("bad JSON body: trailing data after the object")
-	}
-	return 0, nil
-}
-
-// describeJSONError says what is wrong with a body in JSON terms:
-// encoding/json's own messages name Go types and struct fields.
-func describeJSONError(err error) string {
-	var syntax *json.SyntaxError
-	var typ *json.UnmarshalTypeError
-	switch {
-	case errors.As(err, &syntax):
-		return fmt.Sprintf("%s (at byte %d)", strings.TrimPrefix(syntax.Error(), "json: "), syntax.Offset)
-	case errors.As(err, &typ):
-		if typ.Field == "" {
-			return fmt.Sprintf("want a JSON object, got %s", typ.Value)
-		}
-		return fmt.Sprintf("%q: want %s, got %s", typ.Field, jsonKind(typ.Type), typ.Value)
-	case errors.Is(err, io.ErrUnexpectedEOF):
-		return "the body ends in the middle of a value"
-	}
-	return "not a valid JSON object"
-}
-
-// jsonKind names what a field of type t takes, in JSON words.
-func jsonKind(t reflect.Type) string {
-	switch t.Kind() {
-	case reflect.Uint32:
-		return "an integer 0..4294967295"
-	case reflect.Int, reflect.Int64, reflect.Int32:
-		return "an integer"
-	case reflect.String:
-		return "a string"
-	case reflect.Slice, reflect.Array:
-		return "an array"
-	case reflect.Map, reflect.Struct:
-		return "an object"
-	case reflect.Pointer:
-		return jsonKind(t.Elem())
-	}
-	return "another type"
-}
-
-func writeJSON(w http.ResponseWriter, code int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(code)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
-func writeError(w http.ResponseWriter, code int, msg string) {
-	writeJSON(w, code, map[string]string{"error": msg})
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
 
@@ -163,7 +164,7 @@ func startDrillStream(replicas []*drillReplica) *drillStream {
 				}
 				// Eight shared 128-token system prompts, each request its
 				// own 32-token tail.
-				toks := append(seqTokens(1_000*(n%8), 128), seqTokens(10_000_000+100_000*i+32*n, 32)...)
+				toks := append(kvstream.SeqTokens(1_000*(n%8), 128), kvstream.SeqTokens(10_000_000+100_000*i+32*n, 32)...)
 				a, err := routeOnce(client, r.url, "chat", toks)
 				s.mu.Lock()
 				s.slowest = max(s.slowest, a.Elapsed)
@@ -425,7 +426,7 @@ func TestNATSClusterDrill(t *testing.T) {
 	var workers []string
 	for _, model := range append([]string{"chat"}, "probe-a", "probe-b", "probe-c") {
 		for range 3 {
-			workers = append(workers, "--worker", "grpc://"+startFakeEngine(t).addr+",model="+model)
+			workers = append(workers, "--worker", "grpc://"+kvstream.Start(t).Addr+",model="+model)
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -493,7 +494,7 @@ func TestNATSClusterDrill(t *testing.T) {
 	})
 
 	var probes atomic.Int64
-	freshProbe := func() []uint32 { return seqTokens(int(probes.Add(1))*1_000_000, 256) } // 16 blocks
+	freshProbe := func() []uint32 { return kvstream.SeqTokens(int(probes.Add(1))*1_000_000, 256) } // 16 blocks
 	// offerProbe routes a fresh probe on from and waits up to wait for it to
 	// arrive on every other replica (its placement count there rising by its
 	// 16 blocks). hold, unless nil, runs between reading the counts and

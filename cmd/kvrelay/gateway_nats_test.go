@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
 
@@ -17,14 +18,14 @@ import (
 func TestGatewayNATSSharesLoadByDefault(t *testing.T) {
 	verifyNoLeaks(t)
 	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
-	e := startFakeEngine(t)
+	e := kvstream.Start(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 
 	start := func(extra ...string) (addr string, exit chan int) {
 		var stderr syncBuffer
 		exit = make(chan int, 1)
-		args := append([]string{"gateway", "--worker", "grpc://" + e.addr + ",model=m",
+		args := append([]string{"gateway", "--worker", "grpc://" + e.Addr + ",model=m",
 			"--listen", "127.0.0.1:0", "--nats", ns.URL()}, extra...)
 		go func() { exit <- dispatch(ctx, args, nil, io.Discard, &stderr) }()
 		addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -28,12 +29,12 @@ func TestGatewayReportModeFullFlag(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			verifyNoLeaks(t)
-			e := startFakeEngine(t)
+			e := kvstream.Start(t)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			var stderr syncBuffer
 			exit := make(chan int, 1)
-			args := append([]string{"gateway", "--worker", "grpc://" + e.addr + ",model=m", "--listen", "127.0.0.1:0"}, tc.flags...)
+			args := append([]string{"gateway", "--worker", "grpc://" + e.Addr + ",model=m", "--listen", "127.0.0.1:0"}, tc.flags...)
 			go func() { exit <- dispatch(ctx, args, nil, io.Discard, &stderr) }()
 			addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
 			var addr string
@@ -47,19 +48,19 @@ func TestGatewayReportModeFullFlag(t *testing.T) {
 					time.Sleep(5 * time.Millisecond)
 				}
 			}
-			prompt, marker := seqTokens(7, 48), seqTokens(1000, 16)
-			e.batches <- storeTokens(1, 16, prompt)
-			e.batches <- storeTokens(2, 16, prompt) // the re-announcement
+			prompt, marker := kvstream.SeqTokens(7, 48), kvstream.SeqTokens(1000, 16)
+			e.Batches <- kvstream.StoreTokens(1, 16, prompt)
+			e.Batches <- kvstream.StoreTokens(2, 16, prompt) // the re-announcement
 			remove := &kvpb.KvBlocksRemoved{}
-			for _, b := range storeTokens(0, 16, prompt).GetEvents()[0].GetStored().GetBlocks() {
+			for _, b := range kvstream.StoreTokens(0, 16, prompt).GetEvents()[0].GetStored().GetBlocks() {
 				remove.BlockHashes = append(remove.BlockHashes, b.GetBlockHash())
 			}
-			e.batches <- &kvpb.KvEventBatch{SequenceNumber: 3, Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Removed{Removed: remove}}}}
+			e.Batches <- &kvpb.KvEventBatch{SequenceNumber: 3, Events: []*kvpb.KvCacheEvent{{Data: &kvpb.KvCacheEvent_Removed{Removed: remove}}}}
 			// A later store: once it is routed on, the batches before it
 			// are applied.
-			marked := storeTokens(4, 16, marker)
+			marked := kvstream.StoreTokens(4, 16, marker)
 			marked.Events[0].GetStored().Blocks[0].BlockHash = 999
-			e.batches <- marked
+			e.Batches <- marked
 			for {
 				_, out := post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(marker)+`}`)
 				if out["reason"] == "event_hit" {

@@ -1,20 +1,16 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
-	"net"
-	"os"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/natsevents"
-	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/daemon"
 )
 
 // serveNATSFlags are kvrelay serve's JetStream sink flags (--nats …).
@@ -61,41 +57,9 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	return nil
 }
 
-// start runs one sink for the relay until ctx ends; wg tracks it. listen
-// names the worker when --nats-worker does not.
-func (f *serveNATSFlags) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string) error {
-	if f == nil || *f.url == "" || rel == nil {
-		return nil
-	}
-	name := *f.worker
-	if name == "" {
-		host, _ := os.Hostname()
-		_, port, err := net.SplitHostPort(listen)
-		if err != nil {
-			return fmt.Errorf("--nats: naming the worker after --listen %s: %w", listen, err)
-		}
-		name = net.JoinHostPort(host, port)
-	}
-	aliveEvery := *f.aliveEvery
-	if aliveEvery == 0 {
-		aliveEvery = -1 // off; SinkOptions reads 0 as the default
-	}
-	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
-		URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: name, Registerer: reg, AliveEvery: aliveEvery,
-		Logger: log.With("component", "natsevents", "worker", name),
-	})
-	if err != nil {
-		return fmt.Errorf("--nats: %w", err)
-	}
-	log.Info("publishing to JetStream", "nats", *f.url, "stream", *f.stream, "worker", name,
-		"subjects", *f.subjects+"."+natsevents.WorkerToken(name)+".<rank>")
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		defer sink.Close()
-		_ = sink.Run(ctx)
-	}()
-	return nil
+// options are the sink's settings for daemon.Options.
+func (f *serveNATSFlags) options() daemon.NATSSink {
+	return daemon.NATSSink{URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery}
 }
 
 // gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.

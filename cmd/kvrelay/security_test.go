@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"os"
 	"os/signal"
@@ -22,6 +21,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -175,7 +175,7 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	plain, secured := startFakeEngine(t), startFakeEngine(t, workerTLS.GRPCServerOptions()...)
+	plain, secured := kvstream.Start(t), kvstream.Start(t, workerTLS.GRPCServerOptions()...)
 	webConfig := writeText(t, filepath.Join(p.dir, "web.yml"), fmt.Sprintf("tls_server_config:\n  cert_file: %s\n  key_file: %s\n", p.server.Cert, p.server.Key))
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -184,8 +184,8 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 	exit := make(chan int, 1)
 	go func() {
 		exit <- dispatch(ctx, []string{"gateway",
-			"--worker", "grpc://" + plain.addr + ",model=m",
-			"--worker", "grpcs://" + secured.addr + ",model=m",
+			"--worker", "grpc://" + plain.Addr + ",model=m",
+			"--worker", "grpcs://" + secured.Addr + ",model=m",
 			"--worker-tls-ca", p.caFile, "--worker-tls-cert", p.gateway.Cert, "--worker-tls-key", p.gateway.Key, "--worker-tls-server-name", "localhost",
 			"--listen", "127.0.0.1:0", "--web.config.file", webConfig,
 		}, nil, io.Discard, &stderr)
@@ -202,8 +202,8 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	prompt := seqTokens(7, 48)
-	secured.batches <- storeTokens(1, 16, prompt)
+	prompt := kvstream.SeqTokens(7, 48)
+	secured.Batches <- kvstream.StoreTokens(1, 16, prompt)
 	client := p.httpsClient()
 	// Wait on the index, not by routing: every route places the prompt.
 	for {
@@ -225,7 +225,7 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 	out := map[string]any{}
 	_ = json.NewDecoder(resp.Body).Decode(&out)
 	resp.Body.Close()
-	if out["worker"] != "grpcs://"+secured.addr || out["reason"] != "event_hit" {
+	if out["worker"] != "grpcs://"+secured.Addr || out["reason"] != "event_hit" {
 		t.Fatalf("route %v; stderr:\n%s", out, stderr.String())
 	}
 	cancel()
@@ -381,38 +381,5 @@ func waitUntil(t *testing.T, d time.Duration, what string, logs *syncBuffer, con
 			t.Fatalf("timed out waiting for %s; log:\n%s", what, logs.String())
 		}
 		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-func TestIsLoopback(t *testing.T) {
-	for addr, want := range map[string]bool{
-		"127.0.0.1:50051": true, "127.0.0.2:1": true, "[::1]:1": true, "localhost:1": true,
-		"0.0.0.0:1": false, ":1": false, "[::]:1": false, "10.0.0.1:1": false, "relay.local:1": false, "nonsense": false,
-	} {
-		if got := isLoopback(addr); got != want {
-			t.Errorf("isLoopback(%q) = %v, want %v", addr, got, want)
-		}
-	}
-}
-
-// A plaintext listener off loopback is named in a warning at start; one on
-// loopback or with TLS is not.
-func TestWarnIfExposed(t *testing.T) {
-	tests := []struct {
-		addr    string
-		secured bool
-		warn    bool
-	}{
-		{"0.0.0.0:50051", false, true},
-		{":9464", false, true},
-		{"0.0.0.0:50051", true, false},
-		{"127.0.0.1:50051", false, false},
-	}
-	for _, tt := range tests {
-		var buf syncBuffer
-		warnIfExposed(slog.New(slog.NewTextHandler(&buf, nil)), "grpc", tt.addr, tt.secured)
-		if got := strings.Contains(buf.String(), "level=WARN") && strings.Contains(buf.String(), tt.addr); got != tt.warn {
-			t.Errorf("%s secured=%v: warned %v (%q)", tt.addr, tt.secured, got, buf.String())
-		}
 	}
 }

@@ -1,18 +1,15 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 )
@@ -55,56 +52,6 @@ func TestServeRefusesABadHistoryVariable(t *testing.T) {
 		"--kv-events-config", `{"enable_kv_cache_events": true}`}, strings.NewReader(""), io.Discard, &stderr)
 	if code == 0 || !strings.Contains(stderr.String(), `$SMG_KV_EVENT_HISTORY_BATCHES=\"abc\": want a positive integer`) {
 		t.Fatalf("exit %d; stderr %q does not name the variable", code, stderr.String())
-	}
-}
-
-func TestServeAllowsUnknownKeysWhenTold(t *testing.T) {
-	rs, err := resolveRelays([]relayConfig{{Engine: "vllm", Listen: "127.0.0.1:0", AllowUnknownConfigKeys: true,
-		KVEventsConfig: json.RawMessage(`{"enable_kv_cache_events": true, "kv_connector": "x"}`)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var logs bytes.Buffer
-	logEndpoints(slog.New(slog.NewTextHandler(&logs, nil)), rs[0])
-	if !strings.Contains(logs.String(), `unknown key \"kv_connector\"`) {
-		t.Fatalf("no warning about the allowed key:\n%s", logs.String())
-	}
-}
-
-func TestLogEndpoints(t *testing.T) {
-	cases := []struct {
-		name     string
-		config   string
-		dp       int
-		wantWarn bool
-		want     []string
-	}{
-		{"wildcard binds", `{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}`, 2, false,
-			[]string{`rank=0 publisher=tcp://127.0.0.1:5557 replay=tcp://127.0.0.1:5657`, `rank=1 publisher=tcp://127.0.0.1:5558 replay=tcp://127.0.0.1:5658`}},
-		{"loopback address connects", `{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}`, 1, true,
-			[]string{`rank=0 publisher=tcp://127.0.0.1:5557 replay=none`}},
-		{"0.0.0.0 connects too", `{"enable_kv_cache_events": true, "endpoint": "tcp://0.0.0.0:5557"}`, 1, true, nil},
-		{"ipc binds", `{"enable_kv_cache_events": true, "endpoint": "ipc:///run/vllm/kv"}`, 1, false,
-			[]string{`rank=0 publisher=ipc:///run/vllm/kv replay=none`}},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			kv, err := vllm.ParseConfig(tc.config)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var logs bytes.Buffer
-			logEndpoints(slog.New(slog.NewTextHandler(&logs, nil)), resolvedRelay{relayConfig: relayConfig{Name: "r", DPSize: tc.dp}, engine: vllm.Engine, kv: kv})
-			warned := strings.Contains(logs.String(), "level=WARN") && strings.Contains(logs.String(), "will connect its publisher")
-			if warned != tc.wantWarn {
-				t.Errorf("warned = %v, want %v:\n%s", warned, tc.wantWarn, logs.String())
-			}
-			for _, w := range tc.want {
-				if !strings.Contains(logs.String(), w) {
-					t.Errorf("logs lack %q:\n%s", w, logs.String())
-				}
-			}
-		})
 	}
 }
 
@@ -221,44 +168,4 @@ func freePortPair(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// The example config in deploy/ passes every start-time check.
-func TestTheExampleConfigResolves(t *testing.T) {
-	f, err := readServeFile("../../deploy/kvrelay.json.example")
-	if err != nil {
-		t.Fatal(err)
-	}
-	rs, err := resolveRelays(f.Relays)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range rs {
-		if !r.kv.Enabled || r.unknownKeys != nil {
-			t.Errorf("relay %s: enabled %v, unknown keys %v", r.Name, r.kv.Enabled, r.unknownKeys)
-		}
-	}
-}
-
-// Report mode "full" with the re-announcements left in the stream warns at
-// start that gateways must apply the same rule, or their digests diverge.
-func TestServeWarnsThatGatewaysNeedTheReportModeRule(t *testing.T) {
-	for _, tc := range []struct {
-		name                   string
-		full, suppress, warned bool
-	}{
-		{"report mode off", false, false, false},
-		{"full, re-announcements relayed", true, false, true},
-		{"full, re-announcements suppressed", true, true, false},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var logs bytes.Buffer
-			warnReportModeDigests(slog.New(slog.NewTextHandler(&logs, nil)),
-				resolvedRelay{relayConfig: relayConfig{Name: "r", ReportModeFull: tc.full, SuppressReannounced: tc.suppress}})
-			warned := strings.Contains(logs.String(), "level=WARN") && strings.Contains(logs.String(), "kvrelay gateway --report-mode-full")
-			if warned != tc.warned {
-				t.Errorf("warned = %v, want %v:\n%s", warned, tc.warned, logs.String())
-			}
-		})
-	}
 }

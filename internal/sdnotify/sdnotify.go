@@ -1,4 +1,7 @@
-package main
+// Package sdnotify speaks systemd's notify protocol: readiness, stopping and
+// watchdog pets. The protocol is a single datagram on a unix socket, small
+// enough not to warrant a dependency.
+package sdnotify
 
 import (
 	"context"
@@ -9,10 +12,9 @@ import (
 	"time"
 )
 
-// sdNotify sends one state line to systemd's notify socket. Outside systemd
-// (no NOTIFY_SOCKET) it does nothing. The protocol is a single datagram on a
-// unix socket, small enough not to warrant a dependency.
-func sdNotify(state string) error {
+// Notify sends one state line to systemd's notify socket. Outside systemd
+// (no NOTIFY_SOCKET) it does nothing.
+func Notify(state string) error {
 	path := os.Getenv("NOTIFY_SOCKET")
 	if path == "" {
 		return nil
@@ -44,9 +46,9 @@ func watchdogInterval() time.Duration {
 	return time.Duration(usec) * time.Microsecond / 2
 }
 
-// runWatchdog pets systemd's watchdog while healthy() holds, so a relay that
+// RunWatchdog pets systemd's watchdog while healthy() holds, so a relay that
 // hangs is restarted by systemd rather than silently serving nothing.
-func runWatchdog(ctx context.Context, healthy func() bool) {
+func RunWatchdog(ctx context.Context, healthy func() bool) {
 	every := watchdogInterval()
 	if every == 0 {
 		return
@@ -59,7 +61,7 @@ func runWatchdog(ctx context.Context, healthy func() bool) {
 			return
 		case <-t.C:
 			if healthy() {
-				_ = sdNotify("WATCHDOG=1")
+				_ = Notify("WATCHDOG=1")
 			}
 		}
 	}

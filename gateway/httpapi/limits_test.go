@@ -1,0 +1,205 @@
+package httpapi
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
+)
+
+// limitedGateway serves the gateway's HTTP API with lim through
+// Serve (the real server settings) on loopback.
+func limitedGateway(t *testing.T, lim Limits, workers ...gateway.Worker) (url string, g *gateway.Gateway) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	g, err := gateway.New(gateway.Config{
+		Workers:    workers,
+		Monitor:    monitor.Options{InitialBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
+		Registerer: reg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, slog.New(slog.DiscardHandler), g, reg, ln, "", lim) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	return "http://" + ln.Addr().String(), g
+}
+
+func TestGatewayHTTPBoundsAndMessages(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	id := "grpc://" + e.Addr
+	lim := Limits{MaxTokens: 1000, MaxInFlight: 4, ReadTimeout: 30 * time.Second}
+	url, _ := limitedGateway(t, lim, gateway.Worker{ID: id, Addr: e.Addr, Model: "m"})
+
+	big := `{"model":"m","token_ids":[` + strings.Repeat("1,", int(lim.bodyLimit()/2)) + `1]}`
+	many := `{"model":"m","token_ids":[` + strings.Repeat("1,", lim.MaxTokens) + `1]}`
+	tests := []struct {
+		name, body string
+		code       int
+		want       string
+	}{
+		{"body over the bound", big, http.StatusRequestEntityTooLarge, "--max-request-tokens"},
+		{"more tokens than the bound", many, http.StatusRequestEntityTooLarge, "1001 tokens"},
+		{"a string for the token array", `{"model":"m","token_ids":"abc"}`, http.StatusBadRequest, `"token_ids": want an array, got string`},
+		{"a negative token id", `{"model":"m","token_ids":[1,-2]}`, http.StatusBadRequest, `"token_ids.1": want an integer 0..4294967295, got number -2`},
+		{"an array for the body", `[1]`, http.StatusBadRequest, "want a JSON object, got array"},
+		{"a syntax error", `{"model":}`, http.StatusBadRequest, "invalid character"},
+		{"within the bounds", `{"model":"m","token_ids":[1,2,3]}`, http.StatusOK, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			code, out := post(t, url+"/v1/route", tt.body)
+			msg, _ := out["error"].(string)
+			if code != tt.code || !strings.Contains(msg, tt.want) {
+				t.Fatalf("%d %q, want %d with %q", code, msg, tt.code, tt.want)
+			}
+			for _, internal := range []string{"Go struct", "Go value", "routeRequest", "main.", "uint32"} {
+				if strings.Contains(msg, internal) {
+					t.Fatalf("the message %q shows Go internals (%q)", msg, internal)
+				}
+			}
+		})
+	}
+}
+
+func TestGatewayHTTPCapsRequestsInFlight(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	lim := Limits{MaxTokens: 1000, MaxInFlight: 1, ReadTimeout: 30 * time.Second}
+	url, _ := limitedGateway(t, lim, gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	// One request whose body is still arriving holds the only slot.
+	body, feed := io.Pipe()
+	held := make(chan int, 1)
+	go func() {
+		resp, err := http.Post(url+"/v1/route", "application/json", body)
+		if err != nil {
+			held <- -1
+			return
+		}
+		resp.Body.Close()
+		held <- resp.StatusCode
+	}()
+	if _, err := feed.Write([]byte(`{"model":"m",`)); err != nil {
+		t.Fatal(err)
+	}
+	// Poll until the held request is inside the handler: then the next is refused.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Post(url+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":[1]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusServiceUnavailable {
+			if resp.Header.Get("Retry-After") == "" {
+				t.Fatal("a refused request is not told when to retry")
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("requests beyond --max-inflight-requests still served (%d)", resp.StatusCode)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	_, _ = feed.Write([]byte(`"token_ids":[1]}`))
+	_ = feed.Close()
+	if code := <-held; code != http.StatusOK {
+		t.Fatalf("the held request ended %d", code)
+	}
+}
+
+func TestGatewayHTTPEndsABodyThatTricklesIn(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	lim := Limits{MaxTokens: 1000, MaxInFlight: 4, ReadTimeout: 300 * time.Millisecond}
+	url, _ := limitedGateway(t, lim, gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+	// Send nothing more. The server must give up on the body by itself.
+	_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err == nil {
+		resp.Body.Close()
+		if resp.StatusCode < 400 {
+			t.Fatalf("a request whose body never came answered %d", resp.StatusCode)
+		}
+		return
+	}
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatal("the server still waits for the body: no read timeout")
+	}
+	// The server closed the connection: the request was ended.
+}
+
+func TestGatewayHealthAndReadiness(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := lis.Addr().String()
+	_ = lis.Close()
+	url, g := limitedGateway(t, DefaultLimits,
+		gateway.Worker{ID: "up", Addr: e.Addr, Model: "a"},
+		gateway.Worker{ID: "down", Addr: down, Model: "b"})
+	get := func(path string) int {
+		resp, err := http.Get(url + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := get("/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz %d", code)
+	}
+	// Model b has no worker streaming: not ready.
+	eventually := time.Now().Add(20 * time.Second)
+	for g.Workers()[0].State != monitor.StateStreaming && g.Workers()[1].State != monitor.StateStreaming {
+		if time.Now().After(eventually) {
+			t.Fatal("no stream opened")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if code := get("/readyz"); code != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz %d with model b unreachable", code)
+	}
+	if err := g.RemoveWorker("down"); err != nil {
+		t.Fatal(err)
+	}
+	for get("/readyz") != http.StatusOK {
+		if time.Now().After(eventually) {
+			t.Fatal("/readyz never became ready with every model streaming")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

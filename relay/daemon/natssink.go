@@ -1,0 +1,64 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/natsevents"
+	"github.com/kvrelay/kvrelay/relay"
+)
+
+// NATSSink is serve's JetStream sink (--nats …); an empty URL is off.
+type NATSSink struct {
+	URL, Stream, SubjectPrefix string
+	// Worker names the engine's batches; "" names it HOSTNAME:PORT of the
+	// relay's listen address, what a gateway's grpc://HOSTNAME:PORT worker
+	// looks up.
+	Worker string
+	// AliveEvery: 0 never announces (natsevents.SinkOptions reads 0 as its
+	// default; this does not).
+	AliveEvery time.Duration
+}
+
+// start runs one sink for the relay until ctx ends; wg tracks it.
+func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string) error {
+	if f.URL == "" || rel == nil {
+		return nil
+	}
+	name := f.Worker
+	if name == "" {
+		host, _ := os.Hostname()
+		_, port, err := net.SplitHostPort(listen)
+		if err != nil {
+			return fmt.Errorf("--nats: naming the worker after --listen %s: %w", listen, err)
+		}
+		name = net.JoinHostPort(host, port)
+	}
+	aliveEvery := f.AliveEvery
+	if aliveEvery == 0 {
+		aliveEvery = -1 // off; SinkOptions reads 0 as the default
+	}
+	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
+		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery,
+		Logger: log.With("component", "natsevents", "worker", name),
+	})
+	if err != nil {
+		return fmt.Errorf("--nats: %w", err)
+	}
+	log.Info("publishing to JetStream", "nats", f.URL, "stream", f.Stream, "worker", name,
+		"subjects", f.SubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer sink.Close()
+		_ = sink.Run(ctx)
+	}()
+	return nil
+}
