@@ -38,7 +38,6 @@ var tailServices = map[string]subscribeFunc{
 
 func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("tail", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	addr := fs.String("addr", "", "relay or servicer address HOST:PORT, or grpcs://HOST:PORT for TLS")
 	service := fs.String("service", "vllm", "service flavour: vllm, sglang or tokenspeed")
 	from := fs.Uint64("from", 0, "last sequence already applied (0: the relay's whole state)")
@@ -46,8 +45,8 @@ func runTail(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	limit := fs.Int("n", 0, "stop after this many batches (0: until the stream ends)")
 	var clientTLS tlsconfig.Client
 	tlsconfig.RegisterClientFlags(fs, "tls-", "the relay", &clientTLS)
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	if *addr == "" {
 		fmt.Fprintln(stderr, "kvrelay tail: --addr is required")
