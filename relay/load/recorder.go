@@ -21,7 +21,8 @@ const (
 
 // Source is what a Recorder reads: a Poller, or a test's own.
 type Source interface {
-	Latest(rank int32) (*Reading, bool)
+	// LatestAt is rank's record if one is fresh at now.
+	LatestAt(rank int32, now time.Time) (*Reading, bool)
 	Now() time.Time
 }
 
@@ -72,7 +73,7 @@ func (r *Recorder) Stamp(dst []byte, rank int32, hasRank bool, seq uint64) []byt
 	now := r.src.Now()
 	r.lastSentAt = now
 	r.idle = 0
-	rd, ok := r.src.Latest(rank)
+	rd, ok := r.src.LatestAt(rank, now)
 	if !ok {
 		return dst
 	}
@@ -104,11 +105,11 @@ func (r *Recorder) Heartbeat() []byte {
 	if !r.started {
 		return nil
 	}
-	rd, ok := r.src.Latest(r.lastRank)
+	now := r.src.Now()
+	rd, ok := r.src.LatestAt(r.lastRank, now)
 	if !ok {
 		return nil
 	}
-	now := r.src.Now()
 	changed := r.last == nil || Changed(r.last, rd.Load)
 	if !changed && now.Before(r.Due()) {
 		return nil
@@ -155,6 +156,9 @@ func appendRecord(dst, body []byte, age, sample uint64, only bool) []byte {
 	n += 1 + protowire.SizeVarint(sample)
 	if only {
 		n += 2
+	}
+	if dst == nil {
+		dst = make([]byte, 0, 1+protowire.SizeVarint(uint64(n))+n)
 	}
 	dst = protowire.AppendTag(dst, batchLoad, protowire.BytesType)
 	dst = protowire.AppendVarint(dst, uint64(n))

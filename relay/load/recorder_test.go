@@ -19,8 +19,11 @@ type fakeSource struct {
 	readings map[int32]*Reading
 }
 
-func (f *fakeSource) Latest(rank int32) (*Reading, bool) { r, ok := f.readings[rank]; return r, ok }
-func (f *fakeSource) Now() time.Time                     { return f.now }
+func (f *fakeSource) LatestAt(rank int32, _ time.Time) (*Reading, bool) {
+	r, ok := f.readings[rank]
+	return r, ok
+}
+func (f *fakeSource) Now() time.Time { return f.now }
 
 func (f *fakeSource) set(rank int32, l *kvpb.EngineLoad) {
 	f.readings[rank] = &Reading{Load: l, At: f.now, Core: marshalCore(l), Full: marshal(l)}
