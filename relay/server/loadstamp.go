@@ -8,7 +8,6 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/load"
 )
@@ -90,14 +89,8 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 			}
 		}
 		suffix := slab.stamp(rec, rank, hasRank, seq)
-		if live {
-			latencyprobe.Mark(latencyprobe.Dequeued, lrank, lseq)
-		}
-		if err := p.send(nil, payload, suffix); err != nil {
+		if err := p.sendMarked(nil, payload, suffix, lrank, lseq, live); err != nil {
 			return err
-		}
-		if live {
-			latencyprobe.Mark(latencyprobe.Written, lrank, lseq)
 		}
 	}
 }

@@ -525,16 +525,25 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 			return err
 		}
 		rank, seq, live := liveKey(b, keyed)
-		if live {
-			latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
-		}
-		if err := p.send(b, payload, nil); err != nil {
+		if err := p.sendMarked(b, payload, nil, rank, seq, live); err != nil {
 			return err
 		}
-		if live {
-			latencyprobe.Mark(latencyprobe.Written, rank, seq)
-		}
 	}
+}
+
+// sendMarked sends a batch and, for a live one, marks the latency probe's
+// last two stages around the send.
+func (p *pump) sendMarked(b *kvpb.KvEventBatch, payload, suffix []byte, rank int32, seq uint64, live bool) error {
+	if live {
+		latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
+	}
+	if err := p.send(b, payload, suffix); err != nil {
+		return err
+	}
+	if live {
+		latencyprobe.Mark(latencyprobe.Written, rank, seq)
+	}
+	return nil
 }
 
 // encodedStream is a Stream that can hand out batches already encoded.
