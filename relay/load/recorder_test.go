@@ -129,6 +129,10 @@ func TestHeartbeats(t *testing.T) {
 			{advance: 900 * time.Millisecond},
 			{advance: 100 * time.Millisecond, want: true},
 		}},
+		{"a change waits for the stream to be quiet", false, []step{
+			{advance: 50 * time.Millisecond, load: withTelemetry(4)},
+			{advance: 50 * time.Millisecond, want: true},
+		}},
 		{"under the thresholds is no change", false, []step{
 			{advance: 100 * time.Millisecond, load: func() *kvpb.EngineLoad {
 				l := withTelemetry(3)
