@@ -143,7 +143,7 @@ func (r *Recorder) Heartbeat() []byte {
 	b = protowire.AppendTag(b, batchSequence, protowire.VarintType)
 	b = protowire.AppendVarint(b, r.lastSeq)
 	b = protowire.AppendTag(b, batchTime, protowire.Fixed64Type)
-	b = protowire.AppendFixed64(b, math.Float64bits(float64(time.Now().UnixNano())/1e9))
+	b = protowire.AppendFixed64(b, math.Float64bits(float64(now.UnixNano())/1e9)) // the relay's clock, as SMG's
 	if r.lastHasRank {
 		b = protowire.AppendTag(b, batchRank, protowire.VarintType)
 		b = protowire.AppendVarint(b, uint64(int64(r.lastRank)))
