@@ -112,7 +112,14 @@ FUZZTIME ?= 10s
 test-fuzz:
 	./testdata/run-fuzz.sh $(FUZZTIME)
 
-test: fmt-check vet proto-check test-go bench-smoke test-fuzz vulncheck
+# make test runs the stages in this order through testdata/test-stages.sh:
+# it announces each one, keeps its output in .bin/test-logs/<stage>.log
+# (test-go's progress and the fuzz counter are shown as they come), stops
+# at the first failure with the tail of its log, and ends with a summary
+# table of stages and times. Any stage runs alone as its own target.
+TEST_STAGES := fmt-check vet proto-check test-go bench-smoke test-fuzz vulncheck
+test:
+	MAKE="$(MAKE)" ./testdata/test-stages.sh $(TEST_STAGES)
 
 run: build
 	$(BIN)/kvrelay demo
