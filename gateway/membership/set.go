@@ -244,6 +244,28 @@ func (s *Set) Replace(source string, ws []gateway.Worker) error {
 	return nil
 }
 
+// Adopt records ws, already workers of the gateway (its Config.Workers),
+// as source's list, without adding them again: a gateway built with its
+// static workers hands them to the Set this way.
+func (s *Set) Adopt(source string, ws []gateway.Worker) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.members)+len(ws) > s.opts.MaxWorkers {
+		return fmt.Errorf("membership: %s lists %d workers: %w of %d", source, len(ws), ErrTooMany, s.opts.MaxWorkers)
+	}
+	list := make(map[string]gateway.Worker, len(ws))
+	for _, w := range ws {
+		w = normalize(w)
+		if _, dup := s.members[w.ID]; dup {
+			return fmt.Errorf("membership: %s: %s: %w", source, w.ID, ErrDuplicate)
+		}
+		s.members[w.ID] = &member{w: w, sources: map[string]bool{source: true}}
+		list[w.ID] = w
+	}
+	s.lists[source] = list
+	return nil
+}
+
 // Reject counts and logs an update a source could not even read (a file
 // that does not parse, a failed DNS lookup): its last good list stays.
 func (s *Set) Reject(source string, err error) {
