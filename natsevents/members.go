@@ -214,3 +214,17 @@ func (w *MemberWatcher) current() ([]string, bool) {
 	w.last = specs
 	return specs, true
 }
+
+// MemberAnnouncement is the announcement a sink of worker with member sends
+// every interval (one of its first pass): for a program that stands in for
+// a relay, such as a benchmark of the gateway's membership or a demo.
+func MemberAnnouncement(subjectPrefix, worker, member string, every time.Duration) *nats.Msg {
+	if subjectPrefix == "" {
+		subjectPrefix = DefaultSubjectPrefix
+	}
+	return &nats.Msg{
+		Subject: aliveSubject(subjectPrefix, WorkerToken(worker)),
+		Data:    encodeAnnouncement(announcement{Incarnation: 1, Pass: 1, Every: every}),
+		Header:  nats.Header{MemberHeader: []string{member}},
+	}
+}

@@ -31,7 +31,7 @@ type dnsServer struct {
 	queries    int
 }
 
-func startDNS(t *testing.T) *dnsServer {
+func startDNS(t testing.TB) *dnsServer {
 	t.Helper()
 	d := &dnsServer{a: map[string][]string{}, srv: map[string][]*dns.SRV{}}
 	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
