@@ -75,7 +75,7 @@ const layers = `
 
 	# Programs built on the packages: benchmarks, the demo, the binaries.
 	relay/server, gateway, gateway/placementsync, sim/fleetsim < bench < bench/charts;
-	relay/server, gateway, sim, internal/freeport < demo;
+	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
 	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
 	internal/reload, internal/webserve, gateway/membership < cmd/kvrelay;
