@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -11,37 +12,32 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
 	"golang.org/x/crypto/bcrypt"
 
+	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
+	"github.com/kvrelay/kvrelay/sim"
 )
 
 // startGatewayCmd runs `kvrelay gateway args…` in the test and returns its
 // HTTP address; the command stops, cleanly, when the test ends.
 func startGatewayCmd(t *testing.T, args ...string) (addr string, stderr *syncBuffer) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	stderr = &syncBuffer{}
-	exit := make(chan int, 1)
-	go func() {
-		exit <- dispatch(ctx, append([]string{"gateway", "--listen", "127.0.0.1:0"}, args...), nil, io.Discard, stderr)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case code := <-exit:
-			if code != 0 {
-				t.Errorf("exit %d; stderr %s", code, stderr.String())
-			}
-		case <-time.After(10 * time.Second):
-			t.Error("gateway did not stop")
-		}
-	})
+	b := runInBackground(t, append([]string{"gateway", "--listen", "127.0.0.1:0"}, args...)...)
+	t.Cleanup(func() { b.stop(t) })
+	return listeningAddr(t, &b.stderr), &b.stderr
+}
+
+// listeningAddr waits for the gateway's "listening" line.
+func listeningAddr(t *testing.T, stderr *syncBuffer) string {
+	t.Helper()
 	addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if m := addrRE.FindStringSubmatch(stderr.String()); m != nil {
-			return m[1], stderr
+			return m[1]
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("no listening line in %q", stderr.String())
@@ -156,5 +152,59 @@ func TestGatewayAdminRefusedUnprotected(t *testing.T) {
 	}
 	if !strings.Contains(stderr.String(), "without authentication") {
 		t.Fatal("no warning for the unprotected admin API")
+	}
+}
+
+// TestServeAnnouncesAMemberToTheGateway: `kvrelay serve --nats
+// --nats-member` makes its engine a worker of `kvrelay gateway --nats
+// --workers-from-nats`, which subscribes to the relay and indexes the
+// engine's blocks; when the relay stops, the worker leaves.
+func TestServeAnnouncesAMemberToTheGateway(t *testing.T) {
+	opt := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		http.DefaultClient.CloseIdleConnections()
+		goleak.VerifyNone(t, opt, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+	})
+	ns := testnats.Start(t, testnats.Config{MaxPayload: 8 << 20})
+	live := freeport.ForTest(t, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
+	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	listen := freeAddr(t)
+	member := "grpc://" + listen + ",model=m,service=vllm"
+	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", listen,
+		"--metrics-listen", "", "--nats", ns.URL(), "--nats-member", member, "--nats-alive-every", "50ms")
+	addr, gwErr := startGatewayCmd(t, "--nats", ns.URL(), "--workers-from-nats")
+	workers := func() string { return getBody(t, "http://"+addr+"/v1/workers") }
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := eng.RunWorkload(5); err != nil {
+			t.Fatal(err)
+		}
+		var blocks int
+		w := workers()
+		fmt.Sscan(indexBlocks(w), &blocks)
+		if strings.Contains(w, `"id":"grpc://`+listen+`"`) && strings.Contains(w, `"model":"m"`) && blocks > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the announced worker never joined and indexed; serve:\n%s\ngateway:\n%s", srv.stderr.String(), gwErr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	srv.stop(t)
+	for strings.Contains(workers(), listen) {
+		if time.Now().After(deadline.Add(30 * time.Second)) {
+			t.Fatalf("the stopped relay's worker never left: %s", workers())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !strings.Contains(gwErr.String(), "stopped announcing") {
+		t.Errorf("no log of the member leaving:\n%s", gwErr.String())
 	}
 }

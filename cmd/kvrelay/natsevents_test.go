@@ -126,6 +126,8 @@ func TestNATSEventsFlagsRefused(t *testing.T) {
 		{"gateway subject prefix without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events-subject-prefix", "x.y"}, "--nats-events-subject-prefix needs --nats-events"},
 		{"serve announcement interval without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-alive-every", "2s"}, "--nats-alive-every needs --nats"},
 		{"serve announcement interval above a minute", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats", "nats://127.0.0.1:1", "--nats-alive-every", "2m"}, "--nats-alive-every 2m0s"},
+		{"serve member without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-member", "grpc://h:1"}, "--nats-member needs --nats"},
+		{"serve malformed member", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats", "nats://127.0.0.1:1", "--nats-member", "h:1"}, "--nats-member"},
 		{"gateway malformed worker name", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "ab"}, "WORKER=NAME"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
