@@ -16,6 +16,7 @@ import (
 	"golang.org/x/crypto/bcrypt"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/sim"
@@ -180,7 +181,7 @@ func TestServeAnnouncesAMemberToTheGateway(t *testing.T) {
 	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", listen,
 		"--metrics-listen", "", "--nats", ns.URL(), "--nats-member", member, "--nats-alive-every", "50ms")
 	addr, gwErr := startGatewayCmd(t, "--nats", ns.URL(), "--workers-from-nats")
-	workers := func() string { return getBody(t, "http://"+addr+"/v1/workers") }
+	workers := func() string { return apiclient.Get(t, "http://"+addr+"/v1/workers") }
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if _, err := eng.RunWorkload(5); err != nil {
