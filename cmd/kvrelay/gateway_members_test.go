@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -15,11 +14,9 @@ import (
 	"go.uber.org/goleak"
 	"golang.org/x/crypto/bcrypt"
 
-	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
-	"github.com/kvrelay/kvrelay/sim"
 )
 
 // startGatewayCmd runs `kvrelay gateway args…` in the test and returns its
@@ -167,15 +164,7 @@ func TestServeAnnouncesAMemberToTheGateway(t *testing.T) {
 		goleak.VerifyNone(t, opt, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
 	})
 	ns := testnats.Start(t, testnats.Config{MaxPayload: 8 << 20})
-	live := freeport.ForTest(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
-	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
+	eng, cfg := startSimVLLM(t)
 	listen := freeAddr(t)
 	member := "grpc://" + listen + ",model=m,service=vllm"
 	srv := runInBackground(t, "serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", listen,

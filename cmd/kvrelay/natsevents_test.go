@@ -56,15 +56,7 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 // gateway has indexed the engine's blocks through JetStream alone (its
 // worker's gRPC address is dead).
 func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []string) {
-	live := freeport.ForTest(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
-	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
+	eng, cfg := startSimVLLM(t)
 
 	srv := runInBackground(t, append([]string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
 		"--metrics-listen", "", "--nats", natsURL, "--nats-worker", "engine-a"}, serveArgs...)...)
@@ -99,6 +91,23 @@ func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []
 	}
 	gw.stop(t)
 	srv.stop(t)
+}
+
+// startSimVLLM starts a simulated vLLM engine (one rank, block size 16)
+// publishing on free loopback ports until the test ends, and returns it
+// with the --kv-events-config that reaches it.
+func startSimVLLM(t *testing.T) (*sim.Engine, string) {
+	t.Helper()
+	live := freeport.ForTest(t, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
+	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); _ = eng.Close() })
+	return eng, cfg
 }
 
 var indexBlocksRE = regexp.MustCompile(`"index_blocks":\s*(\d+)`)
