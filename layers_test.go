@@ -59,6 +59,7 @@ const layers = `
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
 	proto/kvdec < gateway/monitor;
 	gateway/picker, gateway/placement, gateway/monitor < gateway;
+	gateway < gateway/membership;
 	internal/natslog < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
@@ -74,10 +75,10 @@ const layers = `
 
 	# Programs built on the packages: benchmarks, the demo, the binaries.
 	relay/server, gateway, gateway/placementsync, sim/fleetsim < bench < bench/charts;
-	relay/server, gateway, sim, internal/freeport < demo;
+	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
 	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
-	internal/reload, internal/webserve < cmd/kvrelay;
+	internal/reload, internal/webserve, gateway/membership < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
 `
 

@@ -236,6 +236,7 @@ type demo struct {
 	step     int
 	credit   float64
 	inflight [][]inflightRequest // per worker
+	routed   []int               // requests routed, per worker (membership.go)
 	rr       int
 	arms     [2]ArmResult // kvrelay, round-robin
 	flushes  uint32
@@ -320,6 +321,7 @@ func (d *demo) setUp(ctx context.Context) error {
 		}
 	}
 	d.inflight = make([][]inflightRequest, len(d.workers))
+	d.routed = make([]int, len(d.workers))
 	for i := range d.arms {
 		d.arms[i].PerWorker = make([]int, len(d.workers))
 	}
@@ -432,6 +434,7 @@ func (d *demo) serveStep(compare bool, limit int) (int, error) {
 		if compare {
 			d.report.Decisions[string(dec.Reason)]++
 		}
+		d.routed[wi]++
 		live[wi] = append(live[wi], sim.Request{Rank: rank, Tokens: req.Tokens})
 		d.inflight[wi] = append(d.inflight[wi], inflightRequest{end: d.step + decodeSteps, done: dec.Done})
 		if compare {

@@ -3,6 +3,7 @@ package demo
 import (
 	"bytes"
 	"context"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -48,7 +49,7 @@ func TestShortDemo(t *testing.T) {
 		t.Errorf("kvrelay hit rate %.3f is not above round-robin's %.3f", kv, rr)
 	}
 	wantChecks := []string{"baseline (no fault)", "dropped live batches", "publisher restart", "pause/resume",
-		"truncated replay", "relay restart", "gateway stream drop", "gateway restart"}
+		"truncated replay", "relay restart", "gateway stream drop", "gateway restart", "drain and rejoin"}
 	if len(rep.Checks) != len(wantChecks) {
 		t.Fatalf("%d checks, want %d", len(rep.Checks), len(wantChecks))
 	}
@@ -64,6 +65,11 @@ func TestShortDemo(t *testing.T) {
 				t.Errorf("check %q: worker %s has an empty engine; the comparison proves nothing", c.Name, w.Worker)
 			}
 		}
+	}
+	// The drained worker got no route while out, and routes again once
+	// added back (its index exact after the resubscription, checked above).
+	if c := rep.Checks[len(rep.Checks)-1]; !regexp.MustCompile(`while out: [1-9]\d* routes to \S+, 0 to \S+; added back: .* took [1-9]\d* of`).MatchString(c.Detail) {
+		t.Errorf("check %q: %s", c.Name, c.Detail)
 	}
 	// While the engine was paused its cache moved on without events: the
 	// comparison must have seen the index off then, or "exact" means nothing.

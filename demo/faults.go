@@ -222,6 +222,7 @@ func (d *demo) faults() []fault {
 					x.Snapshots, x.HistoryResumes)
 			},
 		},
+		d.membershipFault(),
 	}
 }
 

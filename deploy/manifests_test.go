@@ -20,6 +20,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/gateway/membership"
 )
 
 type object struct {
@@ -29,7 +30,8 @@ type object struct {
 	Data       map[string]string     `yaml:"data"`
 	Resources  []string              `yaml:"resources"`
 	Spec       struct {
-		Selector struct {
+		ClusterIP string `yaml:"clusterIP"`
+		Selector  struct {
 			MatchLabels map[string]string `yaml:"matchLabels"`
 		} `yaml:"selector"`
 		Ports []struct {
@@ -124,17 +126,19 @@ func TestKubernetesSidecarExample(t *testing.T) {
 			configMaps[o.Metadata.Name] = o.Data
 		}
 	}
+	// The engines' pod; the gateway's Deployment and Service are checked
+	// by TestKubernetesGatewayFollowsTheEngines.
 	var deployments, services []object
 	for _, o := range objs {
-		switch o.Kind {
-		case "Deployment":
+		switch {
+		case o.Kind == "Deployment" && o.Metadata.Name != "gateway":
 			deployments = append(deployments, o)
-		case "Service":
+		case o.Kind == "Service" && o.Metadata.Name != "gateway":
 			services = append(services, o)
 		}
 	}
 	if len(deployments) != 1 {
-		t.Fatalf("want one Deployment, got %d", len(deployments))
+		t.Fatalf("want one engines Deployment, got %d", len(deployments))
 	}
 	d := deployments[0]
 	for k, v := range d.Spec.Selector.MatchLabels {
@@ -278,5 +282,109 @@ func TestKubernetesSidecarExample(t *testing.T) {
 				t.Errorf("service %s port %s targets %q, which no container declares", s.Metadata.Name, p.Name, p.TargetPort)
 			}
 		}
+	}
+}
+
+// TestKubernetesGatewayFollowsTheEngines: the gateway Deployment's
+// --worker-dns names resolve through the engines' headless Service: each
+// is the SRV name of one of its ports, that port's relay serves the
+// engine the spec says, and the Service is headless and selects the
+// engines' pods.
+func TestKubernetesGatewayFollowsTheEngines(t *testing.T) {
+	_, objs := load(t, "k8s")
+	var gw, engines *object
+	headless := map[string]*object{}
+	for i := range objs {
+		o := &objs[i]
+		switch {
+		case o.Kind == "Deployment" && o.Metadata.Name == "gateway":
+			gw = o
+		case o.Kind == "Deployment":
+			engines = o
+		case o.Kind == "Service" && o.Spec.ClusterIP == "None":
+			headless[o.Metadata.Name] = o
+		}
+	}
+	if gw == nil || engines == nil || len(headless) == 0 {
+		t.Fatalf("want a gateway Deployment, an engines Deployment and a headless Service")
+	}
+	// The relay behind each port name, by its --engine.
+	relayOf := map[string]string{}
+	for _, c := range engines.Spec.Template.Spec.Containers {
+		if len(c.Args) == 0 || c.Args[0] != "serve" {
+			continue
+		}
+		var eng string
+		for _, a := range c.Args {
+			if v, ok := strings.CutPrefix(a, "--engine="); ok {
+				eng = v
+			}
+		}
+		for _, p := range c.Ports {
+			relayOf[p.Name] = eng
+		}
+	}
+	if len(gw.Spec.Template.Spec.Containers) != 1 {
+		t.Fatal("want one gateway container")
+	}
+	c := gw.Spec.Template.Spec.Containers[0]
+	if len(c.Args) == 0 || c.Args[0] != "gateway" {
+		t.Fatalf("gateway container args %v", c.Args)
+	}
+	specs := 0
+	for _, a := range c.Args {
+		v, ok := strings.CutPrefix(a, "--worker-dns=")
+		if !ok {
+			continue
+		}
+		specs++
+		sp, err := membership.ParseDNSSpec(v)
+		if err != nil {
+			t.Errorf("%s: %v", a, err)
+			continue
+		}
+		// _<port>._tcp.<service>.$(POD_NAMESPACE).svc.cluster.local
+		labels := strings.Split(sp.Name, ".")
+		if !sp.SRV || len(labels) < 4 || labels[1] != "_tcp" || !strings.HasPrefix(labels[0], "_") {
+			t.Errorf("%s: want srv+_<port name>._tcp.<headless service>…", a)
+			continue
+		}
+		port, svcName := labels[0][1:], labels[2]
+		svc := headless[svcName]
+		if svc == nil {
+			t.Errorf("%s: no headless Service %s", a, svcName)
+			continue
+		}
+		for k, v := range svc.Spec.Selector.MatchLabels {
+			if engines.Spec.Template.Metadata.Labels[k] != v {
+				t.Errorf("%s: its Service's selector %s=%s misses the engines' pods", a, k, v)
+			}
+		}
+		if !slices.ContainsFunc(svc.Spec.Ports, func(p struct {
+			Name       string `yaml:"name"`
+			Port       int    `yaml:"port"`
+			TargetPort string `yaml:"targetPort"`
+		}) bool {
+			return p.Name == port
+		}) {
+			t.Errorf("%s: Service %s has no port %s", a, svcName, port)
+		}
+		if got := relayOf[port]; got != string(sp.Service) {
+			t.Errorf("%s: port %s is the relay of %q, the spec says service=%s", a, port, got, sp.Service)
+		}
+		if strings.Contains(sp.Name, "$(POD_NAMESPACE)") && !slices.ContainsFunc(c.Env, func(e struct {
+			Name      string `yaml:"name"`
+			Value     string `yaml:"value"`
+			ValueFrom *struct {
+				ConfigMapKeyRef *struct{ Name, Key string } `yaml:"configMapKeyRef"`
+			} `yaml:"valueFrom"`
+		}) bool {
+			return e.Name == "POD_NAMESPACE"
+		}) {
+			t.Errorf("%s uses $(POD_NAMESPACE), which the container does not define", a)
+		}
+	}
+	if specs == 0 {
+		t.Fatal("the gateway follows no DNS name")
 	}
 }

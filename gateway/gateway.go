@@ -37,7 +37,8 @@
 // from the gateway's own decisions, SMG's approximate mode. Requests with
 // no affinity anywhere are no_overlap and go to the least loaded worker.
 //
-// Workers can also come and go at run time (AddWorker, RemoveWorker); a
+// Workers can also come and go at run time (AddWorker, DrainWorker,
+// RemoveWorker; package membership drives them from its sources); a
 // removed worker's blocks leave its model's index before RemoveWorker
 // returns.
 package gateway
@@ -159,6 +160,8 @@ type WorkerStatus struct {
 	// latest of each, by rank.
 	EngineLoad  *EngineLoad  `json:"engine_load,omitempty"`
 	EngineRanks []EngineLoad `json:"engine_ranks,omitempty"`
+	// Draining: no new request goes to it (DrainWorker).
+	Draining bool `json:"draining,omitempty"`
 }
 
 // Errors Route and ReportLoad return.
@@ -227,6 +230,9 @@ type Gateway struct {
 	reachMu     sync.Mutex
 	unreachable map[string]bool
 	reachDirty  atomic.Bool // unreachable changed since the fleets last followed it
+	// draining holds the draining workers (drain.go), each with the
+	// channel closed when its tracked requests are all done.
+	draining map[string]chan struct{}
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -264,6 +270,7 @@ func New(cfg Config) (*Gateway, error) {
 		lastRank:     map[string]int32{},
 		now:          time.Now,
 		unreachable:  map[string]bool{},
+		draining:     map[string]chan struct{}{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
@@ -354,6 +361,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 			g.untrackLocked(rid)
 		}
 	}
+	g.endDrainLocked(id)
 	g.mu.Unlock()
 	if err := g.mon.Remove(id); err != nil {
 		return fmt.Errorf("gateway: %w", err)
@@ -362,6 +370,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 	if m.places != nil {
 		m.places.RemoveWorker(id)
 	}
+	g.publishRemoval(name, id)
 	return nil
 }
 
@@ -606,6 +615,7 @@ func (g *Gateway) Workers() []WorkerStatus {
 			WorkerStatus: st, Inflight: g.inflightLocked(st.ID),
 			Reported: g.inflight[st.ID], Routed: g.routed[st.ID], PeerRouted: g.peerRouted[st.ID],
 		}
+		_, ws.Draining = g.draining[st.ID]
 		ws.IndexBlocks = stats[st.Model].Workers[st.ID].Blocks
 		if ranks := g.engine[st.ID]; len(ranks) > 0 {
 			l := ranks[g.lastRank[st.ID]]
@@ -657,7 +667,8 @@ func (g *Gateway) onState(worker string, st monitor.State) {
 
 // syncFleetsLocked makes each model's fleet (what the picker chooses from)
 // hold its reachable workers, or all of them when none is reachable:
-// routing by cache then still beats refusing the request. A worker put back
+// routing by cache then still beats refusing the request. A draining
+// worker is never in it. A worker put back
 // takes its current in-flight count with it.
 func (g *Gateway) syncFleetsLocked() {
 	g.reachMu.Lock()
@@ -665,12 +676,13 @@ func (g *Gateway) syncFleetsLocked() {
 	for _, m := range g.models {
 		reachable := 0
 		for _, w := range m.list {
-			if !g.unreachable[w] {
+			if _, drained := g.draining[w]; !drained && !g.unreachable[w] {
 				reachable++
 			}
 		}
 		for _, w := range m.list {
-			in := reachable == 0 || !g.unreachable[w]
+			_, drained := g.draining[w]
+			in := !drained && (reachable == 0 || !g.unreachable[w])
 			switch {
 			case in && !m.fleet.Has(w):
 				m.fleet.Add(w)

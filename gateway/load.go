@@ -259,6 +259,7 @@ func (g *Gateway) untrackLocked(id uint64) bool {
 	}
 	g.routedChangedLocked()
 	g.syncFleetLocked(t.worker)
+	g.drainProgressLocked(t.worker)
 	return true
 }
 

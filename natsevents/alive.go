@@ -228,8 +228,13 @@ func (s *Sink) announce(ctx context.Context) {
 		if pass == 0 || !s.nc.IsConnected() {
 			continue
 		}
-		data := encodeAnnouncement(announcement{Incarnation: s.incarnation, Pass: pass, LastSeq: s.lastSeq.Load(), Every: s.opts.AliveEvery})
-		if err := s.nc.Publish(subject, data); err != nil {
+		msg := &nats.Msg{Subject: subject, Data: encodeAnnouncement(announcement{Incarnation: s.incarnation, Pass: pass, LastSeq: s.lastSeq.Load(), Every: s.opts.AliveEvery})}
+		if s.opts.Member != "" {
+			// A header, not the payload: gateways from before members
+			// decode the announcement as they always did.
+			msg.Header = nats.Header{MemberHeader: []string{s.opts.Member}}
+		}
+		if err := s.nc.PublishMsg(msg); err != nil {
 			s.log.Debug("announcement not sent", "err", err)
 		}
 	}

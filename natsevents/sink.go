@@ -9,6 +9,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,7 +64,12 @@ type SinkOptions struct {
 	// while a pass is publishing (DefaultAliveEvery; negative: never, as
 	// a relay from before announcements), so that gateways can tell a
 	// silent sink from an idle engine (see alive.go).
-	AliveEvery  time.Duration
+	AliveEvery time.Duration
+	// Member, if set, is this worker as gateways should route to it, in
+	// the gateway's --worker syntax (grpc://HOST:PORT,model=M,service=S):
+	// each announcement carries it in a header (members.go), and gateways
+	// that take their workers from the announcements add it.
+	Member      string
 	NATSOptions []nats.Option
 	Registerer  prometheus.Registerer
 	Logger      *slog.Logger
@@ -111,6 +117,12 @@ func (o SinkOptions) withDefaults() (SinkOptions, error) {
 	}
 	if o.AliveEvery > 0 && o.AliveEvery < time.Millisecond {
 		return o, fmt.Errorf("natsevents: announcement interval %s below 1ms", o.AliveEvery)
+	}
+	if len(o.Member) > maxMemberSpec || strings.ContainsAny(o.Member, "\r\n") {
+		return o, fmt.Errorf("natsevents: member %q: one line of at most %d bytes", o.Member, maxMemberSpec)
+	}
+	if o.Member != "" && o.AliveEvery < 0 {
+		return o, errors.New("natsevents: a member is announced, which needs announcements on")
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

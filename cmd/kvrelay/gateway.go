@@ -7,16 +7,17 @@ import (
 	"io"
 	"math"
 	"net"
-	"net/url"
 	"os"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/httpapi"
 	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/membership"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
@@ -46,51 +47,9 @@ func (w *workerFlags) Set(v string) error {
 	return nil
 }
 
-// parseWorker reads grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed]
-// (grpcs:// for TLS). The worker's name (what /v1/route answers) is the URL
-// without its options.
-func parseWorker(v string) (gateway.Worker, error) {
-	parts := strings.Split(v, ",")
-	target := strings.TrimSpace(parts[0])
-	scheme := "grpc://"
-	if strings.HasPrefix(target, "grpcs://") {
-		scheme = "grpcs://"
-	}
-	if !strings.HasPrefix(target, scheme) {
-		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed] (grpcs:// for TLS)", v)
-	}
-	u, err := url.Parse(target)
-	if err != nil {
-		return gateway.Worker{}, fmt.Errorf("%q: %w", v, err)
-	}
-	if u.Path != "" || u.RawQuery != "" || u.User != nil {
-		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT with nothing after the port", v)
-	}
-	host, port, err := net.SplitHostPort(u.Host)
-	if err != nil || host == "" || port == "" {
-		return gateway.Worker{}, fmt.Errorf("%q: want grpc://HOST:PORT", v)
-	}
-	w := gateway.Worker{ID: scheme + u.Host, Addr: u.Host, Service: monitor.ServiceVLLM, Model: gateway.DefaultModel}
-	for _, opt := range parts[1:] {
-		key, val, ok := strings.Cut(strings.TrimSpace(opt), "=")
-		if !ok || val == "" {
-			return gateway.Worker{}, fmt.Errorf("%q: option %q is not key=value", v, opt)
-		}
-		switch key {
-		case "model":
-			w.Model = val
-		case "service":
-			svc, err := monitor.ParseService(val)
-			if err != nil {
-				return gateway.Worker{}, fmt.Errorf("%q: %w", v, err)
-			}
-			w.Service = svc
-		default:
-			return gateway.Worker{}, fmt.Errorf("%q: unknown option %q (want model or service)", v, key)
-		}
-	}
-	return w, nil
-}
+// parseWorker reads one --worker: membership.Syntax, the syntax of every
+// source of workers.
+func parseWorker(v string) (gateway.Worker, error) { return membership.ParseWorker(v) }
 
 func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
@@ -115,6 +74,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	natsEvents := addGatewayNATSEventsFlags(fs)
+	memberSrc := addMemberFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -138,8 +98,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	switch {
 	case fs.NArg() > 0:
 		return fail("unexpected argument %q", fs.Arg(0))
-	case len(workers) == 0:
-		return fail("--worker is required (grpc://HOST:PORT[,model=M][,service=S], once per worker)")
+	case len(workers) == 0 && !memberSrc.dynamic() && *webConfig == "" && !*memberSrc.adminOpen:
+		return fail("--worker is required (grpc://HOST:PORT[,model=M][,service=S], once per worker), or another source of workers: --worker-file, --worker-dns, --workers-from-nats or the admin API")
 	case *deadline <= 0:
 		return fail("--subscribe-deadline must be positive, got %v", *deadline)
 	case *maxBackoff < monitor.DefaultInitialBackoff:
@@ -186,6 +146,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	if err := natsEvents.check(*natsURL); err != nil {
 		return fail("%v", err)
 	}
+	if err := memberSrc.check(*natsURL); err != nil {
+		return fail("%v", err)
+	}
 	log, err := newLogger(stderr, *logLevel, *logFormat)
 	if err != nil {
 		return fail("%v", err)
@@ -195,8 +158,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	for _, w := range workers {
 		anyTLS = anyTLS || strings.HasPrefix(w.ID, "grpcs://")
 	}
+	var workerCreds credentials.TransportCredentials // for grpcs:// workers of every source
 	switch {
-	case anyTLS:
+	case anyTLS || (workerTLS.Set() && memberSrc.dynamic()):
 		d, err := tlsconfig.NewDialer(workerTLS, log)
 		if err != nil {
 			return fail("--worker-tls-*: %v", err)
@@ -206,9 +170,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 				workers[i].Credentials = d.Credentials()
 			}
 		}
+		workerCreds = d.Credentials()
 		reloaders = append(reloaders, d)
 	case workerTLS.Set():
-		return fail("--worker-tls-* are set but no --worker is grpcs://")
+		return fail("--worker-tls-* are set but no --worker is grpcs:// (and no other source of workers)")
 	}
 	if err := webserve.CheckConfig(*webConfig); err != nil {
 		return fail("%v", err)
@@ -249,6 +214,15 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		// (a worker given twice).
 		return fail("--worker: %v", err)
 	}
+	// The other sources of workers: read once now (a file that does not
+	// parse stops the start), followed while the gateway runs.
+	mem, err := memberSrc.start(g, named, workerTLSPrepare(workerCreds), *natsURL, *natsEvents.subjects, *webConfig, reg, log)
+	if err != nil {
+		return fail("%v", err)
+	}
+	memCtx, memCancel := context.WithCancel(ctx)
+	memWait := mem.run(memCtx)
+	defer func() { memCancel(); memWait(); mem.close() }()
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return fail("--listen %s: %v", *listen, err)
@@ -276,7 +250,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	hupCtx, hupCancel := context.WithCancel(ctx)
 	hupDone := reload.OnHangup(hupCtx, log, reloaders)
 	defer func() { hupCancel(); <-hupDone }()
-	if err := httpapi.Serve(ctx, log, g, reg, ln, *webConfig, lim); err != nil {
+	if err := httpapi.Serve(ctx, log, g, reg, ln, *webConfig, lim, mem.admin); err != nil {
 		log.Error("gateway failed", "err", err)
 		return 1
 	}

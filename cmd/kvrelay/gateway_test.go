@@ -58,6 +58,11 @@ func TestGatewayBadFlags(t *testing.T) {
 		want string
 	}{
 		{[]string{}, "--worker is required"},
+		{[]string{"--workers-from-nats"}, "--workers-from-nats needs --nats"},
+		{[]string{"--worker-file", "/nonexistent/workers"}, "--worker-file: worker file"},
+		{[]string{"--worker-dns", "engines"}, "want NAME:PORT or srv+NAME"},
+		{[]string{"--worker", "grpc://a:1", "--max-workers", "0"}, "--max-workers"},
+		{[]string{"--worker", "grpc://a:1", "--drain-timeout", "0s"}, "--drain-timeout"},
 		{[]string{"--worker", "nope"}, "-worker"},
 		{[]string{"--worker", "grpc://a:1", "--worker", "grpc://a:1"}, "--worker"},
 		{[]string{"--worker", "grpc://a:1", "--subscribe-deadline", "0s"}, "--subscribe-deadline"},

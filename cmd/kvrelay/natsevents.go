@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrelay/kvrelay/gateway/membership"
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relay/daemon"
 )
@@ -17,6 +18,7 @@ import (
 type serveNATSFlags struct {
 	url, stream, worker, subjects *string
 	aliveEvery                    *time.Duration
+	member                        *string
 }
 
 // eventSubjectsUsage is --nats-events-subject-prefix's, the same on both
@@ -30,6 +32,7 @@ func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
 		stream:     fs.String("nats-stream", natsevents.DefaultStream, "with --nats: the JetStream stream (created with 1h retention and a 10m duplicate window if missing); snapshots go to the object store <stream>_SNAPSHOTS"),
 		subjects:   fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats: "+eventSubjectsUsage),
 		aliveEvery: fs.Duration("nats-alive-every", natsevents.DefaultAliveEvery, "with --nats: how often the sink announces itself (core NATS, <prefix>-alive.<worker>, not stored); a gateway moves a worker whose sink is silent for 3 intervals to its gRPC stream; 1ms to 1m, 0: never (a gateway then cannot tell a dead sink from an idle engine)"),
+		member:     fs.String("nats-member", "", "with --nats: announce this engine to gateways started with --workers-from-nats, in the gateway's --worker syntax: grpc://HOST:PORT[,model=M][,service=S] as they reach this relay's --listen; the engine joins the fleet when its relay starts and leaves when it stops"),
 		worker:     fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
 	}
 }
@@ -39,6 +42,9 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	if *f.url == "" {
 		if *f.worker != "" {
 			return errors.New("--nats-worker needs --nats")
+		}
+		if *f.member != "" {
+			return errors.New("--nats-member needs --nats")
 		}
 		if *f.subjects != natsevents.DefaultSubjectPrefix {
 			return errors.New("--nats-events-subject-prefix needs --nats")
@@ -51,6 +57,14 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	if *f.aliveEvery < 0 || *f.aliveEvery > time.Minute || (*f.aliveEvery > 0 && *f.aliveEvery < time.Millisecond) {
 		return fmt.Errorf("--nats-alive-every %s: want 0 (off) or 1ms to 1m", *f.aliveEvery)
 	}
+	if *f.member != "" {
+		if _, err := membership.ParseWorker(*f.member); err != nil {
+			return fmt.Errorf("--nats-member: %w", err)
+		}
+		if *f.aliveEvery == 0 {
+			return errors.New("--nats-member is announced, which --nats-alive-every 0 turns off")
+		}
+	}
 	if usesConfigFile {
 		return errors.New("--nats cannot be combined with --config yet (one sink per relay needs a name per relay)")
 	}
@@ -59,7 +73,7 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 
 // options are the sink's settings for daemon.Options.
 func (f *serveNATSFlags) options() daemon.NATSSink {
-	return daemon.NATSSink{URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery}
+	return daemon.NATSSink{URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member}
 }
 
 // gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.

@@ -56,15 +56,7 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 // gateway has indexed the engine's blocks through JetStream alone (its
 // worker's gRPC address is dead).
 func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []string) {
-	live := freeport.ForTest(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
-	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
+	eng, cfg := startSimVLLM(t)
 
 	srv := runInBackground(t, append([]string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
 		"--metrics-listen", "", "--nats", natsURL, "--nats-worker", "engine-a"}, serveArgs...)...)
@@ -101,6 +93,23 @@ func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []
 	srv.stop(t)
 }
 
+// startSimVLLM starts a simulated vLLM engine (one rank, block size 16)
+// publishing on free loopback ports until the test ends, and returns it
+// with the --kv-events-config that reaches it.
+func startSimVLLM(t *testing.T) (*sim.Engine, string) {
+	t.Helper()
+	live := freeport.ForTest(t, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg := fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, live, live+1)
+	eng, err := sim.Start(ctx, sim.Options{Engine: "vllm", BlockSize: 16, CapacityBlocks: 128, KVEventsConfig: cfg})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); _ = eng.Close() })
+	return eng, cfg
+}
+
 var indexBlocksRE = regexp.MustCompile(`"index_blocks":\s*(\d+)`)
 
 func indexBlocks(workersJSON string) string {
@@ -126,6 +135,8 @@ func TestNATSEventsFlagsRefused(t *testing.T) {
 		{"gateway subject prefix without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events-subject-prefix", "x.y"}, "--nats-events-subject-prefix needs --nats-events"},
 		{"serve announcement interval without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-alive-every", "2s"}, "--nats-alive-every needs --nats"},
 		{"serve announcement interval above a minute", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats", "nats://127.0.0.1:1", "--nats-alive-every", "2m"}, "--nats-alive-every 2m0s"},
+		{"serve member without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-member", "grpc://h:1"}, "--nats-member needs --nats"},
+		{"serve malformed member", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats", "nats://127.0.0.1:1", "--nats-member", "h:1"}, "--nats-member"},
 		{"gateway malformed worker name", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "ab"}, "WORKER=NAME"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -30,15 +30,16 @@ import (
 
 // Serve runs g and its HTTP API on ln until ctx ends, then shuts the HTTP
 // server down gracefully and waits for the subscriptions to stop. reg is
-// what /metrics exposes; webConfig an exporter-toolkit web config ("" none).
-func Serve(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string, lim Limits) error {
+// what /metrics exposes; webConfig an exporter-toolkit web config ("" none);
+// extra adds routes of other packages (the membership admin API).
+func Serve(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, ln net.Listener, webConfig string, lim Limits, extra ...func(*http.ServeMux)) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	runDone := make(chan error, 1)
 	go func() { runDone <- g.Run(runCtx) }()
 
 	srv := &http.Server{
-		Handler:           NewHandler(g, reg, log, lim),
+		Handler:           NewHandler(g, reg, log, lim, extra...),
 		ReadHeaderTimeout: 10 * time.Second,
 		// A body trickled in byte by byte holds its request (and its share
 		// of the in-flight cap) no longer than this.
@@ -136,9 +137,13 @@ type loadRequest struct {
 }
 
 // NewHandler is the gateway's HTTP API: /v1/route, /v1/done, /v1/load,
-// /v1/workers, /healthz, /readyz and /metrics (reg's).
-func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, lim Limits) http.Handler {
+// /v1/workers, /healthz, /readyz and /metrics (reg's), and what extra
+// adds to the same mux (behind the same listener and its protection).
+func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, lim Limits, extra ...func(*http.ServeMux)) http.Handler {
 	mux := http.NewServeMux()
+	for _, add := range extra {
+		add(mux)
+	}
 	inflight := make(chan struct{}, lim.MaxInFlight)
 	// bounded admits a POST only while fewer than MaxInFlight are handled;
 	// a refused client is told when to come back.

@@ -82,8 +82,11 @@ type Sync struct {
 	sub    *nats.Subscription
 	log    *slog.Logger
 	shared *prometheus.CounterVec // direction: published, received, dropped, rejected
-	regd   []prometheus.Collector
-	load   *loadShare // nil unless Options.Load
+	// removals counts worker removals shared (removal.go), by direction.
+	removals *prometheus.CounterVec
+	remSub   *nats.Subscription
+	regd     []prometheus.Collector
+	load     *loadShare // nil unless Options.Load
 
 	bufs sync.Pool
 }
@@ -126,8 +129,13 @@ func Start(target Target, opts Options) (*Sync, error) {
 			Help: "Placements shared over NATS, by direction: published, received (applied), dropped (not published: NATS unreachable), rejected (received but undecodable or naming a model or worker this replica does not route).",
 		}, []string{"direction"}),
 	}
+	s.removals = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvrelay_gateway_worker_removals_shared_total",
+		Help: "Worker removals shared over NATS, by direction: published, received (that worker's placements dropped here), dropped (not published: NATS unreachable), rejected (undecodable).",
+	}, []string{"direction"})
 	for _, d := range []string{"published", "received", "dropped", "rejected"} {
 		s.shared.WithLabelValues(d)
+		s.removals.WithLabelValues(d)
 	}
 	s.bufs.New = func() any { return new([]byte) }
 	nopts := []nats.Option{
@@ -155,6 +163,10 @@ func Start(target Target, opts Options) (*Sync, error) {
 		nc.Close()
 		return nil, fmt.Errorf("placementsync: subscribe: %w", err)
 	}
+	if s.remSub, err = nc.Subscribe(removalFilter(opts.SubjectPrefix), s.receiveRemoval); err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("placementsync: subscribe: %w", err)
+	}
 	if opts.Load != nil {
 		s.load = newLoadShare(opts.Load, opts)
 		if s.load.sub, err = nc.Subscribe(opts.LoadSubject, s.load.receive); err != nil {
@@ -174,7 +186,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 			}
 			return 0
 		})
-		collectors := []prometheus.Collector{connected, s.shared}
+		collectors := []prometheus.Collector{connected, s.shared, s.removals}
 		if s.load != nil {
 			peers := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvrelay_gateway_nats_peers",

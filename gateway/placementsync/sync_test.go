@@ -305,3 +305,46 @@ func (b *safeBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.b.String()
 }
+
+func TestRemovalDropsThePlacementsOnTheOtherReplicas(t *testing.T) {
+	srv := runNATS(t)
+	a := startReplica(t, srv.URL(), 2)
+	b := startReplica(t, srv.URL(), 2)
+	// Both connected, b's subscriptions on the server.
+	eventually(t, "both replicas connected", func() bool { return a.sync.Connected() && b.sync.Connected() })
+	if err := b.sync.Flush(waitFor); err != nil {
+		t.Fatal(err)
+	}
+	// Placements on both workers, made on a and shared with b: 8 prompts
+	// of 4 blocks (block size 16), tracked so the load spreads them.
+	perWorker := map[string]int{}
+	for i := range 8 {
+		d, err := a.g.Route(gateway.RouteRequest{Model: "llama", TokenIDs: prompt(1000*i, 64), Track: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		perWorker[d.Worker] += d.RequestBlocks
+	}
+	if perWorker["w0"] == 0 || perWorker["w1"] == 0 {
+		t.Fatalf("placements not on both workers: %v", perWorker)
+	}
+	if err := a.sync.Flush(waitFor); err != nil {
+		t.Fatal(err)
+	}
+	entries := func(r *replica) int {
+		st, _ := r.g.PlacementStats("llama")
+		return st.Entries
+	}
+	total := perWorker["w0"] + perWorker["w1"]
+	eventually(t, "b holds a's placements", func() bool { return entries(b) == total })
+	if err := a.g.RemoveWorker("w1"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "b drops its placements on w1, and only those", func() bool { return entries(b) == perWorker["w0"] })
+	if got := testutil.ToFloat64(b.sync.removals.WithLabelValues("received")); got != 1 {
+		t.Fatalf("removals received %v", got)
+	}
+	if got := testutil.ToFloat64(a.sync.removals.WithLabelValues("published")); got != 1 {
+		t.Fatalf("removals published %v", got)
+	}
+}

@@ -10,8 +10,10 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 
 	"github.com/prometheus/exporter-toolkit/web"
+	"go.yaml.in/yaml/v3"
 )
 
 // CheckConfig reads a --web.config.file now, so a bad file stops the start
@@ -34,4 +36,30 @@ func Serve(srv *http.Server, lis net.Listener, webConfig string, log *slog.Logge
 		return nil
 	}
 	return err
+}
+
+// Authenticates reports whether a web config makes every caller prove who
+// it is: basic_auth_users, or client certificates required and verified
+// (tls_server_config.client_auth_type RequireAndVerifyClientCert). An
+// empty path does not. Routes that change what the process does (the
+// gateway's membership admin API) are served only then, unless the
+// operator says otherwise.
+func Authenticates(path string) (bool, error) {
+	if path == "" {
+		return false, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return false, fmt.Errorf("--web.config.file: %w", err)
+	}
+	var c struct {
+		TLS struct {
+			ClientAuth string `yaml:"client_auth_type"`
+		} `yaml:"tls_server_config"`
+		Users map[string]string `yaml:"basic_auth_users"`
+	}
+	if err := yaml.Unmarshal(b, &c); err != nil {
+		return false, fmt.Errorf("--web.config.file %s: %w", path, err)
+	}
+	return len(c.Users) > 0 || c.TLS.ClientAuth == "RequireAndVerifyClientCert", nil
 }

@@ -25,6 +25,9 @@ type NATSSink struct {
 	// AliveEvery: 0 never announces (natsevents.SinkOptions reads 0 as its
 	// default; this does not).
 	AliveEvery time.Duration
+	// Member, if set, is announced with every announcement: how gateways
+	// taking their workers from NATS route to this engine (--nats-member).
+	Member string
 }
 
 // start runs one sink for the relay until ctx ends; wg tracks it.
@@ -46,7 +49,7 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 		aliveEvery = -1 // off; SinkOptions reads 0 as the default
 	}
 	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
-		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery,
+		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery, Member: f.Member,
 		Logger: log.With("component", "natsevents", "worker", name),
 	})
 	if err != nil {

@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/internal/freeport"
@@ -61,8 +63,15 @@ func StartEngine(t testing.TB, dpSize, capacityBlocks int) *sim.Engine {
 // cleanup runs).
 func StartRelay(t testing.TB, eng *sim.Engine, dpSize int) (rel *relay.Relay, stop func()) {
 	t.Helper()
+	return StartRelayRegistered(t, eng, dpSize, nil)
+}
+
+// StartRelayRegistered is StartRelay with the relay's metrics in reg, so a
+// test can count the subscriptions (and snapshots) the relay served.
+func StartRelayRegistered(t testing.TB, eng *sim.Engine, dpSize int, reg prometheus.Registerer) (rel *relay.Relay, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	rel, err := relay.New(relay.Config{Engine: vllm.Engine, KV: eng.Config(), DPSize: dpSize, Logger: slog.New(slog.DiscardHandler)})
+	rel, err := relay.New(relay.Config{Engine: vllm.Engine, KV: eng.Config(), DPSize: dpSize, Logger: slog.New(slog.DiscardHandler), Registerer: reg})
 	if err != nil {
 		cancel()
 		t.Fatal(err)
