@@ -316,8 +316,13 @@ func TestLoadLostPart(t *testing.T) {
 		if allEqual(counts, 0) && b.sync.Peers() == 0 {
 			break
 		}
-		if !allEqual(counts, 4) {
-			t.Fatalf("b applied part of a broken snapshot: w0=%d, w9999=%d", counts["w0"], counts["w9999"])
+		// Each worker holds the last whole snapshot's 4, or 0 once the peer
+		// timed out: the workers are read one by one, so a read racing the
+		// time-out may see both. Any other value is a broken snapshot's.
+		for w, c := range counts {
+			if c != 4 && c != 0 {
+				t.Fatalf("b applied part of a broken snapshot: %s=%d", w, c)
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("a peer whose parts keep getting lost never aged out")
