@@ -410,7 +410,7 @@ func (s *natsScatter) lookup(hs []uint64, dst *index.Matches) error {
 // partitions once and reports its own figures. KVRELAY_TIER_WORKERS sets
 // the fleet (default 1,024 workers of 2,048 cached blocks).
 //
-//	go test -run '^$' -bench BenchmarkTier -benchtime=1x ./bench/
+//	go test -run '^$' -bench '^BenchmarkTier$' -benchtime=1x ./bench/
 func BenchmarkTier(b *testing.B) {
 	workers := 1024
 	if v, err := strconv.Atoi(os.Getenv("KVRELAY_TIER_WORKERS")); err == nil && v > 0 {
