@@ -42,12 +42,12 @@ type Options struct {
 	// inside the bench process, and its CPU and RSS are not reported.
 	ServeCommand []string
 	// Parts selects what runs: "sidebyside", "scale", "route", "policy",
-	// "fleetscale", "latency". Nil: all but "fleetscale" and "latency", which
-	// run only when named.
+	// "fleetscale", "latency", "pacing". Nil: all but "fleetscale",
+	// "latency" and "pacing", which run only when named.
 	Parts []string
 	// CompareServeCommand is a second `kvrelay serve` argv prefix (another
-	// build, e.g. the one before a change) that the latency part
-	// interleaves with ServeCommand. Nil: none.
+	// build, e.g. the one before a change) that the latency and pacing parts
+	// interleave with ServeCommand. Nil: none.
 	CompareServeCommand []string
 	// Log receives progress; nil discards it.
 	Log *slog.Logger
@@ -141,6 +141,7 @@ type Results struct {
 	Policy     *PolicyResults     `json:"policy,omitempty"`
 	FleetScale *FleetScaleResults `json:"fleet_scale,omitempty"`
 	Latency    *LatencyResults    `json:"latency,omitempty"`
+	Pacing     *PacingResults     `json:"pacing,omitempty"`
 	Plots      []string           `json:"plots"`
 	Profiles   []string           `json:"profiles"`
 }
@@ -168,7 +169,7 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 	}
 	want := func(part string) bool {
 		if len(opts.Parts) == 0 {
-			return part != "latency" // minutes of interleaved rounds: only on request
+			return part != "latency" && part != "pacing" // minutes of interleaved rounds: only on request
 		}
 		for _, p := range opts.Parts {
 			if p == part {
@@ -230,6 +231,13 @@ func Run(ctx context.Context, opts Options) (*Results, error) {
 			return nil, err
 		}
 		res.Latency = lt
+	}
+	if want("pacing") {
+		pr, err := runPacing(ctx, env)
+		if err != nil {
+			return nil, err
+		}
+		res.Pacing = pr
 	}
 	res.Machine.LoadAfter = loadAverage()
 	res.Duration = time.Since(res.Started).Round(time.Second).String()

@@ -36,6 +36,9 @@ func WriteMarkdown(w io.Writer, res *Results) {
 	if lt := res.Latency; lt != nil {
 		writeLatency(w, lt)
 	}
+	if pr := res.Pacing; pr != nil {
+		writePacing(w, pr)
+	}
 	if len(res.Plots) > 0 || len(res.Profiles) > 0 {
 		fmt.Fprintf(w, "Plots: %s. CPU profiles: %s.\n\n", baseNames(res.Plots), baseNames(res.Profiles))
 	}

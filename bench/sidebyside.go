@@ -165,10 +165,17 @@ func rampRelay(ctx context.Context, env *environment, run *RelayRun, start func(
 	rampRelayPlan(ctx, env, run, rampPlan(env.quick), start)
 }
 
-// rampRelayPlan is rampRelay over the given steps.
+// rampRelayPlan is rampRelay over the given steps, with the stream's
+// dpSize ranks.
 func rampRelayPlan(ctx context.Context, env *environment, run *RelayRun, plan []rampStep, start func(context.Context, *publisher) (relayProc, error)) {
+	rampRelayRanks(ctx, env, run, dpSize, plan, start)
+}
+
+// rampRelayRanks is rampRelayPlan with the publisher's rank count given:
+// the engine-pacing workload runs 8 ranks, each at its own slow rate.
+func rampRelayRanks(ctx context.Context, env *environment, run *RelayRun, ranks int, plan []rampStep, start func(context.Context, *publisher) (relayProc, error)) {
 	log := env.log.With("relay", run.Name)
-	pub, err := startPublisher(ctx, env, dpSize)
+	pub, err := startPublisher(ctx, env, ranks)
 	if err != nil {
 		run.Reason = fmt.Sprintf("not available: %v", err)
 		return
@@ -182,7 +189,7 @@ func rampRelayPlan(ctx context.Context, env *environment, run *RelayRun, plan []
 	defer rel.stop()
 	run.Available = true
 
-	next := make([]uint64, dpSize) // the publisher's next sequence per rank
+	next := make([]uint64, ranks) // the publisher's next sequence per rank
 	var sub *subscriber
 	var subCancel context.CancelFunc
 	stopSub := func() {
@@ -196,7 +203,7 @@ func rampRelayPlan(ctx context.Context, env *environment, run *RelayRun, plan []
 	subscribe := func() error {
 		stopSub()
 		sctx, cancel := context.WithCancel(ctx)
-		s := newSubscriber(dpSize)
+		s := newSubscriber(ranks)
 		opened := make(chan error, 1)
 		if d, ok := rel.(interface {
 			feed(context.Context, *subscriber, chan<- error)

@@ -22,8 +22,8 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	out := fs.String("out", "bench-out", "directory for results.json, results.md and CPU profiles (plots: go run ./cmd/kvrelay-plot DIR)")
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
 	python := fs.String("python", "", "interpreter with pyzmq, msgspec and the SMG packages (default: $KVRELAY_PYTHON or <repo>/.venv/bin/python)")
-	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy, fleetscale, latency (default: all but fleetscale and latency, the long ones)")
-	compareBin := fs.String("compare-bin", "", "another kvrelay binary whose serve the latency part interleaves with this one's (e.g. the build before a change)")
+	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy, fleetscale, latency, pacing (default: all but fleetscale, latency and pacing, the long ones)")
+	compareBin := fs.String("compare-bin", "", "another kvrelay binary whose serve the latency and pacing parts interleave with this one's (e.g. the build before a change)")
 	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as a kvrelay serve process (then its CPU and RSS are not reported)")
 	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
 		return code
@@ -39,10 +39,10 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	if *only != "" {
 		for _, p := range strings.Split(*only, ",") {
 			switch p = strings.TrimSpace(p); p {
-			case "sidebyside", "scale", "route", "policy", "fleetscale", "latency":
+			case "sidebyside", "scale", "route", "policy", "fleetscale", "latency", "pacing":
 				opts.Parts = append(opts.Parts, p)
 			default:
-				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale, route, policy, fleetscale or latency)\n", p)
+				fmt.Fprintf(stderr, "kvrelay bench: --only: unknown part %q (want sidebyside, scale, route, policy, fleetscale, latency or pacing)\n", p)
 				return 2
 			}
 		}
