@@ -63,7 +63,11 @@ type SinkOptions struct {
 	// while a pass is publishing (DefaultAliveEvery; negative: never, as
 	// a relay from before announcements), so that gateways can tell a
 	// silent sink from an idle engine (see alive.go).
-	AliveEvery  time.Duration
+	AliveEvery time.Duration
+	// Loads, if set, is the relay's load sources: each relayed rank's
+	// record is published beside the stream (see loads.go), so that a
+	// gateway on JetStream sees the loads a gRPC subscriber gets.
+	Loads       LoadSource
 	NATSOptions []nats.Option
 	Registerer  prometheus.Registerer
 	Logger      *slog.Logger
@@ -139,6 +143,10 @@ type Sink struct {
 	incarnation uint64
 	pass        atomic.Uint64
 	lastSeq     atomic.Uint64
+
+	// ranks are the DP ranks relayed so far: their loads are published.
+	ranksMu sync.Mutex
+	ranks   map[int32]struct{}
 }
 
 type sinkMetrics struct {
@@ -148,6 +156,7 @@ type sinkMetrics struct {
 	snapshots                  *prometheus.CounterVec // result
 	connected                  prometheus.Gauge
 	snapshotBytes, snapshotSeq prometheus.Gauge
+	loads                      *prometheus.CounterVec // reason: change, heartbeat
 }
 
 func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
@@ -166,6 +175,8 @@ func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
 			Help: "Size of the last snapshot object written."}),
 		snapshotSeq: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_nats_events_snapshot_stream_sequence",
 			Help: "Stream sequence the last snapshot object is consistent with."}),
+		loads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_nats_events_loads_published_total",
+			Help: "Engine load records published beside the stream, by reason (change: SMG's thresholds; heartbeat: 1 s, 5 s after two unchanged)."}, []string{"reason"}),
 	}
 	for _, r := range []string{"stored", "duplicate", "failed"} {
 		m.published.WithLabelValues(r)
@@ -177,7 +188,7 @@ func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
 		m.snapshots.WithLabelValues(r)
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.published, m.bytes, m.resyncs, m.snapshots, m.connected, m.snapshotBytes, m.snapshotSeq} {
+		for _, c := range []prometheus.Collector{m.published, m.bytes, m.resyncs, m.snapshots, m.connected, m.snapshotBytes, m.snapshotSeq, m.loads} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
@@ -197,7 +208,7 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64()}
+	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64(), ranks: map[int32]struct{}{}}
 	nopts := append([]nats.Option{
 		nats.Name("kvrelay-serve " + opts.Worker),
 		nats.RetryOnFailedConnect(true),
@@ -252,6 +263,12 @@ func (s *Sink) Run(ctx context.Context) error {
 		actx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
 		go func() { defer close(done); s.announce(actx) }()
+		defer func() { cancel(); <-done }()
+	}
+	if s.opts.Loads != nil {
+		lctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); s.publishLoads(lctx) }()
 		defer func() { cancel(); <-done }()
 	}
 	reason := "start"
@@ -434,6 +451,7 @@ func (s *Sink) follow(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("reading a relayed batch: %w", err)
 		}
+		s.noteRank(b.GetDpRank())
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc
 		if snap := b.GetSnapshot(); snap != nil {
