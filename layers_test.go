@@ -49,8 +49,11 @@ const layers = `
 	# fan-out, then the gRPC server.
 	internal/livedigest, proto/kvpb < relay/record;
 	relay/zmqsource;
+	# Engine load sources: read beside the event path, stamped by the server.
+	proto/kvpb < relay/load;
 	engines/vllm, engines/sglang, engines/tokenspeed, internal/latencyprobe,
-	relay/record, relay/zmqsource < relay < relay/server;
+	relay/record, relay/zmqsource < relay;
+	relay, relay/load < relay/server;
 
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;

@@ -487,6 +487,14 @@ func (s *Subscription) Next(ctx context.Context) (*kvpb.KvEventBatch, error) {
 // for this subscriber alone, straight from the record). No message is
 // built on the relay's path. The server sends the bytes as they are.
 func (s *Subscription) NextEncoded(ctx context.Context) ([]byte, error) {
+	return s.NextEncodedUntil(ctx, nil, nil)
+}
+
+// NextEncodedUntil is NextEncoded that also returns, with no batch and no
+// error, when wake or due fires before a batch is ready: a sender that has
+// something of its own to send while the stream is quiet (the load
+// heartbeats) waits on both at once. Nil channels never fire.
+func (s *Subscription) NextEncodedUntil(ctx context.Context, wake <-chan struct{}, due <-chan time.Time) ([]byte, error) {
 	for {
 		s.mu.Lock()
 		closed := s.closed
@@ -554,6 +562,10 @@ func (s *Subscription) NextEncoded(ctx context.Context) ([]byte, error) {
 		case <-s.notify:
 		case <-ctx.Done():
 			return nil, ctx.Err()
+		case <-wake:
+			return nil, nil
+		case <-due:
+			return nil, nil
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	reflect "reflect"
+	sync "sync"
 	unsafe "unsafe"
 )
 
@@ -24,26 +25,385 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type SglangGetLoadsRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	DpRank *int32                 `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3,oneof" json:"dp_rank,omitempty"`
+	// Sections: core, memory, spec, lora, disagg, queues, all (empty: all).
+	Include       []string `protobuf:"bytes,2,rep,name=include,proto3" json:"include,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SglangGetLoadsRequest) Reset() {
+	*x = SglangGetLoadsRequest{}
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SglangGetLoadsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SglangGetLoadsRequest) ProtoMessage() {}
+
+func (x *SglangGetLoadsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SglangGetLoadsRequest.ProtoReflect.Descriptor instead.
+func (*SglangGetLoadsRequest) Descriptor() ([]byte, []int) {
+	return file_smg_sglang_scheduler_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *SglangGetLoadsRequest) GetDpRank() int32 {
+	if x != nil && x.DpRank != nil {
+		return *x.DpRank
+	}
+	return 0
+}
+
+func (x *SglangGetLoadsRequest) GetInclude() []string {
+	if x != nil {
+		return x.Include
+	}
+	return nil
+}
+
+// The servicer's field 5 (aggregate over ranks) is not declared: kvrelay
+// reads the per-rank reports only.
+type SglangGetLoadsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Timestamp     string                 `protobuf:"bytes,1,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	Version       string                 `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
+	DpRankCount   int32                  `protobuf:"varint,3,opt,name=dp_rank_count,json=dpRankCount,proto3" json:"dp_rank_count,omitempty"`
+	Loads         []*SglangSchedulerLoad `protobuf:"bytes,4,rep,name=loads,proto3" json:"loads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SglangGetLoadsResponse) Reset() {
+	*x = SglangGetLoadsResponse{}
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SglangGetLoadsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SglangGetLoadsResponse) ProtoMessage() {}
+
+func (x *SglangGetLoadsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SglangGetLoadsResponse.ProtoReflect.Descriptor instead.
+func (*SglangGetLoadsResponse) Descriptor() ([]byte, []int) {
+	return file_smg_sglang_scheduler_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *SglangGetLoadsResponse) GetTimestamp() string {
+	if x != nil {
+		return x.Timestamp
+	}
+	return ""
+}
+
+func (x *SglangGetLoadsResponse) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+func (x *SglangGetLoadsResponse) GetDpRankCount() int32 {
+	if x != nil {
+		return x.DpRankCount
+	}
+	return 0
+}
+
+func (x *SglangGetLoadsResponse) GetLoads() []*SglangSchedulerLoad {
+	if x != nil {
+		return x.Loads
+	}
+	return nil
+}
+
+// The sections have the same field numbers as the record's own
+// (common.proto), so they are declared with those types.
+type SglangSchedulerLoad struct {
+	state                    protoimpl.MessageState `protogen:"open.v1"`
+	DpRank                   int32                  `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
+	NumRunningReqs           int32                  `protobuf:"varint,2,opt,name=num_running_reqs,json=numRunningReqs,proto3" json:"num_running_reqs,omitempty"`
+	NumWaitingReqs           int32                  `protobuf:"varint,3,opt,name=num_waiting_reqs,json=numWaitingReqs,proto3" json:"num_waiting_reqs,omitempty"`
+	NumTotalReqs             int32                  `protobuf:"varint,4,opt,name=num_total_reqs,json=numTotalReqs,proto3" json:"num_total_reqs,omitempty"`
+	NumUsedTokens            int32                  `protobuf:"varint,5,opt,name=num_used_tokens,json=numUsedTokens,proto3" json:"num_used_tokens,omitempty"`
+	MaxTotalNumTokens        int32                  `protobuf:"varint,6,opt,name=max_total_num_tokens,json=maxTotalNumTokens,proto3" json:"max_total_num_tokens,omitempty"`
+	TokenUsage               float64                `protobuf:"fixed64,7,opt,name=token_usage,json=tokenUsage,proto3" json:"token_usage,omitempty"`
+	GenThroughput            float64                `protobuf:"fixed64,8,opt,name=gen_throughput,json=genThroughput,proto3" json:"gen_throughput,omitempty"`
+	CacheHitRate             float64                `protobuf:"fixed64,9,opt,name=cache_hit_rate,json=cacheHitRate,proto3" json:"cache_hit_rate,omitempty"`
+	Utilization              float64                `protobuf:"fixed64,10,opt,name=utilization,proto3" json:"utilization,omitempty"`
+	MaxRunningRequests       int32                  `protobuf:"varint,11,opt,name=max_running_requests,json=maxRunningRequests,proto3" json:"max_running_requests,omitempty"`
+	Memory                   *EngineMemory          `protobuf:"bytes,12,opt,name=memory,proto3,oneof" json:"memory,omitempty"`
+	Speculative              *EngineSpeculative     `protobuf:"bytes,13,opt,name=speculative,proto3,oneof" json:"speculative,omitempty"`
+	Lora                     *EngineLora            `protobuf:"bytes,14,opt,name=lora,proto3,oneof" json:"lora,omitempty"`
+	Disaggregation           *EngineDisaggregation  `protobuf:"bytes,15,opt,name=disaggregation,proto3,oneof" json:"disaggregation,omitempty"`
+	Queues                   *EngineQueues          `protobuf:"bytes,16,opt,name=queues,proto3,oneof" json:"queues,omitempty"`
+	NumWaitingUncachedTokens int32                  `protobuf:"varint,17,opt,name=num_waiting_uncached_tokens,json=numWaitingUncachedTokens,proto3" json:"num_waiting_uncached_tokens,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
+}
+
+func (x *SglangSchedulerLoad) Reset() {
+	*x = SglangSchedulerLoad{}
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SglangSchedulerLoad) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SglangSchedulerLoad) ProtoMessage() {}
+
+func (x *SglangSchedulerLoad) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_sglang_scheduler_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SglangSchedulerLoad.ProtoReflect.Descriptor instead.
+func (*SglangSchedulerLoad) Descriptor() ([]byte, []int) {
+	return file_smg_sglang_scheduler_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *SglangSchedulerLoad) GetDpRank() int32 {
+	if x != nil {
+		return x.DpRank
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetNumRunningReqs() int32 {
+	if x != nil {
+		return x.NumRunningReqs
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetNumWaitingReqs() int32 {
+	if x != nil {
+		return x.NumWaitingReqs
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetNumTotalReqs() int32 {
+	if x != nil {
+		return x.NumTotalReqs
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetNumUsedTokens() int32 {
+	if x != nil {
+		return x.NumUsedTokens
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetMaxTotalNumTokens() int32 {
+	if x != nil {
+		return x.MaxTotalNumTokens
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetTokenUsage() float64 {
+	if x != nil {
+		return x.TokenUsage
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetGenThroughput() float64 {
+	if x != nil {
+		return x.GenThroughput
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetCacheHitRate() float64 {
+	if x != nil {
+		return x.CacheHitRate
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetUtilization() float64 {
+	if x != nil {
+		return x.Utilization
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetMaxRunningRequests() int32 {
+	if x != nil {
+		return x.MaxRunningRequests
+	}
+	return 0
+}
+
+func (x *SglangSchedulerLoad) GetMemory() *EngineMemory {
+	if x != nil {
+		return x.Memory
+	}
+	return nil
+}
+
+func (x *SglangSchedulerLoad) GetSpeculative() *EngineSpeculative {
+	if x != nil {
+		return x.Speculative
+	}
+	return nil
+}
+
+func (x *SglangSchedulerLoad) GetLora() *EngineLora {
+	if x != nil {
+		return x.Lora
+	}
+	return nil
+}
+
+func (x *SglangSchedulerLoad) GetDisaggregation() *EngineDisaggregation {
+	if x != nil {
+		return x.Disaggregation
+	}
+	return nil
+}
+
+func (x *SglangSchedulerLoad) GetQueues() *EngineQueues {
+	if x != nil {
+		return x.Queues
+	}
+	return nil
+}
+
+func (x *SglangSchedulerLoad) GetNumWaitingUncachedTokens() int32 {
+	if x != nil {
+		return x.NumWaitingUncachedTokens
+	}
+	return 0
+}
+
 var File_smg_sglang_scheduler_proto protoreflect.FileDescriptor
 
 const file_smg_sglang_scheduler_proto_rawDesc = "" +
 	"\n" +
-	"\x1asmg/sglang_scheduler.proto\x12\x15sglang.grpc.scheduler\x1a\x10smg/common.proto2r\n" +
+	"\x1asmg/sglang_scheduler.proto\x12\x15sglang.grpc.scheduler\x1a\x10smg/common.proto\"[\n" +
+	"\x15SglangGetLoadsRequest\x12\x1c\n" +
+	"\adp_rank\x18\x01 \x01(\x05H\x00R\x06dpRank\x88\x01\x01\x12\x18\n" +
+	"\ainclude\x18\x02 \x03(\tR\aincludeB\n" +
+	"\n" +
+	"\b_dp_rank\"\xb6\x01\n" +
+	"\x16SglangGetLoadsResponse\x12\x1c\n" +
+	"\ttimestamp\x18\x01 \x01(\tR\ttimestamp\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\tR\aversion\x12\"\n" +
+	"\rdp_rank_count\x18\x03 \x01(\x05R\vdpRankCount\x12@\n" +
+	"\x05loads\x18\x04 \x03(\v2*.sglang.grpc.scheduler.SglangSchedulerLoadR\x05loads\"\x91\a\n" +
+	"\x13SglangSchedulerLoad\x12\x17\n" +
+	"\adp_rank\x18\x01 \x01(\x05R\x06dpRank\x12(\n" +
+	"\x10num_running_reqs\x18\x02 \x01(\x05R\x0enumRunningReqs\x12(\n" +
+	"\x10num_waiting_reqs\x18\x03 \x01(\x05R\x0enumWaitingReqs\x12$\n" +
+	"\x0enum_total_reqs\x18\x04 \x01(\x05R\fnumTotalReqs\x12&\n" +
+	"\x0fnum_used_tokens\x18\x05 \x01(\x05R\rnumUsedTokens\x12/\n" +
+	"\x14max_total_num_tokens\x18\x06 \x01(\x05R\x11maxTotalNumTokens\x12\x1f\n" +
+	"\vtoken_usage\x18\a \x01(\x01R\n" +
+	"tokenUsage\x12%\n" +
+	"\x0egen_throughput\x18\b \x01(\x01R\rgenThroughput\x12$\n" +
+	"\x0ecache_hit_rate\x18\t \x01(\x01R\fcacheHitRate\x12 \n" +
+	"\vutilization\x18\n" +
+	" \x01(\x01R\vutilization\x120\n" +
+	"\x14max_running_requests\x18\v \x01(\x05R\x12maxRunningRequests\x12:\n" +
+	"\x06memory\x18\f \x01(\v2\x1d.smg.grpc.common.EngineMemoryH\x00R\x06memory\x88\x01\x01\x12I\n" +
+	"\vspeculative\x18\r \x01(\v2\".smg.grpc.common.EngineSpeculativeH\x01R\vspeculative\x88\x01\x01\x124\n" +
+	"\x04lora\x18\x0e \x01(\v2\x1b.smg.grpc.common.EngineLoraH\x02R\x04lora\x88\x01\x01\x12R\n" +
+	"\x0edisaggregation\x18\x0f \x01(\v2%.smg.grpc.common.EngineDisaggregationH\x03R\x0edisaggregation\x88\x01\x01\x12:\n" +
+	"\x06queues\x18\x10 \x01(\v2\x1d.smg.grpc.common.EngineQueuesH\x04R\x06queues\x88\x01\x01\x12=\n" +
+	"\x1bnum_waiting_uncached_tokens\x18\x11 \x01(\x05R\x18numWaitingUncachedTokensB\t\n" +
+	"\a_memoryB\x0e\n" +
+	"\f_speculativeB\a\n" +
+	"\x05_loraB\x11\n" +
+	"\x0f_disaggregationB\t\n" +
+	"\a_queues2r\n" +
 	"\x0fSglangScheduler\x12_\n" +
 	"\x11SubscribeKvEvents\x12).smg.grpc.common.SubscribeKvEventsRequest\x1a\x1d.smg.grpc.common.KvEventBatch0\x01B,Z*github.com/kvrelay/kvrelay/proto/kvpb;kvpbb\x06proto3"
 
+var (
+	file_smg_sglang_scheduler_proto_rawDescOnce sync.Once
+	file_smg_sglang_scheduler_proto_rawDescData []byte
+)
+
+func file_smg_sglang_scheduler_proto_rawDescGZIP() []byte {
+	file_smg_sglang_scheduler_proto_rawDescOnce.Do(func() {
+		file_smg_sglang_scheduler_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_smg_sglang_scheduler_proto_rawDesc), len(file_smg_sglang_scheduler_proto_rawDesc)))
+	})
+	return file_smg_sglang_scheduler_proto_rawDescData
+}
+
+var file_smg_sglang_scheduler_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_smg_sglang_scheduler_proto_goTypes = []any{
-	(*SubscribeKvEventsRequest)(nil), // 0: smg.grpc.common.SubscribeKvEventsRequest
-	(*KvEventBatch)(nil),             // 1: smg.grpc.common.KvEventBatch
+	(*SglangGetLoadsRequest)(nil),    // 0: sglang.grpc.scheduler.SglangGetLoadsRequest
+	(*SglangGetLoadsResponse)(nil),   // 1: sglang.grpc.scheduler.SglangGetLoadsResponse
+	(*SglangSchedulerLoad)(nil),      // 2: sglang.grpc.scheduler.SglangSchedulerLoad
+	(*EngineMemory)(nil),             // 3: smg.grpc.common.EngineMemory
+	(*EngineSpeculative)(nil),        // 4: smg.grpc.common.EngineSpeculative
+	(*EngineLora)(nil),               // 5: smg.grpc.common.EngineLora
+	(*EngineDisaggregation)(nil),     // 6: smg.grpc.common.EngineDisaggregation
+	(*EngineQueues)(nil),             // 7: smg.grpc.common.EngineQueues
+	(*SubscribeKvEventsRequest)(nil), // 8: smg.grpc.common.SubscribeKvEventsRequest
+	(*KvEventBatch)(nil),             // 9: smg.grpc.common.KvEventBatch
 }
 var file_smg_sglang_scheduler_proto_depIdxs = []int32{
-	0, // 0: sglang.grpc.scheduler.SglangScheduler.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
-	1, // 1: sglang.grpc.scheduler.SglangScheduler.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
-	1, // [1:2] is the sub-list for method output_type
-	0, // [0:1] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	2, // 0: sglang.grpc.scheduler.SglangGetLoadsResponse.loads:type_name -> sglang.grpc.scheduler.SglangSchedulerLoad
+	3, // 1: sglang.grpc.scheduler.SglangSchedulerLoad.memory:type_name -> smg.grpc.common.EngineMemory
+	4, // 2: sglang.grpc.scheduler.SglangSchedulerLoad.speculative:type_name -> smg.grpc.common.EngineSpeculative
+	5, // 3: sglang.grpc.scheduler.SglangSchedulerLoad.lora:type_name -> smg.grpc.common.EngineLora
+	6, // 4: sglang.grpc.scheduler.SglangSchedulerLoad.disaggregation:type_name -> smg.grpc.common.EngineDisaggregation
+	7, // 5: sglang.grpc.scheduler.SglangSchedulerLoad.queues:type_name -> smg.grpc.common.EngineQueues
+	8, // 6: sglang.grpc.scheduler.SglangScheduler.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
+	9, // 7: sglang.grpc.scheduler.SglangScheduler.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
+	7, // [7:8] is the sub-list for method output_type
+	6, // [6:7] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_smg_sglang_scheduler_proto_init() }
@@ -52,18 +412,21 @@ func file_smg_sglang_scheduler_proto_init() {
 		return
 	}
 	file_smg_common_proto_init()
+	file_smg_sglang_scheduler_proto_msgTypes[0].OneofWrappers = []any{}
+	file_smg_sglang_scheduler_proto_msgTypes[2].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_smg_sglang_scheduler_proto_rawDesc), len(file_smg_sglang_scheduler_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   0,
+			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_smg_sglang_scheduler_proto_goTypes,
 		DependencyIndexes: file_smg_sglang_scheduler_proto_depIdxs,
+		MessageInfos:      file_smg_sglang_scheduler_proto_msgTypes,
 	}.Build()
 	File_smg_sglang_scheduler_proto = out.File
 	file_smg_sglang_scheduler_proto_goTypes = nil

@@ -14,6 +14,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	reflect "reflect"
+	sync "sync"
 	unsafe "unsafe"
 )
 
@@ -24,26 +25,359 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type TokenSpeedGetLoadsRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	DpRank *int32                 `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3,oneof" json:"dp_rank,omitempty"`
+	// Sections: core (the servicer's default), memory, queues, all.
+	Include       []string `protobuf:"bytes,2,rep,name=include,proto3" json:"include,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenSpeedGetLoadsRequest) Reset() {
+	*x = TokenSpeedGetLoadsRequest{}
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenSpeedGetLoadsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenSpeedGetLoadsRequest) ProtoMessage() {}
+
+func (x *TokenSpeedGetLoadsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenSpeedGetLoadsRequest.ProtoReflect.Descriptor instead.
+func (*TokenSpeedGetLoadsRequest) Descriptor() ([]byte, []int) {
+	return file_smg_tokenspeed_scheduler_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *TokenSpeedGetLoadsRequest) GetDpRank() int32 {
+	if x != nil && x.DpRank != nil {
+		return *x.DpRank
+	}
+	return 0
+}
+
+func (x *TokenSpeedGetLoadsRequest) GetInclude() []string {
+	if x != nil {
+		return x.Include
+	}
+	return nil
+}
+
+// The servicer's field 5 (aggregate over ranks) is not declared: kvrelay
+// reads the per-rank reports only.
+type TokenSpeedGetLoadsResponse struct {
+	state         protoimpl.MessageState     `protogen:"open.v1"`
+	Timestamp     string                     `protobuf:"bytes,1,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	Version       string                     `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
+	DpRankCount   int32                      `protobuf:"varint,3,opt,name=dp_rank_count,json=dpRankCount,proto3" json:"dp_rank_count,omitempty"`
+	Loads         []*TokenSpeedSchedulerLoad `protobuf:"bytes,4,rep,name=loads,proto3" json:"loads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenSpeedGetLoadsResponse) Reset() {
+	*x = TokenSpeedGetLoadsResponse{}
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenSpeedGetLoadsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenSpeedGetLoadsResponse) ProtoMessage() {}
+
+func (x *TokenSpeedGetLoadsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenSpeedGetLoadsResponse.ProtoReflect.Descriptor instead.
+func (*TokenSpeedGetLoadsResponse) Descriptor() ([]byte, []int) {
+	return file_smg_tokenspeed_scheduler_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TokenSpeedGetLoadsResponse) GetTimestamp() string {
+	if x != nil {
+		return x.Timestamp
+	}
+	return ""
+}
+
+func (x *TokenSpeedGetLoadsResponse) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+func (x *TokenSpeedGetLoadsResponse) GetDpRankCount() int32 {
+	if x != nil {
+		return x.DpRankCount
+	}
+	return 0
+}
+
+func (x *TokenSpeedGetLoadsResponse) GetLoads() []*TokenSpeedSchedulerLoad {
+	if x != nil {
+		return x.Loads
+	}
+	return nil
+}
+
+// TokenSpeed numbers its report differently from vLLM and SGLang (the
+// admission window is field 7).
+type TokenSpeedSchedulerLoad struct {
+	state                    protoimpl.MessageState `protogen:"open.v1"`
+	DpRank                   int32                  `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
+	NumRunningReqs           int32                  `protobuf:"varint,2,opt,name=num_running_reqs,json=numRunningReqs,proto3" json:"num_running_reqs,omitempty"`
+	NumWaitingReqs           int32                  `protobuf:"varint,3,opt,name=num_waiting_reqs,json=numWaitingReqs,proto3" json:"num_waiting_reqs,omitempty"`
+	NumTotalReqs             int32                  `protobuf:"varint,4,opt,name=num_total_reqs,json=numTotalReqs,proto3" json:"num_total_reqs,omitempty"`
+	NumUsedTokens            int32                  `protobuf:"varint,5,opt,name=num_used_tokens,json=numUsedTokens,proto3" json:"num_used_tokens,omitempty"`
+	MaxTotalNumTokens        int32                  `protobuf:"varint,6,opt,name=max_total_num_tokens,json=maxTotalNumTokens,proto3" json:"max_total_num_tokens,omitempty"`
+	MaxRunningRequests       int32                  `protobuf:"varint,7,opt,name=max_running_requests,json=maxRunningRequests,proto3" json:"max_running_requests,omitempty"`
+	TokenUsage               float64                `protobuf:"fixed64,8,opt,name=token_usage,json=tokenUsage,proto3" json:"token_usage,omitempty"`
+	GenThroughput            float64                `protobuf:"fixed64,9,opt,name=gen_throughput,json=genThroughput,proto3" json:"gen_throughput,omitempty"`
+	CacheHitRate             float64                `protobuf:"fixed64,10,opt,name=cache_hit_rate,json=cacheHitRate,proto3" json:"cache_hit_rate,omitempty"`
+	Utilization              float64                `protobuf:"fixed64,11,opt,name=utilization,proto3" json:"utilization,omitempty"`
+	Memory                   *EngineMemory          `protobuf:"bytes,12,opt,name=memory,proto3,oneof" json:"memory,omitempty"`
+	Queues                   *EngineQueues          `protobuf:"bytes,13,opt,name=queues,proto3,oneof" json:"queues,omitempty"`
+	NumWaitingUncachedTokens int32                  `protobuf:"varint,14,opt,name=num_waiting_uncached_tokens,json=numWaitingUncachedTokens,proto3" json:"num_waiting_uncached_tokens,omitempty"`
+	ActiveTokenUsage         *float64               `protobuf:"fixed64,15,opt,name=active_token_usage,json=activeTokenUsage,proto3,oneof" json:"active_token_usage,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
+}
+
+func (x *TokenSpeedSchedulerLoad) Reset() {
+	*x = TokenSpeedSchedulerLoad{}
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenSpeedSchedulerLoad) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenSpeedSchedulerLoad) ProtoMessage() {}
+
+func (x *TokenSpeedSchedulerLoad) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_tokenspeed_scheduler_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenSpeedSchedulerLoad.ProtoReflect.Descriptor instead.
+func (*TokenSpeedSchedulerLoad) Descriptor() ([]byte, []int) {
+	return file_smg_tokenspeed_scheduler_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TokenSpeedSchedulerLoad) GetDpRank() int32 {
+	if x != nil {
+		return x.DpRank
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetNumRunningReqs() int32 {
+	if x != nil {
+		return x.NumRunningReqs
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetNumWaitingReqs() int32 {
+	if x != nil {
+		return x.NumWaitingReqs
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetNumTotalReqs() int32 {
+	if x != nil {
+		return x.NumTotalReqs
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetNumUsedTokens() int32 {
+	if x != nil {
+		return x.NumUsedTokens
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetMaxTotalNumTokens() int32 {
+	if x != nil {
+		return x.MaxTotalNumTokens
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetMaxRunningRequests() int32 {
+	if x != nil {
+		return x.MaxRunningRequests
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetTokenUsage() float64 {
+	if x != nil {
+		return x.TokenUsage
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetGenThroughput() float64 {
+	if x != nil {
+		return x.GenThroughput
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetCacheHitRate() float64 {
+	if x != nil {
+		return x.CacheHitRate
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetUtilization() float64 {
+	if x != nil {
+		return x.Utilization
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetMemory() *EngineMemory {
+	if x != nil {
+		return x.Memory
+	}
+	return nil
+}
+
+func (x *TokenSpeedSchedulerLoad) GetQueues() *EngineQueues {
+	if x != nil {
+		return x.Queues
+	}
+	return nil
+}
+
+func (x *TokenSpeedSchedulerLoad) GetNumWaitingUncachedTokens() int32 {
+	if x != nil {
+		return x.NumWaitingUncachedTokens
+	}
+	return 0
+}
+
+func (x *TokenSpeedSchedulerLoad) GetActiveTokenUsage() float64 {
+	if x != nil && x.ActiveTokenUsage != nil {
+		return *x.ActiveTokenUsage
+	}
+	return 0
+}
+
 var File_smg_tokenspeed_scheduler_proto protoreflect.FileDescriptor
 
 const file_smg_tokenspeed_scheduler_proto_rawDesc = "" +
 	"\n" +
-	"\x1esmg/tokenspeed_scheduler.proto\x12\x19tokenspeed.grpc.scheduler\x1a\x10smg/common.proto2v\n" +
+	"\x1esmg/tokenspeed_scheduler.proto\x12\x19tokenspeed.grpc.scheduler\x1a\x10smg/common.proto\"_\n" +
+	"\x19TokenSpeedGetLoadsRequest\x12\x1c\n" +
+	"\adp_rank\x18\x01 \x01(\x05H\x00R\x06dpRank\x88\x01\x01\x12\x18\n" +
+	"\ainclude\x18\x02 \x03(\tR\aincludeB\n" +
+	"\n" +
+	"\b_dp_rank\"\xc2\x01\n" +
+	"\x1aTokenSpeedGetLoadsResponse\x12\x1c\n" +
+	"\ttimestamp\x18\x01 \x01(\tR\ttimestamp\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\tR\aversion\x12\"\n" +
+	"\rdp_rank_count\x18\x03 \x01(\x05R\vdpRankCount\x12H\n" +
+	"\x05loads\x18\x04 \x03(\v22.tokenspeed.grpc.scheduler.TokenSpeedSchedulerLoadR\x05loads\"\xde\x05\n" +
+	"\x17TokenSpeedSchedulerLoad\x12\x17\n" +
+	"\adp_rank\x18\x01 \x01(\x05R\x06dpRank\x12(\n" +
+	"\x10num_running_reqs\x18\x02 \x01(\x05R\x0enumRunningReqs\x12(\n" +
+	"\x10num_waiting_reqs\x18\x03 \x01(\x05R\x0enumWaitingReqs\x12$\n" +
+	"\x0enum_total_reqs\x18\x04 \x01(\x05R\fnumTotalReqs\x12&\n" +
+	"\x0fnum_used_tokens\x18\x05 \x01(\x05R\rnumUsedTokens\x12/\n" +
+	"\x14max_total_num_tokens\x18\x06 \x01(\x05R\x11maxTotalNumTokens\x120\n" +
+	"\x14max_running_requests\x18\a \x01(\x05R\x12maxRunningRequests\x12\x1f\n" +
+	"\vtoken_usage\x18\b \x01(\x01R\n" +
+	"tokenUsage\x12%\n" +
+	"\x0egen_throughput\x18\t \x01(\x01R\rgenThroughput\x12$\n" +
+	"\x0ecache_hit_rate\x18\n" +
+	" \x01(\x01R\fcacheHitRate\x12 \n" +
+	"\vutilization\x18\v \x01(\x01R\vutilization\x12:\n" +
+	"\x06memory\x18\f \x01(\v2\x1d.smg.grpc.common.EngineMemoryH\x00R\x06memory\x88\x01\x01\x12:\n" +
+	"\x06queues\x18\r \x01(\v2\x1d.smg.grpc.common.EngineQueuesH\x01R\x06queues\x88\x01\x01\x12=\n" +
+	"\x1bnum_waiting_uncached_tokens\x18\x0e \x01(\x05R\x18numWaitingUncachedTokens\x121\n" +
+	"\x12active_token_usage\x18\x0f \x01(\x01H\x02R\x10activeTokenUsage\x88\x01\x01B\t\n" +
+	"\a_memoryB\t\n" +
+	"\a_queuesB\x15\n" +
+	"\x13_active_token_usage2v\n" +
 	"\x13TokenSpeedScheduler\x12_\n" +
 	"\x11SubscribeKvEvents\x12).smg.grpc.common.SubscribeKvEventsRequest\x1a\x1d.smg.grpc.common.KvEventBatch0\x01B,Z*github.com/kvrelay/kvrelay/proto/kvpb;kvpbb\x06proto3"
 
+var (
+	file_smg_tokenspeed_scheduler_proto_rawDescOnce sync.Once
+	file_smg_tokenspeed_scheduler_proto_rawDescData []byte
+)
+
+func file_smg_tokenspeed_scheduler_proto_rawDescGZIP() []byte {
+	file_smg_tokenspeed_scheduler_proto_rawDescOnce.Do(func() {
+		file_smg_tokenspeed_scheduler_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_smg_tokenspeed_scheduler_proto_rawDesc), len(file_smg_tokenspeed_scheduler_proto_rawDesc)))
+	})
+	return file_smg_tokenspeed_scheduler_proto_rawDescData
+}
+
+var file_smg_tokenspeed_scheduler_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_smg_tokenspeed_scheduler_proto_goTypes = []any{
-	(*SubscribeKvEventsRequest)(nil), // 0: smg.grpc.common.SubscribeKvEventsRequest
-	(*KvEventBatch)(nil),             // 1: smg.grpc.common.KvEventBatch
+	(*TokenSpeedGetLoadsRequest)(nil),  // 0: tokenspeed.grpc.scheduler.TokenSpeedGetLoadsRequest
+	(*TokenSpeedGetLoadsResponse)(nil), // 1: tokenspeed.grpc.scheduler.TokenSpeedGetLoadsResponse
+	(*TokenSpeedSchedulerLoad)(nil),    // 2: tokenspeed.grpc.scheduler.TokenSpeedSchedulerLoad
+	(*EngineMemory)(nil),               // 3: smg.grpc.common.EngineMemory
+	(*EngineQueues)(nil),               // 4: smg.grpc.common.EngineQueues
+	(*SubscribeKvEventsRequest)(nil),   // 5: smg.grpc.common.SubscribeKvEventsRequest
+	(*KvEventBatch)(nil),               // 6: smg.grpc.common.KvEventBatch
 }
 var file_smg_tokenspeed_scheduler_proto_depIdxs = []int32{
-	0, // 0: tokenspeed.grpc.scheduler.TokenSpeedScheduler.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
-	1, // 1: tokenspeed.grpc.scheduler.TokenSpeedScheduler.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
-	1, // [1:2] is the sub-list for method output_type
-	0, // [0:1] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	2, // 0: tokenspeed.grpc.scheduler.TokenSpeedGetLoadsResponse.loads:type_name -> tokenspeed.grpc.scheduler.TokenSpeedSchedulerLoad
+	3, // 1: tokenspeed.grpc.scheduler.TokenSpeedSchedulerLoad.memory:type_name -> smg.grpc.common.EngineMemory
+	4, // 2: tokenspeed.grpc.scheduler.TokenSpeedSchedulerLoad.queues:type_name -> smg.grpc.common.EngineQueues
+	5, // 3: tokenspeed.grpc.scheduler.TokenSpeedScheduler.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
+	6, // 4: tokenspeed.grpc.scheduler.TokenSpeedScheduler.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
+	4, // [4:5] is the sub-list for method output_type
+	3, // [3:4] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_smg_tokenspeed_scheduler_proto_init() }
@@ -52,18 +386,21 @@ func file_smg_tokenspeed_scheduler_proto_init() {
 		return
 	}
 	file_smg_common_proto_init()
+	file_smg_tokenspeed_scheduler_proto_msgTypes[0].OneofWrappers = []any{}
+	file_smg_tokenspeed_scheduler_proto_msgTypes[2].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_smg_tokenspeed_scheduler_proto_rawDesc), len(file_smg_tokenspeed_scheduler_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   0,
+			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_smg_tokenspeed_scheduler_proto_goTypes,
 		DependencyIndexes: file_smg_tokenspeed_scheduler_proto_depIdxs,
+		MessageInfos:      file_smg_tokenspeed_scheduler_proto_msgTypes,
 	}.Build()
 	File_smg_tokenspeed_scheduler_proto = out.File
 	file_smg_tokenspeed_scheduler_proto_goTypes = nil

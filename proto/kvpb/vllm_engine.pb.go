@@ -14,6 +14,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	reflect "reflect"
+	sync "sync"
 	unsafe "unsafe"
 )
 
@@ -24,27 +25,321 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type VllmGetLoadsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	DpRank        *int32                 `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3,oneof" json:"dp_rank,omitempty"`
+	Include       []string               `protobuf:"bytes,2,rep,name=include,proto3" json:"include,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VllmGetLoadsRequest) Reset() {
+	*x = VllmGetLoadsRequest{}
+	mi := &file_smg_vllm_engine_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VllmGetLoadsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VllmGetLoadsRequest) ProtoMessage() {}
+
+func (x *VllmGetLoadsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_vllm_engine_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VllmGetLoadsRequest.ProtoReflect.Descriptor instead.
+func (*VllmGetLoadsRequest) Descriptor() ([]byte, []int) {
+	return file_smg_vllm_engine_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *VllmGetLoadsRequest) GetDpRank() int32 {
+	if x != nil && x.DpRank != nil {
+		return *x.DpRank
+	}
+	return 0
+}
+
+func (x *VllmGetLoadsRequest) GetInclude() []string {
+	if x != nil {
+		return x.Include
+	}
+	return nil
+}
+
+type VllmGetLoadsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Timestamp     string                 `protobuf:"bytes,1,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	Version       string                 `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
+	DpRankCount   int32                  `protobuf:"varint,3,opt,name=dp_rank_count,json=dpRankCount,proto3" json:"dp_rank_count,omitempty"`
+	Loads         []*VllmSchedulerLoad   `protobuf:"bytes,4,rep,name=loads,proto3" json:"loads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VllmGetLoadsResponse) Reset() {
+	*x = VllmGetLoadsResponse{}
+	mi := &file_smg_vllm_engine_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VllmGetLoadsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VllmGetLoadsResponse) ProtoMessage() {}
+
+func (x *VllmGetLoadsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_vllm_engine_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VllmGetLoadsResponse.ProtoReflect.Descriptor instead.
+func (*VllmGetLoadsResponse) Descriptor() ([]byte, []int) {
+	return file_smg_vllm_engine_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *VllmGetLoadsResponse) GetTimestamp() string {
+	if x != nil {
+		return x.Timestamp
+	}
+	return ""
+}
+
+func (x *VllmGetLoadsResponse) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+func (x *VllmGetLoadsResponse) GetDpRankCount() int32 {
+	if x != nil {
+		return x.DpRankCount
+	}
+	return 0
+}
+
+func (x *VllmGetLoadsResponse) GetLoads() []*VllmSchedulerLoad {
+	if x != nil {
+		return x.Loads
+	}
+	return nil
+}
+
+type VllmSchedulerLoad struct {
+	state                    protoimpl.MessageState `protogen:"open.v1"`
+	DpRank                   int32                  `protobuf:"varint,1,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
+	NumRunningReqs           int32                  `protobuf:"varint,2,opt,name=num_running_reqs,json=numRunningReqs,proto3" json:"num_running_reqs,omitempty"`
+	NumWaitingReqs           int32                  `protobuf:"varint,3,opt,name=num_waiting_reqs,json=numWaitingReqs,proto3" json:"num_waiting_reqs,omitempty"`
+	NumTotalReqs             int32                  `protobuf:"varint,4,opt,name=num_total_reqs,json=numTotalReqs,proto3" json:"num_total_reqs,omitempty"`
+	NumUsedTokens            int32                  `protobuf:"varint,5,opt,name=num_used_tokens,json=numUsedTokens,proto3" json:"num_used_tokens,omitempty"`
+	MaxTotalNumTokens        int32                  `protobuf:"varint,6,opt,name=max_total_num_tokens,json=maxTotalNumTokens,proto3" json:"max_total_num_tokens,omitempty"`
+	TokenUsage               float64                `protobuf:"fixed64,7,opt,name=token_usage,json=tokenUsage,proto3" json:"token_usage,omitempty"`
+	GenThroughput            float64                `protobuf:"fixed64,8,opt,name=gen_throughput,json=genThroughput,proto3" json:"gen_throughput,omitempty"`
+	CacheHitRate             float64                `protobuf:"fixed64,9,opt,name=cache_hit_rate,json=cacheHitRate,proto3" json:"cache_hit_rate,omitempty"`
+	Utilization              float64                `protobuf:"fixed64,10,opt,name=utilization,proto3" json:"utilization,omitempty"`
+	MaxRunningRequests       int32                  `protobuf:"varint,11,opt,name=max_running_requests,json=maxRunningRequests,proto3" json:"max_running_requests,omitempty"`
+	NumWaitingUncachedTokens int32                  `protobuf:"varint,12,opt,name=num_waiting_uncached_tokens,json=numWaitingUncachedTokens,proto3" json:"num_waiting_uncached_tokens,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
+}
+
+func (x *VllmSchedulerLoad) Reset() {
+	*x = VllmSchedulerLoad{}
+	mi := &file_smg_vllm_engine_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VllmSchedulerLoad) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VllmSchedulerLoad) ProtoMessage() {}
+
+func (x *VllmSchedulerLoad) ProtoReflect() protoreflect.Message {
+	mi := &file_smg_vllm_engine_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VllmSchedulerLoad.ProtoReflect.Descriptor instead.
+func (*VllmSchedulerLoad) Descriptor() ([]byte, []int) {
+	return file_smg_vllm_engine_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *VllmSchedulerLoad) GetDpRank() int32 {
+	if x != nil {
+		return x.DpRank
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetNumRunningReqs() int32 {
+	if x != nil {
+		return x.NumRunningReqs
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetNumWaitingReqs() int32 {
+	if x != nil {
+		return x.NumWaitingReqs
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetNumTotalReqs() int32 {
+	if x != nil {
+		return x.NumTotalReqs
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetNumUsedTokens() int32 {
+	if x != nil {
+		return x.NumUsedTokens
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetMaxTotalNumTokens() int32 {
+	if x != nil {
+		return x.MaxTotalNumTokens
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetTokenUsage() float64 {
+	if x != nil {
+		return x.TokenUsage
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetGenThroughput() float64 {
+	if x != nil {
+		return x.GenThroughput
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetCacheHitRate() float64 {
+	if x != nil {
+		return x.CacheHitRate
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetUtilization() float64 {
+	if x != nil {
+		return x.Utilization
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetMaxRunningRequests() int32 {
+	if x != nil {
+		return x.MaxRunningRequests
+	}
+	return 0
+}
+
+func (x *VllmSchedulerLoad) GetNumWaitingUncachedTokens() int32 {
+	if x != nil {
+		return x.NumWaitingUncachedTokens
+	}
+	return 0
+}
+
 var File_smg_vllm_engine_proto protoreflect.FileDescriptor
 
 const file_smg_vllm_engine_proto_rawDesc = "" +
 	"\n" +
-	"\x15smg/vllm_engine.proto\x12\x10vllm.grpc.engine\x1a\x10smg/common.proto2m\n" +
+	"\x15smg/vllm_engine.proto\x12\x10vllm.grpc.engine\x1a\x10smg/common.proto\"Y\n" +
+	"\x13VllmGetLoadsRequest\x12\x1c\n" +
+	"\adp_rank\x18\x01 \x01(\x05H\x00R\x06dpRank\x88\x01\x01\x12\x18\n" +
+	"\ainclude\x18\x02 \x03(\tR\aincludeB\n" +
+	"\n" +
+	"\b_dp_rank\"\xad\x01\n" +
+	"\x14VllmGetLoadsResponse\x12\x1c\n" +
+	"\ttimestamp\x18\x01 \x01(\tR\ttimestamp\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\tR\aversion\x12\"\n" +
+	"\rdp_rank_count\x18\x03 \x01(\x05R\vdpRankCount\x129\n" +
+	"\x05loads\x18\x04 \x03(\v2#.vllm.grpc.engine.VllmSchedulerLoadR\x05loads\"\x80\x04\n" +
+	"\x11VllmSchedulerLoad\x12\x17\n" +
+	"\adp_rank\x18\x01 \x01(\x05R\x06dpRank\x12(\n" +
+	"\x10num_running_reqs\x18\x02 \x01(\x05R\x0enumRunningReqs\x12(\n" +
+	"\x10num_waiting_reqs\x18\x03 \x01(\x05R\x0enumWaitingReqs\x12$\n" +
+	"\x0enum_total_reqs\x18\x04 \x01(\x05R\fnumTotalReqs\x12&\n" +
+	"\x0fnum_used_tokens\x18\x05 \x01(\x05R\rnumUsedTokens\x12/\n" +
+	"\x14max_total_num_tokens\x18\x06 \x01(\x05R\x11maxTotalNumTokens\x12\x1f\n" +
+	"\vtoken_usage\x18\a \x01(\x01R\n" +
+	"tokenUsage\x12%\n" +
+	"\x0egen_throughput\x18\b \x01(\x01R\rgenThroughput\x12$\n" +
+	"\x0ecache_hit_rate\x18\t \x01(\x01R\fcacheHitRate\x12 \n" +
+	"\vutilization\x18\n" +
+	" \x01(\x01R\vutilization\x120\n" +
+	"\x14max_running_requests\x18\v \x01(\x05R\x12maxRunningRequests\x12=\n" +
+	"\x1bnum_waiting_uncached_tokens\x18\f \x01(\x05R\x18numWaitingUncachedTokens2m\n" +
 	"\n" +
 	"VllmEngine\x12_\n" +
 	"\x11SubscribeKvEvents\x12).smg.grpc.common.SubscribeKvEventsRequest\x1a\x1d.smg.grpc.common.KvEventBatch0\x01B,Z*github.com/kvrelay/kvrelay/proto/kvpb;kvpbb\x06proto3"
 
+var (
+	file_smg_vllm_engine_proto_rawDescOnce sync.Once
+	file_smg_vllm_engine_proto_rawDescData []byte
+)
+
+func file_smg_vllm_engine_proto_rawDescGZIP() []byte {
+	file_smg_vllm_engine_proto_rawDescOnce.Do(func() {
+		file_smg_vllm_engine_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_smg_vllm_engine_proto_rawDesc), len(file_smg_vllm_engine_proto_rawDesc)))
+	})
+	return file_smg_vllm_engine_proto_rawDescData
+}
+
+var file_smg_vllm_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_smg_vllm_engine_proto_goTypes = []any{
-	(*SubscribeKvEventsRequest)(nil), // 0: smg.grpc.common.SubscribeKvEventsRequest
-	(*KvEventBatch)(nil),             // 1: smg.grpc.common.KvEventBatch
+	(*VllmGetLoadsRequest)(nil),      // 0: vllm.grpc.engine.VllmGetLoadsRequest
+	(*VllmGetLoadsResponse)(nil),     // 1: vllm.grpc.engine.VllmGetLoadsResponse
+	(*VllmSchedulerLoad)(nil),        // 2: vllm.grpc.engine.VllmSchedulerLoad
+	(*SubscribeKvEventsRequest)(nil), // 3: smg.grpc.common.SubscribeKvEventsRequest
+	(*KvEventBatch)(nil),             // 4: smg.grpc.common.KvEventBatch
 }
 var file_smg_vllm_engine_proto_depIdxs = []int32{
-	0, // 0: vllm.grpc.engine.VllmEngine.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
-	1, // 1: vllm.grpc.engine.VllmEngine.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
-	1, // [1:2] is the sub-list for method output_type
-	0, // [0:1] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	2, // 0: vllm.grpc.engine.VllmGetLoadsResponse.loads:type_name -> vllm.grpc.engine.VllmSchedulerLoad
+	3, // 1: vllm.grpc.engine.VllmEngine.SubscribeKvEvents:input_type -> smg.grpc.common.SubscribeKvEventsRequest
+	4, // 2: vllm.grpc.engine.VllmEngine.SubscribeKvEvents:output_type -> smg.grpc.common.KvEventBatch
+	2, // [2:3] is the sub-list for method output_type
+	1, // [1:2] is the sub-list for method input_type
+	1, // [1:1] is the sub-list for extension type_name
+	1, // [1:1] is the sub-list for extension extendee
+	0, // [0:1] is the sub-list for field type_name
 }
 
 func init() { file_smg_vllm_engine_proto_init() }
@@ -53,18 +348,20 @@ func file_smg_vllm_engine_proto_init() {
 		return
 	}
 	file_smg_common_proto_init()
+	file_smg_vllm_engine_proto_msgTypes[0].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_smg_vllm_engine_proto_rawDesc), len(file_smg_vllm_engine_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   0,
+			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_smg_vllm_engine_proto_goTypes,
 		DependencyIndexes: file_smg_vllm_engine_proto_depIdxs,
+		MessageInfos:      file_smg_vllm_engine_proto_msgTypes,
 	}.Build()
 	File_smg_vllm_engine_proto = out.File
 	file_smg_vllm_engine_proto_goTypes = nil

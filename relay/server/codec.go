@@ -14,6 +14,10 @@ import (
 // subscribers.
 type frame struct {
 	payload []byte
+	// suffix is sent right after payload as part of the same message: a
+	// subscriber's own fields (its load record) appended to the shared
+	// encoding without copying it.
+	suffix []byte
 }
 
 // passthroughCodec is the proto codec for typed messages and a byte pipe for
@@ -33,6 +37,9 @@ func (c *passthroughCodec) Marshal(v any) (mem.BufferSlice, error) {
 	if f, ok := v.(*frame); ok {
 		// SliceBuffer does not return its bytes to a pool when freed, so
 		// the transport may hold the relay's shared encoding without a copy.
+		if len(f.suffix) > 0 {
+			return mem.BufferSlice{mem.SliceBuffer(f.payload), mem.SliceBuffer(f.suffix)}, nil
+		}
 		return mem.BufferSlice{mem.SliceBuffer(f.payload)}, nil
 	}
 	return c.proto.Marshal(v)

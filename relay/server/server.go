@@ -36,6 +36,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // Stream is one subscriber's batches, as a relay hands them out.
@@ -53,6 +54,17 @@ type Service struct {
 	// Ready reports whether the relay is connected to every DP rank; the
 	// health service says SERVING only then.
 	Ready func() bool
+	// Load, when set, is the engine's load per DP rank (a load.Poller):
+	// every batch carries its rank's record and a quiet stream gets
+	// load_only batches, as SMG's servicers send them.
+	Load LoadSource
+}
+
+// LoadSource is the engine's load as a stream reads it: the newest record
+// per rank, and a channel closed when some rank's record changed.
+type LoadSource interface {
+	load.Source
+	Updated() <-chan struct{}
 }
 
 // RelayService serves rel's stream as engine's service: every caller that
@@ -452,15 +464,16 @@ type pump struct {
 	sending atomic.Bool
 }
 
-func (p *pump) send(b *kvpb.KvEventBatch, payload []byte) error {
+func (p *pump) send(b *kvpb.KvEventBatch, payload, suffix []byte) error {
 	p.sending.Store(true)
 	var err error
 	if payload == nil {
 		err = p.stream.Send(b)
 	} else {
 		// The relay encoded the batch once for every subscriber; the
-		// server codec sends those bytes as they are.
-		err = p.stream.SendMsg(&frame{payload: payload})
+		// server codec sends those bytes as they are, and this
+		// subscriber's suffix (its load record) after them.
+		err = p.stream.SendMsg(&frame{payload: payload, suffix: suffix})
 	}
 	p.sent.Add(1)
 	p.sending.Store(false)
@@ -492,6 +505,9 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 	if err := p.stream.SendHeader(metadata.MD{}); err != nil {
 		return err
 	}
+	if src := p.h.svc.Load; src != nil {
+		return p.runStamped(ctx, sub, src)
+	}
 	enc, encoded := sub.(encodedStream)
 	keyed, _ := sub.(liveKeyed)
 	for {
@@ -512,7 +528,7 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 		if live {
 			latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
 		}
-		if err := p.send(b, payload); err != nil {
+		if err := p.send(b, payload, nil); err != nil {
 			return err
 		}
 		if live {

@@ -48,6 +48,7 @@ type stackOptions struct {
 	historyBatches int
 	buffer         int
 	upstream       string
+	load           server.LoadSource
 }
 
 func startStack(t *testing.T, o stackOptions) *stack {
@@ -79,6 +80,7 @@ func startStack(t *testing.T, o stackOptions) *stack {
 		_ = r.Run(ctx)
 	}()
 	svc := server.RelayService(vllm.Engine, r)
+	svc.Load = o.load
 	opts := server.Options{Services: []server.Service{svc}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: 2 * time.Second}
 	if o.upstream != "" {
 		opts.Upstreams = map[string]string{"vllm": o.upstream}

@@ -1,0 +1,146 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/load"
+)
+
+// loadTimeline is an engine's HTTP server serving SGLang's /v1/loads from
+// figures the test moves.
+type loadTimeline struct {
+	mu      sync.Mutex
+	running map[int]int
+	served  int
+}
+
+func (l *loadTimeline) set(rank, running int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.running[rank] = running
+}
+
+func (l *loadTimeline) servedCount() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.served
+}
+
+func (l *loadTimeline) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.served++
+	fmt.Fprint(w, `{"loads":[`)
+	for rank := 0; rank < len(l.running); rank++ {
+		if rank > 0 {
+			fmt.Fprint(w, ",")
+		}
+		fmt.Fprintf(w, `{"dp_rank":%d,"num_running_reqs":%d,"num_waiting_reqs":1,"token_usage":0.5,"gen_throughput":10.0,"cache_hit_rate":0.25,"num_waiting_uncached_tokens":64}`,
+			rank, l.running[rank])
+	}
+	fmt.Fprint(w, `]}`)
+}
+
+// startLoad serves the timeline on loopback and polls it every 20 ms.
+func startLoad(t *testing.T, tl *loadTimeline) *load.Poller {
+	t.Helper()
+	hs := httptest.NewServer(tl)
+	p, err := load.NewPoller(load.Options{
+		Fetcher: load.NewV1Loads(hs.Client(), hs.URL+"/v1/loads"), Interval: 20 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; hs.Close() })
+	waitFor(t, 10*time.Second, "the first load poll", func() bool {
+		_, ok := p.Latest(0)
+		return ok
+	})
+	return p
+}
+
+func TestEveryBatchCarriesItsRanksLoadAndQuietStreamsGetHeartbeats(t *testing.T) {
+	tl := &loadTimeline{running: map[int]int{0: 3, 1: 7}}
+	poller := startLoad(t, tl)
+	s := startStack(t, stackOptions{dpSize: 2, load: poller})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	st, err := s.client.SubscribeKvEvents(ctx, &kvpb.SubscribeKvEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// No heartbeat before the stream's first batch: let the heartbeat
+	// interval pass with the stream open and the load fresh, then publish.
+	polled := tl.servedCount()
+	waitFor(t, 20*time.Second, "more than a heartbeat interval of polls", func() bool {
+		return tl.servedCount() > polled+int(load.HeartbeatInterval/(20*time.Millisecond))+5
+	})
+	s.publish(t, 0, 100)
+	s.publish(t, 1, 200)
+	s.publish(t, 0, 101)
+
+	got := recvN(t, st, 3)
+	if got[0].GetLoad().GetLoadOnly() || len(got[0].GetEvents()) == 0 {
+		t.Fatalf("the stream's first message is %v, want the first real batch", got[0])
+	}
+	want := map[int32]uint32{0: 3, 1: 7}
+	for i, b := range got {
+		l := b.GetLoad()
+		if l == nil {
+			t.Fatalf("batch %d (rank %d seq %d) carries no load", i, b.GetDpRank(), b.GetSequenceNumber())
+		}
+		if l.GetRunningRequests() != want[b.GetDpRank()] || l.GetSample() != uint64(i+1) || l.GetLoadOnly() {
+			t.Fatalf("batch %d of rank %d: load %v, want running %d, sample %d, not load_only", i, b.GetDpRank(), l, want[b.GetDpRank()], i+1)
+		}
+		if l.GetWaitingUncachedTokens() != 64 || l.WaitingUncachedTokens == nil {
+			t.Fatalf("batch %d: queued token work %v, want 64", i, l.WaitingUncachedTokens)
+		}
+		if hasTelemetry := l.CacheHitRate != nil; hasTelemetry != (i == 0) {
+			t.Fatalf("batch %d: telemetry %v, want it on the first record only", i, hasTelemetry)
+		}
+	}
+	last := got[2]
+
+	// Quiet: a heartbeat repeats the last batch's sequence and rank, with
+	// telemetry.
+	hb := recvN(t, st, 1)[0]
+	if !hb.GetLoad().GetLoadOnly() || len(hb.GetEvents()) != 0 || hb.GetSequenceNumber() != last.GetSequenceNumber() ||
+		hb.GetDpRank() != last.GetDpRank() || hb.GetLoad().GetSample() != 4 || hb.GetLoad().CacheHitRate == nil {
+		t.Fatalf("heartbeat %v: want load_only, no events, seq %d rank %d, sample 4, telemetry", hb, last.GetSequenceNumber(), last.GetDpRank())
+	}
+
+	// A second unchanged heartbeat puts the stream on the 5 s backoff; a
+	// change then goes out without waiting for it.
+	if b := recvN(t, st, 1)[0]; !b.GetLoad().GetLoadOnly() || b.GetLoad().GetRunningRequests() != 3 {
+		t.Fatalf("second heartbeat %v", b)
+	}
+	changedAt := time.Now()
+	tl.set(0, 30)
+	for {
+		b := recvN(t, st, 1)[0]
+		if !b.GetLoad().GetLoadOnly() {
+			t.Fatalf("a real batch %v on a quiet stream", b)
+		}
+		if b.GetLoad().GetRunningRequests() == 30 {
+			break
+		}
+	}
+	if d := time.Since(changedAt); d >= load.HeartbeatBackoff {
+		// Only heartbeat-only pacing (a change not checked) is this slow.
+		t.Fatalf("the change took %v to go out: it waited for the backoff heartbeat", d)
+	}
+}
