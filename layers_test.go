@@ -58,7 +58,9 @@ const layers = `
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
 	proto/kvdec < gateway/monitor;
-	gateway/picker, gateway/placement, gateway/monitor < gateway;
+	# The gateway polls GetLoads where a worker pushes no load, with the
+	# relay's own mapping of each engine's answer (a leaf on the protos).
+	gateway/picker, gateway/placement, gateway/monitor, relay/load < gateway;
 	internal/natslog < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 

@@ -30,10 +30,17 @@ type pyRelay struct {
 
 func startPyRelay(t *testing.T, endpoint, replay string, dp, port int, extra ...string) *pyRelay {
 	t.Helper()
-	args := append([]string{pyenv.Script("smg", "py_relay_server.py"),
-		"--engine", "vllm", "--endpoint", endpoint, "--replay-endpoint", replay,
+	args := append([]string{"--engine", "vllm", "--endpoint", endpoint, "--replay-endpoint", replay,
 		"--dp-size", strconv.Itoa(dp), "--port", strconv.Itoa(port)}, extra...)
-	cmd := pyenv.Command(t, args[0], args[1:]...)
+	return startPyScript(t, "py_relay_server.py", args, nil)
+}
+
+// startPyScript runs one of testdata/smg's servers and waits for the
+// {"ready": true, "port": N} line it prints when it listens; onLine, if
+// set, gets every other line of its stdout.
+func startPyScript(t *testing.T, script string, args []string, onLine func([]byte)) *pyRelay {
+	t.Helper()
+	cmd := pyenv.Command(t, pyenv.Script("smg", script), args...)
 	p := &pyRelay{cmd: cmd}
 	cmd.Stderr = writerFunc(func(b []byte) (int, error) {
 		p.mu.Lock()
@@ -58,13 +65,15 @@ func startPyRelay(t *testing.T, endpoint, replay string, dp, port int, extra ...
 			}
 			if json.Unmarshal(sc.Bytes(), &msg) == nil && msg.Ready {
 				ready <- msg.Port
+			} else if onLine != nil {
+				onLine(sc.Bytes())
 			}
 		}
 	}()
 	select {
 	case p.port = <-ready:
 	case <-time.After(30 * time.Second):
-		t.Fatalf("py_relay_server did not start; stderr:\n%s", p.log())
+		t.Fatalf("%s did not start; stderr:\n%s", script, p.log())
 	}
 	return p
 }

@@ -190,6 +190,12 @@ func (s *subscription) run(ctx context.Context) {
 		return
 	}
 	defer cc.Close()
+	if poll := opts.PollLoads; poll != nil {
+		pctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); poll(pctx, s.w, cc) }()
+		defer func() { cancel(); <-done }() // before the connection closes
+	}
 	subscribe := clientFor(s.w.Service, cc)
 	if open := opts.OpenStream; open != nil {
 		viaGRPC := subscribe
@@ -229,6 +235,11 @@ func (s *subscription) run(ctx context.Context) {
 			s.log.Warn("worker does not serve KV events; subscription disabled", "err", err)
 			s.sink.ClearWorker(s.w.ID)
 			s.setState(StateDisabled, err)
+			if opts.PollLoads != nil {
+				// An engine without KV events may still answer GetLoads:
+				// the connection stays for the polls until the worker goes.
+				<-ctx.Done()
+			}
 			return
 		case outcomeResync:
 			if resyncs == 1 {
