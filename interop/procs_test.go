@@ -216,10 +216,11 @@ func freePort(t testing.TB) int {
 }
 
 // startPyRelay runs testdata/smg/py_relay_server.py: SMG's Python relay as a
-// gRPC server, following dp ranks from the given base endpoints.
-func startPyRelay(t testing.TB, engine, endpoint, replay string, dp int) (*proc, string) {
+// gRPC server, following dp ranks from the given base endpoints; extra
+// flags are appended (--load-file).
+func startPyRelay(t testing.TB, engine, endpoint, replay string, dp int, extra ...string) (*proc, string) {
 	t.Helper()
-	args := []string{"--engine", engine, "--endpoint", endpoint, "--dp-size", strconv.Itoa(dp), "--port", "0"}
+	args := append([]string{"--engine", engine, "--endpoint", endpoint, "--dp-size", strconv.Itoa(dp), "--port", "0"}, extra...)
 	if replay != "" {
 		args = append(args, "--replay-endpoint", replay)
 	}

@@ -62,6 +62,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	upstreamDropAuth := fs.Bool("upstream-drop-authorization", false, "do not pass callers' authorization metadata to --upstream")
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --metrics-listen")
 	allowUnknownKeys := fs.Bool("allow-unknown-config-keys", false, "accept --kv-events-config keys this engine does not read (a config shared with other engines); default: refuse them")
+	engineMetricsURL := fs.String("engine-metrics-url", "", "the engine's HTTP server, read for its load per DP rank: a base URL tries SGLang's /v1/loads, then /metrics (vLLM, SGLang); a URL ending in /metrics or /v1/loads reads only that")
+	loadSource := fs.String("load-source", "auto", "where each batch's engine load comes from: auto (--engine-metrics-url when given, else the --upstream servicer's GetLoads), getloads, http or off")
+	loadInterval := fs.Duration("load-interval", 0, "how often the load source is read (0: 250ms)")
+	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
 	if err := fs.Parse(args); err != nil {
@@ -84,7 +88,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout",
 			"tls-cert", "tls-key", "tls-client-ca", "tls-allow", "reflection", "upstream-tls-ca", "upstream-tls-cert", "upstream-tls-key",
 			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization", "allow-unknown-config-keys",
-			"report-mode-full", "suppress-reannounced-stores"} {
+			"report-mode-full", "suppress-reannounced-stores", "engine-metrics-url", "load-source", "load-interval", "load-max-age"} {
 			if set[single] {
 				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with --config (put it in the file)\n", single)
 				return 2
@@ -142,6 +146,8 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 				AllowUnknownConfigKeys: *allowUnknownKeys,
 				ReportModeFull:         *reportModeFull, SuppressReannounced: *suppressReannounced,
 				PublishersOnUpstreamHost: publishersMoved,
+				EngineMetricsURL:         *engineMetricsURL, LoadSource: *loadSource,
+				LoadInterval: durationKey(*loadInterval), LoadMaxAge: durationKey(*loadMaxAge),
 			}},
 		}
 	}
@@ -193,4 +199,12 @@ func (l engineLimits) check() error {
 		return fmt.Errorf("--replay-max-time %v: want a positive duration", l.ReplayMaxTime)
 	}
 	return nil
+}
+
+// durationKey is a duration flag as its config key: "" for 0 (the default).
+func durationKey(d time.Duration) string {
+	if d == 0 {
+		return ""
+	}
+	return d.String()
 }

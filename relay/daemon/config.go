@@ -69,6 +69,16 @@ type RelayConfig struct {
 	// --suppress-reannounced-stores.
 	ReportModeFull      bool `json:"report_mode_full"`
 	SuppressReannounced bool `json:"suppress_reannounced_stores"`
+	// EngineMetricsURL is the engine's HTTP server (base URL: /v1/loads
+	// first, /metrics when refused; or a URL ending in either) read for the
+	// engine's load. LoadSource chooses: auto (the URL when given, else the
+	// upstream's GetLoads, else none), getloads, http or off.
+	// LoadInterval and LoadMaxAge are durations (load.DefaultInterval,
+	// load.DefaultMaxAge when empty).
+	EngineMetricsURL string `json:"engine_metrics_url"`
+	LoadSource       string `json:"load_source"`
+	LoadInterval     string `json:"load_interval"`
+	LoadMaxAge       string `json:"load_max_age"`
 	// PublishersOnUpstreamHost: discovery replaced the engine's wildcard
 	// bind hosts by the upstream's host (PublishersOnHost); the engine
 	// binds them all the same. Set by Learn, never by a file.
@@ -81,8 +91,10 @@ type Relay struct {
 	Engine        engines.Engine
 	KV            engines.Config
 	ReplayTimeout time.Duration
-	upstreamAddr  string // HOST:PORT of Upstream
-	upstreamTLS   bool
+	// Load is how the relay reads the engine's load (Load.Kind "" : none).
+	Load         LoadSettings
+	upstreamAddr string // HOST:PORT of Upstream
+	upstreamTLS  bool
 	// UnknownKeys is the refused-key error CheckKeys gave, kept as a start
 	// warning when AllowUnknownConfigKeys is on.
 	UnknownKeys error
@@ -187,6 +199,10 @@ func Resolve(cfgs []RelayConfig) ([]Relay, error) {
 				return nil, fmt.Errorf("%s: replay-timeout %q is not a positive duration", where, c.ReplayTimeout)
 			}
 		}
+		loadSettings, err := resolveLoad(c)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
+		}
 		if kv.Enabled {
 			// Fail now, not at the first connect, on endpoints no rank can
 			// use or that two ranks' sockets would share.
@@ -194,7 +210,7 @@ func Resolve(cfgs []RelayConfig) ([]Relay, error) {
 				return nil, fmt.Errorf("%s: kv-events-config: %w", where, err)
 			}
 		}
-		out = append(out, Relay{RelayConfig: c, Engine: eng, KV: kv, ReplayTimeout: timeout, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS, UnknownKeys: unknownKeys})
+		out = append(out, Relay{RelayConfig: c, Engine: eng, KV: kv, ReplayTimeout: timeout, Load: loadSettings, upstreamAddr: upstreamAddr, upstreamTLS: upstreamTLS, UnknownKeys: unknownKeys})
 	}
 	return out, nil
 }

@@ -32,6 +32,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/load"
 	"github.com/kvrelay/kvrelay/relay/server"
 )
 
@@ -123,6 +124,7 @@ func Run(ctx context.Context, o Options) error {
 	type running struct {
 		cfg   Relay
 		relay *relay.Relay // nil when the engine's events are off
+		load  *load.Poller // nil without a load source
 	}
 	var all []running
 	for _, rc := range o.Relays {
@@ -157,6 +159,22 @@ func Run(ctx context.Context, o Options) error {
 			return fmt.Errorf("relay %q: %w", rc.Name, err)
 		}
 		all = append(all, running{cfg: rc, relay: r})
+	}
+	// Load pollers run beside the relays and stop after the streams that
+	// read them.
+	var loadWG sync.WaitGroup
+	loadCtx, stopLoad := context.WithCancel(context.Background())
+	defer func() { stopLoad(); loadWG.Wait() }()
+	for i := range all {
+		if all[i].relay == nil {
+			continue
+		}
+		p, closeConn, err := startLoad(loadCtx, &loadWG, log, reg, all[i].cfg, dialUpstream(log))
+		if err != nil {
+			return err
+		}
+		defer closeConn()
+		all[i].load = p
 	}
 
 	// Relays sharing a listen address share one gRPC server.
@@ -201,6 +219,9 @@ func Run(ctx context.Context, o Options) error {
 			svc := server.Service{Engine: r.cfg.Engine} // events off: UNIMPLEMENTED
 			if r.relay != nil {
 				svc = server.RelayService(r.cfg.Engine, r.relay)
+			}
+			if r.load != nil {
+				svc.Load = r.load
 			}
 			services = append(services, svc)
 			if r.cfg.Upstream != "" {

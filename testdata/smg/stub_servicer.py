@@ -7,7 +7,10 @@ a test can see what the gateway asked for. It never serves
 SubscribeKvEvents itself unless --events is given: in the interop test that
 RPC is answered by kvrelay in front of this stub.
 
-Usage: stub_servicer.py --port N [--model NAME] [--events]
+With --loads JSON ({"<rank>": {SchedulerLoad fields}}), GetLoads reports
+those ranks' loads; without it, an empty report.
+
+Usage: stub_servicer.py --port N [--model NAME] [--events] [--loads JSON]
 """
 
 import argparse
@@ -33,9 +36,10 @@ def log(**kw):
 
 
 class Stub(pbg.VllmEngineServicer):
-    def __init__(self, model, events):
+    def __init__(self, model, events, loads=None):
         self.model = model
         self.events = events
+        self.loads = [pb.SchedulerLoad(dp_rank=int(rank), **fields) for rank, fields in (loads or {}).items()]
 
     def GetModelInfo(self, request, context):
         log(call="GetModelInfo")
@@ -55,7 +59,7 @@ class Stub(pbg.VllmEngineServicer):
 
     def GetLoads(self, request, context):
         log(call="GetLoads")
-        return pb.GetLoadsResponse()
+        return pb.GetLoadsResponse(dp_rank_count=len(self.loads), loads=self.loads)
 
     def SubscribeKvEvents(self, request, context):
         log(call="SubscribeKvEvents", start=request.start_sequence_number)
@@ -79,9 +83,10 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", default="stub-model")
     ap.add_argument("--events", action="store_true")
+    ap.add_argument("--loads", default=None)
     a = ap.parse_args()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[Logger()])
-    pbg.add_VllmEngineServicer_to_server(Stub(a.model, a.events), server)
+    pbg.add_VllmEngineServicer_to_server(Stub(a.model, a.events, json.loads(a.loads) if a.loads else None), server)
     port = server.add_insecure_port(f"127.0.0.1:{a.port}")
     server.start()
     log(ready=True, port=port)

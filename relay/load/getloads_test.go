@@ -1,0 +1,97 @@
+package load
+
+import (
+	"bufio"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/testing/protocmp"
+
+	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
+)
+
+// TestGetLoadsMatchesSMGServicerConversion: a servicer built on SMG's own
+// generated messages answers GetLoads; kvrelay's source reads it over gRPC
+// and must make of every rank's report the record smg-grpc-servicer's own
+// engine_load_from makes, field for field.
+func TestGetLoadsMatchesSMGServicerConversion(t *testing.T) {
+	services := map[string]string{
+		"vllm":       kvpb.VllmEngine_ServiceDesc.ServiceName,
+		"sglang":     kvpb.SglangScheduler_ServiceDesc.ServiceName,
+		"tokenspeed": kvpb.TokenSpeedScheduler_ServiceDesc.ServiceName,
+	}
+	for engine, service := range services {
+		t.Run(engine, func(t *testing.T) {
+			cmd := pyenv.Command(t, pyenv.Script("load", "getloads_servicer.py"), "--engine", engine)
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = stdin.Close(); _ = cmd.Wait() }()
+			var ready struct {
+				Port int               `json:"port"`
+				Want map[string]string `json:"want"`
+			}
+			sc := bufio.NewScanner(out)
+			if !sc.Scan() {
+				t.Fatalf("the servicer printed nothing: %v", sc.Err())
+			}
+			if err := json.Unmarshal(sc.Bytes(), &ready); err != nil {
+				t.Fatalf("%v: %s", err, sc.Bytes())
+			}
+			cc, err := grpc.NewClient(fmt.Sprintf("127.0.0.1:%d", ready.Port), grpc.WithTransportCredentials(insecure.NewCredentials()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cc.Close()
+			f, err := NewGetLoads(cc, service)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			got, err := f.Fetch(ctx, DefaultMaxBytes)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(ready.Want) {
+				t.Fatalf("%d ranks, want %d", len(got), len(ready.Want))
+			}
+			for rank, hexWant := range ready.Want {
+				raw, err := hex.DecodeString(hexWant)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := &kvpb.EngineLoad{}
+				if err := proto.Unmarshal(raw, want); err != nil {
+					t.Fatal(err)
+				}
+				var r int32
+				fmt.Sscan(rank, &r)
+				if d := cmp.Diff(want, got[r], protocmp.Transform()); d != "" {
+					t.Errorf("rank %s: kvrelay's record differs from smg-grpc-servicer's (-smg +kvrelay):\n%s", rank, d)
+				}
+			}
+			// A reply over the byte cap is refused as too large.
+			if _, err := f.Fetch(ctx, 16); outcomeOf(err) != "too_large" {
+				t.Errorf("a reply over a 16-byte cap: %v, want too_large", err)
+			}
+		})
+	}
+}
