@@ -18,7 +18,7 @@ import (
 // Time is the engine's clock, so the load moves with the simulated work:
 // a burst of requests on one rank queues there, its KV usage and backlog
 // rise and drain, and a rank whose prompts hit the cache has less to
-// prefill. The figures are exported as the engine does (ServeLoad):
+// prefill and holds less. The figures are exported as the engine does (ServeLoad):
 // vLLM's /metrics (engine label = DP rank; counters for prefix-cache
 // queries and hits and generated tokens), SGLang's /metrics (dp_rank
 // label) and its /v1/loads JSON. TokenSpeed exports no load.
@@ -179,10 +179,11 @@ func (e *Engine) Loads() []RankLoad {
 		e.advanceLocked(l, now)
 		used, decoding := 0.0, 0
 		for _, r := range l.running {
-			// A running request holds its prompt's blocks (cached ones
-			// included: they cannot be evicted while it runs) and what it
-			// generated.
-			used += float64(r.prompt) + r.generated
+			// A running request holds the blocks it allocated: its
+			// uncached prompt and what it generated. The cached blocks it
+			// found are shared with the cache and other requests (a chat's
+			// system prompt), so they are not counted per request.
+			used += float64(r.uncached) + r.generated
 			if r.prefillLeft == 0 {
 				decoding++
 			}

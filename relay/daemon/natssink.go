@@ -10,9 +10,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/natsevents"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // NATSSink is serve's JetStream sink (--nats …); an empty URL is off.
@@ -27,8 +30,10 @@ type NATSSink struct {
 	AliveEvery time.Duration
 }
 
-// start runs one sink for the relay until ctx ends; wg tracks it.
-func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string) error {
+// start runs one sink for the relay until ctx ends; wg tracks it. loads,
+// if not nil, is the relay's load source: the sink publishes its records
+// beside the stream.
+func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string, loads *load.Poller) error {
 	if f.URL == "" || rel == nil {
 		return nil
 	}
@@ -45,10 +50,14 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 	if aliveEvery == 0 {
 		aliveEvery = -1 // off; SinkOptions reads 0 as the default
 	}
-	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
+	opts := natsevents.SinkOptions{
 		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery,
 		Logger: log.With("component", "natsevents", "worker", name),
-	})
+	}
+	if loads != nil {
+		opts.Loads = sinkLoads{loads}
+	}
+	sink, err := natsevents.NewSink(rel, opts)
 	if err != nil {
 		return fmt.Errorf("--nats: %w", err)
 	}
@@ -61,4 +70,18 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 		_ = sink.Run(ctx)
 	}()
 	return nil
+}
+
+// sinkLoads gives the sink a rank's newest record with its age, a copy
+// the sink may change.
+type sinkLoads struct{ p *load.Poller }
+
+func (s sinkLoads) Load(rank int32) *kvpb.EngineLoad {
+	r, ok := s.p.Latest(rank)
+	if !ok {
+		return nil
+	}
+	l := proto.Clone(r.Load).(*kvpb.EngineLoad)
+	l.AgeMs = uint32(max(s.p.Now().Sub(r.At), 0) / time.Millisecond)
+	return l
 }
