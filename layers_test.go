@@ -65,7 +65,7 @@ const layers = `
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, gateway/monitor, internal/natslog < natsevents;
+	relay, relay/load, gateway/monitor, internal/natslog < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // Engine load over NATS. On gRPC a relay stamps every batch with its rank's
@@ -30,7 +31,7 @@ import (
 //
 // So loads go beside the stream, on core NATS like the announcements: the
 // sink publishes each rank's record to <prefix>-load.<token>.<rank> on a
-// change (SMG's thresholds) or on silence (1 s, 5 s after two unchanged),
+// change (SMG's thresholds, relay/load's Changed) or on silence (1 s, 5 s after two unchanged),
 // checked every 100 ms, while a pass is publishing, for the ranks the pass
 // has relayed a batch of (so never before the rank's first real batch).
 // The record's age_ms is its sample's age when sent. The source keeps the
@@ -121,41 +122,6 @@ func decodeLoad(b []byte) (*kvpb.EngineLoad, error) {
 	return l, nil
 }
 
-// loadChanged is SMG's rule for a heartbeat that cannot wait: a count
-// differs, KV usage moved by more than half a percent, throughput by more
-// than 50 tok/s and 5 %, the engine's silence crossed a whole second, or
-// the step reports or pending prefill changed.
-func loadChanged(a, b *kvpb.EngineLoad) bool {
-	if a.GetRunningRequests() != b.GetRunningRequests() || a.GetWaitingRequests() != b.GetWaitingRequests() ||
-		a.GetMaxRunningRequests() != b.GetMaxRunningRequests() ||
-		(a.WaitingUncachedTokens == nil) != (b.WaitingUncachedTokens == nil) || a.GetWaitingUncachedTokens() != b.GetWaitingUncachedTokens() {
-		return true
-	}
-	if math.Abs(a.GetTokenUsage()-b.GetTokenUsage()) > 0.005 {
-		return true
-	}
-	active := func(l *kvpb.EngineLoad) float64 {
-		if l.ActiveTokenUsage != nil {
-			return l.GetActiveTokenUsage()
-		}
-		return l.GetTokenUsage()
-	}
-	if math.Abs(active(a)-active(b)) > 0.005 {
-		return true
-	}
-	ga, gb := a.GetGenThroughput(), b.GetGenThroughput()
-	if d := math.Abs(ga - gb); d > 50 && d > 0.05*max(ga, gb) {
-		return true
-	}
-	if (a.EngineSilenceMs == nil) != (b.EngineSilenceMs == nil) || a.GetEngineSilenceMs()/1000 != b.GetEngineSilenceMs()/1000 {
-		return true
-	}
-	if (a.EngineReportsSteps == nil) != (b.EngineReportsSteps == nil) || a.GetEngineReportsSteps() != b.GetEngineReportsSteps() {
-		return true
-	}
-	return (a.PrefillPendingTokens == nil) != (b.PrefillPendingTokens == nil) || a.GetPrefillPendingTokens() != b.GetPrefillPendingTokens()
-}
-
 // sentLoad is what the sink last published for one rank.
 type sentLoad struct {
 	last      *kvpb.EngineLoad
@@ -213,7 +179,7 @@ func (s *Sink) publishLoads(ctx context.Context) {
 				sent[r] = st
 			}
 			reason := "change"
-			if st.last != nil && !loadChanged(st.last, l) {
+			if st.last != nil && !load.Changed(st.last, l) {
 				every := loadHeartbeat
 				if st.unchanged >= 2 {
 					every = loadHeartbeatBackoff

@@ -211,38 +211,6 @@ func TestParseLoadSubject(t *testing.T) {
 	}
 }
 
-func TestLoadChanged(t *testing.T) {
-	base := &kvpb.EngineLoad{RunningRequests: 2, TokenUsage: 0.5, GenThroughput: 1000, EngineSilenceMs: proto.Uint32(1200)}
-	with := func(f func(*kvpb.EngineLoad)) *kvpb.EngineLoad {
-		l := proto.Clone(base).(*kvpb.EngineLoad)
-		f(l)
-		return l
-	}
-	for _, tc := range []struct {
-		name    string
-		l       *kvpb.EngineLoad
-		changed bool
-	}{
-		{"same", with(func(*kvpb.EngineLoad) {}), false},
-		{"age and sample only", with(func(l *kvpb.EngineLoad) { l.AgeMs, l.Sample = 900, 7 }), false},
-		{"running", with(func(l *kvpb.EngineLoad) { l.RunningRequests = 3 }), true},
-		{"usage within 0.005", with(func(l *kvpb.EngineLoad) { l.TokenUsage = 0.504 }), false},
-		{"usage past 0.005", with(func(l *kvpb.EngineLoad) { l.TokenUsage = 0.506 }), true},
-		{"active usage now known, same value", with(func(l *kvpb.EngineLoad) { l.ActiveTokenUsage = proto.Float64(0.5) }), false},
-		{"throughput +50 (5 %)", with(func(l *kvpb.EngineLoad) { l.GenThroughput = 1050 }), false},
-		{"throughput +60 (5.7 %)", with(func(l *kvpb.EngineLoad) { l.GenThroughput = 1060 }), true},
-		{"silence within the second", with(func(l *kvpb.EngineLoad) { l.EngineSilenceMs = proto.Uint32(1999) }), false},
-		{"silence crosses a second", with(func(l *kvpb.EngineLoad) { l.EngineSilenceMs = proto.Uint32(2000) }), true},
-		{"silence unknown", with(func(l *kvpb.EngineLoad) { l.EngineSilenceMs = nil }), true},
-		{"uncached known", with(func(l *kvpb.EngineLoad) { l.WaitingUncachedTokens = proto.Uint32(0) }), true},
-		{"pending prefill", with(func(l *kvpb.EngineLoad) { l.PrefillPendingTokens = proto.Uint32(5) }), true},
-	} {
-		if got := loadChanged(base, tc.l); got != tc.changed {
-			t.Errorf("%s: changed %v, want %v", tc.name, got, tc.changed)
-		}
-	}
-}
-
 // TestLoadFeedAges: a record waiting in a feed is handed on with the time
 // it waited added to its age, and dropped once older than loadMaxAge; the
 // batch repeats the rank's last delivered sequence.
