@@ -129,7 +129,10 @@ type Engine struct {
 	gen    *workload.Generator
 	stats  Stats
 	ranks  []*rankPublisher
-	// loads is each rank's simulated scheduler (load.go).
+	// loads is each rank's simulated scheduler (load.go), under its own
+	// lock (taken inside mu, never around it) so that a load read does not
+	// wait for a long step.
+	loadMu    sync.Mutex
 	loads     []*rankLoad
 	loadModel LoadModel
 	closed    bool

@@ -77,8 +77,11 @@ type rankLoad struct {
 	served  int
 }
 
-// admitLocked takes one served request into rank's queue at now.
+// admitLocked takes one served request into rank's queue at now; e.mu is
+// held.
 func (e *Engine) admitLocked(rank int, prompt, hitTokens int, now time.Time) {
+	e.loadMu.Lock()
+	defer e.loadMu.Unlock()
 	l := e.loads[rank]
 	e.advanceLocked(l, now)
 	hitTokens = min(hitTokens, prompt)
@@ -170,8 +173,8 @@ type RankLoad struct {
 
 // Loads is every rank's load now (the engine's clock).
 func (e *Engine) Loads() []RankLoad {
-	e.mu.Lock()
-	defer e.mu.Unlock()
+	e.loadMu.Lock()
+	defer e.loadMu.Unlock()
 	now := e.clock()
 	capTokens := e.opts.CapacityBlocks * e.opts.BlockSize
 	out := make([]RankLoad, len(e.loads))
