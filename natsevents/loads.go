@@ -50,6 +50,23 @@ type LoadSource interface {
 	Load(rank int32) *kvpb.EngineLoad
 }
 
+// PollerLoads is the LoadSource of a relay's load poller (the one its gRPC
+// server stamps batches from): a rank's newest fresh record, copied, with
+// its age.
+func PollerLoads(p *load.Poller) LoadSource { return pollerLoads{p} }
+
+type pollerLoads struct{ p *load.Poller }
+
+func (s pollerLoads) Load(rank int32) *kvpb.EngineLoad {
+	r, ok := s.p.Latest(rank)
+	if !ok {
+		return nil
+	}
+	l := proto.Clone(r.Load).(*kvpb.EngineLoad)
+	l.AgeMs = uint32(max(s.p.Now().Sub(r.At), 0) / time.Millisecond)
+	return l
+}
+
 // Load record timing, SMG's servicer's (relay-semantics.md §3.9).
 const (
 	loadTick             = 100 * time.Millisecond

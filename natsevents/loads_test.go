@@ -1,6 +1,7 @@
 package natsevents
 
 import (
+	"context"
 	"math"
 	"strings"
 	"sync"
@@ -11,7 +12,9 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // scriptedLoads is a LoadSource whose records the test sets.
@@ -278,4 +281,84 @@ func FuzzDecodeLoad(f *testing.F) {
 			t.Fatalf("a feed batch without load_only: %v", b)
 		}
 	})
+}
+
+// scriptedFetcher is a load.Fetcher answering the records the test sets.
+type scriptedFetcher struct{ loads *scriptedLoads }
+
+func (f scriptedFetcher) Name() string { return "scripted" }
+
+func (f scriptedFetcher) Fetch(context.Context, int64) (map[int32]*kvpb.EngineLoad, error) {
+	out := map[int32]*kvpb.EngineLoad{}
+	for _, r := range []int32{0, 1} {
+		if l := f.loads.Load(r); l != nil {
+			out[r] = l
+		}
+	}
+	return out, nil
+}
+
+// TestJetStreamAndGRPCReplicasSeeTheSameLoads: one relay's load poller
+// stamps its gRPC stream and feeds its sink; a replica on gRPC and one on
+// JetStream end with the same record per rank, field by field (the
+// stream's own fields aside: sample, age, load_only), before and after
+// the engine's load changes.
+func TestJetStreamAndGRPCReplicasSeeTheSameLoads(t *testing.T) {
+	js := startJetStream(t)
+	w := &worker{t: t, name: "w", eng: testrelay.StartEngine(t, 2, 128), dpSize: 2}
+	t.Cleanup(w.down)
+	scripted := &scriptedLoads{recs: map[int32]*kvpb.EngineLoad{
+		0: {RunningRequests: 4, TokenUsage: 0.25, WaitingUncachedTokens: proto.Uint32(64), CacheHitRate: proto.Float64(0.5)},
+		1: {WaitingRequests: 3, TokenUsage: 0.75, GenThroughput: 900},
+	}}
+	p, err := load.NewPoller(load.Options{Fetcher: scriptedFetcher{scripted}, Interval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = p.Run(ctx) }()
+	w.stops = append(w.stops, func() { cancel(); <-done })
+	rel, stopRelay := testrelay.StartRelay(t, w.eng, w.dpSize)
+	w.rel = rel
+	w.stops = append(w.stops, stopRelay)
+	addr, stopServer := testrelay.ServeWithLoad(t, rel, "127.0.0.1:0", p)
+	w.addr = addr
+	w.stops = append(w.stops, stopServer)
+	w.startSink(js.URL(), func(o *SinkOptions) { o.Loads = PollerLoads(p) })
+	w.run(20)
+	eventually(t, "the first snapshot object", func() bool {
+		return w.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
+	})
+
+	overGRPC := &seenLoads{byRank: map[int32][]*kvpb.EngineLoad{}}
+	overNATS := &seenLoads{byRank: map[int32][]*kvpb.EngineLoad{}}
+	startReplicaWith(t, "", func(o *monitor.Options) { o.OnLoad = overGRPC.add }, monitor.Worker{ID: w.name, Addr: w.addr})
+	startReplicaWith(t, js.URL(), func(o *monitor.Options) { o.OnLoad = overNATS.add }, monitor.Worker{ID: w.name, Addr: deadAddr})
+
+	// core is what both paths must agree on: the engine's figures.
+	core := func(l *kvpb.EngineLoad) *kvpb.EngineLoad {
+		if l == nil {
+			return nil
+		}
+		c := proto.Clone(l).(*kvpb.EngineLoad)
+		c.Sample, c.AgeMs, c.LoadOnly = 0, 0, false
+		load.CoreOnly(c)
+		return c
+	}
+	agree := func(when string, rank int32, want *kvpb.EngineLoad) {
+		t.Helper()
+		eventually(t, when, func() bool {
+			g, n := core(overGRPC.last(rank)), core(overNATS.last(rank))
+			return proto.Equal(g, core(want)) && proto.Equal(n, core(want))
+		})
+	}
+	w.run(5) // batches on both ranks, so each rank's record is stamped on gRPC
+	agree("both replicas hold rank 0's record", 0, scripted.Load(0))
+	agree("both replicas hold rank 1's record", 1, scripted.Load(1))
+
+	changed := &kvpb.EngineLoad{RunningRequests: 9, TokenUsage: 0.5, WaitingUncachedTokens: proto.Uint32(0)}
+	scripted.set(0, changed)
+	w.run(5)
+	agree("both replicas follow rank 0's change", 0, changed)
 }

@@ -10,10 +10,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/natsevents"
-	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/load"
 )
@@ -55,7 +53,7 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 		Logger: log.With("component", "natsevents", "worker", name),
 	}
 	if loads != nil {
-		opts.Loads = sinkLoads{loads}
+		opts.Loads = natsevents.PollerLoads(loads)
 	}
 	sink, err := natsevents.NewSink(rel, opts)
 	if err != nil {
@@ -70,18 +68,4 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 		_ = sink.Run(ctx)
 	}()
 	return nil
-}
-
-// sinkLoads gives the sink a rank's newest record with its age, a copy
-// the sink may change.
-type sinkLoads struct{ p *load.Poller }
-
-func (s sinkLoads) Load(rank int32) *kvpb.EngineLoad {
-	r, ok := s.p.Latest(rank)
-	if !ok {
-		return nil
-	}
-	l := proto.Clone(r.Load).(*kvpb.EngineLoad)
-	l.AgeMs = uint32(max(s.p.Now().Sub(r.At), 0) / time.Millisecond)
-	return l
 }
