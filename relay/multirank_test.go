@@ -51,8 +51,9 @@ func TestTwoRanksInterleaveInOneLog(t *testing.T) {
 func TestResumingByRank0CursorLosesNothingOfOtherRanks(t *testing.T) {
 	l := newLab(t, labOpts{ranks: 2})
 	l.interleave("0 1 0 1 1 0 1")
-	if err := l.subscribeErr(&kvpb.SubscribeKvEventsRequest{StartSequenceNumber: 1}); !errors.Is(err, ErrOutOfRange) || !strings.Contains(err.Error(), "rank 1 relayed 3 batches after it") {
-		t.Fatalf("rank 0 cursor 1, three rank-1 batches after it: %v", err)
+	if err := l.subscribeErr(&kvpb.SubscribeKvEventsRequest{StartSequenceNumber: 1}); !errors.Is(err, ErrOutOfRange) || !strings.Contains(err.Error(), "rank 1 (tcp://127.0.0.1:5558) relayed 3 batches after it") ||
+		strings.Contains(err.Error(), "5557") {
+		t.Fatalf("rank 0 cursor 1, three rank-1 batches after it: %v (want rank 1 named with its own endpoint, not rank 0's)", err)
 	}
 	s := l.subscribe(2)
 	if got := take(t, s, 1); got != "1:3" {

@@ -297,7 +297,7 @@ func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 // cursor.
 func (r *Relay) rankWindowCheck(rank int32, c uint64) (pos uint64, err error) {
 	rk := r.ranks[rank]
-	ep := r.ranks[0].endpoint
+	ep := rk.endpoint
 	first, last, ok := r.hist.rankBounds(rank)
 	if !ok {
 		if !rk.hasCursor {
@@ -375,13 +375,13 @@ func (r *Relay) provenAfterRank0(c, pos uint64) error {
 		!r.hist.at(pos).hole() && r.hist.at(pos).first == c
 	if !readHere {
 		return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and this relay for %s did not serve it (it came from the engine's replay when the relay started), "+
-			"so which batches of the other %d ranks the client lacks is unknown; resubscribe from zero for a state snapshot, or resume with rank_cursors",
+			"so which batches of the other %d ranks the client lacks is unknown; resubscribe from zero for a state snapshot, or resume with rank_cursors (kvrelay tail --from 0:N,1:M)",
 			c, rk0.endpoint, len(r.ranks)-1)
 	}
 	for _, rk := range r.ranks[1:] {
 		if n := r.hist.rankEntriesAfter(rk.rank, pos); n > 1 {
-			return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and rank %d relayed %d batches after it at %s, some of which the client may have applied; "+
-				"resubscribe from zero for a state snapshot, or resume with rank_cursors", c, rk.rank, n, rk0.endpoint)
+			return newError(ErrOutOfRange, "cursor %d names rank 0's batch only, and rank %d (%s) relayed %d batches after it, some of which the client may have applied; "+
+				"resubscribe from zero for a state snapshot, or resume with rank_cursors (kvrelay tail --from 0:N,1:M)", c, rk.rank, rk.endpoint, n)
 		}
 	}
 	return nil

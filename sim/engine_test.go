@@ -407,6 +407,26 @@ func TestStartErrors(t *testing.T) {
 	}
 }
 
+// TestConnectingEndpointHint: an endpoint without a wildcard makes the
+// publisher dial, as the engines do; with nothing listening the error must
+// say so and name the endpoint form that binds, as `kvrelay serve` does,
+// and still carry ZeroMQ's own cause.
+func TestConnectingEndpointHint(t *testing.T) {
+	port := itoa(freeport.ForTest(t, 1)) // free: nothing listens there
+	endpoint := "tcp://127.0.0.1:" + port
+	e, err := Start(context.Background(), Options{Engine: "vllm",
+		KVEventsConfig: `{"enable_kv_cache_events": true, "endpoint": "` + endpoint + `"}`})
+	if err == nil {
+		e.Close()
+		t.Fatal("started with nothing listening at a connecting endpoint")
+	}
+	for _, want := range []string{endpoint, "instead of binding it", "tcp://*:PORT", "connection refused"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %q", err, want)
+		}
+	}
+}
+
 func TestInprocEndpoints(t *testing.T) {
 	e, err := Start(context.Background(), Options{Engine: "vllm", DPSize: 2, BlockSize: 4,
 		KVEventsConfig: `{"enable_kv_cache_events": true, "endpoint": "inproc://simtest", "replay_endpoint": "inproc://simtest-replay"}`})

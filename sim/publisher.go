@@ -6,21 +6,25 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvrelay/kvrelay/engines"
 )
 
 // endSeq is the replay end marker's sequence frame: -1 as 8 signed bytes.
 var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 
-// binds applies the engines' PUB rule: bind when the endpoint has a
-// wildcard host, an IPv6 "::", or is ipc/inproc; connect otherwise.
-func binds(endpoint string) bool {
-	return strings.Contains(endpoint, "*") || strings.Contains(endpoint, "::") ||
-		strings.HasPrefix(endpoint, "ipc://") || strings.HasPrefix(endpoint, "inproc://")
-}
+// connectHint explains a failed dial of a live endpoint. The simulator
+// follows the engines' PUB rule (engines.PublisherBinds): an endpoint without
+// a wildcard is dialled, not bound, so a user who wrote tcp://127.0.0.1:PORT
+// expecting the simulator to listen for kvrelay gets "connection refused"
+// instead. The words match the hint `kvrelay serve` logs for the same
+// configuration, so both ends of the mistake read alike.
+const connectHint = "the engines connect their publisher to an endpoint without a wildcard instead of binding it, " +
+	"and nothing listens there; to have the simulator listen for kvrelay as an engine would, " +
+	"use tcp://*:PORT (an IPv6 \"::\" or ipc:// endpoint binds too)"
 
 type ringEntry struct {
 	seq     uint64
@@ -99,13 +103,17 @@ func (p *rankPublisher) socketOptions() []zmq4.Option {
 func (p *rankPublisher) open() error {
 	pub := zmq4.NewPub(context.Background(), p.socketOptions()...)
 	var err error
-	if binds(p.liveBind) {
-		err = pub.Listen(p.liveBind)
-	} else {
+	dials := !engines.PublisherBinds(p.liveBind)
+	if dials {
 		err = pub.Dial(p.liveBind)
+	} else {
+		err = pub.Listen(p.liveBind)
 	}
 	if err != nil {
 		pub.Close()
+		if dials {
+			return fmt.Errorf("rank %d live endpoint %s: %s: %w", p.rank, p.liveBind, connectHint, err)
+		}
 		return fmt.Errorf("rank %d live endpoint %s: %w", p.rank, p.liveBind, err)
 	}
 	var router zmq4.Socket

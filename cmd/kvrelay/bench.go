@@ -18,7 +18,6 @@ func init() {
 
 func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	quick := fs.Bool("quick", false, "a reduced run in seconds that only proves every part works (CI); its figures mean nothing")
 	out := fs.String("out", "bench-out", "directory for results.json, results.md and CPU profiles (plots: go run ./cmd/kvrelay-plot DIR)")
 	repo := fs.String("repo", "", "the kvrelay repository (default: found from the working directory)")
@@ -26,8 +25,8 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	only := fs.String("only", "", "comma-separated parts to run: sidebyside, scale, route, policy, fleetscale, latency (default: all but fleetscale and latency, the long ones)")
 	compareBin := fs.String("compare-bin", "", "another kvrelay binary whose serve the latency part interleaves with this one's (e.g. the build before a change)")
 	inProcess := fs.Bool("in-process", false, "run kvrelay inside the bench process instead of as a kvrelay serve process (then its CPU and RSS are not reported)")
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay bench: unexpected argument %q\n", fs.Arg(0))

@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -41,20 +40,12 @@ func printDecodeUsage(fs *flag.FlagSet) {
 // payload that is not a batch (after printing the ones before it).
 func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("decode", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	// The flag package prints a bad flag's one-line reason itself; the full
-	// usage is for -h only, so an error stays one line.
-	fs.Usage = func() {}
 	engine := fs.String("engine", "", "the publishing engine: vllm, sglang or tokenspeed (required)")
 	hexLines := fs.Bool("hex", false, "the input is hex, one payload per line")
 	seq := fs.Uint64("seq", 0, "sequence number of the first payload; each further payload gets the next")
 	rank := fs.Int64("rank", -1, "the socket's DP rank, which wins over the payload's; -1: use the payload's")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			printDecodeUsage(fs)
-			return 0
-		}
-		return 2 // the flag package already printed which flag and why
+	if code, stop := parseFlagsUsage(fs, args, stdout, stderr, func() { printDecodeUsage(fs) }); stop {
+		return code
 	}
 	if *engine == "" {
 		fmt.Fprintln(stderr, "kvrelay decode: --engine is required: vllm, sglang or tokenspeed")

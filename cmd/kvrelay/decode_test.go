@@ -160,13 +160,13 @@ func TestDecode(t *testing.T) {
 			name:   "bad seq value",
 			args:   []string{"--engine", "vllm", "--seq", "-1"},
 			code:   2,
-			errOut: "invalid value \"-1\" for flag -seq: parse error\n",
+			errOut: "kvrelay decode: invalid value \"-1\" for flag -seq: parse error\nrun 'kvrelay decode --help' for usage\n",
 		},
 		{
 			name:   "undefined flag",
 			args:   []string{"--engine", "vllm", "--bogus"},
 			code:   2,
-			errOut: "flag provided but not defined: -bogus\n",
+			errOut: "kvrelay decode: flag provided but not defined: -bogus\nrun 'kvrelay decode --help' for usage\n",
 		},
 		{
 			name:   "two files",
@@ -218,8 +218,8 @@ func TestDecode(t *testing.T) {
 func TestDecodeHelpExitsZero(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	code := dispatch(context.Background(), []string{"decode", "-h"}, strings.NewReader(""), &stdout, &stderr)
-	if code != 0 || !strings.Contains(stderr.String(), "usage: kvrelay decode --engine") {
-		t.Fatalf("code %d, stderr %q", code, stderr.String())
+	if code != 0 || !strings.Contains(stdout.String(), "usage: kvrelay decode --engine") {
+		t.Fatalf("code %d, stdout %q", code, stdout.String())
 	}
 }
 

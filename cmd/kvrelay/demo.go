@@ -18,15 +18,14 @@ func init() {
 
 func runDemo(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	duration := fs.Duration("duration", demo.DefaultDuration, "length of the routing comparison (ignored with --requests)")
 	requests := fs.Int("requests", 0, "number of requests in the routing comparison (0: as many as --duration allows)")
 	rate := fs.Float64("rate", demo.DefaultRate, "requests per second")
 	seed := fs.Uint64("seed", 1, "workload seed")
 	quiet := fs.Bool("quiet", false, "no progress line; print only the final table")
 	verbose := fs.Bool("verbose", false, "log the engines', relays' and gateway's activity to stderr")
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	switch {
 	case fs.NArg() > 0:

@@ -92,9 +92,8 @@ func parseWorker(v string) (gateway.Worker, error) {
 	return w, nil
 }
 
-func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
+func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	var workers workerFlags
 	fs.Var(&workers, "worker", "a worker: grpc://HOST:PORT[,model=M][,service=vllm|sglang|tokenspeed] (repeat per worker; model defaults to \"default\", service to vllm)")
 	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address for /v1/route, /v1/done, /v1/load, /v1/workers and /metrics")
@@ -130,8 +129,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, _, stderr io.Wr
 	var workerTLS tlsconfig.Client
 	tlsconfig.RegisterClientFlags(fs, "worker-tls-", "grpcs:// workers", &workerTLS)
 	webConfig := fs.String("web.config.file", "", "exporter-toolkit web config (tls_server_config, basic_auth_users) for --listen")
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "kvrelay gateway: "+format+"\n", a...)

@@ -38,11 +38,12 @@ func main() {
 }
 
 func dispatch(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+	if len(args) == 0 {
 		usage(stderr)
-		if len(args) == 0 {
-			return 2
-		}
+		return 2
+	}
+	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stdout)
 		return 0
 	}
 	if args[0] == "--version" || args[0] == "-version" {
@@ -58,7 +59,7 @@ func dispatch(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 }
 
 func usage(w io.Writer) {
-	fmt.Fprintln(w, "usage: kvrelay <subcommand> [flags]")
+	fmt.Fprintln(w, "usage: kvrelay <subcommand> [flags]   (kvrelay <subcommand> --help for its flags)")
 	fmt.Fprintln(w, "\nsubcommands:")
 	names := make([]string, 0, len(commands))
 	for n := range commands {

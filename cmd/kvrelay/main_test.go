@@ -20,17 +20,50 @@ func TestHelpExitsZeroForEverySubcommand(t *testing.T) {
 				if code != 0 {
 					t.Fatalf("exit %d, want 0; stderr:\n%s", code, errOut.String())
 				}
-				if out.Len()+errOut.Len() == 0 {
-					t.Fatalf("no usage printed")
+				// On stdout, so `kvrelay serve --help | grep tls` works.
+				if out.Len() == 0 || errOut.Len() != 0 {
+					t.Fatalf("usage on stdout: %d bytes, on stderr: %q", out.Len(), errOut.String())
+				}
+				if !strings.Contains(out.String(), "usage: kvrelay "+name) {
+					t.Fatalf("usage does not name the command:\n%s", out.String())
 				}
 			})
 		}
 	}
 }
 
+// A mistyped flag gets its one-line reason and a pointer to --help, not the
+// whole usage, and exit 2.
+func TestMistypedFlagIsOneLineAndAPointer(t *testing.T) {
+	for name := range commands {
+		t.Run(name, func(t *testing.T) {
+			var out, errOut bytes.Buffer
+			code := dispatch(context.Background(), []string{name, "--no-such-flag"}, strings.NewReader(""), &out, &errOut)
+			if code != 2 {
+				t.Fatalf("exit %d, want 2", code)
+			}
+			want := "kvrelay " + name + ": flag provided but not defined: -no-such-flag\nrun 'kvrelay " + name + " --help' for usage\n"
+			if errOut.String() != want || out.Len() != 0 {
+				t.Fatalf("stderr %q (want %q), stdout %q", errOut.String(), want, out.String())
+			}
+		})
+	}
+}
+
+func TestTopLevelHelp(t *testing.T) {
+	var out, errOut bytes.Buffer
+	if code := dispatch(context.Background(), []string{"--help"}, strings.NewReader(""), &out, &errOut); code != 0 || !strings.Contains(out.String(), "tail") {
+		t.Fatalf("--help: exit %d, stdout %q", code, out.String())
+	}
+	out.Reset()
+	if code := dispatch(context.Background(), nil, strings.NewReader(""), &out, &errOut); code != 2 || !strings.Contains(errOut.String(), "usage: kvrelay") {
+		t.Fatalf("no subcommand: exit %d, stderr %q", code, errOut.String())
+	}
+}
+
 func TestBenchHelpNamesNoStrayArgument(t *testing.T) {
 	var errOut bytes.Buffer
-	dispatch(context.Background(), []string{"bench", "--help"}, strings.NewReader(""), &bytes.Buffer{}, &errOut)
+	dispatch(context.Background(), []string{"bench", "--help"}, strings.NewReader(""), &errOut, io.Discard)
 	// The flag package shows a back-quoted word in a usage string as the
 	// flag's argument name.
 	for _, line := range strings.Split(errOut.String(), "\n") {
@@ -42,7 +75,7 @@ func TestBenchHelpNamesNoStrayArgument(t *testing.T) {
 
 func TestServeHelpNamesHealthz(t *testing.T) {
 	var errOut bytes.Buffer
-	dispatch(context.Background(), []string{"serve", "--help"}, strings.NewReader(""), &bytes.Buffer{}, &errOut)
+	dispatch(context.Background(), []string{"serve", "--help"}, strings.NewReader(""), &errOut, io.Discard)
 	if !strings.Contains(errOut.String(), "/healthz") {
 		t.Fatalf("serve --help does not mention /healthz:\n%s", errOut.String())
 	}

@@ -22,9 +22,8 @@ func init() {
 // daemon.EngineLimits.
 type engineLimits daemon.EngineLimits
 
-func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
+func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	configPath := fs.String("config", "", "JSON file describing several relays (see README); excludes the single-relay flags")
 	engineName := fs.String("engine", "", "engine: vllm, sglang or tokenspeed")
 	kvConfig := fs.String("kv-events-config", "", "the --kv-events-config JSON the engine was started with (SGLang, TokenSpeed: learned from --upstream when omitted)")
@@ -68,8 +67,8 @@ func runServe(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writ
 	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvrelay serve: unexpected argument %q\n", fs.Arg(0))

@@ -17,9 +17,8 @@ func init() {
 	register("sim", "simulate an engine's KV-event publisher (prefix cache + chat workload), for demos and tests", runSim)
 }
 
-func runSim(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer) int {
+func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	engine := fs.String("engine", "", "engine to simulate: vllm, sglang or tokenspeed")
 	kvConfig := fs.String("kv-events-config", "", "the engine's --kv-events-config JSON (events must be enabled)")
 	dpSize := fs.Int("dp-size", 1, "data-parallel ranks; rank r publishes on port+r and replays on replay port+r")
@@ -40,8 +39,8 @@ func runSim(ctx context.Context, args []string, _ io.Reader, _, stderr io.Writer
 	truncateReplay := fs.Int("truncate-replay", -1, "cut replay reply streams after N messages, end marker included (-1: off)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
-	if err := fs.Parse(args); err != nil {
-		return flagExitCode(err)
+	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
+		return code
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "kvrelay sim: "+format+"\n", a...)

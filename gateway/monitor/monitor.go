@@ -121,7 +121,7 @@ const (
 	StateConnecting State = "connecting" // a subscribe call is in flight
 	StateStreaming  State = "streaming"  // the stream is open
 	StateBackoff    State = "backoff"    // waiting before the next attempt
-	StateDisabled   State = "disabled"   // the worker answered UNIMPLEMENTED; no further calls
+	StateDisabled   State = "disabled"   // the worker answered UNIMPLEMENTED (events off, or another service); asked again every MaxBackoff
 	StateStopped    State = "stopped"    // the monitor stopped or the worker was removed
 )
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
@@ -289,42 +290,58 @@ func TestOutOfRangeAtZeroBacksOff(t *testing.T) {
 	}
 }
 
-func TestUnimplementedDisables(t *testing.T) {
-	tests := []struct {
-		name    string
-		service Service
-	}{
-		{"handler answers unimplemented", ServiceVLLM},
-		{"service not registered", ServiceSGLang}, // the framework answers
+// UNIMPLEMENTED takes the worker out of the index (disabled, the relay's
+// message in last_error) but not for good: the answer changes when the
+// worker restarts with its events on or the other service, so it is asked
+// again every MaxBackoff, and a stream that then opens is followed.
+func TestUnimplementedIsAskedAgainAtMaxBackoff(t *testing.T) {
+	r := newRig(t, nil)
+	r.srv.next(t).finish(statusErr(codes.Unimplemented, "unknown service x: this kvrelay serves SubscribeKvEvents as sglang"))
+	r.sink.expect(t, "clear")
+	eventually(t, "disabled", func() bool { return r.status(t).State == StateDisabled })
+	if st := r.status(t); !hasSubstr(st.LastError, "serves SubscribeKvEvents as sglang") {
+		t.Errorf("last error %q does not carry the relay's message", st.LastError)
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			srv := startServer(t)
-			mon, err := New(fastOptions(prometheus.NewRegistry()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			sink := newRecordingSink()
-			if err := mon.Add(Worker{Addr: srv.addr, Service: tt.service, Model: "m"}, sink); err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			var wg sync.WaitGroup
-			wg.Add(1)
-			go func() { defer wg.Done(); _ = mon.Run(ctx) }()
-			defer func() { cancel(); wg.Wait() }()
+	// Asked again, and answered UNIMPLEMENTED again: still disabled, and
+	// the worker's blocks are not cleared a second time.
+	r.srv.next(t).finish(statusErr(codes.Unimplemented, "still not"))
+	eventually(t, "last error updated", func() bool { return hasSubstr(r.status(t).LastError, "still not") })
+	// The worker comes back with the service: its stream is followed.
+	r.srv.next(t).answer(t).send(t, batch(0, 1, stored(16, 7)))
+	r.sink.expect(t, "apply r0 s1")
+	eventually(t, "streaming", func() bool { return r.status(t).State == StateStreaming })
+	if got := r.counter(t, "failures", "unimplemented"); got != 2 {
+		t.Errorf("failures{unimplemented} = %v, want 2", got)
+	}
+}
 
-			if tt.service == ServiceVLLM {
-				srv.next(t).finish(statusErr(codes.Unimplemented, "KV cache events not enabled"))
-			}
-			sink.expect(t, "clear")
-			eventually(t, "disabled", func() bool { return mon.Workers()[0].State == StateDisabled })
-			srv.none(t, 300*time.Millisecond) // several backoff periods
-			if st := mon.Workers()[0]; !hasSubstr(st.LastError, "Unimplemented") && !hasSubstr(st.LastError, "not enabled") {
-				t.Errorf("last error %q", st.LastError)
-			}
-		})
+// A service the worker does not register at all is answered by gRPC
+// itself; it is asked again all the same.
+func TestUnregisteredServiceIsAskedAgain(t *testing.T) {
+	srv := startServer(t)
+	reg := prometheus.NewRegistry()
+	mon, err := New(fastOptions(reg))
+	if err != nil {
+		t.Fatal(err)
 	}
+	sink := newRecordingSink()
+	if err := mon.Add(Worker{Addr: srv.addr, Service: ServiceSGLang, Model: "m"}, sink); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = mon.Run(ctx) }()
+	defer func() { cancel(); wg.Wait() }()
+	sink.expect(t, "clear")
+	eventually(t, "disabled", func() bool { return mon.Workers()[0].State == StateDisabled })
+	eventually(t, "asked again", func() bool {
+		return testutil.ToFloat64(mon.metrics.failures.WithLabelValues(srv.addr, "unimplemented")) >= 2
+	})
+	if st := mon.Workers()[0]; st.State != StateDisabled || !hasSubstr(st.LastError, "Unimplemented") {
+		t.Errorf("state %s, last error %q", st.State, st.LastError)
+	}
+	sink.quiet(t) // cleared once, not at every answer
 }
 
 func TestUnansweredSubscribeHitsDeadline(t *testing.T) {

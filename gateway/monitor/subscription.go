@@ -149,7 +149,7 @@ const (
 	outcomeRetry     outcome = iota // back off, then resubscribe with the cursors
 	outcomeReconnect                // resubscribe at once (a gap asks for a replay)
 	outcomeResync                   // resubscribe at once from zero (cursors already reset)
-	outcomeDisabled                 // never again
+	outcomeDisabled                 // UNIMPLEMENTED: ask again at the slowest pace
 	outcomeStopped                  // ctx ended
 )
 
@@ -205,7 +205,8 @@ func (s *subscription) run(ctx context.Context) {
 	}
 
 	delay := opts.InitialBackoff
-	resyncs := 0 // resyncs in a row with no live batch applied in between
+	resyncs := 0           // resyncs in a row with no live batch applied in between
+	unimplemented := false // the last answer was UNIMPLEMENTED (said and cleared once)
 	for {
 		if ctx.Err() != nil {
 			return
@@ -228,19 +229,33 @@ func (s *subscription) run(ctx context.Context) {
 			// over and over): asking faster does not help it.
 			delay = opts.InitialBackoff
 		}
+		if out != outcomeDisabled {
+			unimplemented = false
+		}
 		switch out {
 		case outcomeStopped:
 			return
 		case outcomeDisabled:
-			s.log.Warn("worker does not serve KV events; subscription disabled", "err", err)
-			s.sink.ClearWorker(s.w.ID)
-			s.setState(StateDisabled, err)
-			if opts.PollLoads != nil {
-				// An engine without KV events may still answer GetLoads:
-				// the connection stays for the polls until the worker goes.
-				<-ctx.Done()
+			// UNIMPLEMENTED: the engine's events are off, or the worker does
+			// not serve this service (the relay's message names the ones it
+			// does). Both change when the worker restarts with other
+			// settings, so it is asked again, at the slowest pace.
+			if !unimplemented {
+				unimplemented = true
+				s.log.Warn("worker does not serve KV events under this service; asking again every max backoff",
+					"service", s.w.Service, "every", opts.MaxBackoff, "err", err)
+				s.sink.ClearWorker(s.w.ID)
 			}
-			return
+			s.setState(StateDisabled, err)
+			delay = opts.MaxBackoff
+			t := time.NewTimer(delay)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			continue
 		case outcomeResync:
 			if resyncs == 1 {
 				s.setState(StateConnecting, err)

@@ -1,7 +1,7 @@
 // Package latencyprobe timestamps one relayed batch at each hand-off of
 // kvrelay's path, from the rank's ZeroMQ feed to the subscriber's gRPC send,
 // so that the latency kvrelay adds can be broken down stage by stage
-// (BENCHMARKS.md, "Where kvrelay's latency goes"). It is a debug hook: the
+// (the stage table in docs/bench/log/2026-12-03-relay-latency.md). It is a debug hook: the
 // daemon never installs a probe, and then a mark costs one atomic load. The
 // bench installs one around an in-process relay.
 package latencyprobe

@@ -294,13 +294,14 @@ func Run(ctx context.Context, o Options) error {
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelError), ErrorHandling: promhttp.ContinueOnError,
 		}))
 		mux.HandleFunc("/debug/status", func(w http.ResponseWriter, _ *http.Request) {
-			out := map[string]any{}
+			out := map[string]RelayStatus{}
 			for _, r := range all {
 				if r.relay == nil {
-					out[r.cfg.Name] = map[string]any{"engine": r.cfg.RelayConfig.Engine, "enabled": false}
+					out[r.cfg.Name] = RelayStatus{Engine: r.cfg.RelayConfig.Engine}
 					continue
 				}
-				out[r.cfg.Name] = map[string]any{"engine": r.cfg.RelayConfig.Engine, "enabled": true, "listen": r.cfg.Listen, "status": r.relay.Status()}
+				st := r.relay.Status()
+				out[r.cfg.Name] = RelayStatus{Engine: r.cfg.RelayConfig.Engine, Enabled: true, Listen: r.cfg.Listen, Status: &st}
 			}
 			w.Header().Set("Content-Type", "application/json")
 			enc := json.NewEncoder(w)

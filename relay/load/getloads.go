@@ -34,34 +34,32 @@ func NewGetLoads(conn grpc.ClientConnInterface, service string) (Fetcher, error)
 	case kvpb.VllmEngine_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.VllmGetLoadsResponse{} }
 		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
-			out := map[int32]*kvpb.EngineLoad{}
-			for _, l := range m.(*kvpb.VllmGetLoadsResponse).GetLoads() {
-				out[l.GetDpRank()] = fromVllm(l)
-			}
-			return out
+			return byRank(m.(*kvpb.VllmGetLoadsResponse).GetLoads(), fromVllm)
 		}
 	case kvpb.SglangScheduler_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.SglangGetLoadsResponse{} }
 		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
-			out := map[int32]*kvpb.EngineLoad{}
-			for _, l := range m.(*kvpb.SglangGetLoadsResponse).GetLoads() {
-				out[l.GetDpRank()] = FromSglang(l)
-			}
-			return out
+			return byRank(m.(*kvpb.SglangGetLoadsResponse).GetLoads(), FromSglang)
 		}
 	case kvpb.TokenSpeedScheduler_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.TokenSpeedGetLoadsResponse{} }
 		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
-			out := map[int32]*kvpb.EngineLoad{}
-			for _, l := range m.(*kvpb.TokenSpeedGetLoadsResponse).GetLoads() {
-				out[l.GetDpRank()] = fromTokenSpeed(l)
-			}
-			return out
+			return byRank(m.(*kvpb.TokenSpeedGetLoadsResponse).GetLoads(), fromTokenSpeed)
 		}
 	default:
 		return nil, fmt.Errorf("load: no GetLoads is known for service %q", service)
 	}
 	return g, nil
+}
+
+// byRank converts every rank's report. A rank reported twice keeps its
+// last report.
+func byRank[L interface{ GetDpRank() int32 }](loads []L, convert func(L) *kvpb.EngineLoad) map[int32]*kvpb.EngineLoad {
+	out := make(map[int32]*kvpb.EngineLoad, len(loads))
+	for _, l := range loads {
+		out[l.GetDpRank()] = convert(l)
+	}
+	return out
 }
 
 func (g *getLoads) Name() string { return "getloads" }

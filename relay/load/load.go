@@ -258,8 +258,14 @@ func (p *Poller) publish(loads map[int32]*kvpb.EngineLoad, at time.Time) {
 // Latest is rank's newest record, or false when there is none or it is
 // older than MaxAge.
 func (p *Poller) Latest(rank int32) (*Reading, bool) {
+	return p.LatestAt(rank, p.opts.Now())
+}
+
+// LatestAt is Latest at now (a stream that read the clock already: one
+// clock read per batch is enough).
+func (p *Poller) LatestAt(rank int32, now time.Time) (*Reading, bool) {
 	r, ok := (*p.readings.Load())[rank]
-	if !ok || p.opts.Now().Sub(r.At) > p.opts.MaxAge {
+	if !ok || now.Sub(r.At) > p.opts.MaxAge {
 		return nil, false
 	}
 	return r, true

@@ -17,11 +17,17 @@ const (
 	// HeartbeatBackoff is the interval once two heartbeats in a row
 	// carried an unchanged record.
 	HeartbeatBackoff = 5 * time.Second
+	// LoadTick is the quiet a stream must have had before a changed record
+	// goes out as a load_only batch: SMG's streams check for a change
+	// after this long without a batch, so a busy stream's changes ride on
+	// its batches instead.
+	LoadTick = 100 * time.Millisecond
 )
 
 // Source is what a Recorder reads: a Poller, or a test's own.
 type Source interface {
-	Latest(rank int32) (*Reading, bool)
+	// LatestAt is rank's record if one is fresh at now.
+	LatestAt(rank int32, now time.Time) (*Reading, bool)
 	Now() time.Time
 }
 
@@ -56,6 +62,8 @@ type Recorder struct {
 	lastHasRank bool
 	lastSeq     uint64
 	started     bool
+	// pending: a changed record waits for LoadTick of quiet.
+	pending bool
 }
 
 // NewRecorder is a recorder over src for one stream.
@@ -72,7 +80,8 @@ func (r *Recorder) Stamp(dst []byte, rank int32, hasRank bool, seq uint64) []byt
 	now := r.src.Now()
 	r.lastSentAt = now
 	r.idle = 0
-	rd, ok := r.src.Latest(rank)
+	r.pending = false
+	rd, ok := r.src.LatestAt(rank, now)
 	if !ok {
 		return dst
 	}
@@ -85,11 +94,15 @@ func (r *Recorder) Stamp(dst []byte, rank int32, hasRank bool, seq uint64) []byt
 	return appendRecord(dst, body, ageMS(now, rd.At), r.sample, false)
 }
 
-// Due is when the next heartbeat is due if nothing changes; the zero time
-// before the stream's first batch (none is due then).
+// Due is when Heartbeat should be asked next: when the heartbeat is due if
+// nothing changes, or sooner when a changed record waits for LoadTick of
+// quiet; the zero time before the stream's first batch (none is due then).
 func (r *Recorder) Due() time.Time {
 	if !r.started {
 		return time.Time{}
+	}
+	if r.pending {
+		return r.lastSentAt.Add(LoadTick)
 	}
 	if r.idle >= 2 {
 		return r.lastSentAt.Add(HeartbeatBackoff)
@@ -98,18 +111,23 @@ func (r *Recorder) Due() time.Time {
 }
 
 // Heartbeat is an encoded load_only KvEventBatch when one is due (the
-// record moved since the last one sent, or the stream has been silent past
-// Due), else nil.
+// record moved since the last one sent and the stream has been quiet for
+// LoadTick, or it has been silent for the heartbeat interval), else nil.
 func (r *Recorder) Heartbeat() []byte {
 	if !r.started {
 		return nil
 	}
-	rd, ok := r.src.Latest(r.lastRank)
+	now := r.src.Now()
+	rd, ok := r.src.LatestAt(r.lastRank, now)
 	if !ok {
 		return nil
 	}
-	now := r.src.Now()
 	changed := r.last == nil || Changed(r.last, rd.Load)
+	if changed && now.Sub(r.lastSentAt) < LoadTick {
+		r.pending = true // the stream is not quiet yet: ask again at Due
+		return nil
+	}
+	r.pending = false
 	if !changed && now.Before(r.Due()) {
 		return nil
 	}
@@ -125,7 +143,7 @@ func (r *Recorder) Heartbeat() []byte {
 	b = protowire.AppendTag(b, batchSequence, protowire.VarintType)
 	b = protowire.AppendVarint(b, r.lastSeq)
 	b = protowire.AppendTag(b, batchTime, protowire.Fixed64Type)
-	b = protowire.AppendFixed64(b, math.Float64bits(float64(time.Now().UnixNano())/1e9))
+	b = protowire.AppendFixed64(b, math.Float64bits(float64(now.UnixNano())/1e9)) // the relay's clock, as SMG's
 	if r.lastHasRank {
 		b = protowire.AppendTag(b, batchRank, protowire.VarintType)
 		b = protowire.AppendVarint(b, uint64(int64(r.lastRank)))
@@ -155,6 +173,9 @@ func appendRecord(dst, body []byte, age, sample uint64, only bool) []byte {
 	n += 1 + protowire.SizeVarint(sample)
 	if only {
 		n += 2
+	}
+	if dst == nil {
+		dst = make([]byte, 0, 1+protowire.SizeVarint(uint64(n))+n)
 	}
 	dst = protowire.AppendTag(dst, batchLoad, protowire.BytesType)
 	dst = protowire.AppendVarint(dst, uint64(n))

@@ -19,8 +19,11 @@ type fakeSource struct {
 	readings map[int32]*Reading
 }
 
-func (f *fakeSource) Latest(rank int32) (*Reading, bool) { r, ok := f.readings[rank]; return r, ok }
-func (f *fakeSource) Now() time.Time                     { return f.now }
+func (f *fakeSource) LatestAt(rank int32, _ time.Time) (*Reading, bool) {
+	r, ok := f.readings[rank]
+	return r, ok
+}
+func (f *fakeSource) Now() time.Time { return f.now }
 
 func (f *fakeSource) set(rank int32, l *kvpb.EngineLoad) {
 	f.readings[rank] = &Reading{Load: l, At: f.now, Core: marshalCore(l), Full: marshal(l)}
@@ -126,6 +129,10 @@ func TestHeartbeats(t *testing.T) {
 			{advance: 900 * time.Millisecond},
 			{advance: 100 * time.Millisecond, want: true},
 		}},
+		{"a change waits for the stream to be quiet", false, []step{
+			{advance: 50 * time.Millisecond, load: withTelemetry(4)},
+			{advance: 50 * time.Millisecond, want: true},
+		}},
 		{"under the thresholds is no change", false, []step{
 			{advance: 100 * time.Millisecond, load: func() *kvpb.EngineLoad {
 				l := withTelemetry(3)
@@ -158,6 +165,9 @@ func TestHeartbeats(t *testing.T) {
 				b := decodeBatch(t, hb)
 				if b.GetSequenceNumber() != 41 || b.GetDpRank() != 2 || len(b.GetEvents()) != 0 {
 					t.Fatalf("step %d: heartbeat names seq %d rank %d with %d events, want 41, 2, none", i, b.GetSequenceNumber(), b.GetDpRank(), len(b.GetEvents()))
+				}
+				if want := float64(src.now.UnixNano()) / 1e9; b.GetTimestamp() != want {
+					t.Fatalf("step %d: heartbeat timestamp %v, want the relay's clock %v", i, b.GetTimestamp(), want)
 				}
 				if !b.GetLoad().GetLoadOnly() || b.GetLoad().CacheHitRate == nil || b.GetLoad().GetSample() != rec.Sample() {
 					t.Fatalf("step %d: heartbeat record %v: want load_only with telemetry and sample %d", i, b.GetLoad(), rec.Sample())

@@ -8,7 +8,6 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/load"
 )
@@ -34,6 +33,13 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
+	// armed is when the timer is set to fire (zero: not set). Every batch
+	// moves the heartbeat's due time later; resetting the timer for each
+	// would cost the event path a timer operation per batch, so it is only
+	// re-armed when the due time moved earlier (the backoff ended) or after
+	// it fired, which costs at most one early wake per heartbeat.
+	var armed time.Time
+	var slab suffixSlab
 	for {
 		var (
 			payload []byte
@@ -41,12 +47,18 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 		)
 		switch {
 		case canWait:
-			var due <-chan time.Time
-			if at := rec.Due(); !at.IsZero() {
+			if at := rec.Due(); !at.IsZero() && (armed.IsZero() || at.Before(armed)) {
 				timer.Reset(max(at.Sub(src.Now()), 0))
+				armed = at
+			}
+			var due <-chan time.Time
+			if !armed.IsZero() {
 				due = timer.C
 			}
 			payload, err = until.NextEncodedUntil(ctx, src.Updated(), due)
+			if payload == nil && err == nil && !src.Now().Before(armed) {
+				armed = time.Time{} // it fired (or is about to): re-arm from Due
+			}
 		case encoded:
 			payload, err = enc.NextEncoded(ctx)
 		default:
@@ -68,22 +80,42 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 			}
 			continue
 		}
-		seq, rank, hasRank, err := batchKey(payload)
-		if err != nil {
-			return err
-		}
-		suffix := rec.Stamp(nil, rank, hasRank, seq)
 		lrank, lseq, live := liveKey(nil, keyed)
-		if live {
-			latencyprobe.Mark(latencyprobe.Dequeued, lrank, lseq)
+		rank, seq, hasRank := lrank, lseq, live
+		if !live {
+			// History and snapshot chunks: read the key off the bytes.
+			if seq, rank, hasRank, err = batchKey(payload); err != nil {
+				return err
+			}
 		}
-		if err := p.send(nil, payload, suffix); err != nil {
+		suffix := slab.stamp(rec, rank, hasRank, seq)
+		if err := p.sendMarked(nil, payload, suffix, lrank, lseq, live); err != nil {
 			return err
-		}
-		if live {
-			latencyprobe.Mark(latencyprobe.Written, lrank, lseq)
 		}
 	}
+}
+
+// suffixSlab carves the records' bytes out of larger blocks: the transport
+// keeps each record until its message is written, so none can be reused,
+// but one allocation serves many batches.
+type suffixSlab struct{ buf []byte }
+
+// slabSize holds some tens of records; a record with telemetry is at most
+// a few hundred bytes.
+const slabSize = 8 << 10
+
+func (s *suffixSlab) stamp(rec *load.Recorder, rank int32, hasRank bool, seq uint64) []byte {
+	if cap(s.buf)-len(s.buf) < 512 {
+		s.buf = make([]byte, 0, slabSize)
+	}
+	start := len(s.buf)
+	out := rec.Stamp(s.buf[start:start:cap(s.buf)], rank, hasRank, seq)
+	if len(out) > 0 && cap(out) == cap(s.buf)-start {
+		// Written in place: the slab's bytes up to here are handed out.
+		s.buf = s.buf[:start+len(out)]
+		return out[:len(out):len(out)]
+	}
+	return out
 }
 
 var errBadBatch = errors.New("server: a relayed batch does not parse")

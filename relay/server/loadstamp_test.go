@@ -144,3 +144,77 @@ func TestEveryBatchCarriesItsRanksLoadAndQuietStreamsGetHeartbeats(t *testing.T)
 		t.Fatalf("the change took %v to go out: it waited for the backoff heartbeat", d)
 	}
 }
+
+// TestSlowLoadSourceNeverStallsTheStream: the engine's load endpoint stops
+// answering. Batches keep flowing at once, carrying the last record while
+// it is fresh and none once it is past the max age; no heartbeat repeats a
+// stale record.
+func TestSlowLoadSourceNeverStallsTheStream(t *testing.T) {
+	tl := &loadTimeline{running: map[int]int{0: 3}}
+	block := make(chan struct{})
+	var once sync.Once
+	var hang sync.Mutex
+	hanging := false
+	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hang.Lock()
+		h := hanging
+		hang.Unlock()
+		if h {
+			select { // a source that accepts and never answers
+			case <-block:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		tl.ServeHTTP(w, r)
+	}))
+	defer func() { once.Do(func() { close(block) }); hs.Close() }()
+	const maxAge = 600 * time.Millisecond
+	p, err := load.NewPoller(load.Options{
+		Fetcher: load.NewV1Loads(hs.Client(), hs.URL+"/v1/loads"), Interval: 20 * time.Millisecond,
+		Timeout: 5 * time.Second, MaxAge: maxAge, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = p.Run(ctx) }()
+	defer func() { cancel(); once.Do(func() { close(block) }); <-done }()
+	waitFor(t, 10*time.Second, "the first load poll", func() bool { _, ok := p.Latest(0); return ok })
+
+	s := startStack(t, stackOptions{load: p})
+	sctx, scancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer scancel()
+	st, err := s.client.SubscribeKvEvents(sctx, &kvpb.SubscribeKvEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.publish(t, 0, 1)
+	if b := recvN(t, st, 1)[0]; b.GetLoad().GetRunningRequests() != 3 {
+		t.Fatalf("first batch carries %v, want the engine's record", b.GetLoad())
+	}
+	hang.Lock()
+	hanging = true
+	hang.Unlock()
+	// The poller is now stuck in a read for up to 5 s. Past the max age,
+	// a batch goes without a record, at once.
+	waitFor(t, 10*time.Second, "the record to age out", func() bool { _, ok := p.Latest(0); return !ok })
+	seq := s.publish(t, 0, 2)
+	for {
+		b := recvN(t, st, 1)[0]
+		if b.GetLoad().GetLoadOnly() {
+			if age := time.Duration(b.GetLoad().GetAgeMs()) * time.Millisecond; age > maxAge {
+				t.Fatalf("a heartbeat repeats a record %v old, past the %v max age", age, maxAge)
+			}
+			continue
+		}
+		if b.GetSequenceNumber() != seq {
+			t.Fatalf("batch seq %d, want %d", b.GetSequenceNumber(), seq)
+		}
+		if b.GetLoad() != nil {
+			t.Fatalf("a batch past the max age carries %v, want no record", b.GetLoad())
+		}
+		break
+	}
+}

@@ -170,6 +170,7 @@ type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
 	services []Service
+	proxy    *proxy // nil without an upstream
 	log      *slog.Logger
 	grace    time.Duration
 	conns    []*grpc.ClientConn
@@ -265,8 +266,13 @@ func New(opts Options) (*Server, error) {
 				p.upstreams[extra] = cc
 			}
 		}
-		serverOpts = append(serverOpts, grpc.UnknownServiceHandler(p.handle))
+		s.proxy = p
 	}
+	// Every call to a service nobody registered comes here: the proxy's
+	// when an upstream serves it, else an UNIMPLEMENTED (the code SMG's
+	// gateway and grpc-go give) that names what this relay does serve, so
+	// a worker given the wrong service= or tail --service is told the fix.
+	serverOpts = append(serverOpts, grpc.UnknownServiceHandler(s.unknownService))
 	serverOpts = append(serverOpts, opts.ServerOptions...)
 	// Typed messages go through the proto codec; pre-encoded batches and
 	// proxied frames go through as bytes.
@@ -525,16 +531,25 @@ func (p *pump) run(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) erro
 			return err
 		}
 		rank, seq, live := liveKey(b, keyed)
-		if live {
-			latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
-		}
-		if err := p.send(b, payload, nil); err != nil {
+		if err := p.sendMarked(b, payload, nil, rank, seq, live); err != nil {
 			return err
 		}
-		if live {
-			latencyprobe.Mark(latencyprobe.Written, rank, seq)
-		}
 	}
+}
+
+// sendMarked sends a batch and, for a live one, marks the latency probe's
+// last two stages around the send.
+func (p *pump) sendMarked(b *kvpb.KvEventBatch, payload, suffix []byte, rank int32, seq uint64, live bool) error {
+	if live {
+		latencyprobe.Mark(latencyprobe.Dequeued, rank, seq)
+	}
+	if err := p.send(b, payload, suffix); err != nil {
+		return err
+	}
+	if live {
+		latencyprobe.Mark(latencyprobe.Written, rank, seq)
+	}
+	return nil
 }
 
 // encodedStream is a Stream that can hand out batches already encoded.
@@ -592,6 +607,31 @@ func (h *handler) statusOf(client context.Context, err error) *status.Status {
 		return st
 	}
 	return status.New(codes.Internal, err.Error())
+}
+
+// unknownService answers a call to a service this server does not
+// register: forwarded to the engine's servicer when an upstream serves it,
+// otherwise UNIMPLEMENTED naming the KV event services served here.
+func (s *Server) unknownService(srv any, stream grpc.ServerStream) error {
+	method, _ := grpc.MethodFromServerStream(stream)
+	if s.proxy != nil && s.proxy.conn(method) != nil {
+		return s.proxy.handle(srv, stream)
+	}
+	service := strings.TrimPrefix(method, "/")
+	if i := strings.LastIndex(service, "/"); i >= 0 {
+		service = service[:i]
+	}
+	var served []string
+	for _, svc := range s.services {
+		served = append(served, fmt.Sprintf("%s (%s)", svc.Engine.Name, svc.Engine.ServiceName))
+	}
+	msg := fmt.Sprintf("unknown service %s: this kvrelay serves SubscribeKvEvents as %s; name that service on the client (a gateway worker's service=, kvrelay tail --service)",
+		service, strings.Join(served, ", "))
+	if s.proxy != nil {
+		msg += "; it forwards " + s.proxy.services() + " to the engine"
+	}
+	s.log.Debug("call to an unknown service", "method", method)
+	return status.Error(codes.Unimplemented, msg)
 }
 
 // One small type per service: each generated interface wants its own

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,6 +22,8 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/engines/sglang"
+	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -426,6 +429,40 @@ func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
 	_, err = st.Recv()
 	if status.Code(err) != codes.Unimplemented || status.Convert(err).Message() != vllm.Engine.DisabledMessage {
 		t.Fatalf("got %v, want UNIMPLEMENTED %q", err, vllm.Engine.DisabledMessage)
+	}
+}
+
+// A client naming a service the relay does not serve (a gateway worker's
+// service=sglang against a vLLM relay) gets UNIMPLEMENTED, the code SMG
+// relies on, with a message naming what the relay serves.
+func TestUnknownServiceIsUnimplementedNamingTheServedOnes(t *testing.T) {
+	srv, err := server.New(server.Options{Services: []server.Service{{Engine: vllm.Engine}, {Engine: tokenspeed.Engine}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(lis) }()
+	defer srv.Stop()
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	st, err := kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents(context.Background(), &kvpb.SubscribeKvEventsRequest{})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	msg := status.Convert(err).Message()
+	if status.Code(err) != codes.Unimplemented {
+		t.Fatalf("got %v, want UNIMPLEMENTED", err)
+	}
+	for _, want := range []string{sglang.Engine.ServiceName, "vllm (" + vllm.Engine.ServiceName + ")", "tokenspeed (" + tokenspeed.Engine.ServiceName + ")", "service="} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("message %q does not name %q", msg, want)
+		}
 	}
 }
 

@@ -153,10 +153,7 @@ func start(t testing.TB, opts Options) (*Peer, error) {
 	}
 	script := pyenv.Script("peer", "engine_peer.py")
 	if opts.Release != nil {
-		dir, err := opts.Release.dir()
-		if err != nil {
-			return nil, err
-		}
+		dir := opts.Release.dir(t)
 		script = pyenv.Script("engines", "release_peer.py")
 		args = append(args, "--release", dir)
 		if opts.OSPorts {

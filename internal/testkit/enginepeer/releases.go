@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"testing"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/prereq"
 	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 )
 
@@ -59,14 +61,20 @@ func EnginesDir() string {
 	return filepath.Join(pyenv.RepoRoot(), ".venv", "engines")
 }
 
-// dir is the release's extracted folder; missing files are an error that
-// says how to fetch them, not a skip: the matrix is the point.
-func (r *Release) dir() (string, error) {
+// dir is the release's extracted folder. A release not fetched is a missing
+// prerequisite (package prereq): skipped on a plain `go test`, naming the
+// command that fetches it; a failure under `make test`.
+func (r *Release) dir(t testing.TB) string {
+	t.Helper()
 	d := filepath.Join(EnginesDir(), r.Name)
 	if _, err := os.Stat(filepath.Join(d, ".sha256")); err != nil {
-		return "", fmt.Errorf("release %s is not fetched (%v): run `make engines` (or `make engines-long`)", r.Name, err)
+		fetch := "make engines"
+		if r.Tier != TierNewest {
+			fetch = "make engines-long"
+		}
+		prereq.Missing(t, "the engine release "+r.Name, fetch, err)
 	}
-	return d, nil
+	return d
 }
 
 // RingPayload is the payload the publisher encoded for rank's batch seq, read

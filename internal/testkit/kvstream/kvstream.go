@@ -13,11 +13,14 @@ import (
 )
 
 // Engine serves vLLM's SubscribeKvEvents at Addr; each batch sent on
-// Batches goes to the one subscriber reading at that moment.
+// Batches goes to the one subscriber reading at that moment. Every
+// subscribe request is offered on Requests (dropped when nobody reads and
+// the buffer is full), so a test can check what a client asked for.
 type Engine struct {
 	kvpb.UnimplementedVllmEngineServer
-	Addr    string
-	Batches chan *kvpb.KvEventBatch
+	Addr     string
+	Batches  chan *kvpb.KvEventBatch
+	Requests chan *kvpb.SubscribeKvEventsRequest
 }
 
 // Start serves an Engine until the test ends.
@@ -27,7 +30,7 @@ func Start(t testing.TB, opts ...grpc.ServerOption) *Engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &Engine{Addr: lis.Addr().String(), Batches: make(chan *kvpb.KvEventBatch, 16)}
+	e := &Engine{Addr: lis.Addr().String(), Batches: make(chan *kvpb.KvEventBatch, 16), Requests: make(chan *kvpb.SubscribeKvEventsRequest, 16)}
 	srv := grpc.NewServer(opts...)
 	kvpb.RegisterVllmEngineServer(srv, e)
 	go func() { _ = srv.Serve(lis) }()
@@ -36,7 +39,11 @@ func Start(t testing.TB, opts ...grpc.ServerOption) *Engine {
 }
 
 // SubscribeKvEvents sends the headers at once, then what the test pushes.
-func (e *Engine) SubscribeKvEvents(_ *kvpb.SubscribeKvEventsRequest, stream grpc.ServerStreamingServer[kvpb.KvEventBatch]) error {
+func (e *Engine) SubscribeKvEvents(req *kvpb.SubscribeKvEventsRequest, stream grpc.ServerStreamingServer[kvpb.KvEventBatch]) error {
+	select {
+	case e.Requests <- req:
+	default:
+	}
 	if err := stream.SendHeader(nil); err != nil {
 		return err
 	}

@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"runtime"
 	"testing"
+
+	"github.com/kvrelay/kvrelay/internal/testkit/prereq"
 )
 
 // RepoRoot is the repository's top directory, found from this file's path so
@@ -23,32 +25,30 @@ func RepoRoot() string {
 // Python returns the venv interpreter. KVRELAY_PYTHON (set by the Makefile)
 // wins; otherwise the repository's .venv is used.
 //
-// A missing interpreter skips the test when nobody asked for the interop
-// peers (a plain `go test` on a fresh checkout), and fails it when someone
-// did: KVRELAY_PYTHON set explicitly (as `make test` does) or CI=true. The
-// interop tests are the point of a full run, so a full run must never pass
-// by skipping them.
+// A missing default venv is a missing prerequisite (package prereq): a plain
+// `go test` on a fresh checkout skips, naming `make venv`; `make test` and CI
+// fail. A KVRELAY_PYTHON that names nothing always fails: someone asked for
+// that interpreter.
 func Python(t testing.TB) string {
 	t.Helper()
-	py, err := interpreter(os.Getenv("KVRELAY_PYTHON"), os.Getenv("CI"))
+	py, err := interpreter(os.Getenv("KVRELAY_PYTHON"))
 	switch {
 	case err == nil:
 		return py
 	case errors.Is(err, errNoVenv):
-		t.Skip(err.Error())
+		prereq.Missing(t, "the interop venv (pyzmq, msgspec, the SMG packages)", "make venv", err)
 	default:
 		t.Fatal(err.Error())
 	}
 	return ""
 }
 
-// errNoVenv marks a missing interpreter nobody asked for.
+// errNoVenv marks a missing default interpreter.
 var errNoVenv = errors.New("no interop venv")
 
-// interpreter resolves the interpreter from the environment's KVRELAY_PYTHON
-// and CI values; errNoVenv when the default venv is missing and neither asks
-// for it.
-func interpreter(explicit, ci string) (string, error) {
+// interpreter resolves the interpreter from KVRELAY_PYTHON's value;
+// errNoVenv when it is empty and the default venv is missing.
+func interpreter(explicit string) (string, error) {
 	py := explicit
 	if py == "" {
 		py = filepath.Join(RepoRoot(), ".venv", "bin", "python")
@@ -57,10 +57,10 @@ func interpreter(explicit, ci string) (string, error) {
 	switch {
 	case err == nil:
 		return py, nil
-	case explicit == "" && ci != "true":
-		return "", fmt.Errorf("skipping the interop test: %w at %s (run `make venv` to build it, or set KVRELAY_PYTHON to an interpreter with pyzmq, msgspec and the SMG packages)", errNoVenv, py)
+	case explicit == "":
+		return "", fmt.Errorf("%w at %s", errNoVenv, py)
 	}
-	return "", fmt.Errorf("interop peer interpreter %s: %w (run `make venv`, or set KVRELAY_PYTHON)", py, err)
+	return "", fmt.Errorf("interop peer interpreter KVRELAY_PYTHON=%s: %w (run `make venv`, or point KVRELAY_PYTHON at an interpreter with pyzmq, msgspec and the SMG packages)", py, err)
 }
 
 // Script is the path of a peer script under testdata/.

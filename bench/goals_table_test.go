@@ -10,11 +10,11 @@ import (
 	"testing"
 )
 
-// goals19Folder writes a bench/goals19.sh results folder whose kvrelay bench
+// goalsFolder writes a bench/goals.sh results folder whose kvrelay bench
 // parts are this package's own result types marshalled (so a renamed JSON
 // field breaks the table here, not in the lead's run) and whose go benchmark
 // parts are lines in the format `go test -bench` prints.
-func goals19Folder(t *testing.T, kvCPU, addedP50 float64, pass10k bool, route128 float64) string {
+func goalsFolder(t *testing.T, kvCPU, addedP50 float64, pass10k bool, route128 float64) string {
 	t.Helper()
 	dir := t.TempDir()
 	write := func(rel string, data []byte) {
@@ -76,17 +76,17 @@ BenchmarkRecordMemory/fresh-every-store-salted-2   	       1	1633371741 ns/op	  
 	return dir
 }
 
-// goals19Rows runs goals19_table.py on dir and returns the goals table's
+// goalsRows runs goals_table.py on dir and returns the goals table's
 // rows by goal (the first cell), each as its cells.
-func goals19Rows(t *testing.T, dir string) map[string][]string {
+func goalsRows(t *testing.T, dir string) map[string][]string {
 	t.Helper()
 	py, err := exec.LookPath("python3")
 	if err != nil {
-		t.Skip("goals19_table.py needs python3")
+		t.Skip("goals_table.py needs python3")
 	}
-	out, err := exec.Command(py, "goals19_table.py", dir).CombinedOutput()
+	out, err := exec.Command(py, "goals_table.py", dir).CombinedOutput()
 	if err != nil {
-		t.Fatalf("goals19_table.py: %v\n%s", err, out)
+		t.Fatalf("goals_table.py: %v\n%s", err, out)
 	}
 	rows := map[string][]string{}
 	for _, line := range strings.Split(string(out), "\n") {
@@ -101,7 +101,7 @@ func goals19Rows(t *testing.T, dir string) map[string][]string {
 	return rows
 }
 
-func TestGoals19TableVerdicts(t *testing.T) {
+func TestGoalsTableVerdicts(t *testing.T) {
 	const (
 		cpuGoal   = "CPU per block ≤ 1/10 of SMG's Python relay, at 1k batches/s"
 		susGoal   = "sustained rate ≥ 20× Python, `kvrelay serve` as its own process"
@@ -146,7 +146,7 @@ func TestGoals19TableVerdicts(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rows := goals19Rows(t, goals19Folder(t, tc.kvCPU, tc.addedP50, tc.pass10k, tc.route128))
+			rows := goalsRows(t, goalsFolder(t, tc.kvCPU, tc.addedP50, tc.pass10k, tc.route128))
 			for goal, want := range tc.want {
 				row, ok := rows[goal]
 				if !ok {
@@ -165,11 +165,11 @@ func TestGoals19TableVerdicts(t *testing.T) {
 	}
 }
 
-// TestGoals19DecodeRowIsTheRelaysPath: the decode row's figure and verdict
+// TestGoalsDecodeRowIsTheRelaysPath: the decode row's figure and verdict
 // are AppendNormalized's (wire, the relay's path), with Normalize's messages
 // and the decoder alone as extra wording; a run without wire lines falls
 // back to Normalize and says so.
-func TestGoals19DecodeRowIsTheRelaysPath(t *testing.T) {
+func TestGoalsDecodeRowIsTheRelaysPath(t *testing.T) {
 	const decGoal = "decode + normalize ≥ 5 M blocks per CPU-second"
 	line := func(kind, form string, perCPUs float64) string {
 		return fmt.Sprintf("BenchmarkDecodeAndNormalize/%s/%s-2 \t    5120\t     82513 ns/op\t        82.22 blocks/batch\t   %.0f blocks/cpu-s\n", kind, form, perCPUs)
@@ -206,11 +206,11 @@ func TestGoals19DecodeRowIsTheRelaysPath(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			dir := goals19Folder(t, 1.1, 0.15, true, 19)
+			dir := goalsFolder(t, 1.1, 0.15, true, 19)
 			if err := os.WriteFile(filepath.Join(dir, "decode", "stream.txt"), []byte("goos: linux\n"+tc.stream), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			row := goals19Rows(t, dir)[decGoal]
+			row := goalsRows(t, dir)[decGoal]
 			if row == nil {
 				t.Fatalf("no row %q", decGoal)
 			}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 19's goals table from one bench/goals19.sh results folder.
+"""The performance goals table from one bench/goals.sh results folder.
 
 Reads each part's raw output under DIR (kvrelay bench results.json files, go
 benchmark lines, bench/indexers' results.jsonl) and prints Markdown: the
@@ -9,7 +9,7 @@ Every figure is the median over the runs with its min–max; "met?" compares
 the median with the goal. A part that did not run or failed leaves its rows
 "not measured" with the reason; nothing is filled in.
 
-usage: goals19_table.py DIR
+usage: goals_table.py DIR
 """
 import glob
 import json
@@ -382,7 +382,7 @@ def main(d):
         except (KeyError, ValueError, TypeError, json.JSONDecodeError) as e:
             t.rows.append((f.__name__, f"not measured: its output could not be read ({type(e).__name__}: {e})", "–", "–", f.__name__, t.load(f.__name__)))
     ctx = open(os.path.join(d, "context.txt")).read() if os.path.exists(os.path.join(d, "context.txt")) else ""
-    print("## Issue 19's goals, one run (bench/goals19.sh)\n")
+    print("## The performance goals, one run (bench/goals.sh)\n")
     print("```\n" + ctx.strip() + "\n```\n")
     print("Figures are the median over the runs with the min–max in brackets; \"met?\" compares the median with")
     print("the goal. \"load\" is the 1-minute load average before → after the part (2 vCPUs: above ~1.5 the")
@@ -405,5 +405,5 @@ def main(d):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
-        sys.exit("usage: goals19_table.py DIR (a bench/goals19.sh results folder)")
+        sys.exit("usage: goals_table.py DIR (a bench/goals.sh results folder)")
     main(sys.argv[1])

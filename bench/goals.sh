@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# bench/goals19.sh — issue 19's goals table from one run on the current tree.
+# bench/goals.sh — the performance goals table (relay, snapshot, route, index, bytes) from one run on the current tree.
 #
-#   bench/goals19.sh [--only PARTS] [--runs N] [--latency-runs N] [--out DIR]
+#   bench/goals.sh [--only PARTS] [--runs N] [--latency-runs N] [--out DIR]
 #                    [--python PATH] [--trace TRACE.jsonl] [--llmd-bin PATH]
 #                    [--rust-target DIR] [--corpus FILE] [--budget-scale F]
 #
 # Runs every row's existing measurement (kvrelay bench parts, the packages'
 # go benchmarks, bench/indexers/run.sh) in a fixed order, each part under a
-# time budget, and writes DIR/ (default bench-out/goals19-<UTC time>):
+# time budget, and writes DIR/ (default bench-out/goals-<UTC time>):
 #   context.txt          git commit (and whether the tree was dirty), machine, tools
 #   parts.tsv            part, exit code, seconds, budget, load average before/after
 #   <part>/uptime.txt    `uptime` before and after the part
 #   <part>/...           the part's raw output (results.json/.md, go bench lines)
-#   results.md           the goals table (goal | measured | met? | ...) by goals19_table.py
+#   results.md           the goals table (goal | measured | met? | ...) by goals_table.py
 # Parts, in the order they run (--only takes a comma-separated subset):
 #   sidebyside  kvrelay serve vs SMG's Python relay: CPU per block at 1k/s, sustained rate
 #   latency     added latency at 1k/s (p50) and 10k/s (p99) vs the no-relay control
@@ -63,9 +63,9 @@ usage() {
 # --- the internal entry point: one part, run under timeout by the driver ---
 if [[ ${1:-} == --run-part ]]; then
   part=$2
-  dir=$G19_OUT/$part
-  bin=$G19_OUT/bin
-  runs=$G19_RUNS
+  dir=$GOALS_OUT/$part
+  bin=$GOALS_OUT/bin
+  runs=$GOALS_RUNS
   status=0 # a failed run is recorded and the part goes on with its next run
   set +e
   load() { cut -d' ' -f1-3 /proc/loadavg; }
@@ -78,7 +78,7 @@ if [[ ${1:-} == --run-part ]]; then
   kvbench() { # run-dir args...
     local rd=$1; shift
     local py=()
-    [[ -n $G19_PYTHON ]] && py=(--python "$G19_PYTHON")
+    [[ -n $GOALS_PYTHON ]] && py=(--python "$GOALS_PYTHON")
     echo "load before: $(load)" > "$rd.load"
     "$bin/kvrelay" bench --repo "$root" "${py[@]}" --out "$rd" "$@" > "$rd.md" 2> "$rd.log" || { echo "FAILED: exit $?" >> "$rd.load"; status=1; }
     echo "load after: $(load)" >> "$rd.load"
@@ -87,7 +87,7 @@ if [[ ${1:-} == --run-part ]]; then
     sidebyside)
       for ((k = 1; k <= runs; k++)); do kvbench "$dir/run-$k" --only sidebyside; done ;;
     latency)
-      for ((k = 1; k <= G19_LATENCY_RUNS; k++)); do kvbench "$dir/run-$k" --only latency; done ;;
+      for ((k = 1; k <= GOALS_LATENCY_RUNS; k++)); do kvbench "$dir/run-$k" --only latency; done ;;
     route)
       for ((k = 1; k <= runs; k++)); do kvbench "$dir/run-$k" --only route; done ;;
     decode)
@@ -110,20 +110,20 @@ if [[ ${1:-} == --run-part ]]; then
       gobench relay/record "$bin/record.test" "$dir/cow.txt" \
         -test.bench '^BenchmarkApplyDuringCut$' -test.benchtime 3x -test.count "$runs" ;;
     indexers)
-      if [[ -z $G19_TRACE ]]; then
+      if [[ -z $GOALS_TRACE ]]; then
         echo "skipped: no --trace (a Mooncake FAST'25 trace)" | tee "$dir/skipped.txt"
         exit 0
       fi
       mkdir -p "$dir/ixrun"
-      if [[ -n $G19_CORPUS ]]; then
+      if [[ -n $GOALS_CORPUS ]]; then
         # A corpus derived earlier from the same trace (run.sh derives it
         # only when DIR/corpus-dup4.kvr is missing); recorded in context.
-        ln -sf "$G19_CORPUS" "$dir/ixrun/corpus-dup4.kvr"
-        echo "corpus reused: $G19_CORPUS" > "$dir/corpus-reused.txt"
+        ln -sf "$GOALS_CORPUS" "$dir/ixrun/corpus-dup4.kvr"
+        echo "corpus reused: $GOALS_CORPUS" > "$dir/corpus-reused.txt"
       fi
-      args=("$G19_TRACE" --runs "$runs" --out "$dir/ixrun")
-      [[ -n $G19_LLMD_BIN ]] && args+=(--llmd-bin "$G19_LLMD_BIN")
-      [[ -n $G19_RUST_TARGET ]] && export CARGO_TARGET_DIR=$G19_RUST_TARGET
+      args=("$GOALS_TRACE" --runs "$runs" --out "$dir/ixrun")
+      [[ -n $GOALS_LLMD_BIN ]] && args+=(--llmd-bin "$GOALS_LLMD_BIN")
+      [[ -n $GOALS_RUST_TARGET ]] && export CARGO_TARGET_DIR=$GOALS_RUST_TARGET
       "$root/bench/indexers/run.sh" "${args[@]}" > "$dir/run.txt" 2>&1 || status=1 ;;
     indexbytes)
       # Bytes are deterministic for a given tree (the replay is seeded), so
@@ -133,7 +133,7 @@ if [[ ${1:-} == --run-part ]]; then
     recordbytes)
       gobench relay/record "$bin/record.test" "$dir/memory.txt" \
         -test.bench '^BenchmarkRecordMemory$' -test.benchtime 1x -test.count "$runs" ;;
-    *) echo "goals19.sh: unknown part $part" >&2; exit 2 ;;
+    *) echo "goals.sh: unknown part $part" >&2; exit 2 ;;
   esac
   exit $status
 fi
@@ -153,36 +153,36 @@ while [[ $# -gt 0 ]]; do
     --corpus) corpus=$(realpath "$2"); shift 2 ;;
     --budget-scale) budget_scale=$2; shift 2 ;;
     -h|--help) usage ;;
-    *) echo "goals19.sh: unknown argument $1" >&2; usage ;;
+    *) echo "goals.sh: unknown argument $1" >&2; usage ;;
   esac
 done
-[[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "goals19.sh: --runs wants a positive integer, got '$runs'" >&2; exit 2; }
-[[ $budget_scale =~ ^[0-9]+([.][0-9]+)?$ && $budget_scale != 0 ]] || { echo "goals19.sh: --budget-scale wants a positive number, got '$budget_scale'" >&2; exit 2; }
-[[ $latency_runs =~ ^[1-9][0-9]*$ ]] || { echo "goals19.sh: --latency-runs wants a positive integer, got '$latency_runs'" >&2; exit 2; }
+[[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "goals.sh: --runs wants a positive integer, got '$runs'" >&2; exit 2; }
+[[ $budget_scale =~ ^[0-9]+([.][0-9]+)?$ && $budget_scale != 0 ]] || { echo "goals.sh: --budget-scale wants a positive number, got '$budget_scale'" >&2; exit 2; }
+[[ $latency_runs =~ ^[1-9][0-9]*$ ]] || { echo "goals.sh: --latency-runs wants a positive integer, got '$latency_runs'" >&2; exit 2; }
 parts=()
 if [[ -z $only ]]; then
   parts=("${all_parts[@]}")
 else
   IFS=, read -ra want <<< "$only"
   for w in "${want[@]}"; do
-    [[ " ${all_parts[*]} " == *" $w "* ]] || { echo "goals19.sh: --only: unknown part '$w' (want: ${all_parts[*]})" >&2; exit 2; }
+    [[ " ${all_parts[*]} " == *" $w "* ]] || { echo "goals.sh: --only: unknown part '$w' (want: ${all_parts[*]})" >&2; exit 2; }
   done
   for p in "${all_parts[@]}"; do # the fixed order, whatever order --only named them in
     [[ ",$only," == *",$p,"* ]] && parts+=("$p")
   done
 fi
-[[ -z $trace || -r $trace ]] || { echo "goals19.sh: cannot read trace $trace" >&2; exit 1; }
-[[ -z $llmd_bin || -x $llmd_bin ]] || { echo "goals19.sh: --llmd-bin $llmd_bin is not executable" >&2; exit 1; }
-[[ -z $corpus || -s $corpus ]] || { echo "goals19.sh: --corpus $corpus is empty or missing" >&2; exit 1; }
-[[ -z $python || -x $python ]] || { echo "goals19.sh: --python $python is not executable" >&2; exit 1; }
-[[ -n $out ]] || out=$root/bench-out/goals19-$(date -u +%Y%m%dT%H%M%SZ)
+[[ -z $trace || -r $trace ]] || { echo "goals.sh: cannot read trace $trace" >&2; exit 1; }
+[[ -z $llmd_bin || -x $llmd_bin ]] || { echo "goals.sh: --llmd-bin $llmd_bin is not executable" >&2; exit 1; }
+[[ -z $corpus || -s $corpus ]] || { echo "goals.sh: --corpus $corpus is empty or missing" >&2; exit 1; }
+[[ -z $python || -x $python ]] || { echo "goals.sh: --python $python is not executable" >&2; exit 1; }
+[[ -n $out ]] || out=$root/bench-out/goals-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out/bin"; out=$(realpath "$out")
 : > "$out/parts.tsv"
 started=$(date +%s)
 
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
-echo "== goals19: ${parts[*]} (runs $runs) -> $out"
+echo "== goals: ${parts[*]} (runs $runs) -> $out"
 echo "== build the current tree (load: $(cut -d' ' -f1-3 /proc/loadavg))"
 (
   cd "$root"
@@ -207,8 +207,8 @@ echo "== build the current tree (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   if [[ -n $trace ]]; then echo "corpus: ${corpus:-(derived from the trace in this run)}"; fi
 } > "$out/context.txt"
 
-export G19_OUT=$out G19_RUNS=$runs G19_LATENCY_RUNS=$latency_runs G19_PYTHON=$python \
-  G19_TRACE=$trace G19_LLMD_BIN=$llmd_bin G19_RUST_TARGET=$rust_target G19_CORPUS=$corpus
+export GOALS_OUT=$out GOALS_RUNS=$runs GOALS_LATENCY_RUNS=$latency_runs GOALS_PYTHON=$python \
+  GOALS_TRACE=$trace GOALS_LLMD_BIN=$llmd_bin GOALS_RUST_TARGET=$rust_target GOALS_CORPUS=$corpus
 failed=0
 for p in "${parts[@]}"; do
   n=$runs
@@ -239,7 +239,7 @@ for p in "${parts[@]}"; do
 done
 echo "finished: $(date -u +%FT%TZ) ($(($(date +%s) - started)) s in all)" >> "$out/context.txt"
 
-python3 "$root/bench/goals19_table.py" "$out" > "$out/results.md"
+python3 "$root/bench/goals_table.py" "$out" > "$out/results.md"
 cat "$out/results.md"
 echo "== results in $out/results.md"
 exit $failed
