@@ -60,26 +60,33 @@ func loadPrompt(id, blocks int) []uint32 {
 	return toks
 }
 
-// traffic is another client's traffic on rank 1 of the workers' engines,
-// sent straight to them: every 250 ms, perStep requests of promptTokens
-// unique tokens each, until stop is called. Steady steps rather than one
-// burst keep each batch small, so the relays and the gateway carry the
-// load while it lasts even on a loaded machine. The checks' prompts live
+// otherClient is another client's traffic on rank 1 of the workers' engines,
+// sent straight to them: first requests of promptTokens unique tokens each
+// at once, which queue (so the batch slots stay full whatever pace the
+// machine allows), then perStep more every 250 ms until stop is called.
+// Steady steps rather than one large burst keep each batch moderate, so
+// the relays and the gateway carry the load while it lasts even on a
+// loaded machine. The checks' prompts live
 // on rank 0, whose cache this leaves alone; a worker's load is its
 // busiest rank's.
-func (d *demo) otherClient(id, perStep, promptTokens int, ws ...*worker) (stop func()) {
+func (d *demo) otherClient(id, first, perStep, promptTokens int, ws ...*worker) (stop func()) {
 	done, quit := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
 		t := time.NewTicker(250 * time.Millisecond)
 		defer t.Stop()
+		sent := 0
 		for n := 0; ; n++ {
+			k := perStep
+			if n == 0 {
+				k = first
+			}
 			for _, w := range ws {
-				reqs := make([]sim.Request, perStep)
+				reqs := make([]sim.Request, k)
 				for i := range reqs {
 					toks := make([]uint32, promptTokens)
 					for j := range toks {
-						toks[j] = 1<<26 + uint32(id)<<21 + uint32(n*perStep+i)<<10 + uint32(j)
+						toks[j] = 1<<26 + uint32(id)<<21 + uint32(sent+i)<<10 + uint32(j)
 					}
 					reqs[i] = sim.Request{Rank: 1, Tokens: toks}
 				}
@@ -88,6 +95,7 @@ func (d *demo) otherClient(id, perStep, promptTokens int, ws ...*worker) (stop f
 					return
 				}
 			}
+			sent += k
 			select {
 			case <-quit:
 				return
@@ -184,11 +192,11 @@ func (d *demo) runLoadChecks(ctx context.Context) {
 				return err
 			}
 			c.Want = sglang2.id + "/" + string(picker.ReasonHit)
-			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(1, 40, 4*blockSize, sglangW) },
+			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(1, 120, 40, 4*blockSize, sglangW) },
 				func() (bool, string) {
 					_, b, age, _ := d.engineLoadOf(sglangW)
 					_, b2, _, ok2 := d.engineLoadOf(sglang2)
-					return b >= 4096 && ok2, fmt.Sprintf("%s holds all 8 of the prompt's blocks, %s 6; %s's engine then got 160 requests/s "+
+					return b >= 4096 && ok2, fmt.Sprintf("%s holds all 8 of the prompt's blocks, %s 6; %s's engine then got 120 requests at once and 160/s "+
 						"from another client: its /v1/loads reports %d uncached tokens waiting, %s's %d (record %d ms old at the gateway), "+
 						"so its 8 blocks count 8/(1+%.0f×%d/%d)", sglangW.id, sglang2.id, sglangW.id, b, sglang2.id, b2, age.Milliseconds(),
 						overlapDecay, b-b2, len(prompt))
@@ -202,11 +210,11 @@ func (d *demo) runLoadChecks(ctx context.Context) {
 			c.Want = "/" + string(picker.ReasonKVPressure)
 			// 16 running requests of 432 uncached tokens hold 0.86 of a
 			// rank's 8,192-token cache.
-			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(2, 16, 432, vllmW) },
+			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(2, 100, 16, 432, vllmW) },
 				func() (bool, string) {
 					hot, _, age, _ := d.engineLoadOf(vllmW)
 					cold, _, _, _ := d.engineLoadOf(sglangW)
-					return hot-cold > balanceUsage && hot <= overloadUsage, fmt.Sprintf("%s's engine got 64 requests/s from another client: "+
+					return hot-cold > balanceUsage && hot <= overloadUsage, fmt.Sprintf("%s's engine got 100 requests at once and 64/s from another client: "+
 						"its /metrics says KV usage %.2f, %s's %.2f (record %d ms old): spread %.2f > balance threshold %.2f",
 						vllmW.id, hot, sglangW.id, cold, age.Milliseconds(), hot-cold, balanceUsage)
 				})
@@ -217,11 +225,11 @@ func (d *demo) runLoadChecks(ctx context.Context) {
 				return err
 			}
 			c.Want = "/" + string(picker.ReasonKVPressure)
-			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(3, 8, 640, vllmW, sglangW) },
+			return d.underLoad(ctx, c, prompt, func() func() { return d.otherClient(3, 160, 8, 640, vllmW, sglangW) },
 				func() (bool, string) {
 					a, _, age, _ := d.engineLoadOf(vllmW)
 					b, _, _, _ := d.engineLoadOf(sglangW)
-					return min(a, b) > overloadUsage, fmt.Sprintf("%s's and %s's engines each got 32 requests/s from another client: KV usage %.2f and %.2f "+
+					return min(a, b) > overloadUsage, fmt.Sprintf("%s's and %s's engines each got 160 requests at once and 32/s from another client: KV usage %.2f and %.2f "+
 						"(record %d ms old), spread under the balance threshold, hottest > overload threshold %.2f", vllmW.id, sglangW.id, a, b, age.Milliseconds(), overloadUsage)
 				})
 		}},
