@@ -14,7 +14,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
 )
 
@@ -51,23 +50,15 @@ func rank0Load(t *testing.T, g *Gateway) (EngineLoad, bool) {
 // and polls again once they stop (fallback). /v1/workers shows the rank's
 // record, where it came from and its age.
 func TestPollsGetLoadsWherePushesStop(t *testing.T) {
-	base := freeport.ForTest(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	eng, err := sim.Start(ctx, sim.Options{
-		Engine: "vllm", DPSize: 1, BlockSize: 16, CapacityBlocks: 256,
-		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, base, base+1),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
+	eng, endpoint, replay := startTCPEngine(t, 1)
 	loads := filepath.Join(t.TempDir(), "loads.json")
 	polled := map[string]any{"num_running_reqs": 5, "num_waiting_reqs": 2, "token_usage": 0.7, "num_waiting_uncached_tokens": 300, "cache_hit_rate": 0.25, "gen_throughput": 120.0}
 	writeLoads(t, loads, false, polled)
 	var calls atomic.Int64
 	py := startPyScript(t, "py_loads_servicer.py", []string{
-		"--endpoint", fmt.Sprintf("tcp://127.0.0.1:%d", base), "--replay-endpoint", fmt.Sprintf("tcp://127.0.0.1:%d", base+1),
+		"--endpoint", endpoint, "--replay-endpoint", replay,
 		"--loads-file", loads,
 	}, func(line []byte) {
 		if strings.Contains(string(line), `"GetLoads"`) {
