@@ -14,6 +14,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
+	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -83,9 +84,9 @@ type GatewayScalePoint struct {
 	BytesPerBlock float64 `json:"bytes_per_block"`
 	SteadyBatches int     `json:"steady_batches"`
 	// CPUPerBatchUs is process CPU time (getrusage: the applying thread
-	// and the garbage collector) per steady-state batch applied: a
-	// StoreBlocks-block store and a StoreBlocks-block removal, the tokens
-	// hashed.
+	// and the garbage collector) per steady-state batch decoded from its
+	// wire bytes and applied: a StoreBlocks-block store and a
+	// StoreBlocks-block removal, the tokens hashed.
 	CPUPerBatchUs float64 `json:"cpu_per_batch_us"`
 	// BatchesPerCPUSecond is what one core applies at this size.
 	BatchesPerCPUSecond float64 `json:"batches_per_cpu_s"`
@@ -135,10 +136,47 @@ type CurveFit struct {
 	// At is the fit evaluated at AtX (the projection's size).
 	AtX float64 `json:"at_x"`
 	At  float64 `json:"at"`
-	// Chosen is the model with the smaller squared error of the pair
-	// fitted for this figure.
+	// Accepted: R2 is at least MinFitR2 and the value at AtX is positive,
+	// so the model may carry a projection. A fit below the bar explains too
+	// little of the measured variance to be extrapolated.
+	Accepted bool `json:"accepted"`
+	// Chosen is the accepted model with the smallest squared error of those
+	// fitted for this figure (none when no model is accepted).
 	Chosen bool `json:"chosen"`
 }
+
+// MinFitR2 is the least R² a fitted curve needs to carry a projection.
+// The issue-18 study extrapolated a linear CPU fit of R² 0.22 eighteen
+// times past its largest point (23.5 cores); below this bar the study
+// reports the measured range instead of a curve.
+const MinFitR2 = 0.9
+
+// ProjectionBand is one figure's projection as a band: the lowest and
+// highest value at the target among the accepted models, or, when no model
+// is accepted, the measured range (Basis says which), with the measured
+// range and the largest measured x beside it.
+type ProjectionBand struct {
+	Figure string  `json:"figure"`
+	Unit   string  `json:"unit"`
+	AtX    float64 `json:"at_x"`
+	Low    float64 `json:"low"`
+	High   float64 `json:"high"`
+	// Basis is "fits" (Low and High are the accepted models' values at
+	// AtX) or "measured range" (no model reached MinFitR2: the figure does
+	// not follow x within the noise of the measurements, and the band is
+	// what was measured, not extrapolated).
+	Basis        string   `json:"basis"`
+	Models       []string `json:"models,omitempty"` // the accepted models
+	MeasuredLow  float64  `json:"measured_low"`
+	MeasuredHigh float64  `json:"measured_high"`
+	MeasuredMaxX float64  `json:"measured_max_x"` // the largest x measured
+}
+
+// Band basis values.
+const (
+	BasisFits     = "fits"
+	BasisMeasured = "measured range"
+)
 
 // NATSLoadRow is the NATS server's load from the gateway replicas at
 // TargetWorkers workers and Replicas replicas.
@@ -189,6 +227,25 @@ type FleetProjection struct {
 	RouteCPUP99us      float64 `json:"route_cpu_p99_us"`
 	RelayCPUPerBatchUs float64 `json:"relay_cpu_per_batch_us"` // at Replicas subscribers
 	RelayCPUPerSecond  float64 `json:"relay_cpu_s_per_s"`      // one relay's ranks at the realistic rate
+	// Bands holds every fitted figure's band (the single values above are
+	// the chosen fit's, or the band's high end when no fit is accepted).
+	Bands []ProjectionBand `json:"bands"`
+	// CPUPerSecondLow/High and IndexBytesLow/High are the replica's cores
+	// and heap at the target from the bands' ends.
+	CPUPerSecondLow  float64 `json:"cpu_s_per_s_low"`
+	CPUPerSecondHigh float64 `json:"cpu_s_per_s_high"`
+	IndexBytesLow    float64 `json:"index_bytes_low"`
+	IndexBytesHigh   float64 `json:"index_bytes_high"`
+}
+
+// Band is the projection band of figure, nil if there is none.
+func (pr *FleetProjection) Band(figure string) *ProjectionBand {
+	for i := range pr.Bands {
+		if pr.Bands[i].Figure == figure {
+			return &pr.Bands[i]
+		}
+	}
+	return nil
 }
 
 // fleetIDBase seeds the shared documents, the same in every repetition;
@@ -205,7 +262,10 @@ func fleetWorkload(quick bool) FleetWorkload {
 		InFlightPerWorker: 8, RanksPerRelay: 8,
 		RetentionSeconds: 600, StreamReplicas: 3,
 		TargetWorkers: 10_000, TargetReplicas: 16,
-		Workers:     []int{250, 500, 1000, 2000, 4000, 8000},
+		// The largest point is the target's worker count at the reduced
+		// cache: 20.5 M (worker, block) pairs, the most this shared host
+		// holds in a few minutes a repetition.
+		Workers:     []int{250, 500, 1000, 2000, 4000, 8000, 10_000},
 		Subscribers: []int{1, 2, 4, 8, 16},
 	}
 	if quick {
@@ -380,31 +440,48 @@ func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (Ga
 			ix.Apply(names[w], nextBatch(wl, docs, w, &tails[w], rng))
 		}
 	}
-	// Steady state: every worker in turn, generated in chunks outside the
-	// CPU clock.
+	// Steady state: every worker in turn, generated and encoded in chunks
+	// outside the CPU clock. Inside it, each batch is decoded from its wire
+	// bytes by the monitor's decoder (proto/kvdec, one per stream) and
+	// applied, as a gateway receives it; the process clock counts the
+	// garbage collector's threads too.
 	var cpu time.Duration
 	const chunk = 256
-	pending := make([]*kvpb.KvEventBatch, 0, chunk)
+	pending := make([][]byte, 0, chunk)
 	owners := make([]int, 0, chunk)
-	flush := func() {
+	var dec kvdec.Decoder
+	flush := func() error {
 		c0 := processCPU()
-		for i, b := range pending {
+		for i, frame := range pending {
+			b, err := dec.Decode(frame)
+			if err != nil {
+				return fmt.Errorf("bench: fleetscale: decode a steady-state batch: %w", err)
+			}
 			ix.Apply(names[owners[i]], b)
 		}
 		cpu += processCPU() - c0
 		p.SteadyBatches += len(pending)
 		pending, owners = pending[:0], owners[:0]
+		return nil
 	}
 	for range wl.SteadySteps {
 		for w := range workers {
-			pending = append(pending, nextBatch(wl, docs, w, &tails[w], rng))
+			frame, err := proto.Marshal(nextBatch(wl, docs, w, &tails[w], rng))
+			if err != nil {
+				return p, fmt.Errorf("bench: fleetscale: encode a steady-state batch: %w", err)
+			}
+			pending = append(pending, frame)
 			owners = append(owners, w)
 			if len(pending) == chunk {
-				flush()
+				if err := flush(); err != nil {
+					return p, err
+				}
 			}
 		}
 	}
-	flush()
+	if err := flush(); err != nil {
+		return p, err
+	}
 	pending = nil
 	st := ix.Stats()
 	p.Memberships = int64(st.Memberships)
@@ -495,7 +572,6 @@ func (fs *FleetScaleResults) fit() error {
 		{FitRouteP99, "µs", "workers", p99, target, []string{"linear", "n log n"}, &pr.RouteCPUP99us},
 		{FitRelayCPU, "µs", "gateway subscribers", fan, float64(wl.TargetReplicas), []string{"linear", "n log n"}, &pr.RelayCPUPerBatchUs},
 	} {
-		var best *CurveFit
 		first := len(fs.Fits)
 		for _, model := range f.models {
 			c, err := fitCurve(f.pts, model)
@@ -504,18 +580,29 @@ func (fs *FleetScaleResults) fit() error {
 			}
 			c.Figure, c.Unit, c.X, c.AtX = f.figure, f.unit, f.x, f.at
 			c.At = c.Eval(f.at)
+			// A curve that projects a cost or a size of zero or less says
+			// the measured trend cannot be carried that far: refused too.
+			c.Accepted = c.Accepted && c.At > 0
 			fs.Fits = append(fs.Fits, c)
 		}
-		for i := first; i < len(fs.Fits); i++ {
-			if best == nil || fs.Fits[i].sse(f.pts) < best.sse(f.pts) {
-				best = &fs.Fits[i]
-			}
+		band := projectBand(fs.Fits[first:], f.pts)
+		band.Figure, band.Unit, band.AtX = f.figure, f.unit, f.at
+		pr.Bands = append(pr.Bands, band)
+		if best := bestAccepted(fs.Fits[first:], f.pts); best != nil {
+			best.Chosen = true
+			*f.out = best.At
+		} else {
+			*f.out = band.High // no curve: the measured range's high end
 		}
-		best.Chosen = true
-		*f.out = best.At
 	}
 	pr.EventsPerSecond = target * wl.BatchesPerWorkerPerSec
 	pr.CPUPerSecond = pr.EventsPerSecond * pr.CPUPerBatchUs / 1e6
+	if b := pr.Band(FitApplyCPU); b != nil {
+		pr.CPUPerSecondLow, pr.CPUPerSecondHigh = pr.EventsPerSecond*b.Low/1e6, pr.EventsPerSecond*b.High/1e6
+	}
+	if b := pr.Band(FitIndexHeap); b != nil {
+		pr.IndexBytesLow, pr.IndexBytesHigh = b.Low, b.High
+	}
 	pr.RelayCPUPerSecond = float64(wl.RanksPerRelay) * wl.BatchesPerWorkerPerSec * pr.RelayCPUPerBatchUs / 1e6
 	return nil
 }
@@ -530,6 +617,51 @@ const (
 )
 
 type xy struct{ x, y float64 }
+
+// bestAccepted is the accepted fit with the smallest squared error, nil
+// when none is accepted.
+func bestAccepted(fits []CurveFit, pts []xy) *CurveFit {
+	var best *CurveFit
+	for i := range fits {
+		if fits[i].Accepted && (best == nil || fits[i].sse(pts) < best.sse(pts)) {
+			best = &fits[i]
+		}
+	}
+	return best
+}
+
+// projectBand is the band the fits of one figure give at their AtX: the
+// accepted models' values, or the measured range when none is accepted.
+func projectBand(fits []CurveFit, pts []xy) ProjectionBand {
+	var b ProjectionBand
+	for i, p := range pts {
+		if i == 0 || p.y < b.MeasuredLow {
+			b.MeasuredLow = p.y
+		}
+		if i == 0 || p.y > b.MeasuredHigh {
+			b.MeasuredHigh = p.y
+		}
+		b.MeasuredMaxX = max(b.MeasuredMaxX, p.x)
+	}
+	for _, c := range fits {
+		if !c.Accepted {
+			continue
+		}
+		if len(b.Models) == 0 || c.At < b.Low {
+			b.Low = c.At
+		}
+		if len(b.Models) == 0 || c.At > b.High {
+			b.High = c.At
+		}
+		b.Models = append(b.Models, c.Model)
+	}
+	if len(b.Models) > 0 {
+		b.Basis = BasisFits
+	} else {
+		b.Basis, b.Low, b.High = BasisMeasured, b.MeasuredLow, b.MeasuredHigh
+	}
+	return b
+}
 
 // transform is the fit's regressor for a model.
 func transform(model string, x float64) float64 {
@@ -584,6 +716,7 @@ func fitCurve(pts []xy, model string) (CurveFit, error) {
 	if ssTot > 0 {
 		c.R2 = 1 - c.sse(pts)/ssTot
 	}
+	c.Accepted = c.R2 >= MinFitR2
 	return c, nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 )
 
 // writeFleetScale writes the fleet scale study: each measured figure's
@@ -13,7 +14,7 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 	wl := fs.Workload
 	fmt.Fprintf(w, "### Fleet scale study (issue 18 item 4)\n\n")
 	fmt.Fprintf(w, "Simulated workers, each with a %d-block cache (block size %d; a real GPU holds about %d): one of %d shared %d-block documents pinned, "+
-		"the rest its own conversations in %d-block stores, evicted oldest first; a steady-state batch stores %d blocks and removes %d, tokens hashed by the index. "+
+		"the rest its own conversations in %d-block stores, evicted oldest first; a steady-state batch stores %d blocks and removes %d, decoded from its wire bytes (proto/kvdec) and applied, tokens hashed by the index. "+
 		"%d repetitions per size; figures are medians (range). CPU is process CPU time (getrusage); the realistic rate is %.0f batches/s a worker.\n\n",
 		wl.CacheBlocks, wl.BlockSize, wl.RealCacheBlocks, wl.SharedDocs, wl.DocBlocks, wl.StoreBlocks, wl.StoreBlocks, wl.StoreBlocks,
 		wl.Reps, wl.BatchesPerWorkerPerSec)
@@ -62,18 +63,31 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 		}
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "Fits (least squares over every repetition's point; the model with the smaller squared error is chosen and used below):\n\n")
-	fmt.Fprintf(w, "| figure | x | model | y = A + B·f(x) | R² | max residual | at x = | value | chosen |\n|---|---|---|---|---:|---:|---:|---:|---|\n")
+	fmt.Fprintf(w, "Fits (least squares over every repetition's point). A fit with R² below %.2f is refused: it may not carry a projection. "+
+		"Of the accepted ones, the model with the smallest squared error is chosen:\n\n", MinFitR2)
+	fmt.Fprintf(w, "| figure | x | model | y = A + B·f(x) | R² | max residual | at x = | value | accepted | chosen |\n|---|---|---|---|---:|---:|---:|---:|---|---|\n")
 	for _, c := range fs.Fits {
-		chosen := ""
+		accepted, chosen := "refused", ""
+		if c.Accepted {
+			accepted = "yes"
+		}
 		if c.Chosen {
 			chosen = "yes"
 		}
-		fmt.Fprintf(w, "| %s | %s | %s | A = %.4g, B = %.4g | %.3f | %.1f%% | %.3g | %.4g %s | %s |\n",
-			c.Figure, c.X, c.Model, c.A, c.B, c.R2, c.MaxResidualPct, c.AtX, c.At, c.Unit, chosen)
+		fmt.Fprintf(w, "| %s | %s | %s | A = %.4g, B = %.4g | %.3f | %.1f%% | %.3g | %.4g %s | %s | %s |\n",
+			c.Figure, c.X, c.Model, c.A, c.B, c.R2, c.MaxResidualPct, c.AtX, c.At, c.Unit, accepted, chosen)
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "Projection bands at the target (the accepted models' values; the measured range where no model is accepted):\n\n")
+	fmt.Fprintf(w, "| figure | at x = | band | basis | models | measured range | largest x measured |\n|---|---:|---:|---|---|---:|---:|\n")
+	for _, b := range fs.Projection.Bands {
+		fmt.Fprintf(w, "| %s | %.3g | %.4g – %.4g %s | %s | %s | %.4g – %.4g | %.3g |\n",
+			b.Figure, b.AtX, b.Low, b.High, b.Unit, b.Basis, strings.Join(b.Models, ", "), b.MeasuredLow, b.MeasuredHigh, b.MeasuredMaxX)
 	}
 	fmt.Fprintln(w)
 	pr := fs.Projection
+	fmt.Fprintf(w, "Band per replica at %d workers (%.3g pairs): index heap **%.1f – %.1f GiB**, applying events **%.2f – %.2f CPU-s/s**.\n\n",
+		pr.Workers, pr.Memberships, pr.IndexBytesLow/(1<<30), pr.IndexBytesHigh/(1<<30), pr.CPUPerSecondLow, pr.CPUPerSecondHigh)
 	fmt.Fprintf(w, "Extrapolated to %d workers (%.3g (worker, block) pairs at %d blocks a worker) and %d gateway replicas, per replica: index heap **%.1f GiB**; "+
 		"%.0f batches/s to apply at **%.1f CPU-s/s** (%.1f µs a batch); route p50 %.0f µs, CPU p99 %.0f µs. Per relay (%d ranks at the rate, %d subscribers): %.1f µs a batch, %.3f CPU-s/s.\n\n",
 		pr.Workers, pr.Memberships, wl.RealCacheBlocks, pr.Replicas, pr.IndexBytes/(1<<30), pr.EventsPerSecond, pr.CPUPerSecond, pr.CPUPerBatchUs,

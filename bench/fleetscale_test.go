@@ -83,12 +83,28 @@ func checkFleetScale(tb testing.TB, fs *FleetScaleResults) {
 			tb.Errorf("fan-out point not sane: %+v", p)
 		}
 	}
+	pr := fs.Projection
 	for _, figure := range []string{FitIndexHeap, FitApplyCPU, FitRouteP50, FitRouteP99, FitRelayCPU} {
-		if fs.ChosenFit(figure) == nil {
-			tb.Errorf("no chosen fit for %s", figure)
+		b := pr.Band(figure)
+		if b == nil {
+			tb.Errorf("no projection band for %s", figure)
+			continue
+		}
+		c := fs.ChosenFit(figure)
+		switch {
+		case b.Low > b.High || b.MeasuredLow > b.MeasuredHigh:
+			tb.Errorf("%s: band not ordered: %+v", figure, b)
+		case b.Basis == BasisFits && (c == nil || !c.Accepted || c.R2 < MinFitR2 || c.At < b.Low || c.At > b.High):
+			tb.Errorf("%s: band from fits %+v, chosen fit %+v", figure, b, c)
+		case b.Basis == BasisMeasured && (c != nil || b.Low != b.MeasuredLow || b.High != b.MeasuredHigh):
+			tb.Errorf("%s: no accepted fit, band %+v, chosen fit %+v", figure, b, c)
+		case b.Basis != BasisFits && b.Basis != BasisMeasured:
+			tb.Errorf("%s: band basis %q", figure, b.Basis)
 		}
 	}
-	pr := fs.Projection
+	if pr.CPUPerSecondLow <= 0 || pr.CPUPerSecondLow > pr.CPUPerSecondHigh || pr.IndexBytesLow <= 0 || pr.IndexBytesLow > pr.IndexBytesHigh {
+		tb.Errorf("projection bands not sane: %+v", pr)
+	}
 	maxHeap := int64(0)
 	for _, p := range fs.Gateway {
 		maxHeap = max(maxHeap, p.HeapBytes)
@@ -151,6 +167,45 @@ func TestFitCurve(t *testing.T) {
 	c, err := fitCurve([]xy{{1, 1}, {2, 3}, {3, 2}}, "linear")
 	if err != nil || c.MaxResidualPct == 0 || c.R2 >= 1 {
 		t.Errorf("noisy fit: %+v, %v", c, err)
+	}
+	// Noise with no trend is refused (R² below MinFitR2) and projects as
+	// the measured range, never as an extrapolated line.
+	flat := []xy{{250, 21}, {500, 27}, {1000, 19}, {2000, 26}, {4000, 20}, {8000, 28}}
+	var fits []CurveFit
+	for _, model := range []string{"log", "linear"} {
+		c, err := fitCurve(flat, model)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Accepted || c.R2 >= MinFitR2 {
+			t.Errorf("flat noise: %s fit accepted with R² %.3f", model, c.R2)
+		}
+		c.At = c.Eval(10 * 8000)
+		fits = append(fits, c)
+	}
+	if b := projectBand(fits, flat); b.Basis != BasisMeasured || b.Low != 19 || b.High != 28 || b.MeasuredMaxX != 8000 || len(b.Models) != 0 {
+		t.Errorf("flat noise: band %+v, want the measured range 19–28", b)
+	}
+	if bestAccepted(fits, flat) != nil {
+		t.Errorf("flat noise: a fit was chosen")
+	}
+	// Two accepted models give a band between their values.
+	var lines []CurveFit
+	for _, model := range []string{"linear", "n log n"} {
+		var pts []xy
+		for _, x := range []float64{250, 500, 1000, 2000, 4000} {
+			pts = append(pts, xy{x, 5 + 2*x})
+		}
+		c, err := fitCurve(pts, model)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.At = c.Eval(10_000)
+		lines = append(lines, c)
+	}
+	if b := projectBand(lines, []xy{{250, 505}, {4000, 8005}}); b.Basis != BasisFits || len(b.Models) != 2 ||
+		b.Low != min(lines[0].At, lines[1].At) || b.High != max(lines[0].At, lines[1].At) {
+		t.Errorf("two accepted fits: band %+v from %+v", b, lines)
 	}
 	// One size only cannot make a curve.
 	if _, err := fitCurve([]xy{{5, 1}, {5, 2}}, "linear"); err == nil || !strings.Contains(err.Error(), "two sizes") {

@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
@@ -116,7 +117,7 @@ type routeAnswer struct {
 func routeOnce(c *http.Client, url, model string, toks []uint32) (routeAnswer, error) {
 	start := time.Now()
 	resp, err := c.Post(url+"/v1/route", "application/json",
-		strings.NewReader(`{"model":"`+model+`","token_ids":`+tokensJSON(toks)+`}`))
+		strings.NewReader(`{"model":"`+model+`","token_ids":`+apiclient.TokensJSON(toks)+`}`))
 	if err != nil {
 		return routeAnswer{Elapsed: time.Since(start)}, err
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 )
@@ -46,14 +47,14 @@ func TestGatewayNATSSharesLoadByDefault(t *testing.T) {
 
 	deadline := time.Now().Add(10 * time.Second)
 	for _, addr := range []string{a, b} {
-		for !strings.Contains(getBody(t, "http://"+addr+"/metrics"), "kvrelay_gateway_nats_peers 1") {
+		for !strings.Contains(apiclient.Get(t, "http://"+addr+"/metrics"), "kvrelay_gateway_nats_peers 1") {
 			if time.Now().After(deadline) {
 				t.Fatalf("%s never counted its peer", addr)
 			}
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	if m := getBody(t, "http://"+c+"/metrics"); strings.Contains(m, "kvrelay_gateway_nats_peers") || !strings.Contains(m, "kvrelay_gateway_nats_connected") {
+	if m := apiclient.Get(t, "http://"+c+"/metrics"); strings.Contains(m, "kvrelay_gateway_nats_peers") || !strings.Contains(m, "kvrelay_gateway_nats_connected") {
 		t.Errorf("--nats-share-load=false: load metrics present or placement metrics missing")
 	}
 	cancel()

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -62,7 +63,7 @@ func TestGatewayReportModeFullFlag(t *testing.T) {
 			marked.Events[0].GetStored().Blocks[0].BlockHash = 999
 			e.Batches <- marked
 			for {
-				_, out := post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(marker)+`}`)
+				_, out := apiclient.Post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+apiclient.TokensJSON(marker)+`}`)
 				if out["reason"] == "event_hit" {
 					break
 				}
@@ -71,7 +72,7 @@ func TestGatewayReportModeFullFlag(t *testing.T) {
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
-			if _, out := post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(prompt)+`}`); out["reason"] != tc.wantReason {
+			if _, out := apiclient.Post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+apiclient.TokensJSON(prompt)+`}`); out["reason"] != tc.wantReason {
 				t.Errorf("route for the prompt after store, re-announcement, removal: %v, want reason %s", out, tc.wantReason)
 			}
 			cancel()

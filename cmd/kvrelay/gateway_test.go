@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"net/http"
 	"regexp"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 )
 
@@ -94,25 +94,6 @@ func TestGatewayBadFlags(t *testing.T) {
 	}
 }
 
-func post(t *testing.T, url, body string) (int, map[string]any) {
-	t.Helper()
-	resp, err := http.Post(url, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var out map[string]any
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
-		t.Fatalf("%s: response is not JSON: %v", url, err)
-	}
-	return resp.StatusCode, out
-}
-
-func tokensJSON(toks []uint32) string {
-	b, _ := json.Marshal(toks)
-	return string(b)
-}
-
 // syncBuffer is a bytes.Buffer safe for the logger and the test together.
 type syncBuffer struct {
 	mu sync.Mutex
@@ -163,13 +144,13 @@ func TestGatewayCommand(t *testing.T) {
 	prompt := kvstream.SeqTokens(7, 48)
 	e2.Batches <- kvstream.StoreTokens(1, 16, prompt)
 	// Wait on the index, not by routing: every route places the prompt.
-	for !strings.Contains(getBody(t, "http://"+addr+"/v1/workers"), `"index_blocks":3`) {
+	for !strings.Contains(apiclient.Get(t, "http://"+addr+"/v1/workers"), `"index_blocks":3`) {
 		if time.Now().After(deadline) {
 			t.Fatal("e2's blocks never indexed")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	_, out := post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+tokensJSON(prompt)+`}`)
+	_, out := apiclient.Post(t, "http://"+addr+"/v1/route", `{"model":"m","token_ids":`+apiclient.TokensJSON(prompt)+`}`)
 	if out["worker"] != "grpc://"+e2.Addr || out["reason"] != "event_hit" {
 		t.Fatalf("route %v", out)
 	}
@@ -219,18 +200,4 @@ func FuzzParseWorker(f *testing.F) {
 			t.Fatalf("%q: service %q", s, w.Service)
 		}
 	})
-}
-
-func getBody(t *testing.T, url string) string {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
 }

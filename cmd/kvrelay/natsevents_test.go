@@ -13,6 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/sim"
 )
@@ -82,10 +83,10 @@ func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []
 			t.Fatal(err)
 		}
 		if addr != "" {
-			m := getBody(t, "http://"+addr+"/metrics")
+			m := apiclient.Get(t, "http://"+addr+"/metrics")
 			if strings.Contains(m, `kvrelay_gateway_events_source{source="nats",worker="grpc://127.0.0.1:1"} 1`) &&
-				strings.Contains(getBody(t, "http://"+addr+"/v1/workers"), `"index_blocks"`) {
-				fmt.Sscan(indexBlocks(getBody(t, "http://"+addr+"/v1/workers")), &blocks)
+				strings.Contains(apiclient.Get(t, "http://"+addr+"/v1/workers"), `"index_blocks"`) {
+				fmt.Sscan(indexBlocks(apiclient.Get(t, "http://"+addr+"/v1/workers")), &blocks)
 				if blocks > 0 {
 					break
 				}

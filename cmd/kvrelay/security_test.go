@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
@@ -218,7 +219,7 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	resp, err := client.Post("https://"+addr+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":`+tokensJSON(prompt)+`}`))
+	resp, err := client.Post("https://"+addr+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":`+apiclient.TokensJSON(prompt)+`}`))
 	if err != nil {
 		t.Fatalf("route over HTTPS: %v", err)
 	}

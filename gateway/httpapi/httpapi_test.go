@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 )
 
@@ -62,25 +63,6 @@ func newHTTPRigWith(t *testing.T, noPlacements bool) *httpRig {
 	return &httpRig{a: a, b: b, g: g, srv: srv, idA: idA, idB: idB}
 }
 
-func post(t *testing.T, url, body string) (int, map[string]any) {
-	t.Helper()
-	resp, err := http.Post(url, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var out map[string]any
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
-		t.Fatalf("%s: response is not JSON: %v", url, err)
-	}
-	return resp.StatusCode, out
-}
-
-func tokensJSON(toks []uint32) string {
-	b, _ := json.Marshal(toks)
-	return string(b)
-}
-
 func TestGatewayHTTP(t *testing.T) {
 	verifyNoLeaks(t)
 	r := newHTTPRig(t)
@@ -90,7 +72,7 @@ func TestGatewayHTTP(t *testing.T) {
 	var out map[string]any
 	for {
 		var code int
-		code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`}`)
+		code, out = apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+apiclient.TokensJSON(prompt)+`}`)
 		if code != http.StatusOK {
 			t.Fatalf("route: %d %v", code, out)
 		}
@@ -108,16 +90,16 @@ func TestGatewayHTTP(t *testing.T) {
 
 	// Loads in the body are recorded and steer the choice: B is far over
 	// the fleet mean, so the request spills to A.
-	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`,"loads":{"`+r.idB+`":400,"`+r.idA+`":0}}`)
+	code, out := apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+apiclient.TokensJSON(prompt)+`,"loads":{"`+r.idB+`":400,"`+r.idA+`":0}}`)
 	if code != 200 || out["worker"] != r.idA || out["reason"] != "event_spill" {
 		t.Errorf("spill: %d %v", code, out)
 	}
 	// A separate load report brings B back under the gate.
-	code, out = post(t, r.srv.URL+"/v1/load", `{"loads":{"`+r.idB+`":1}}`)
+	code, out = apiclient.Post(t, r.srv.URL+"/v1/load", `{"loads":{"`+r.idB+`":1}}`)
 	if code != 200 || out["accepted"] != float64(1) {
 		t.Errorf("load: %d %v", code, out)
 	}
-	code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+tokensJSON(prompt)+`}`)
+	code, out = apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":`+apiclient.TokensJSON(prompt)+`}`)
 	if code != 200 || out["worker"] != r.idB {
 		t.Errorf("after load report: %d %v", code, out)
 	}
@@ -142,7 +124,7 @@ func TestGatewayHTTP(t *testing.T) {
 		{"/v1/load", `[1]`, 400, "bad JSON"},
 	}
 	for _, tt := range bad {
-		code, out := post(t, r.srv.URL+tt.path, tt.body)
+		code, out := apiclient.Post(t, r.srv.URL+tt.path, tt.body)
 		msg, _ := out["error"].(string)
 		if code != tt.code || !strings.Contains(msg, tt.want) {
 			t.Errorf("%s %s: %d %q, want %d mentioning %q", tt.path, tt.body, code, msg, tt.code, tt.want)
@@ -202,7 +184,7 @@ func TestGatewayHTTP(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	code, out = post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`)
+	code, out = apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`)
 	if code != http.StatusServiceUnavailable {
 		t.Errorf("no workers: %d %v", code, out)
 	}
@@ -220,7 +202,7 @@ func TestGatewayHTTPTracked(t *testing.T) {
 		}
 		return out
 	}
-	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3],"track":true}`)
+	code, out := apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3],"track":true}`)
 	id, _ := out["request_id"].(float64)
 	if code != http.StatusOK || id == 0 {
 		t.Fatalf("tracked route: %d %v", code, out)
@@ -229,11 +211,11 @@ func TestGatewayHTTPTracked(t *testing.T) {
 	if got := routed(); got[worker] != 1 {
 		t.Errorf("routed in flight %v after a tracked route to %s", got, worker)
 	}
-	if _, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`); out["request_id"] != nil {
+	if _, out := apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama","token_ids":[1,2,3]}`); out["request_id"] != nil {
 		t.Errorf("untracked route answered with an id: %v", out)
 	}
 	done := fmt.Sprintf(`{"request_id":%d}`, uint64(id))
-	if code, out := post(t, r.srv.URL+"/v1/done", done); code != http.StatusOK || out["completed"] != true {
+	if code, out := apiclient.Post(t, r.srv.URL+"/v1/done", done); code != http.StatusOK || out["completed"] != true {
 		t.Errorf("done: %d %v", code, out)
 	}
 	if got := routed(); got[worker] != 0 {
@@ -250,7 +232,7 @@ func TestGatewayHTTPTracked(t *testing.T) {
 		{`{"request_id":"7"}`, http.StatusBadRequest, "bad JSON"},
 	}
 	for _, tt := range bad {
-		code, out := post(t, r.srv.URL+"/v1/done", tt.body)
+		code, out := apiclient.Post(t, r.srv.URL+"/v1/done", tt.body)
 		msg, _ := out["error"].(string)
 		if code != tt.code || !strings.Contains(msg, tt.want) {
 			t.Errorf("/v1/done %s: %d %q, want %d mentioning %q", tt.body, code, msg, tt.code, tt.want)
@@ -307,20 +289,6 @@ func FuzzRouteBody(f *testing.F) {
 	})
 }
 
-func getBody(t *testing.T, url string) string {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
-}
-
 // TestGatewayHTTPPlacements: a prompt routed before any event is routed
 // again to the same worker (placement_hit), by token ids or, for a client
 // without a tokenizer, by text; a body with neither is a 400.
@@ -329,19 +297,19 @@ func TestGatewayHTTPPlacements(t *testing.T) {
 	r := newHTTPRigWith(t, false)
 	system := strings.Repeat("Be brief. ", 40)
 	for _, body := range []string{
-		`{"model":"llama","token_ids":` + tokensJSON(kvstream.SeqTokens(500, 64)) + `,"track":true}`,
+		`{"model":"llama","token_ids":` + apiclient.TokensJSON(kvstream.SeqTokens(500, 64)) + `,"track":true}`,
 		`{"model":"llama","text":"` + system + `","track":true}`,
 	} {
-		code, first := post(t, r.srv.URL+"/v1/route", body)
+		code, first := apiclient.Post(t, r.srv.URL+"/v1/route", body)
 		if code != 200 || first["reason"] != "no_overlap" {
 			t.Fatalf("first route: %d %v", code, first)
 		}
-		code, again := post(t, r.srv.URL+"/v1/route", body)
+		code, again := apiclient.Post(t, r.srv.URL+"/v1/route", body)
 		if code != 200 || again["reason"] != "placement_hit" || again["worker"] != first["worker"] {
 			t.Errorf("second route: %d %v, want placement_hit on %v", code, again, first["worker"])
 		}
 	}
-	code, out := post(t, r.srv.URL+"/v1/route", `{"model":"llama"}`)
+	code, out := apiclient.Post(t, r.srv.URL+"/v1/route", `{"model":"llama"}`)
 	if code != 400 || !strings.Contains(fmt.Sprint(out), `"text"`) {
 		t.Errorf("neither token_ids nor text: %d %v", code, out)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 )
 
@@ -72,7 +73,7 @@ func TestGatewayHTTPBoundsAndMessages(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			code, out := post(t, url+"/v1/route", tt.body)
+			code, out := apiclient.Post(t, url+"/v1/route", tt.body)
 			msg, _ := out["error"].(string)
 			if code != tt.code || !strings.Contains(msg, tt.want) {
 				t.Fatalf("%d %q, want %d with %q", code, msg, tt.code, tt.want)

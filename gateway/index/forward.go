@@ -553,10 +553,8 @@ func (s *shard) appendPosFor(r *run, p uint64, room int) int {
 	b := r.body.Load()
 	if o == b.size() {
 		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamped())
-		for i := range o {
-			store64(&nb.hashes[i], b.hashes[i])
-			store32(&nb.holds[i], b.holds[i])
-		}
+		copy64(nb.hashes[:o], b.hashes[:o])
+		copy32(nb.holds[:o], b.holds[:o])
 		if b.stamped() { // lookups refresh stamps without the lock
 			for i := range o {
 				nb.storeStamp(i, b.loadStamp(i))

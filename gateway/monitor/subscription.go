@@ -248,12 +248,8 @@ func (s *subscription) run(ctx context.Context) {
 			}
 			s.setState(StateDisabled, err)
 			delay = opts.MaxBackoff
-			t := time.NewTimer(delay)
-			select {
-			case <-ctx.Done():
-				t.Stop()
+			if !sleep(ctx, delay) {
 				return
-			case <-t.C:
 			}
 			continue
 		case outcomeResync:
@@ -268,14 +264,22 @@ func (s *subscription) run(ctx context.Context) {
 		if err != nil {
 			s.log.Info("subscription ended; backing off", "err", err, "delay", delay)
 		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleep(ctx, delay) {
 			return
-		case <-t.C:
 		}
 		delay = min(delay*2, opts.MaxBackoff)
+	}
+}
+
+// sleep waits d, or less if ctx ends first; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }
 

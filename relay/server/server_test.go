@@ -406,8 +406,11 @@ func TestPublisherRestartEndsLiveStreamsWithDataLoss(t *testing.T) {
 	}
 }
 
-func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
-	srv, err := server.New(server.Options{Services: []server.Service{{Engine: vllm.Engine}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+// serveEventsOff serves services with their events off (no relay) on
+// loopback until the test ends, and returns a client of it.
+func serveEventsOff(t *testing.T, services ...server.Service) *grpc.ClientConn {
+	t.Helper()
+	srv, err := server.New(server.Options{Services: services, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -416,12 +419,17 @@ func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
 		t.Fatal(err)
 	}
 	go func() { _ = srv.Serve(lis) }()
-	defer srv.Stop()
+	t.Cleanup(srv.Stop)
 	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cc.Close()
+	t.Cleanup(func() { cc.Close() })
+	return cc
+}
+
+func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
+	cc := serveEventsOff(t, server.Service{Engine: vllm.Engine})
 	st, err := kvpb.NewVllmEngineClient(cc).SubscribeKvEvents(context.Background(), &kvpb.SubscribeKvEventsRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -436,21 +444,7 @@ func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
 // service=sglang against a vLLM relay) gets UNIMPLEMENTED, the code SMG
 // relies on, with a message naming what the relay serves.
 func TestUnknownServiceIsUnimplementedNamingTheServedOnes(t *testing.T) {
-	srv, err := server.New(server.Options{Services: []server.Service{{Engine: vllm.Engine}, {Engine: tokenspeed.Engine}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(lis) }()
-	defer srv.Stop()
-	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
+	cc := serveEventsOff(t, server.Service{Engine: vllm.Engine}, server.Service{Engine: tokenspeed.Engine})
 	st, err := kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents(context.Background(), &kvpb.SubscribeKvEventsRequest{})
 	if err == nil {
 		_, err = st.Recv()
