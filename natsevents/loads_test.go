@@ -15,6 +15,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/load"
+	"github.com/kvrelay/kvrelay/sim"
 )
 
 // scriptedLoads is a LoadSource whose records the test sets.
@@ -353,12 +354,35 @@ func TestJetStreamAndGRPCReplicasSeeTheSameLoads(t *testing.T) {
 			return proto.Equal(g, core(want)) && proto.Equal(n, core(want))
 		})
 	}
-	w.run(5) // batches on both ranks, so each rank's record is stamped on gRPC
+	// A batch on each rank: a stream's load_only heartbeats carry only
+	// its last batch's rank (SMG's rule), so a rank's record reaches a
+	// gRPC subscriber on that rank's batches.
+	stepRank := func(rank, n int) {
+		t.Helper()
+		if _, err := w.eng.Step(sim.Request{Rank: rank, Tokens: loadTestPrompt(n)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stepRank(0, 1)
+	stepRank(1, 2)
 	agree("both replicas hold rank 0's record", 0, scripted.Load(0))
 	agree("both replicas hold rank 1's record", 1, scripted.Load(1))
 
 	changed := &kvpb.EngineLoad{RunningRequests: 9, TokenUsage: 0.5, WaitingUncachedTokens: proto.Uint32(0)}
 	scripted.set(0, changed)
-	w.run(5)
+	eventually(t, "the poller's new record", func() bool {
+		r, ok := p.Latest(0)
+		return ok && r.Load.GetRunningRequests() == 9
+	})
+	stepRank(0, 3)
 	agree("both replicas follow rank 0's change", 0, changed)
+}
+
+// loadTestPrompt is two blocks of tokens no workload request shares.
+func loadTestPrompt(n int) []uint32 {
+	toks := make([]uint32, 32)
+	for i := range toks {
+		toks[i] = 1<<24 + uint32(n)<<8 + uint32(i)
+	}
+	return toks
 }
