@@ -58,13 +58,15 @@ const layers = `
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
 	proto/kvdec < gateway/monitor;
-	gateway/picker, gateway/placement, gateway/monitor < gateway;
+	# The gateway polls GetLoads where a worker pushes no load, with the
+	# relay's own mapping of each engine's answer (a leaf on the protos).
+	gateway/picker, gateway/placement, gateway/monitor, relay/load < gateway;
 	gateway < gateway/membership;
 	internal/natslog < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, gateway/monitor, internal/natslog < natsevents;
+	relay, relay/load, gateway/monitor, internal/natslog < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/load"
 	"github.com/kvrelay/kvrelay/relay/server"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/sim/workload"
@@ -55,6 +57,10 @@ type engineKind struct {
 var fleet = []engineKind{
 	{name: "vllm", engine: vllm.Engine, service: monitor.ServiceVLLM, enable: `"enable_kv_cache_events": true, "publisher": "zmq"`},
 	{name: "sglang", engine: sglang.Engine, service: monitor.ServiceSGLang, enable: `"publisher": "zmq"`},
+	// A second SGLang engine: overlap decay compares holders' reported
+	// backlogs, and only SGLang reports one (vLLM's /metrics has no queued
+	// token figure), so the decay check needs two.
+	{name: "sglang", engine: sglang.Engine, service: monitor.ServiceSGLang, enable: `"publisher": "zmq"`},
 }
 
 // runIDs keep in-process (inproc) endpoint names unique when one process runs
@@ -73,6 +79,12 @@ type worker struct {
 
 	relayAddr string // fixed after the first relay start
 	proxy     *proxy
+	// load reads the live engine's HTTP server (/v1/loads, else /metrics)
+	// for every relay incarnation, as serve --engine-metrics-url does.
+	load       *load.Poller
+	loadStop   context.CancelFunc
+	loadDone   chan struct{}
+	loadClient *http.Client
 
 	// The current relay incarnation.
 	rel      *relay.Relay
@@ -85,10 +97,20 @@ type worker struct {
 	regs []*prometheus.Registry
 }
 
+// engineLoad is the simulated scheduler behind the engines' load: a
+// request decodes for decodeSteps steps (as the gateway's in-flight count
+// assumes), and prefill is fast enough that the comparison's traffic
+// (about 30 requests of a few hundred uncached tokens per rank and second)
+// never queues; only the load checks' traffic does.
+var engineLoad = sim.LoadModel{
+	MaxRunning: 16, PrefillTokensPerSecond: 16_384, OutputTokens: 8,
+	DecodeTokensPerSecond: 8 / (decodeSteps * stepInterval).Seconds(),
+}
+
 func simOptions(kind engineKind, kvConfig string, wl workload.Config, capacity int, log *slog.Logger) sim.Options {
 	return sim.Options{
 		Engine: kind.name, KVEventsConfig: kvConfig, DPSize: dpSize, BlockSize: blockSize,
-		CapacityBlocks: capacity, Workload: wl, Logger: log,
+		CapacityBlocks: capacity, Workload: wl, Logger: log, Load: engineLoad, ModelName: model,
 	}
 }
 
@@ -105,7 +127,9 @@ func startEngine(ctx context.Context, kind engineKind, wl workload.Config, capac
 		}
 		cfg := fmt.Sprintf(`{%s, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d", "buffer_steps": %d}`,
 			kind.enable, base, base+dpSize, bufferSteps)
-		e, err := sim.Start(ctx, simOptions(kind, cfg, wl, capacity, log))
+		opts := simOptions(kind, cfg, wl, capacity, log)
+		opts.ControlAddr = "127.0.0.1:0" // its HTTP server: the load endpoints
+		e, err := sim.Start(ctx, opts)
 		if err == nil {
 			return e, nil
 		}
@@ -116,8 +140,8 @@ func startEngine(ctx context.Context, kind engineKind, wl workload.Config, capac
 
 // startShadow starts the round-robin arm's twin: same engine, same cache,
 // publishing in-process to nobody (its events are not what is measured).
-func startShadow(ctx context.Context, kind engineKind, wl workload.Config, capacity int, run uint64, log *slog.Logger) (*sim.Engine, error) {
-	cfg := fmt.Sprintf(`{%s, "endpoint": "inproc://kvrelay-demo-%d-rr-%s"}`, kind.enable, run, kind.name)
+func startShadow(ctx context.Context, kind engineKind, id string, wl workload.Config, capacity int, run uint64, log *slog.Logger) (*sim.Engine, error) {
+	cfg := fmt.Sprintf(`{%s, "endpoint": "inproc://kvrelay-demo-%d-rr-%s"}`, kind.enable, run, id)
 	e, err := sim.Start(ctx, simOptions(kind, cfg, wl, capacity, log))
 	if err != nil {
 		return nil, fmt.Errorf("start round-robin twin of %s: %w", kind.name, err)
@@ -144,8 +168,10 @@ func (w *worker) startRelay(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("relay for %s: %w", w.id, err)
 	}
+	svc := server.RelayService(w.kind.engine, rel)
+	svc.Load = w.load
 	srv, err := server.New(server.Options{
-		Services: []server.Service{server.RelayService(w.kind.engine, rel)},
+		Services: []server.Service{svc},
 		Logger:   w.log.With("component", "grpc"), Registerer: reg, ShutdownGrace: time.Second,
 	})
 	if err != nil {
@@ -201,8 +227,30 @@ func (w *worker) stopRelay() {
 	w.rel, w.srv = nil, nil
 }
 
+// startLoad starts reading the live engine's load from its HTTP server.
+func (w *worker) startLoad(ctx context.Context) error {
+	w.loadClient = &http.Client{Transport: &http.Transport{}}
+	f, err := load.NewHTTP(w.loadClient, "http://"+w.eng.ControlAddr())
+	if err != nil {
+		return fmt.Errorf("load source for %s: %w", w.id, err)
+	}
+	p, err := load.NewPoller(load.Options{Fetcher: f, Logger: w.log.With("component", "load")})
+	if err != nil {
+		return fmt.Errorf("load source for %s: %w", w.id, err)
+	}
+	lctx, stop := context.WithCancel(ctx)
+	w.load, w.loadStop, w.loadDone = p, stop, make(chan struct{})
+	go func() { defer close(w.loadDone); _ = p.Run(lctx) }()
+	return nil
+}
+
 func (w *worker) close() {
 	w.stopRelay()
+	if w.loadStop != nil {
+		w.loadStop()
+		<-w.loadDone
+		w.loadClient.CloseIdleConnections()
+	}
 	if w.proxy != nil {
 		w.proxy.close()
 	}
@@ -232,9 +280,10 @@ func startGateway(ctx context.Context, workers []*worker, log *slog.Logger) (*ga
 		Workers: ws,
 		// Fast reconnects: the demo restarts things on purpose and should
 		// not sit in a 5 s backoff.
-		Monitor:    monitor.Options{InitialBackoff: 50 * time.Millisecond, MaxBackoff: 500 * time.Millisecond},
-		Index:      index.Options{BlockSize: blockSize, Logger: log.With("component", "index")},
-		Picker:     picker.Config{AbsThreshold: spillAbs, RelThreshold: spillRel},
+		Monitor: monitor.Options{InitialBackoff: 50 * time.Millisecond, MaxBackoff: 500 * time.Millisecond},
+		Index:   index.Options{BlockSize: blockSize, Logger: log.With("component", "index")},
+		Picker: picker.Config{AbsThreshold: spillAbs, RelThreshold: spillRel,
+			OverlapDecay: overlapDecay, OverloadTokenUsage: overloadUsage, BalanceTokenUsage: balanceUsage},
 		Registerer: reg,
 		Logger:     log.With("component", "gateway"),
 	})

@@ -1,20 +1,25 @@
 // Package demo is `kvrelay demo`, the README's one-command run: a whole
 // kvrelay deployment in one process, driven, faulted and checked.
 //
-// It starts two simulated engines (one vLLM, one SGLang, two DP ranks each,
+// It starts three simulated engines (one vLLM, two SGLang, two DP ranks each,
 // publishing over loopback ZeroMQ exactly as the real engines do), a relay
-// and gRPC server for each, and the gateway, whose workers are the two
+// and gRPC server for each, and the gateway, whose workers are the
 // relays. Then:
 //
 //  1. Comparison. One request sequence from the simulator's workload model
 //     (multi-turn chats over shared system prompts) is served twice, in
 //     lockstep: once routed by the gateway (cache-aware, on the index the
-//     relays feed) on the live engines, once round-robin on a twin pair of
+//     relays feed) on the live engines, once round-robin on twin
 //     engines that start just as empty and have the same capacity. Inside an
 //     engine both arms pick the DP rank the same way (session mod DP size,
 //     the simulator's own choice), so the hit-rate difference comes only
 //     from the choice of engine.
-//  2. Faults. One of each kind, with routed traffic flowing: dropped live
+//  2. Load. Each relay reads its engine's load from the engine's HTTP
+//     server (relay/load, as serve --engine-metrics-url) and stamps it on
+//     its stream; another client's traffic, sent straight to one engine,
+//     then loads it, and the same prompt is routed idle and loaded: overlap
+//     decay and the balance and overload thresholds must act (loads.go).
+//  3. Faults. One of each kind, with routed traffic flowing: dropped live
 //     batches, publisher restarts, pause/resume, truncated replays, a relay
 //     restart on the same port, a gateway stream drop (connections cut under
 //     open streams) and a gateway restart. After each the demo waits until
@@ -206,9 +211,12 @@ type Report struct {
 	// Decisions counts the gateway's routing reasons (event_hit,
 	// event_spill, no_overlap) over the comparison.
 	Decisions map[string]int `json:"decisions"`
-	Relays    []RelayTotals  `json:"relays"`
-	Checks    []Check        `json:"checks"`
-	Elapsed   time.Duration  `json:"elapsed"`
+	// Loads are the routing decisions on engine load that came through
+	// kvrelay (loads.go).
+	Loads   []LoadCheck   `json:"loads"`
+	Relays  []RelayTotals `json:"relays"`
+	Checks  []Check       `json:"checks"`
+	Elapsed time.Duration `json:"elapsed"`
 }
 
 // OK reports whether every check passed: the index was exact after every
@@ -216,6 +224,11 @@ type Report struct {
 func (r *Report) OK() bool {
 	if len(r.Checks) == 0 || r.KVRelay.HitRate() <= r.RoundRobin.HitRate() {
 		return false
+	}
+	for _, c := range r.Loads {
+		if !c.Pass() {
+			return false
+		}
 	}
 	for _, c := range r.Checks {
 		if !c.Exact() {
@@ -269,6 +282,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	if err := d.compare(ctx); err != nil {
 		return nil, err
 	}
+	d.runLoadChecks(ctx)
 	d.runChecks(ctx)
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -295,7 +309,7 @@ func (d *demo) close() {
 
 func (d *demo) setUp(ctx context.Context) error {
 	d.phase = "starting"
-	d.prog.show(true, "starting 2 engines × %d DP ranks, 2 relays and the gateway", dpSize)
+	d.prog.show(true, "starting %d engines × %d DP ranks, %d relays and the gateway", len(fleet), dpSize, len(fleet))
 	wl := workload.Config{Seed: d.opts.Seed}
 	gen, err := workload.New(wl)
 	if err != nil {
@@ -310,7 +324,10 @@ func (d *demo) setUp(ctx context.Context) error {
 		if w.eng, err = startEngine(ctx, kind, wl, capacityBlocks, w.log.With("component", "engine")); err != nil {
 			return fmt.Errorf("demo: %w", err)
 		}
-		if w.shadow, err = startShadow(ctx, kind, wl, capacityBlocks, run, w.log.With("component", "round-robin-engine")); err != nil {
+		if w.shadow, err = startShadow(ctx, kind, id, wl, capacityBlocks, run, w.log.With("component", "round-robin-engine")); err != nil {
+			return fmt.Errorf("demo: %w", err)
+		}
+		if err := w.startLoad(ctx); err != nil {
 			return fmt.Errorf("demo: %w", err)
 		}
 		if err := w.startRelay(ctx); err != nil {

@@ -28,12 +28,14 @@ func TestMain(m *testing.M) {
 // round-robin on the same sequence (a functional property of routing by
 // cached prefix, not a timing one).
 func TestShortDemo(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	// A bound, not a goal: three engines, the load checks' bursts and the
+	// faults under -race on a loaded 2-core machine.
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	var progress bytes.Buffer
 	rep, err := Run(ctx, Options{Requests: 240, Seed: 7, Progress: &progress})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%v; progress:\n%s", err, progress.String())
 	}
 	var table bytes.Buffer
 	rep.WriteTable(&table)
@@ -70,6 +72,17 @@ func TestShortDemo(t *testing.T) {
 	// added back (its index exact after the resubscription, checked above).
 	if c := rep.Checks[len(rep.Checks)-1]; !regexp.MustCompile(`while out: [1-9]\d* routes to \S+, 0 to \S+; added back: .* took [1-9]\d* of`).MatchString(c.Detail) {
 		t.Errorf("check %q: %s", c.Name, c.Detail)
+	}
+	// Routing on engine load that came through the relays: the same prompt
+	// went elsewhere, or lost affinity, once the load was on.
+	wantLoads := map[string]string{"overlap decay": "/event_hit", "balance threshold": "/kv_pressure", "overload threshold": "/kv_pressure"}
+	if len(rep.Loads) != len(wantLoads) {
+		t.Errorf("%d load checks, want %d", len(rep.Loads), len(wantLoads))
+	}
+	for _, c := range rep.Loads {
+		if !c.Pass() || !strings.HasSuffix(c.Loaded, wantLoads[c.Name]) || c.Idle == c.Loaded {
+			t.Errorf("load check %q: idle %s, loaded %s, want %s: %s", c.Name, c.Idle, c.Loaded, c.Want, c.Detail)
+		}
 	}
 	// While the engine was paused its cache moved on without events: the
 	// comparison must have seen the index off then, or "exact" means nothing.

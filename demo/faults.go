@@ -100,7 +100,7 @@ func (d *demo) faults() []fault {
 				return faultAll(sim.Fault{Kind: sim.FaultDropEvery, N: 0})
 			},
 			describe: func(_ *faultRun, x delta) string {
-				return fmt.Sprintf("every 3rd batch withheld from the live stream on all 4 ranks: %d dropped; relays saw %d gaps and recovered %d batches by replay, %d lost",
+				return fmt.Sprintf("every 3rd batch withheld from the live stream on all %d ranks: %d dropped; relays saw %d gaps and recovered %d batches by replay, %d lost", len(d.workers)*dpSize,
 					x.dropped, x.Gaps, x.Recovered, x.Lost)
 			},
 		},

@@ -136,6 +136,12 @@ func (r *Report) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "(Both policies place a chat on DP rank session mod %d inside an engine; a request stays in flight %d steps of %s;\n"+
 		" each rank caches %d blocks of %d tokens.)\n\n", dpSize, decodeSteps, stepInterval, capacityBlocks, blockSize)
 
+	fmt.Fprintln(w, "Routing on the engines' load, read by each relay from its engine's HTTP server and carried on its stream:")
+	for _, c := range r.Loads {
+		fmt.Fprintf(w, "  %-19s idle → %s; loaded → %s (%s)\n    %s\n", c.Name+":", c.Idle, c.Loaded, passFail(c.Pass()), c.Detail)
+	}
+	fmt.Fprintf(w, "(gateway: --overlap-decay %g --overload-token-usage-threshold %g --balance-token-usage-threshold %g)\n\n", overlapDecay, overloadUsage, balanceUsage)
+
 	fmt.Fprintln(w, "Relays (their Prometheus counters, summed over relay restarts):")
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head = "\t"
@@ -210,8 +216,14 @@ func (r *Report) WriteTable(w io.Writer) {
 	if !r.OK() {
 		verdict = "FAIL"
 	}
-	fmt.Fprintf(w, "%s: index exact after %d of %d checks; kvrelay hit rate %.1f%% vs round-robin %.1f%%\n",
-		verdict, exact, len(r.Checks), 100*r.KVRelay.HitRate(), 100*r.RoundRobin.HitRate())
+	loads := 0
+	for _, c := range r.Loads {
+		if c.Pass() {
+			loads++
+		}
+	}
+	fmt.Fprintf(w, "%s: index exact after %d of %d checks; routing on load as the policy says in %d of %d; kvrelay hit rate %.1f%% vs round-robin %.1f%%\n",
+		verdict, exact, len(r.Checks), loads, len(r.Loads), 100*r.KVRelay.HitRate(), 100*r.RoundRobin.HitRate())
 }
 
 // prefillShare says how much of round-robin's prefill work the kvrelay arm

@@ -90,6 +90,10 @@ type Config struct {
 	// NoPlacements turns placements off: routing then knows only what the
 	// engines reported.
 	NoPlacements bool
+	// LoadPollInterval is how often a worker whose stream pushes no load
+	// records is asked with GetLoads (0: DefaultLoadPollInterval; floored
+	// at MinLoadPollInterval; negative: never).
+	LoadPollInterval time.Duration
 	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -217,6 +221,7 @@ type Gateway struct {
 	nextID     uint64
 	engine     map[string]map[int32]EngineLoad // worker → rank → last record
 	lastRank   map[string]int32                // worker → rank of its latest record
+	lastPush   map[string]time.Time            // worker → when its stream last pushed a record
 	runCtx     context.Context
 	wg         sync.WaitGroup
 	// publisher shares placements with other replicas; nil = none.
@@ -268,6 +273,7 @@ func New(cfg Config) (*Gateway, error) {
 		pending:      map[uint64]tracked{},
 		engine:       map[string]map[int32]EngineLoad{},
 		lastRank:     map[string]int32{},
+		lastPush:     map[string]time.Time{},
 		now:          time.Now,
 		unreachable:  map[string]bool{},
 		draining:     map[string]chan struct{}{},
@@ -278,6 +284,9 @@ func New(cfg Config) (*Gateway, error) {
 	mopts.OnLoad = g.onEngineLoad
 	mopts.OnBlockSize = g.onBlockSize
 	mopts.OnState = g.onState
+	if pollInterval(cfg.LoadPollInterval) > 0 {
+		mopts.PollLoads = g.pollLoads
+	}
 	if g.mon, err = monitor.New(mopts); err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
 	}
@@ -355,6 +364,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 	delete(g.inflight, id)
 	delete(g.peerRouted, id)
 	delete(g.engine, id)
+	delete(g.lastPush, id)
 	delete(g.lastRank, id)
 	for rid, t := range g.pending {
 		if t.worker == id {
@@ -618,9 +628,12 @@ func (g *Gateway) Workers() []WorkerStatus {
 		_, ws.Draining = g.draining[st.ID]
 		ws.IndexBlocks = stats[st.Model].Workers[st.ID].Blocks
 		if ranks := g.engine[st.ID]; len(ranks) > 0 {
+			now := g.now()
 			l := ranks[g.lastRank[st.ID]]
+			l.AgeMs = now.Sub(l.At).Milliseconds()
 			ws.EngineLoad = &l
 			for _, r := range ranks {
+				r.AgeMs = now.Sub(r.At).Milliseconds()
 				ws.EngineRanks = append(ws.EngineRanks, r)
 			}
 			sort.Slice(ws.EngineRanks, func(i, j int) bool { return ws.EngineRanks[i].Rank < ws.EngineRanks[j].Rank })

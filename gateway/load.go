@@ -12,9 +12,11 @@ import (
 
 // Load the picker sees comes from three places:
 //
-//   - the engines' own load records on the event stream (EngineLoad, one
-//     per DP rank): waiting-prefill backlog for overlap decay, KV token
-//     usage for the pressure thresholds, and the cache hit rate as a gauge;
+//   - the engines' own load records (EngineLoad, one per DP rank), pushed
+//     on the event stream or, where a worker pushes none, polled with
+//     GetLoads (loadpoll.go): waiting-prefill backlog for overlap decay, KV
+//     token usage for the pressure thresholds, the cache hit rate as a
+//     gauge;
 //   - the requests the gateway routed with RouteRequest.Track and that have
 //     not completed (Decision.Done, POST /v1/done), as SMG counts its own;
 //   - in-flight counts a client reports (ReportLoads, POST /v1/load).
@@ -38,10 +40,12 @@ const DefaultInflightTimeout = 10 * time.Minute
 // record says nothing about the engine now.
 const engineLoadMaxAge = 15 * time.Second
 
-// EngineLoad is the last load record a worker's DP rank pushed on its event
-// stream. Optional fields the engine did not report are nil.
+// EngineLoad is the last load record of a worker's DP rank, pushed on its
+// event stream or polled. Optional fields the engine did not report are nil.
 type EngineLoad struct {
-	Rank            int32   `json:"rank"`
+	Rank int32 `json:"rank"`
+	// Source is LoadPushed or LoadPolled.
+	Source          string  `json:"source"`
 	RunningRequests uint32  `json:"running_requests"`
 	WaitingRequests uint32  `json:"waiting_requests"`
 	TokenUsage      float64 `json:"token_usage"`
@@ -54,8 +58,12 @@ type EngineLoad struct {
 	// CacheHitRate is the engine's own prefix-cache hit rate. Streams carry
 	// it only in their first record and in load-only ones, so the last value
 	// seen is kept.
-	CacheHitRate *float64  `json:"cache_hit_rate,omitempty"`
-	At           time.Time `json:"at"`
+	CacheHitRate *float64 `json:"cache_hit_rate,omitempty"`
+	// At is when the engine sampled it: arrival less the age the record
+	// declared (age_ms), so a record that waited is not taken as fresh.
+	At time.Time `json:"at"`
+	// AgeMs is the record's age when reported (Workers fills it).
+	AgeMs int64 `json:"age_ms"`
 }
 
 // tracked is a routed request not yet completed.
@@ -72,11 +80,16 @@ func optionalU32(p *uint32) *uint32 {
 	return &v
 }
 
-func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
+// recordLoad keeps rank's record from source (LoadPushed, LoadPolled).
+func (g *Gateway) recordLoad(worker string, rank int32, l *kvpb.EngineLoad, source string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if _, ok := g.workerOf[worker]; !ok {
 		return
+	}
+	now := g.now()
+	if source == LoadPushed {
+		g.lastPush[worker] = now
 	}
 	ranks := g.engine[worker]
 	if ranks == nil {
@@ -85,13 +98,14 @@ func (g *Gateway) onEngineLoad(worker string, rank int32, l *kvpb.EngineLoad) {
 	}
 	rec := EngineLoad{
 		Rank:                  rank,
+		Source:                source,
 		RunningRequests:       l.GetRunningRequests(),
 		WaitingRequests:       l.GetWaitingRequests(),
 		TokenUsage:            l.GetTokenUsage(),
 		WaitingUncachedTokens: optionalU32(l.WaitingUncachedTokens),
 		PrefillPendingTokens:  optionalU32(l.PrefillPendingTokens),
 		CacheHitRate:          ranks[rank].CacheHitRate,
-		At:                    g.now(),
+		At:                    now.Add(-time.Duration(l.GetAgeMs()) * time.Millisecond),
 	}
 	if l.CacheHitRate != nil {
 		v := l.GetCacheHitRate()

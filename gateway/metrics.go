@@ -14,6 +14,7 @@ type gatewayMetrics struct {
 	routes          *prometheus.CounterVec // model, reason
 	routeSeconds    prometheus.Histogram
 	inflightExpired prometheus.Counter
+	loadPolls       loadPollMetrics
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
@@ -31,11 +32,12 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 			Name: "kvrelay_gateway_inflight_expired_total",
 			Help: "Tracked requests that stopped counting as in flight because nobody completed them within the timeout.",
 		}),
+		loadPolls: newLoadPollMetrics(),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, indexCollector{g}} {
+	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, indexCollector{g}} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("gateway metrics: %w", err)
 		}
@@ -81,6 +83,7 @@ func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- indexUnknownRemovalsDesc
 	ch <- inflightDesc
 	ch <- cacheHitRateDesc
+	ch <- engineLoadAgeDesc
 	ch <- blockSizeDesc
 	ch <- placementsDesc
 	ch <- placementsEndedDesc
@@ -103,15 +106,25 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		rate                float64
 	}
 	var hitRates []hitRate
+	type age struct {
+		model, worker, rank, source string
+		seconds                     float64
+	}
+	var ages []age
+	now := g.now()
 	for w, model := range g.workerOf {
 		inflight[w] = g.inflightLocked(w)
 		for rank, l := range g.engine[w] {
 			if l.CacheHitRate != nil {
 				hitRates = append(hitRates, hitRate{model, w, strconv.Itoa(int(rank)), *l.CacheHitRate})
 			}
+			ages = append(ages, age{model, w, strconv.Itoa(int(rank)), l.Source, now.Sub(l.At).Seconds()})
 		}
 	}
 	g.mu.Unlock()
+	for _, a := range ages {
+		ch <- prometheus.MustNewConstMetric(engineLoadAgeDesc, prometheus.GaugeValue, a.seconds, a.model, a.worker, a.rank, a.source)
+	}
 	for _, h := range hitRates {
 		ch <- prometheus.MustNewConstMetric(cacheHitRateDesc, prometheus.GaugeValue, h.rate, h.model, h.worker, h.rank)
 	}

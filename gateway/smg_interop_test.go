@@ -28,12 +28,38 @@ type pyRelay struct {
 	stderr strings.Builder
 }
 
+// startTCPEngine starts a simulated vLLM engine of dp ranks publishing on
+// loopback TCP (the Python relays dial it), closed at the test's end, and
+// returns its live and replay endpoints for rank 0.
+func startTCPEngine(t *testing.T, dp int) (eng *sim.Engine, endpoint, replay string) {
+	t.Helper()
+	base := freeport.ForTest(t, 2*dp)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	eng, err := sim.Start(ctx, sim.Options{
+		Engine: "vllm", DPSize: dp, BlockSize: 16, CapacityBlocks: 256,
+		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, base, base+dp),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	return eng, fmt.Sprintf("tcp://127.0.0.1:%d", base), fmt.Sprintf("tcp://127.0.0.1:%d", base+dp)
+}
+
 func startPyRelay(t *testing.T, endpoint, replay string, dp, port int, extra ...string) *pyRelay {
 	t.Helper()
-	args := append([]string{pyenv.Script("smg", "py_relay_server.py"),
-		"--engine", "vllm", "--endpoint", endpoint, "--replay-endpoint", replay,
+	args := append([]string{"--engine", "vllm", "--endpoint", endpoint, "--replay-endpoint", replay,
 		"--dp-size", strconv.Itoa(dp), "--port", strconv.Itoa(port)}, extra...)
-	cmd := pyenv.Command(t, args[0], args[1:]...)
+	return startPyScript(t, "py_relay_server.py", args, nil)
+}
+
+// startPyScript runs one of testdata/smg's servers and waits for the
+// {"ready": true, "port": N} line it prints when it listens; onLine, if
+// set, gets every other line of its stdout.
+func startPyScript(t *testing.T, script string, args []string, onLine func([]byte)) *pyRelay {
+	t.Helper()
+	cmd := pyenv.Command(t, pyenv.Script("smg", script), args...)
 	p := &pyRelay{cmd: cmd}
 	cmd.Stderr = writerFunc(func(b []byte) (int, error) {
 		p.mu.Lock()
@@ -58,13 +84,15 @@ func startPyRelay(t *testing.T, endpoint, replay string, dp, port int, extra ...
 			}
 			if json.Unmarshal(sc.Bytes(), &msg) == nil && msg.Ready {
 				ready <- msg.Port
+			} else if onLine != nil {
+				onLine(sc.Bytes())
 			}
 		}
 	}()
 	select {
 	case p.port = <-ready:
 	case <-time.After(30 * time.Second):
-		t.Fatalf("py_relay_server did not start; stderr:\n%s", p.log())
+		t.Fatalf("%s did not start; stderr:\n%s", script, p.log())
 	}
 	return p
 }
@@ -92,18 +120,7 @@ func (f writerFunc) Write(b []byte) (int, error) { return f(b) }
 // OUT_OF_RANGE, which clears the worker and resubscribes from zero.
 func TestSMGPythonRelay(t *testing.T) {
 	const dp = 2
-	base := freeport.ForTest(t, 2*dp)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	eng, err := sim.Start(ctx, sim.Options{
-		Engine: "vllm", DPSize: dp, BlockSize: 16, CapacityBlocks: 256,
-		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, base, base+dp),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
-	endpoint, replay := fmt.Sprintf("tcp://127.0.0.1:%d", base), fmt.Sprintf("tcp://127.0.0.1:%d", base+dp)
+	eng, endpoint, replay := startTCPEngine(t, dp)
 	py := startPyRelay(t, endpoint, replay, dp, 0)
 
 	g, reg, _ := startGatewayAt(t, fmt.Sprintf("127.0.0.1:%d", py.port))

@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -16,9 +15,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
-	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/sim"
 )
 
 // writeLoad replaces the Python relay's scripted load source: rank 0's
@@ -46,20 +43,10 @@ func writeLoad(t *testing.T, path string, fields map[string]any) {
 // usage over the overload level suspends affinity, and the engine's cache
 // hit rate is a gauge.
 func TestLoadSignalsThroughSMGRelay(t *testing.T) {
-	base := freeport.ForTest(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	eng, err := sim.Start(ctx, sim.Options{
-		Engine: "vllm", DPSize: 1, BlockSize: 16, CapacityBlocks: 256,
-		KVEventsConfig: fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}`, base, base+1),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
+	eng, endpoint, replay := startTCPEngine(t, 1)
 	loadFile := filepath.Join(t.TempDir(), "load.json")
 	writeLoad(t, loadFile, map[string]any{"running_requests": 1, "waiting_uncached_tokens": 0, "token_usage": 0.1, "cache_hit_rate": 0.42})
-	py := startPyRelay(t, fmt.Sprintf("tcp://127.0.0.1:%d", base), fmt.Sprintf("tcp://127.0.0.1:%d", base+1), 1, 0, "--load-file", loadFile)
+	py := startPyRelay(t, endpoint, replay, 1, 0, "--load-file", loadFile)
 
 	// Q is a scripted engine holding the prompt's first 6 of 8 blocks, with
 	// an empty prefill queue.

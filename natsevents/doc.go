@@ -93,7 +93,17 @@
 // announces is logged at a silence but not acted on, as a sequence that
 // stops moving is also what an idle engine looks like.
 //
-// Engine load records are not carried: they are added by the gRPC server,
-// not the relay's subscription, so a gateway reading from JetStream has no
-// engine load (overlap decay and the KV-pressure thresholds see none).
+// # Engine load
+//
+// Load records are added per subscriber by the relay's gRPC server, so the
+// batches the sink publishes carry none, and must not: a stored record
+// would be replayed to a late replica as current, and a load_only batch
+// repeats a sequence, so the duplicate window would drop it. A sink given
+// the relay's load sources (SinkOptions.Loads) publishes each relayed
+// rank's record beside the stream on core NATS, <prefix>-load.<token>.<rank>,
+// on a change or on silence with SMG's servicer's rules; a Source hands the
+// newest one to each JetStream-served subscription as a load_only batch,
+// aged by the time it waited (see loads.go). The monitor takes them as it
+// takes a gRPC stream's, so overlap decay and the KV-pressure thresholds
+// act the same on either path.
 package natsevents

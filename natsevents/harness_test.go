@@ -152,8 +152,18 @@ type replica struct {
 // a test that must prove the events came over NATS gives a dead address.
 func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *replica {
 	t.Helper()
+	return startReplicaWith(t, natsURL, nil, workers...)
+}
+
+// startReplicaWith is startReplica with the monitor's options changed by
+// tweak (nil: none).
+func startReplicaWith(t testing.TB, natsURL string, tweak func(*monitor.Options), workers ...monitor.Worker) *replica {
+	t.Helper()
 	r := &replica{t: t, ix: index.New(index.Options{}), reg: prometheus.NewRegistry()}
 	mopts := monitor.Options{Registerer: r.reg, Logger: testLogger().With("replica", "monitor"), MaxBackoff: 200 * time.Millisecond}
+	if tweak != nil {
+		tweak(&mopts)
+	}
 	names := map[string]string{}
 	for _, w := range workers {
 		names[w.ID] = w.ID

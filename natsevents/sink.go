@@ -69,7 +69,11 @@ type SinkOptions struct {
 	// the gateway's --worker syntax (grpc://HOST:PORT,model=M,service=S):
 	// each announcement carries it in a header (members.go), and gateways
 	// that take their workers from the announcements add it.
-	Member      string
+	Member string
+	// Loads, if set, is the relay's load sources: each relayed rank's
+	// record is published beside the stream (see loads.go), so that a
+	// gateway on JetStream sees the loads a gRPC subscriber gets.
+	Loads       LoadSource
 	NATSOptions []nats.Option
 	Registerer  prometheus.Registerer
 	Logger      *slog.Logger
@@ -151,6 +155,10 @@ type Sink struct {
 	incarnation uint64
 	pass        atomic.Uint64
 	lastSeq     atomic.Uint64
+
+	// ranks are the DP ranks relayed so far: their loads are published.
+	ranksMu sync.Mutex
+	ranks   map[int32]struct{}
 }
 
 type sinkMetrics struct {
@@ -160,6 +168,7 @@ type sinkMetrics struct {
 	snapshots                  *prometheus.CounterVec // result
 	connected                  prometheus.Gauge
 	snapshotBytes, snapshotSeq prometheus.Gauge
+	loads                      *prometheus.CounterVec // reason: change, heartbeat
 }
 
 func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
@@ -178,6 +187,8 @@ func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
 			Help: "Size of the last snapshot object written."}),
 		snapshotSeq: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrelay_nats_events_snapshot_stream_sequence",
 			Help: "Stream sequence the last snapshot object is consistent with."}),
+		loads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_nats_events_loads_published_total",
+			Help: "Engine load records published beside the stream, by reason (change: SMG's thresholds; heartbeat: 1 s, 5 s after two unchanged)."}, []string{"reason"}),
 	}
 	for _, r := range []string{"stored", "duplicate", "failed"} {
 		m.published.WithLabelValues(r)
@@ -189,7 +200,7 @@ func newSinkMetrics(reg prometheus.Registerer) (*sinkMetrics, error) {
 		m.snapshots.WithLabelValues(r)
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.published, m.bytes, m.resyncs, m.snapshots, m.connected, m.snapshotBytes, m.snapshotSeq} {
+		for _, c := range []prometheus.Collector{m.published, m.bytes, m.resyncs, m.snapshots, m.connected, m.snapshotBytes, m.snapshotSeq, m.loads} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
@@ -209,7 +220,7 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64()}
+	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64(), ranks: map[int32]struct{}{}}
 	nopts := append([]nats.Option{
 		nats.Name("kvrelay-serve " + opts.Worker),
 		nats.RetryOnFailedConnect(true),
@@ -264,6 +275,12 @@ func (s *Sink) Run(ctx context.Context) error {
 		actx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
 		go func() { defer close(done); s.announce(actx) }()
+		defer func() { cancel(); <-done }()
+	}
+	if s.opts.Loads != nil {
+		lctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); s.publishLoads(lctx) }()
 		defer func() { cancel(); <-done }()
 	}
 	reason := "start"
@@ -446,6 +463,7 @@ func (s *Sink) follow(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("reading a relayed batch: %w", err)
 		}
+		s.noteRank(b.GetDpRank())
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc
 		if snap := b.GetSnapshot(); snap != nil {

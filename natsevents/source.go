@@ -61,8 +61,10 @@ type Source struct {
 	nc   *nats.Conn
 	js   jetstream.JetStream
 	mode *prometheus.GaugeVec
-	// alive tracks the sinks' announcements (alive.go).
+	// alive tracks the sinks' announcements (alive.go), loads their load
+	// records (loads.go).
 	alive *aliveTracker
+	loads *loadTracker
 
 	mu sync.Mutex
 	// lost is closed when the connection drops, ending every stream read
@@ -94,12 +96,12 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger)}
+	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger)}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.mode, s.alive.silences} {
+		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.loads.received} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
@@ -149,6 +151,10 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if s.alive.sub, err = s.nc.Subscribe(aliveFilter(opts.SubjectPrefix), s.alive.handle); err != nil {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: subscribe to the sinks' announcements: %w", err)
+	}
+	if s.loads.sub, err = s.nc.Subscribe(loadFilter(opts.SubjectPrefix), s.loads.handle); err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: subscribe to the sinks' load records: %w", err)
 	}
 	return s, nil
 }
@@ -347,9 +353,10 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID)}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), loads: s.loads.attach(token)}
 	go func() {
 		defer it.Stop()
+		defer s.loads.detach(token, js.loads)
 		check := time.NewTicker(s.opts.SilenceCheckEvery)
 		defer check.Stop()
 		for {
@@ -376,8 +383,10 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 }
 
 // jsStream is one subscription served from JetStream: the snapshot's
-// chunks, then the worker's messages after it, as a relay would serve them.
+// chunks, then the worker's messages after it, as a relay would serve them,
+// with the sink's load records as load_only batches between them.
 type jsStream struct {
+	loads    *loadFeed
 	chunks   []*kvpb.KvEventBatch
 	it       jetstream.MessagesContext
 	done     chan struct{}
@@ -397,7 +406,13 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 		return b, nil
 	}
 	for {
-		msg, err := j.it.Next()
+		if b := j.loads.next(); b != nil {
+			return b, nil
+		}
+		msg, err := j.it.Next(jetstream.NextContext(j.loads.waitCtx()))
+		if err != nil && j.loads.woken(err) {
+			continue // a load record arrived
+		}
 		if err != nil {
 			j.once.Do(func() { close(j.done) })
 			if j.lostNATS.Load() {
@@ -416,6 +431,7 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 			continue
 		}
 		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
+		j.loads.delivered(b)
 		return b, nil
 	}
 }

@@ -70,8 +70,11 @@ func (e *Engine) LiveJSON() LiveJSON {
 //	POST /fault    inject a Fault (JSON body)
 //	POST /request  serve one prompt on one rank (RequestJSON) as a step
 //	POST /run      serve N built-in requests (RunJSON)
+//	GET  /metrics  the engine's load as its Prometheus exposition (load.go)
+//	GET  /v1/loads SGLang's load report (SGLang only)
 func (e *Engine) ControlHandler() http.Handler {
 	mux := http.NewServeMux()
+	e.serveLoad(mux)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, "ok\n")
 	})

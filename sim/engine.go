@@ -57,8 +57,13 @@ type Options struct {
 	// a port; see ControlAddr).
 	ControlAddr string
 	// Clock stamps batches (default time.Now); a fixed clock makes the
-	// payload bytes reproducible too.
+	// payload bytes reproducible too. It also runs the simulated scheduler
+	// whose load the engine exports (load.go).
 	Clock func() time.Time
+	// Load shapes that scheduler; ModelName labels its series (default
+	// "sim").
+	Load      LoadModel
+	ModelName string
 	// Logger receives the simulator's and ZeroMQ's logs (default: discard).
 	Logger *slog.Logger
 }
@@ -124,7 +129,13 @@ type Engine struct {
 	gen    *workload.Generator
 	stats  Stats
 	ranks  []*rankPublisher
-	closed bool
+	// loads is each rank's simulated scheduler (load.go), under its own
+	// lock (taken inside mu, never around it) so that a load read does not
+	// wait for a long step.
+	loadMu    sync.Mutex
+	loads     []*rankLoad
+	loadModel LoadModel
+	closed    bool
 
 	stopAfter func() bool
 	ctlLn     net.Listener
@@ -164,6 +175,9 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	if opts.RequestsPerStep == 0 {
 		opts.RequestsPerStep = 4
 	}
+	if opts.ModelName == "" {
+		opts.ModelName = "sim"
+	}
 	switch {
 	case opts.DPSize < 0:
 		return nil, fmt.Errorf("sim: dp size %d: must be positive", opts.DPSize)
@@ -180,7 +194,7 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
 	}
-	e := &Engine{prof: prof, wire: wf, cfg: cfg, opts: opts, gen: gen, log: opts.Logger, clock: opts.Clock}
+	e := &Engine{prof: prof, wire: wf, cfg: cfg, opts: opts, gen: gen, log: opts.Logger, clock: opts.Clock, loadModel: opts.Load.withDefaults()}
 	if e.log == nil {
 		e.log = slog.New(slog.DiscardHandler)
 	}
@@ -196,6 +210,7 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
 		e.caches = append(e.caches, c)
+		e.loads = append(e.loads, &rankLoad{})
 		p, err := e.newRankPublisher(r)
 		if err != nil {
 			e.closeRanks()
@@ -296,10 +311,12 @@ func (e *Engine) Step(reqs ...Request) (StepResult, error) {
 	}
 	res := StepResult{Results: make([]prefixcache.Result, len(reqs))}
 	perRank := make([][]prefixcache.Event, len(e.ranks))
+	now := e.clock()
 	for i, r := range reqs {
 		out, evs := e.caches[r.Rank].Insert(r.Tokens)
 		res.Results[i] = out
 		e.stats.add(out)
+		e.admitLocked(r.Rank, len(r.Tokens), out.DeviceHits*e.opts.BlockSize, now)
 		perRank[r.Rank] = append(perRank[r.Rank], evs...)
 	}
 	for r, evs := range perRank {

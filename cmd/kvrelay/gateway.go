@@ -75,6 +75,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	natsEvents := addGatewayNATSEventsFlags(fs)
 	memberSrc := addMemberFlags(fs)
+	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -203,11 +204,11 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
-		InflightTimeout: *inflightTimeout,
-		Placements:      placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
-		NoPlacements:    *placementWeight == 0,
-		Registerer:      reg,
-		Logger:          log,
+		InflightTimeout: *inflightTimeout, LoadPollInterval: *loadPoll,
+		Placements:   placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
+		NoPlacements: *placementWeight == 0,
+		Registerer:   reg,
+		Logger:       log,
 	})
 	if err != nil {
 		// The flags above are checked; what is left is the worker list

@@ -34,7 +34,7 @@ func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.W
 	sessions := fs.Int("sessions", workload.Defaults.Sessions, "concurrently active chats")
 	turns := fs.Int("turns", workload.Defaults.Turns, "requests per chat")
 	tokensPerTurn := fs.Int("tokens-per-turn", workload.Defaults.TokensPerTurn, "tokens each turn adds")
-	control := fs.String("control", "", "HTTP address for the control endpoint (/live, /fault, /healthz, /stats, /request, /run); empty: none")
+	control := fs.String("control", "", "HTTP address for the control endpoint (/live, /fault, /healthz, /stats, /request, /run) and the engine's load (/metrics; SGLang also /v1/loads), the URL for serve --engine-metrics-url; empty: none")
 	dropEvery := fs.Int("drop-every", 0, "drop every Nth batch per rank from the live stream, keeping it for replay (0: none)")
 	truncateReplay := fs.Int("truncate-replay", -1, "cut replay reply streams after N messages, end marker included (-1: off)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")

@@ -61,6 +61,20 @@ const (
 	ServiceTokenSpeed Service = "tokenspeed"
 )
 
+// FullName is the service's gRPC name (package and service), as the
+// engines' servicers register it; empty for an unknown service.
+func (s Service) FullName() string {
+	switch s {
+	case ServiceVLLM, "":
+		return kvpb.VllmEngine_ServiceDesc.ServiceName
+	case ServiceSGLang:
+		return kvpb.SglangScheduler_ServiceDesc.ServiceName
+	case ServiceTokenSpeed:
+		return kvpb.TokenSpeedScheduler_ServiceDesc.ServiceName
+	}
+	return ""
+}
+
 // ParseService accepts the service names the command line uses.
 func ParseService(s string) (Service, error) {
 	switch Service(s) {
@@ -153,6 +167,10 @@ type Options struct {
 	// OnLoad, if set, receives every load record a worker pushes on its
 	// stream (rank is the batch's dp_rank, 0 when absent).
 	OnLoad func(worker string, rank int32, load *kvpb.EngineLoad)
+	// PollLoads, if set, runs beside each worker's subscription for as
+	// long as it lasts, with the worker's gRPC connection: SMG's gateway
+	// polls GetLoads on the channel the stream uses.
+	PollLoads func(ctx context.Context, w Worker, conn grpc.ClientConnInterface)
 	// OnState, if set, is called after every change of a worker's state
 	// (not under the monitor's locks).
 	OnState func(worker string, state State)

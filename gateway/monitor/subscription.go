@@ -190,6 +190,12 @@ func (s *subscription) run(ctx context.Context) {
 		return
 	}
 	defer cc.Close()
+	if poll := opts.PollLoads; poll != nil {
+		pctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); poll(pctx, s.w, cc) }()
+		defer func() { cancel(); <-done }() // before the connection closes
+	}
 	subscribe := clientFor(s.w.Service, cc)
 	if open := opts.OpenStream; open != nil {
 		viaGRPC := subscribe

@@ -269,7 +269,7 @@ func Run(ctx context.Context, o Options) error {
 	}
 	// The JetStream sink (--nats) is one more subscriber of its relay.
 	for _, r := range all {
-		if err := o.NATS.start(runCtx, &wg, log, reg, r.relay, r.cfg.Listen); err != nil {
+		if err := o.NATS.start(runCtx, &wg, log, reg, r.relay, r.cfg.Listen, r.load); err != nil {
 			cancel()
 			closeAll()
 			wg.Wait()

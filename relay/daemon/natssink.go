@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // NATSSink is serve's JetStream sink (--nats …); an empty URL is off.
@@ -30,8 +31,10 @@ type NATSSink struct {
 	Member string
 }
 
-// start runs one sink for the relay until ctx ends; wg tracks it.
-func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string) error {
+// start runs one sink for the relay until ctx ends; wg tracks it. loads,
+// if not nil, is the relay's load source: the sink publishes its records
+// beside the stream.
+func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string, loads *load.Poller) error {
 	if f.URL == "" || rel == nil {
 		return nil
 	}
@@ -48,10 +51,14 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 	if aliveEvery == 0 {
 		aliveEvery = -1 // off; SinkOptions reads 0 as the default
 	}
-	sink, err := natsevents.NewSink(rel, natsevents.SinkOptions{
+	opts := natsevents.SinkOptions{
 		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery, Member: f.Member,
 		Logger: log.With("component", "natsevents", "worker", name),
-	})
+	}
+	if loads != nil {
+		opts.Loads = natsevents.PollerLoads(loads)
+	}
+	sink, err := natsevents.NewSink(rel, opts)
 	if err != nil {
 		return fmt.Errorf("--nats: %w", err)
 	}

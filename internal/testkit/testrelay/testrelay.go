@@ -92,7 +92,18 @@ func StartRelayRegistered(t testing.TB, eng *sim.Engine, dpSize int, reg prometh
 // server and waits for Serve to return.
 func Serve(t testing.TB, rel *relay.Relay, addr string) (listening string, stop func()) {
 	t.Helper()
-	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{server.RelayService(vllm.Engine, rel)}})
+	return ServeWithLoad(t, rel, addr, nil)
+}
+
+// ServeWithLoad is Serve with the engine's load source stamping the
+// stream (nil: none).
+func ServeWithLoad(t testing.TB, rel *relay.Relay, addr string, load server.LoadSource) (listening string, stop func()) {
+	t.Helper()
+	svc := server.RelayService(vllm.Engine, rel)
+	if load != nil {
+		svc.Load = load
+	}
+	srv, err := server.New(server.Options{Logger: slog.New(slog.DiscardHandler), Services: []server.Service{svc}})
 	if err != nil {
 		t.Fatal(err)
 	}
