@@ -31,10 +31,14 @@ const layers = `
 	# The ground: no kvrelay imports. Generated protobuf, small runtime
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
-	internal/natslog, internal/tlsconfig, internal/freeport,
+	internal/natslog, internal/tlsconfig, internal/freeport, internal/logthrottle,
 	internal/exposure, internal/webserve, internal/reload, internal/sdnotify,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
+
+	# NATS connection options (auth, TLS) from flags; they log through
+	# natslog's redaction.
+	internal/natslog < internal/natsconn;
 
 	# Codecs over the protobuf.
 	proto/kvpb < proto/kvenc, proto/kvdec;
@@ -77,7 +81,7 @@ const layers = `
 	relay/server, gateway, sim, internal/freeport < demo;
 	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
-	internal/reload, internal/webserve < cmd/kvrelay;
+	internal/reload, internal/webserve, internal/natsconn < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
 `
 
