@@ -131,7 +131,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		}),
 	}, opts.NATSOptions...)
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
 	}
 	if !s.nc.IsConnected() {
 		// Unreachable at start: the sinks may have lost it too, so as
@@ -139,7 +139,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		s.mu.Lock()
 		s.needFloor = true
 		s.mu.Unlock()
-		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", opts.URL)
+		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", natslog.Redact(opts.URL))
 	}
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		s.nc.Close()

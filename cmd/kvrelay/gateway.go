@@ -23,6 +23,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/exposure"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/reload"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
@@ -115,6 +116,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	natsEvents := addGatewayNATSEventsFlags(fs)
+	natsAuth := natsconn.AddFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -183,6 +185,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	case lim.ReadTimeout <= 0:
 		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
 	}
+	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
+		return fail("%v", err)
+	}
 	if err := natsEvents.check(*natsURL); err != nil {
 		return fail("%v", err)
 	}
@@ -222,7 +227,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	mopts := monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv}
 	// --nats-events: the workers' events from JetStream, each worker on
 	// its gRPC stream while that cannot be exact.
-	events, err := natsEvents.source(*natsURL, log, reg)
+	events, err := natsEvents.source(*natsURL, natsAuth, log, reg)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -257,9 +262,15 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		// It does not wait for the server: an unreachable one is retried
 		// while the gateway routes on its own placements.
 		host, _ := os.Hostname()
+		syncLog := log.With("component", "placementsync")
+		auth, err := natsAuthOptions(*natsURL, natsAuth, syncLog)
+		if err != nil {
+			ln.Close()
+			return fail("%v", err)
+		}
 		opts := placementsync.Options{
 			URL: *natsURL, Name: "kvrelay-gateway@" + host, SubjectPrefix: *natsSubject,
-			Registerer: reg, Logger: log.With("component", "placementsync"),
+			Registerer: reg, Logger: syncLog, NATSOptions: auth,
 		}
 		if *natsShareLoad {
 			opts.Load = g

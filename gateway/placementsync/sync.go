@@ -148,7 +148,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 	}
 	nc, err := nats.Connect(opts.URL, append(nopts, opts.NATSOptions...)...)
 	if err != nil {
-		return nil, fmt.Errorf("placementsync: connect %s: %w", opts.URL, err)
+		return nil, fmt.Errorf("placementsync: connect %s: %w", natslog.Redact(opts.URL), err)
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(opts.SubjectPrefix+".>", s.receive); err != nil {
