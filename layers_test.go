@@ -63,7 +63,7 @@ const layers = `
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
 	proto/kvdec < gateway/monitor;
 	gateway/picker, gateway/placement, gateway/monitor < gateway;
-	internal/natslog < gateway/placementsync;
+	internal/natslog, internal/logthrottle < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
