@@ -57,7 +57,7 @@ const layers = `
 	proto/kvpb < relay/load;
 	engines/vllm, engines/sglang, engines/tokenspeed, internal/latencyprobe,
 	relay/record, relay/zmqsource < relay;
-	relay, relay/load < relay/server;
+	relay, relay/load, internal/logthrottle < relay/server;
 
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
@@ -67,7 +67,7 @@ const layers = `
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, gateway/monitor, internal/natslog < natsevents;
+	relay, gateway/monitor, internal/natslog, internal/logthrottle < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -58,9 +59,12 @@ type SourceOptions struct {
 type Source struct {
 	opts SourceOptions
 	log  *slog.Logger
-	nc   *nats.Conn
-	js   jetstream.JetStream
-	mode *prometheus.GaugeVec
+	// peerLog is log throttled, for the lines a peer on NATS can drive
+	// (logthrottle: a few a minute per message).
+	peerLog *slog.Logger
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	mode    *prometheus.GaugeVec
 	// alive tracks the sinks' announcements (alive.go).
 	alive *aliveTracker
 
@@ -94,7 +98,8 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger)}
+	peerLog := logthrottle.Wrap(opts.Logger)
+	s := &Source{opts: opts, log: opts.Logger, peerLog: peerLog, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger)}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
@@ -347,7 +352,7 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID)}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID)}
 	go func() {
 		defer it.Stop()
 		check := time.NewTicker(s.opts.SilenceCheckEvery)
@@ -385,6 +390,7 @@ type jsStream struct {
 	lostNATS atomic.Bool
 	silent   atomic.Bool // ended because the worker's sink went silent
 	log      *slog.Logger
+	peerLog  *slog.Logger // throttled: what a message on the stream drives
 }
 
 func (j *jsStream) Header() (metadata.MD, error) { return metadata.MD{}, nil }
@@ -412,7 +418,7 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 		if err := proto.Unmarshal(msg.Data(), b); err != nil {
 			// Skipped: if it mattered, admission sees its sequence
 			// missing, as it would a gap on a gRPC stream.
-			j.log.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
+			j.peerLog.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
 			continue
 		}
 		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
