@@ -82,6 +82,11 @@ type Limits struct {
 	// MaxInFlight bounds the POST requests handled at once, so bodies and
 	// decoded token arrays take at most MaxInFlight × the body bound.
 	MaxInFlight int
+	// MaxInFlightPerClient bounds the POST requests of one client address
+	// handled at once, so a client whose uploads trickle in (slow loris)
+	// holds that many of MaxInFlight's slots, not all; 0 = MaxInFlight/8,
+	// at least 1.
+	MaxInFlightPerClient int
 	// ReadTimeout bounds reading a whole request.
 	ReadTimeout time.Duration
 }
@@ -140,10 +145,22 @@ type loadRequest struct {
 func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, lim Limits) http.Handler {
 	mux := http.NewServeMux()
 	inflight := make(chan struct{}, lim.MaxInFlight)
-	// bounded admits a POST only while fewer than MaxInFlight are handled;
-	// a refused client is told when to come back.
+	perClient := newClientSlots(lim.perClient())
+	// bounded admits a POST only while fewer than MaxInFlightPerClient of
+	// its client's and MaxInFlight in all are handled; a refused client is
+	// told when to come back.
 	bounded := func(h http.HandlerFunc) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
+			client := clientKey(r)
+			if !perClient.take(client) {
+				// Close after the reply: else the server reads the rest of
+				// the body (which a slow client trickles) before replying.
+				w.Header().Set("Connection", "close")
+				w.Header().Set("Retry-After", "1")
+				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("this client has %d requests in flight already (the per-client bound); retry shortly", perClient.max))
+				return
+			}
+			defer perClient.give(client)
 			select {
 			case inflight <- struct{}{}:
 				defer func() { <-inflight }()
