@@ -290,14 +290,19 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 }
 
 // checkLoads validates in-flight counts (the gateway checks the names).
+// MaxReportedLoad bounds a client-reported in-flight count: far above what
+// any engine runs at once, far below what would overflow a sum of counts
+// (issue 29: /v1/load took MaxInt64).
+const MaxReportedLoad = 1 << 20
+
 func checkLoads(in map[string]*int) (map[string]int, error) {
 	if len(in) == 0 {
 		return nil, nil
 	}
 	out := make(map[string]int, len(in))
 	for w, n := range in {
-		if n == nil || *n < 0 {
-			return nil, fmt.Errorf("loads: %q must be a count ≥ 0", w)
+		if n == nil || *n < 0 || *n > MaxReportedLoad {
+			return nil, fmt.Errorf("loads: %q must be a count ≥ 0 and ≤ %d", w, MaxReportedLoad)
 		}
 		out[w] = *n
 	}

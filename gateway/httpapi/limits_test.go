@@ -274,3 +274,33 @@ func TestGatewayHTTPSlowClientHoldsItsOwnSlotsOnly(t *testing.T) {
 		}
 	}
 }
+
+// TestGatewayHTTPLoadValuesBounded: a reported count past MaxReportedLoad
+// (issue 29: MaxInt64 was taken) is refused, naming the bound, and the
+// worker's load is left as it was.
+func TestGatewayHTTPLoadValuesBounded(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	url, g := limitedGateway(t, DefaultLimits, gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	for _, tc := range []struct {
+		body string
+		code int
+		want string
+	}{
+		{`{"loads":{"w":9223372036854775807}}`, http.StatusBadRequest, fmt.Sprintf("≤ %d", MaxReportedLoad)},
+		{fmt.Sprintf(`{"loads":{"w":%d}}`, MaxReportedLoad+1), http.StatusBadRequest, fmt.Sprintf("≤ %d", MaxReportedLoad)},
+		{`{"loads":{"w":-1}}`, http.StatusBadRequest, "≥ 0"},
+		{fmt.Sprintf(`{"loads":{"w":%d}}`, MaxReportedLoad), http.StatusOK, ""},
+	} {
+		code, out := apiclient.Post(t, url+"/v1/load", tc.body)
+		msg, _ := out["error"].(string)
+		if code != tc.code || !strings.Contains(msg, tc.want) {
+			t.Errorf("%s: %d %q, want %d with %q", tc.body, code, msg, tc.code, tc.want)
+		}
+	}
+	for _, ws := range g.Workers() {
+		if ws.ID == "w" && ws.Inflight != MaxReportedLoad {
+			t.Errorf("w's load %d, want the accepted %d", ws.Inflight, MaxReportedLoad)
+		}
+	}
+}
