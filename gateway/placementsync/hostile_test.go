@@ -1,13 +1,11 @@
 package placementsync
 
 import (
-	"bytes"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,25 +22,8 @@ import (
 // no permissions; deploy/nats/kvrelay.conf keeps such clients off these
 // subjects in production, and these bounds hold what gets through.
 
-type lockedBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuf) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // startLoggedReplica is startReplica with a log to read and options.
-func startLoggedReplica(t testing.TB, url string, workers int, log *lockedBuf, tune func(*Options)) *replica {
+func startLoggedReplica(t testing.TB, url string, workers int, log *safeBuffer, tune func(*Options, *gateway.Gateway)) *replica {
 	t.Helper()
 	var ws []gateway.Worker
 	for i := range workers {
@@ -55,7 +36,7 @@ func startLoggedReplica(t testing.TB, url string, workers int, log *lockedBuf, t
 	reg := prometheus.NewRegistry()
 	opts := Options{URL: url, Registerer: reg, ReconnectWait: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(log, nil))}
 	if tune != nil {
-		tune(&opts)
+		tune(&opts, g)
 	}
 	s, err := Start(g, opts)
 	if err != nil {
@@ -114,9 +95,9 @@ func TestPlacementFloodIsHeld(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			url := runNATS(t).URL()
-			var victimLog lockedBuf
-			victim := startLoggedReplica(t, url, 4, &victimLog, func(o *Options) { o.Limits = testLimits })
-			honest := startLoggedReplica(t, url, 4, &lockedBuf{}, nil)
+			var victimLog safeBuffer
+			victim := startLoggedReplica(t, url, 4, &victimLog, func(o *Options, _ *gateway.Gateway) { o.Limits = testLimits })
+			honest := startLoggedReplica(t, url, 4, &safeBuffer{}, nil)
 			nc := hostileConn(t, url)
 
 			before := heapInUse()
@@ -169,6 +150,9 @@ func TestPlacementFloodIsHeld(t *testing.T) {
 			if n := strings.Count(victimLog.String(), "broke its placement rate bound"); n > 5 {
 				t.Errorf("%d log lines for the flood, want at most 5", n)
 			}
+			// The other replica took the flood too: its queue drained, what
+			// the heap holds is the stores, not messages waiting.
+			eventually(t, "the other replica's queue drained", func() bool { n, _, _ := honest.sync.sub.Pending(); return n == 0 })
 			after := heapInUse()
 			grown := int64(after) - int64(before)
 			// Both replicas took the flood: the store's entries of both
@@ -198,8 +182,8 @@ func limitedTotal(r *replica, kind string) float64 {
 // flood's end.
 func TestLoadFloodIsHeld(t *testing.T) {
 	url := runNATS(t).URL()
-	var log lockedBuf
-	v := startLoadLogged(t, url, &log)
+	var log safeBuffer
+	v := startLoggedReplica(t, url, 4, &log, func(o *Options, g *gateway.Gateway) { o.Load, o.Limits = g, testLimits })
 	nc := hostileConn(t, url)
 
 	names := make([]string, 511)
@@ -251,29 +235,4 @@ func TestLoadFloodIsHeld(t *testing.T) {
 	if n := strings.Count(log.String(), "broke its load message rate bound"); n > 5 {
 		t.Errorf("%d log lines for the flood, want at most 5", n)
 	}
-}
-
-func startLoadLogged(t testing.TB, url string, log *lockedBuf) *replica {
-	t.Helper()
-	var ws []gateway.Worker
-	for i := range 4 {
-		ws = append(ws, gateway.Worker{ID: fmt.Sprintf("w%d", i), Addr: "127.0.0.1:1", Model: "llama"})
-	}
-	g, err := gateway.New(gateway.Config{Workers: ws})
-	if err != nil {
-		t.Fatal(err)
-	}
-	reg := prometheus.NewRegistry()
-	s, err := Start(g, Options{URL: url, Registerer: reg, ReconnectWait: 50 * time.Millisecond, Load: g,
-		Logger: slog.New(slog.NewTextHandler(log, nil)), Limits: testLimits})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Close)
-	g.SetPlacementPublisher(s)
-	eventually(t, "connected", s.Connected)
-	if err := s.Flush(waitFor); err != nil {
-		t.Fatal(err)
-	}
-	return &replica{g: g, sync: s, reg: reg}
 }
