@@ -31,10 +31,14 @@ const layers = `
 	# The ground: no kvrelay imports. Generated protobuf, small runtime
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
-	internal/natslog, internal/tlsconfig, internal/freeport,
+	internal/natslog, internal/tlsconfig, internal/freeport, internal/logthrottle,
 	internal/exposure, internal/webserve, internal/reload, internal/sdnotify,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
+
+	# NATS connection options (auth, TLS) from flags; they log through
+	# natslog's redaction.
+	internal/natslog < internal/natsconn;
 
 	# Codecs over the protobuf.
 	proto/kvpb < proto/kvenc, proto/kvdec;
@@ -53,7 +57,7 @@ const layers = `
 	proto/kvpb < relay/load;
 	engines/vllm, engines/sglang, engines/tokenspeed, internal/latencyprobe,
 	relay/record, relay/zmqsource < relay;
-	relay, relay/load < relay/server;
+	relay, relay/load, internal/logthrottle < relay/server;
 
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
@@ -62,11 +66,11 @@ const layers = `
 	# relay's own mapping of each engine's answer (a leaf on the protos).
 	gateway/picker, gateway/placement, gateway/monitor, relay/load < gateway;
 	gateway < gateway/membership;
-	internal/natslog < gateway/placementsync;
+	internal/natslog, internal/logthrottle < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, relay/load, gateway/monitor, internal/natslog < natsevents;
+	relay, relay/load, gateway/monitor, internal/natslog, internal/logthrottle < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.
@@ -80,7 +84,7 @@ const layers = `
 	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
 	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
-	internal/reload, internal/webserve, gateway/membership < cmd/kvrelay;
+	internal/reload, internal/webserve, gateway/membership, internal/natsconn < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
 `
 

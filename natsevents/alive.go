@@ -12,6 +12,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 )
 
 // Sink liveness. A sink that goes silent while the gateway's own NATS
@@ -119,11 +121,14 @@ type aliveTracker struct {
 
 	mu    sync.Mutex
 	sinks map[string]*sinkState
+	// peerLog is log throttled, for what announcements (anyone's who can
+	// publish on the alive subjects) drive.
+	peerLog *slog.Logger
 }
 
 func newAliveTracker(silentAfter time.Duration, log *slog.Logger) *aliveTracker {
 	return &aliveTracker{
-		silentAfter: silentAfter, now: time.Now, log: log, sinks: map[string]*sinkState{},
+		silentAfter: silentAfter, now: time.Now, log: log, peerLog: logthrottle.Wrap(log), sinks: map[string]*sinkState{},
 		silences: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_events_sink_silent_total",
 			Help: "Times a worker's JetStream sink stopped announcing itself while this replica's NATS connection was up; the worker then follows its gRPC stream until the sink is back with a newer snapshot."},
 			[]string{"worker"}),
@@ -135,7 +140,7 @@ func (t *aliveTracker) handle(m *nats.Msg) {
 	token := m.Subject[strings.LastIndexByte(m.Subject, '.')+1:]
 	a, err := decodeAnnouncement(m.Data)
 	if err != nil {
-		t.log.Warn("undecodable sink announcement; ignored", "subject", m.Subject, "err", err)
+		t.peerLog.Warn("undecodable sink announcement; ignored", "subject", m.Subject, "err", err)
 		return
 	}
 	t.mu.Lock()
@@ -146,7 +151,7 @@ func (t *aliveTracker) handle(m *nats.Msg) {
 		t.sinks[token] = st
 	}
 	if st.silent {
-		t.log.Info("a silent sink announces itself again; its worker returns to JetStream once a snapshot newer than the silence is there", "sink", token, "incarnation", a.Incarnation, "pass", a.Pass, "last_stream_sequence", a.LastSeq)
+		t.peerLog.Info("a silent sink announces itself again; its worker returns to JetStream once a snapshot newer than the silence is there", "sink", token, "incarnation", a.Incarnation, "pass", a.Pass, "last_stream_sequence", a.LastSeq)
 		st.silent = false
 	}
 	st.heard, st.last = t.now(), a

@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -58,9 +59,12 @@ type SourceOptions struct {
 type Source struct {
 	opts SourceOptions
 	log  *slog.Logger
-	nc   *nats.Conn
-	js   jetstream.JetStream
-	mode *prometheus.GaugeVec
+	// peerLog is log throttled, for the lines a peer on NATS can drive
+	// (logthrottle: a few a minute per message).
+	peerLog *slog.Logger
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	mode    *prometheus.GaugeVec
 	// alive tracks the sinks' announcements (alive.go), loads their load
 	// records (loads.go).
 	alive *aliveTracker
@@ -96,7 +100,8 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger)}
+	peerLog := logthrottle.Wrap(opts.Logger)
+	s := &Source{opts: opts, log: opts.Logger, peerLog: peerLog, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger)}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
@@ -133,7 +138,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		}),
 	}, opts.NATSOptions...)
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
 	}
 	if !s.nc.IsConnected() {
 		// Unreachable at start: the sinks may have lost it too, so as
@@ -141,7 +146,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		s.mu.Lock()
 		s.needFloor = true
 		s.mu.Unlock()
-		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", opts.URL)
+		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", natslog.Redact(opts.URL))
 	}
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		s.nc.Close()
@@ -353,7 +358,7 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), loads: s.loads.attach(token)}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID), loads: s.loads.attach(token)}
 	go func() {
 		defer it.Stop()
 		defer s.loads.detach(token, js.loads)
@@ -394,6 +399,7 @@ type jsStream struct {
 	lostNATS atomic.Bool
 	silent   atomic.Bool // ended because the worker's sink went silent
 	log      *slog.Logger
+	peerLog  *slog.Logger // throttled: what a message on the stream drives
 }
 
 func (j *jsStream) Header() (metadata.MD, error) { return metadata.MD{}, nil }
@@ -427,7 +433,7 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 		if err := proto.Unmarshal(msg.Data(), b); err != nil {
 			// Skipped: if it mattered, admission sees its sequence
 			// missing, as it would a gap on a gRPC stream.
-			j.log.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
+			j.peerLog.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
 			continue
 		}
 		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)

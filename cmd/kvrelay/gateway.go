@@ -24,6 +24,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/exposure"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/reload"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
@@ -76,6 +77,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	natsEvents := addGatewayNATSEventsFlags(fs)
 	memberSrc := addMemberFlags(fs)
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
+	natsAuth := natsconn.AddFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
@@ -144,6 +146,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	case lim.ReadTimeout <= 0:
 		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
 	}
+	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
+		return fail("%v", err)
+	}
 	if err := natsEvents.check(*natsURL); err != nil {
 		return fail("%v", err)
 	}
@@ -188,7 +193,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	mopts := monitor.Options{SubscribeDeadline: *deadline, MaxBackoff: *maxBackoff, MaxRecvMsgBytes: *maxRecv}
 	// --nats-events: the workers' events from JetStream, each worker on
 	// its gRPC stream while that cannot be exact.
-	events, err := natsEvents.source(*natsURL, log, reg)
+	events, err := natsEvents.source(*natsURL, natsAuth, log, reg)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -232,9 +237,15 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		// It does not wait for the server: an unreachable one is retried
 		// while the gateway routes on its own placements.
 		host, _ := os.Hostname()
+		syncLog := log.With("component", "placementsync")
+		auth, err := natsAuthOptions(*natsURL, natsAuth, syncLog)
+		if err != nil {
+			ln.Close()
+			return fail("%v", err)
+		}
 		opts := placementsync.Options{
 			URL: *natsURL, Name: "kvrelay-gateway@" + host, SubjectPrefix: *natsSubject,
-			Registerer: reg, Logger: log.With("component", "placementsync"),
+			Registerer: reg, Logger: syncLog, NATSOptions: auth,
 		}
 		if *natsShareLoad {
 			opts.Load = g

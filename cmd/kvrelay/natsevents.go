@@ -7,9 +7,12 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/gateway/membership"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relay/daemon"
 )
@@ -19,6 +22,7 @@ type serveNATSFlags struct {
 	url, stream, worker, subjects *string
 	aliveEvery                    *time.Duration
 	member                        *string
+	auth                          *natsconn.Config
 }
 
 // eventSubjectsUsage is --nats-events-subject-prefix's, the same on both
@@ -33,6 +37,7 @@ func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
 		subjects:   fs.String("nats-events-subject-prefix", natsevents.DefaultSubjectPrefix, "with --nats: "+eventSubjectsUsage),
 		aliveEvery: fs.Duration("nats-alive-every", natsevents.DefaultAliveEvery, "with --nats: how often the sink announces itself (core NATS, <prefix>-alive.<worker>, not stored); a gateway moves a worker whose sink is silent for 3 intervals to its gRPC stream; 1ms to 1m, 0: never (a gateway then cannot tell a dead sink from an idle engine)"),
 		member:     fs.String("nats-member", "", "with --nats: announce this engine to gateways started with --workers-from-nats, in the gateway's --worker syntax: grpc://HOST:PORT[,model=M][,service=S] as they reach this relay's --listen; the engine joins the fleet when its relay starts and leaves when it stops"),
+		auth:       natsconn.AddFlags(fs),
 		worker:     fs.String("nats-worker", "", "with --nats: the name this engine's batches go under (subject kvrelay.events.<name>.<rank>); gateways name the worker the same (default HOSTNAME:PORT of --listen, what a gateway's grpc://HOSTNAME:PORT worker looks up)"),
 	}
 }
@@ -52,7 +57,10 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 		if *f.aliveEvery != natsevents.DefaultAliveEvery {
 			return errors.New("--nats-alive-every needs --nats")
 		}
-		return nil
+		return checkNATSAuth(*f.url, f.auth)
+	}
+	if err := checkNATSAuth(*f.url, f.auth); err != nil {
+		return err
 	}
 	if *f.aliveEvery < 0 || *f.aliveEvery > time.Minute || (*f.aliveEvery > 0 && *f.aliveEvery < time.Millisecond) {
 		return fmt.Errorf("--nats-alive-every %s: want 0 (off) or 1ms to 1m", *f.aliveEvery)
@@ -73,7 +81,9 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 
 // options are the sink's settings for daemon.Options.
 func (f *serveNATSFlags) options() daemon.NATSSink {
-	return daemon.NATSSink{URL: *f.url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member}
+	url, auth := *f.url, f.auth
+	return daemon.NATSSink{URL: url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member,
+		NATSOptions: func(log *slog.Logger) ([]nats.Option, error) { return natsAuthOptions(url, auth, log) }}
 }
 
 // gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.
@@ -126,16 +136,47 @@ func (g *gatewayNATSEventsFlags) check(natsURL string) error {
 }
 
 // source connects the gateway's event source; nil when --nats-events is off.
-func (g *gatewayNATSEventsFlags) source(natsURL string, log *slog.Logger, reg prometheus.Registerer) (*natsevents.Source, error) {
+func (g *gatewayNATSEventsFlags) source(natsURL string, auth *natsconn.Config, log *slog.Logger, reg prometheus.Registerer) (*natsevents.Source, error) {
 	if !*g.on {
 		return nil, nil
 	}
+	log = log.With("component", "natsevents")
+	nopts, err := natsAuthOptions(natsURL, auth, log)
+	if err != nil {
+		return nil, err
+	}
 	src, err := natsevents.NewSource(natsevents.SourceOptions{
 		URL: natsURL, Stream: *g.stream, SubjectPrefix: *g.subjects, Names: g.names, Registerer: reg,
-		Logger: log.With("component", "natsevents"),
+		Logger: log, NATSOptions: nopts,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("--nats-events: %w", err)
 	}
 	return src, nil
+}
+
+// checkNATSAuth refuses authentication flags without a NATS URL, and a
+// bad combination of them.
+func checkNATSAuth(url string, auth *natsconn.Config) error {
+	if url == "" {
+		if auth.Set() {
+			return errors.New("--nats-creds, --nats-nkey-seed, --nats-user, --nats-token-file and --nats-tls-* need --nats")
+		}
+		return nil
+	}
+	return auth.Check()
+}
+
+// natsAuthOptions are the connection options of auth for one component,
+// which logs its refusals to log; a credential written in the URL is
+// warned about (ps and the shell's history show it) but still used.
+func natsAuthOptions(url string, auth *natsconn.Config, log *slog.Logger) ([]nats.Option, error) {
+	if natslog.HasCredentials(url) {
+		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.Redact(url))
+	}
+	opts, err := auth.Options(log)
+	if err != nil {
+		return nil, fmt.Errorf("--nats: %w", err)
+	}
+	return opts, nil
 }

@@ -83,6 +83,11 @@ type Limits struct {
 	// MaxInFlight bounds the POST requests handled at once, so bodies and
 	// decoded token arrays take at most MaxInFlight × the body bound.
 	MaxInFlight int
+	// MaxInFlightPerClient bounds the POST requests of one client address
+	// handled at once, so a client whose uploads trickle in (slow loris)
+	// holds that many of MaxInFlight's slots, not all; 0 = MaxInFlight/8,
+	// at least 1.
+	MaxInFlightPerClient int
 	// ReadTimeout bounds reading a whole request.
 	ReadTimeout time.Duration
 }
@@ -145,10 +150,22 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		add(mux)
 	}
 	inflight := make(chan struct{}, lim.MaxInFlight)
-	// bounded admits a POST only while fewer than MaxInFlight are handled;
-	// a refused client is told when to come back.
+	perClient := newClientSlots(lim.perClient())
+	// bounded admits a POST only while fewer than MaxInFlightPerClient of
+	// its client's and MaxInFlight in all are handled; a refused client is
+	// told when to come back.
 	bounded := func(h http.HandlerFunc) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
+			client := clientKey(r)
+			if !perClient.take(client) {
+				// Close after the reply: else the server reads the rest of
+				// the body (which a slow client trickles) before replying.
+				w.Header().Set("Connection", "close")
+				w.Header().Set("Retry-After", "1")
+				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("this client has %d requests in flight already (the per-client bound); retry shortly", perClient.max))
+				return
+			}
+			defer perClient.give(client)
 			select {
 			case inflight <- struct{}{}:
 				defer func() { <-inflight }()
@@ -278,14 +295,19 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 }
 
 // checkLoads validates in-flight counts (the gateway checks the names).
+// MaxReportedLoad bounds a client-reported in-flight count: far above what
+// any engine runs at once, far below what would overflow a sum of counts
+// (issue 29: /v1/load took MaxInt64).
+const MaxReportedLoad = 1 << 20
+
 func checkLoads(in map[string]*int) (map[string]int, error) {
 	if len(in) == 0 {
 		return nil, nil
 	}
 	out := make(map[string]int, len(in))
 	for w, n := range in {
-		if n == nil || *n < 0 {
-			return nil, fmt.Errorf("loads: %q must be a count ≥ 0", w)
+		if n == nil || *n < 0 || *n > MaxReportedLoad {
+			return nil, fmt.Errorf("loads: %q must be a count ≥ 0 and ≤ %d", w, MaxReportedLoad)
 		}
 		out[w] = *n
 	}

@@ -204,3 +204,103 @@ func TestGatewayHealthAndReadiness(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestGatewayHTTPSlowClientHoldsItsOwnSlotsOnly: a client whose uploads
+// trickle in (slow loris) holds at most its per-client slots; its next
+// request is refused while another client's are served (issue 29: 64 slow
+// uploads from one client once took every slot).
+func TestGatewayHTTPSlowClientHoldsItsOwnSlotsOnly(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	lim := Limits{MaxTokens: 1000, MaxInFlight: 8, MaxInFlightPerClient: 2, ReadTimeout: 30 * time.Second}
+	url, _ := limitedGateway(t, lim, gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	from := func(ip string) *http.Client {
+		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+		tr := &http.Transport{DialContext: d.DialContext}
+		t.Cleanup(tr.CloseIdleConnections)
+		return &http.Client{Transport: tr}
+	}
+	loris, other := from("127.0.0.1"), from("127.0.0.2")
+
+	// The slow client starts uploads and never finishes them (until the end).
+	var feeds []*io.PipeWriter
+	held := make(chan int, 8)
+	for range 6 {
+		body, feed := io.Pipe()
+		feeds = append(feeds, feed)
+		go func() {
+			resp, err := loris.Post(url+"/v1/route", "application/json", body)
+			if err != nil {
+				held <- -1
+				return
+			}
+			resp.Body.Close()
+			held <- resp.StatusCode
+		}()
+		go func() { _, _ = feed.Write([]byte(`{"model":"m",`)) }()
+	}
+	// Four of the six are refused at once: two hold the client's slots.
+	refused := 0
+	deadline := time.Now().Add(20 * time.Second)
+	for refused < 4 {
+		select {
+		case code := <-held:
+			if code != http.StatusServiceUnavailable {
+				t.Fatalf("a slow upload past the per-client bound ended %d, want 503", code)
+			}
+			refused++
+		case <-time.After(time.Until(deadline)):
+			t.Fatalf("%d of the slow client's uploads refused, want 4", refused)
+		}
+	}
+	// Another client is served meanwhile.
+	for i := range 5 {
+		resp, err := other.Post(url+"/v1/route", "application/json", strings.NewReader(`{"model":"m","token_ids":[1,2,3]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d of another client: %d while the slow one holds its slots", i, resp.StatusCode)
+		}
+	}
+	for _, f := range feeds {
+		_, _ = f.Write([]byte(`"token_ids":[1]}`))
+		_ = f.Close()
+	}
+	for range 2 {
+		if code := <-held; code != http.StatusOK {
+			t.Fatalf("a held upload ended %d once complete", code)
+		}
+	}
+}
+
+// TestGatewayHTTPLoadValuesBounded: a reported count past MaxReportedLoad
+// (issue 29: MaxInt64 was taken) is refused, naming the bound, and the
+// worker's load is left as it was.
+func TestGatewayHTTPLoadValuesBounded(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	url, g := limitedGateway(t, DefaultLimits, gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	for _, tc := range []struct {
+		body string
+		code int
+		want string
+	}{
+		{`{"loads":{"w":9223372036854775807}}`, http.StatusBadRequest, fmt.Sprintf("≤ %d", MaxReportedLoad)},
+		{fmt.Sprintf(`{"loads":{"w":%d}}`, MaxReportedLoad+1), http.StatusBadRequest, fmt.Sprintf("≤ %d", MaxReportedLoad)},
+		{`{"loads":{"w":-1}}`, http.StatusBadRequest, "≥ 0"},
+		{fmt.Sprintf(`{"loads":{"w":%d}}`, MaxReportedLoad), http.StatusOK, ""},
+	} {
+		code, out := apiclient.Post(t, url+"/v1/load", tc.body)
+		msg, _ := out["error"].(string)
+		if code != tc.code || !strings.Contains(msg, tc.want) {
+			t.Errorf("%s: %d %q, want %d with %q", tc.body, code, msg, tc.code, tc.want)
+		}
+	}
+	for _, ws := range g.Workers() {
+		if ws.ID == "w" && ws.Inflight != MaxReportedLoad {
+			t.Errorf("w's load %d, want the accepted %d", ws.Inflight, MaxReportedLoad)
+		}
+	}
+}

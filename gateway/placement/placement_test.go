@@ -308,3 +308,33 @@ func TestExtendMatchesModel(t *testing.T) {
 		}
 	}
 }
+
+// TestRecordCapsBlocksPerRecord: one request (or one peer's message)
+// places at most MaxPerRecord blocks, from the prefix's start (issue 29:
+// one 11 MiB "text" placed 180,224 blocks, 69 % of the cap).
+func TestRecordCapsBlocksPerRecord(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		opts      Options
+		n, from   int
+		wantPlace int
+	}{
+		{"default: MaxEntries/16", Options{MaxEntries: 1 << 18}, 180_224, 0, 1 << 14},
+		{"explicit cap", Options{MaxPerRecord: 8}, 100, 0, 8},
+		{"from past the cap places nothing", Options{MaxPerRecord: 8}, 100, 10, 0},
+		{"from inside the cap places the rest of it", Options{MaxPerRecord: 8}, 100, 5, 3},
+		{"under the cap: all", Options{MaxPerRecord: 8}, 5, 0, 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStore(t, tc.opts)
+			prefix := make([]uint64, tc.n)
+			for i := range prefix {
+				prefix[i] = uint64(i + 1)
+			}
+			s.Record("A", prefix, tc.from, t0)
+			if got := s.Stats().Entries; got != tc.wantPlace {
+				t.Fatalf("%d entries, want %d", got, tc.wantPlace)
+			}
+		})
+	}
+}

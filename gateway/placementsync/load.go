@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
+	"log/slog"
 	"maps"
 	"slices"
 	"strings"
@@ -97,13 +98,33 @@ type loadShare struct {
 	// totals is the live peers' counts summed, kept as they change: a
 	// snapshot costs its own workers, not every peer's.
 	totals map[string]int
+	// limit bounds each peer's messages (nil: unbounded, tests of the
+	// protocol alone); peerLog is the throttled log of what peers drive.
+	limit   *peerLimiter
+	peerLog *slog.Logger
+}
+
+// WorkerRouter is what a LoadSource may also be: it tells which workers it
+// routes, so a peer's counts for any other worker are dropped as they
+// arrive and a peer's memory here is bounded by the workers this replica
+// routes (MaxPeers × workers × an entry), not by what the peer sends.
+type WorkerRouter interface {
+	// KeepRoutedWorkers deletes from counts every worker it does not
+	// route (one lock for a whole message, not one per entry).
+	KeepRoutedWorkers(counts map[string]int)
+}
+
+// newReplicaID is a replica's random id, in its load snapshots and in
+// ReplicaHeader on its placements.
+func newReplicaID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return hex.EncodeToString(b[:])
 }
 
 func newLoadShare(src LoadSource, opts Options) *loadShare {
-	var b [8]byte
-	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 	l := &loadShare{
-		src: src, id: hex.EncodeToString(b[:]), subject: opts.LoadSubject,
+		src: src, id: newReplicaID(), subject: opts.LoadSubject, peerLog: slog.New(slog.DiscardHandler),
 		interval: opts.LoadInterval, heartbeat: opts.Heartbeat, peerTimeout: opts.PeerTimeout,
 		shared: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_load_shared_total",
@@ -292,6 +313,20 @@ func (l *loadShare) receive(msg *nats.Msg) {
 	}
 	if m.id == l.id {
 		return // our own (NoEcho should have kept it away)
+	}
+	if l.limit != nil {
+		switch l.limit.admit(m.id, 1, time.Now()) {
+		case admitted:
+		case brokeBound:
+			l.peerLog.Warn("a peer replica broke its load message rate bound; ignoring its load for the backoff",
+				"peer", m.id, "rate", l.limit.rate, "burst", l.limit.burst, "backoff", l.limit.backoff)
+			return
+		default:
+			return // counted in kvrelay_gateway_nats_peer_limited_total
+		}
+	}
+	if r, ok := l.src.(WorkerRouter); ok {
+		r.KeepRoutedWorkers(m.counts)
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -31,6 +31,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -71,6 +72,9 @@ type Options struct {
 	LoadInterval, Heartbeat, PeerTimeout time.Duration
 	// NATSOptions are added to the connection's options (TLS, credentials).
 	NATSOptions []nats.Option
+	// Limits bound what each peer replica's placements and load can cost
+	// this one (bounds.go); zero fields take the defaults.
+	Limits Limits
 }
 
 // Sync publishes a gateway's placements and applies the other replicas'.
@@ -87,6 +91,12 @@ type Sync struct {
 	remSub   *nats.Subscription
 	regd     []prometheus.Collector
 	load     *loadShare // nil unless Options.Load
+
+	id      string      // this replica's, in ReplicaHeader and its load snapshots
+	hdr     nats.Header // ReplicaHeader: id, on every placement
+	places  *peerLimiter
+	limited *prometheus.CounterVec // kind, reason
+	peerLog *slog.Logger           // throttled: lines peers drive
 
 	bufs sync.Pool
 }
@@ -122,8 +132,13 @@ func Start(target Target, opts Options) (*Sync, error) {
 	if opts.PeerTimeout <= 0 {
 		opts.PeerTimeout = DefaultPeerTimeout
 	}
+	opts.Limits = opts.Limits.withDefaults()
 	s := &Sync{
-		opts: opts, target: target, log: opts.Logger,
+		opts: opts, target: target, log: opts.Logger, peerLog: logthrottle.Wrap(opts.Logger),
+		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_nats_peer_limited_total",
+			Help: "Messages from peer replicas dropped by a bound, by kind (placement, load) and reason: rate (the peer broke its rate bound; its backoff starts), backoff (the peer is being ignored), total (every peer together over the bound), peers (too many senders tracked).",
+		}, []string{"kind", "reason"}),
 		shared: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_placements_shared_total",
 			Help: "Placements shared over NATS, by direction: published, received (applied), dropped (not published: NATS unreachable), rejected (received but undecodable or naming a model or worker this replica does not route).",
@@ -138,6 +153,9 @@ func Start(target Target, opts Options) (*Sync, error) {
 		s.removals.WithLabelValues(d)
 	}
 	s.bufs.New = func() any { return new([]byte) }
+	lim := opts.Limits
+	s.places = newPeerLimiter("placement", lim.PeerHashRate, lim.PeerHashBurst, lim.TotalHashRate, lim.TotalHashBurst, lim.Backoff, s.limited)
+	s.id = newReplicaID()
 	nopts := []nats.Option{
 		nats.Name(opts.Name),
 		nats.NoEcho(),
@@ -154,9 +172,10 @@ func Start(target Target, opts Options) (*Sync, error) {
 			s.log.Warn("nats disconnected: placements stay local until it reconnects", "err", err)
 		}),
 	}
+	s.hdr = nats.Header{ReplicaHeader: []string{s.id}}
 	nc, err := nats.Connect(opts.URL, append(nopts, opts.NATSOptions...)...)
 	if err != nil {
-		return nil, fmt.Errorf("placementsync: connect %s: %w", opts.URL, err)
+		return nil, fmt.Errorf("placementsync: connect %s: %w", natslog.Redact(opts.URL), err)
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(opts.SubjectPrefix+".>", s.receive); err != nil {
@@ -167,12 +186,17 @@ func Start(target Target, opts Options) (*Sync, error) {
 		nc.Close()
 		return nil, fmt.Errorf("placementsync: subscribe: %w", err)
 	}
+	_ = s.sub.SetPendingLimits(PendingMsgs, PendingBytes) // never fails on a live async subscription
 	if opts.Load != nil {
 		s.load = newLoadShare(opts.Load, opts)
+		s.load.id = s.id
+		s.load.limit = newPeerLimiter("load", lim.PeerLoadRate, lim.PeerLoadBurst, lim.TotalLoadRate, lim.TotalLoadBurst, lim.Backoff, s.limited)
+		s.load.peerLog = s.peerLog
 		if s.load.sub, err = nc.Subscribe(opts.LoadSubject, s.load.receive); err != nil {
 			nc.Close()
 			return nil, fmt.Errorf("placementsync: subscribe %s: %w", opts.LoadSubject, err)
 		}
+		_ = s.load.sub.SetPendingLimits(PendingMsgs, LoadPendingBytes)
 		s.load.done.Add(1)
 		go s.load.run(nc)
 	}
@@ -186,7 +210,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 			}
 			return 0
 		})
-		collectors := []prometheus.Collector{connected, s.shared, s.removals}
+		collectors := []prometheus.Collector{connected, s.shared, s.removals, s.limited}
 		if s.load != nil {
 			peers := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvrelay_gateway_nats_peers",
@@ -225,7 +249,7 @@ func (s *Sync) PublishPlacement(model, worker string, hashes []uint64) {
 	}
 	bp := s.bufs.Get().(*[]byte)
 	*bp = encode((*bp)[:0], worker, hashes)
-	err := s.nc.Publish(s.opts.SubjectPrefix+"."+subjectToken(model), *bp)
+	err := s.nc.PublishMsg(&nats.Msg{Subject: s.opts.SubjectPrefix + "." + subjectToken(model), Data: *bp, Header: s.hdr})
 	s.bufs.Put(bp)
 	if err != nil {
 		s.shared.WithLabelValues("dropped").Inc()
@@ -241,6 +265,16 @@ func (s *Sync) receive(msg *nats.Msg) {
 		var worker string
 		var hashes []uint64
 		if worker, hashes, err = decode(msg.Data); err == nil {
+			peer := msg.Header.Get(ReplicaHeader)
+			switch s.places.admit(peer, len(hashes), time.Now()) {
+			case admitted:
+			case brokeBound:
+				s.peerLog.Warn("a peer replica broke its placement rate bound; ignoring its placements for the backoff",
+					"peer", peer, "hashes", len(hashes), "rate", s.opts.Limits.PeerHashRate, "burst", s.opts.Limits.PeerHashBurst, "backoff", s.opts.Limits.Backoff)
+				return
+			default:
+				return // counted in kvrelay_gateway_nats_peer_limited_total
+			}
 			err = s.target.ApplyPlacement(model, worker, hashes)
 		}
 	}

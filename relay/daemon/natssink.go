@@ -9,8 +9,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/load"
@@ -29,6 +31,10 @@ type NATSSink struct {
 	// Member, if set, is announced with every announcement: how gateways
 	// taking their workers from NATS route to this engine (--nats-member).
 	Member string
+	// NATSOptions, when set, gives the connection's authentication and TLS
+	// options (cmd/kvrelay's --nats-creds …, internal/natsconn), for the
+	// sink's logger.
+	NATSOptions func(*slog.Logger) ([]nats.Option, error)
 }
 
 // start runs one sink for the relay until ctx ends; wg tracks it. loads,
@@ -51,9 +57,17 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 	if aliveEvery == 0 {
 		aliveEvery = -1 // off; SinkOptions reads 0 as the default
 	}
+	sinkLog := log.With("component", "natsevents", "worker", name)
+	var nopts []nats.Option
+	if f.NATSOptions != nil {
+		var err error
+		if nopts, err = f.NATSOptions(sinkLog); err != nil {
+			return err
+		}
+	}
 	opts := natsevents.SinkOptions{
 		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery, Member: f.Member,
-		Logger: log.With("component", "natsevents", "worker", name),
+		Logger: sinkLog, NATSOptions: nopts,
 	}
 	if loads != nil {
 		opts.Loads = natsevents.PollerLoads(loads)
@@ -62,7 +76,7 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 	if err != nil {
 		return fmt.Errorf("--nats: %w", err)
 	}
-	log.Info("publishing to JetStream", "nats", f.URL, "stream", f.Stream, "worker", name,
+	log.Info("publishing to JetStream", "nats", natslog.Redact(f.URL), "stream", f.Stream, "worker", name,
 		"subjects", f.SubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
 	wg.Add(1)
 	go func() {

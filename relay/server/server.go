@@ -34,6 +34,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/load"
@@ -172,6 +173,7 @@ type Server struct {
 	services []Service
 	proxy    *proxy // nil without an upstream
 	log      *slog.Logger
+	peerLog  *slog.Logger // throttled: lines each client can drive
 	grace    time.Duration
 	conns    []*grpc.ClientConn
 	metrics  *serverMetrics
@@ -221,7 +223,7 @@ func New(opts Options) (*Server, error) {
 		return nil, fmt.Errorf("server: negative limit in %+v", opts.Limits)
 	}
 	s := &Server{
-		services: opts.Services, log: log, grace: grace, metrics: metrics, healthDone: make(chan struct{}),
+		services: opts.Services, log: log, peerLog: logthrottle.Wrap(log), grace: grace, metrics: metrics, healthDone: make(chan struct{}),
 		limits: limits, slots: newSubscriberSlots(limits.MaxSubscribers, limits.MaxSubscribersPerPeer),
 	}
 	s.shutdownCtx, s.shutdown = context.WithCancel(context.Background())
@@ -396,7 +398,7 @@ func (h *handler) subscribe(req *kvpb.SubscribeKvEventsRequest, stream grpc.Serv
 	if reason, err := h.server.slots.take(peerKey); err != nil {
 		h.server.metrics.cut.WithLabelValues(service, reason).Inc()
 		h.server.metrics.ended.WithLabelValues(service, codes.ResourceExhausted.String()).Inc()
-		h.server.log.Warn("subscriber stream refused", "service", service, "peer", peerKey, "reason", err)
+		h.server.peerLog.Warn("subscriber stream refused", "service", service, "peer", peerKey, "reason", err)
 		return status.Error(codes.ResourceExhausted, err.Error())
 	}
 	ctx, cancel := context.WithCancel(stream.Context())
@@ -423,7 +425,7 @@ func (h *handler) subscribe(req *kvpb.SubscribeKvEventsRequest, stream grpc.Serv
 	st := h.statusOf(stream.Context(), err)
 	h.server.metrics.ended.WithLabelValues(service, st.Code().String()).Inc()
 	if st.Code() != codes.OK && st.Code() != codes.Canceled {
-		h.server.log.Info("subscriber stream ended", "service", service, "code", st.Code().String(), "reason", st.Message())
+		h.server.peerLog.Info("subscriber stream ended", "service", service, "code", st.Code().String(), "reason", st.Message())
 	}
 	return st.Err()
 }

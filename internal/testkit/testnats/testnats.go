@@ -52,6 +52,12 @@ type Config struct {
 	NoJetStream bool
 	// MaxPayload is the server's max_payload; 0 keeps NATS's default (1 MiB).
 	MaxPayload int32
+	// ConfigFile loads a nats-server configuration file (accounts,
+	// users, permissions, TLS) as the server's options; the test's own
+	// host, port, store and logging then replace the file's.
+	ConfigFile string
+	// Configure, when set, changes the options last (auth, TLS).
+	Configure func(*server.Options)
 }
 
 // Start runs one server on 127.0.0.1 and stops it when the test ends.
@@ -62,10 +68,22 @@ func Start(t testing.TB, cfg Config) *Node {
 		port = server.RANDOM_PORT
 	}
 	opts := baseOptions(t, "single")
+	if cfg.ConfigFile != "" {
+		fromFile, err := server.ProcessConfigFile(cfg.ConfigFile)
+		if err != nil {
+			t.Fatalf("testnats: %s: %v", cfg.ConfigFile, err)
+		}
+		fromFile.ServerName, fromFile.Host, fromFile.NoLog, fromFile.NoSigs = opts.ServerName, opts.Host, opts.NoLog, opts.NoSigs
+		fromFile.StoreDir, fromFile.JetStreamMaxMemory, fromFile.JetStreamMaxStore = opts.StoreDir, opts.JetStreamMaxMemory, opts.JetStreamMaxStore
+		opts = fromFile
+	}
 	opts.Port = port
 	opts.JetStream = !cfg.NoJetStream
 	if cfg.MaxPayload > 0 {
 		opts.MaxPayload = cfg.MaxPayload
+	}
+	if cfg.Configure != nil {
+		cfg.Configure(opts)
 	}
 	n := &Node{t: t, name: "single", opts: opts}
 	if err := n.start(); err != nil {

@@ -1,0 +1,5 @@
+//go:build !race
+
+package placementsync
+
+const raceOn = false

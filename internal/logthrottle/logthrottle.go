@@ -1,0 +1,157 @@
+// Package logthrottle rate-limits the log lines a peer can drive.
+//
+// A peer that sends a bad message makes kvrelay log a line about it; a
+// peer that sends a hundred thousand makes it log a hundred thousand (the
+// probe of issue 29: 20,010 lines, 3.8 MB, in 0.27 s). Lines written
+// through a Wrap-ped logger are limited per message: at most Burst lines
+// of one message per Window, and the first line let through after some
+// were held back says how many with a "suppressed" attribute. The metric
+// or counter the caller keeps beside its log line still counts every
+// event; the log only stops repeating it.
+//
+// The key is the message text, which kvrelay's call sites write as a
+// constant, never the peer's data: so the number of keys is bounded by
+// the code, and MaxKeys bounds it again should a caller format one.
+package logthrottle
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Defaults of Options.
+const (
+	DefaultBurst  = 5
+	DefaultWindow = time.Minute
+	// MaxKeys bounds the messages tracked; past it every new message
+	// shares one allowance, so memory stays under MaxKeys small entries.
+	MaxKeys = 1024
+)
+
+// overflowKey is the allowance the messages past MaxKeys share.
+const overflowKey = "\x00logthrottle: other messages"
+
+// Options configures Wrap.
+type Options struct {
+	// Burst is how many lines of one message pass per Window; 0 =
+	// DefaultBurst.
+	Burst int
+	// Window is the period the Burst is counted over; 0 = DefaultWindow.
+	Window time.Duration
+	// Now replaces time.Now (tests).
+	Now func() time.Time
+}
+
+// limiter is the state every handler derived from one Wrap shares.
+type limiter struct {
+	burst      int
+	window     time.Duration
+	now        func() time.Time
+	mu         sync.Mutex
+	keys       map[string]*allowance
+	suppressed atomic.Uint64
+}
+
+type allowance struct {
+	start      time.Time // the window's start
+	passed     int       // lines let through in the window
+	suppressed uint64    // lines held back since the last one let through
+}
+
+// allow reports whether a line of msg passes now and, if it does, how
+// many of its lines were held back since the last that passed.
+func (l *limiter) allow(msg string) (bool, uint64) {
+	now := l.now()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	a := l.keys[msg]
+	if a == nil {
+		if len(l.keys) >= MaxKeys {
+			msg = overflowKey
+			a = l.keys[msg]
+		}
+		if a == nil {
+			a = &allowance{start: now}
+			l.keys[msg] = a
+		}
+	}
+	if now.Sub(a.start) >= l.window {
+		a.start, a.passed = now, 0
+	}
+	if a.passed >= l.burst {
+		a.suppressed++
+		l.suppressed.Add(1)
+		return false, 0
+	}
+	a.passed++
+	held := a.suppressed
+	a.suppressed = 0
+	return true, held
+}
+
+// Handler is a slog.Handler that passes at most Burst records of one
+// message per Window to the handler it wraps.
+type Handler struct {
+	next slog.Handler
+	lim  *limiter
+}
+
+// NewHandler wraps next.
+func NewHandler(next slog.Handler, opts Options) *Handler {
+	if opts.Burst <= 0 {
+		opts.Burst = DefaultBurst
+	}
+	if opts.Window <= 0 {
+		opts.Window = DefaultWindow
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &Handler{next: next, lim: &limiter{
+		burst: opts.Burst, window: opts.Window, now: opts.Now, keys: map[string]*allowance{},
+	}}
+}
+
+// Wrap returns a logger writing to log's handler, throttled with the
+// defaults. A nil log gives a logger that discards.
+func Wrap(log *slog.Logger) *slog.Logger {
+	if log == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return slog.New(NewHandler(log.Handler(), Options{}))
+}
+
+// Enabled implements slog.Handler.
+func (h *Handler) Enabled(ctx context.Context, l slog.Level) bool { return h.next.Enabled(ctx, l) }
+
+// Handle implements slog.Handler: it drops the record when its message is
+// over its allowance, and adds "suppressed" when lines were held back.
+func (h *Handler) Handle(ctx context.Context, r slog.Record) error {
+	ok, held := h.lim.allow(r.Message)
+	if !ok {
+		return nil
+	}
+	if held > 0 {
+		r = r.Clone()
+		r.AddAttrs(slog.Uint64("suppressed", held))
+	}
+	return h.next.Handle(ctx, r)
+}
+
+// WithAttrs implements slog.Handler; the derived handler shares the
+// allowances.
+func (h *Handler) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return &Handler{next: h.next.WithAttrs(attrs), lim: h.lim}
+}
+
+// WithGroup implements slog.Handler; the derived handler shares the
+// allowances.
+func (h *Handler) WithGroup(name string) slog.Handler {
+	return &Handler{next: h.next.WithGroup(name), lim: h.lim}
+}
+
+// Suppressed is how many records were held back in all.
+func (h *Handler) Suppressed() uint64 { return h.lim.suppressed.Load() }

@@ -1,0 +1,117 @@
+package logthrottle
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+)
+
+type clock struct{ t time.Time }
+
+func (c *clock) now() time.Time { return c.t }
+
+func lines(t *testing.T, buf *bytes.Buffer) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, l := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		if l == "" {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("line %q: %v", l, err)
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+func TestFloodIsHeldToBurstPerWindow(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		burst, flood  int
+		wantFirstRun  int
+		wantSuppressd float64
+	}{
+		{"flood of a bad message", 5, 20010, 5, 20005},
+		{"under the burst", 5, 3, 3, 0},
+		{"burst of one", 1, 100, 1, 99},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var buf bytes.Buffer
+			c := &clock{t: time.Unix(1000, 0)}
+			h := NewHandler(slog.NewJSONHandler(&buf, nil), Options{Burst: tc.burst, Window: time.Minute, Now: c.now})
+			log := slog.New(h).With("component", "natsevents")
+			for i := range tc.flood {
+				log.Warn("undecodable message on the stream; skipped", "seq", i)
+			}
+			if got := len(lines(t, &buf)); got != tc.wantFirstRun {
+				t.Fatalf("%d lines in the first window, want %d", got, tc.wantFirstRun)
+			}
+			if got := h.Suppressed(); got != uint64(tc.wantSuppressd) {
+				t.Fatalf("Suppressed() = %d, want %v", got, tc.wantSuppressd)
+			}
+			buf.Reset()
+			c.t = c.t.Add(time.Minute)
+			log.Warn("undecodable message on the stream; skipped", "seq", -1)
+			got := lines(t, &buf)
+			if len(got) != 1 {
+				t.Fatalf("%d lines after the window, want 1", len(got))
+			}
+			s, has := got[0]["suppressed"]
+			if tc.wantSuppressd == 0 {
+				if has {
+					t.Fatalf("suppressed=%v on a line none were held back before", s)
+				}
+				return
+			}
+			if s != tc.wantSuppressd {
+				t.Fatalf("suppressed=%v, want %v", s, tc.wantSuppressd)
+			}
+			if got[0]["component"] != "natsevents" {
+				t.Fatalf("attributes lost: %v", got[0])
+			}
+		})
+	}
+}
+
+func TestMessagesHaveTheirOwnAllowance(t *testing.T) {
+	var buf bytes.Buffer
+	c := &clock{t: time.Unix(1000, 0)}
+	log := slog.New(NewHandler(slog.NewJSONHandler(&buf, nil), Options{Burst: 2, Now: c.now}))
+	for range 100 {
+		log.Warn("a")
+		log.With("worker", "w1").Warn("b") // derived: shares the allowances
+	}
+	counts := map[string]int{}
+	for _, l := range lines(t, &buf) {
+		counts[l["msg"].(string)]++
+	}
+	if counts["a"] != 2 || counts["b"] != 2 {
+		t.Fatalf("lines per message %v, want 2 each", counts)
+	}
+}
+
+func TestKeysAreBounded(t *testing.T) {
+	var buf bytes.Buffer
+	c := &clock{t: time.Unix(1000, 0)}
+	h := NewHandler(slog.NewJSONHandler(&buf, nil), Options{Burst: 1, Now: c.now})
+	log := slog.New(h)
+	for i := range MaxKeys + 500 {
+		log.Warn(fmt.Sprintf("formatted %d", i)) // a caller that formats its key
+	}
+	if n := len(h.lim.keys); n > MaxKeys+1 {
+		t.Fatalf("%d keys tracked, want at most %d", n, MaxKeys+1)
+	}
+	if got := len(lines(t, &buf)); got != MaxKeys+1 {
+		t.Fatalf("%d lines, want %d (one per key, one for the overflow)", got, MaxKeys+1)
+	}
+}
+
+func TestWrapNil(t *testing.T) {
+	Wrap(nil).Warn("nothing") // must not panic
+}

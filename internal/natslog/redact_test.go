@@ -1,0 +1,61 @@
+package natslog
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestRedact(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
+		{"nats://alice:s3cret@127.0.0.1:4222", "nats://REDACTED@127.0.0.1:4222"},
+		{"nats://tok3n@h:4222,tls://bob:pw@h2:4222", "nats://REDACTED@h:4222,tls://REDACTED@h2:4222"},
+		{"natsevents: connect nats://a:p%40ss@h:4222: dial tcp: refused", "natsevents: connect nats://REDACTED@h:4222: dial tcp: refused"},
+		{"no url here, user@example", "no url here, user@example"},
+		{"nats://x@y:p@h:4222", "nats://REDACTED@h:4222"},
+		{"nats://h:4222 and mail bob@example.com", "nats://h:4222 and mail bob@example.com"},
+	} {
+		got := Redact(tc.in)
+		if got != tc.want {
+			t.Errorf("Redact(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+		for _, secret := range []string{"s3cret", "tok3n", ":pw@", "p%40ss"} {
+			if strings.Contains(got, secret) {
+				t.Errorf("Redact(%q) = %q keeps %q", tc.in, got, secret)
+			}
+		}
+	}
+}
+
+func TestHasCredentials(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want bool
+	}{
+		{"nats://127.0.0.1:4222", false},
+		{"127.0.0.1:4222", false},
+		{"nats://h:1,nats://u:p@h:2", true},
+		{"tok@h:4222", true},
+	} {
+		if got := HasCredentials(tc.in); got != tc.want {
+			t.Errorf("HasCredentials(%q) = %v, want %v", tc.in, got, tc.want)
+		}
+	}
+}
+
+func FuzzRedact(f *testing.F) {
+	for _, s := range []string{"nats://u:p@h:4222", "a://@", "nats://x@y@z", "://@@"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		got := Redact(s)
+		if userinfo.MatchString(got) && strings.Contains(got, "://") {
+			// Every remaining userinfo must be the redaction itself.
+			for _, m := range userinfo.FindAllString(got, -1) {
+				if !strings.HasSuffix(m, "://REDACTED@") {
+					t.Fatalf("Redact(%q) = %q leaves %q", s, got, m)
+				}
+			}
+		}
+	})
+}
