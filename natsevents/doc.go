@@ -41,12 +41,17 @@
 // batch of the worker stored at or below that sequence and none above, so
 // snapshot + the worker's messages after it is exactly what a gRPC
 // subscriber from zero gets. A cut is never taken while the subscription's
-// own snapshot is arriving, so a tail never starts inside one. In a pass
-// that re-published batches the stream already held (a restarted relay),
-// a duplicate's sequence is the earlier run's, possibly below a cut the
-// batch follows; such a pass writes a cut only once every rank has had a
-// new message, after which none of its batches can be a duplicate (see
-// passAcks).
+// own snapshot is arriving, so a tail never starts inside one. A batch
+// the stream held already (a restarted relay re-publishes the engine's
+// replayed history) keeps the earlier run's sequence, possibly below a
+// cut the batch follows, where a reader of the cut would never see it. So
+// a cut is taken only when every configured rank of the relay is settled,
+// none of its later batches able to be a duplicate: the stream held
+// nothing of the rank when the pass began, or the rank had a new message
+// in the pass, or the duplicate of its newest stored batch was answered
+// (see passAcks). A rank that has not primed yet is therefore covered or
+// has nothing to hide, and the first cut after a restart comes as soon as
+// the last rank settles, not a period later (issue 30).
 //
 // # Source (the gateway's side)
 //

@@ -74,8 +74,22 @@ func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
 	follower.exact(a.name, a.eng, "before the restart")
 
 	a.down()
+	// The engine's replay answers the restarted relay only once its sink
+	// has subscribed, so the primed history reaches the sink batch by
+	// batch (re-published: duplicates), not as the relay's snapshot.
+	a.holdReplay(nil)
 	a.startRelay()
 	a.startSink(js.URL())
+	eventually(t, "the sink subscribed", func() bool { return a.rel.Status().Subscribers >= 1 })
+	a.releaseReplay(nil)
+	eventually(t, "the restarted relay primed", func() bool {
+		for _, r := range a.rel.Status().Ranks {
+			if r.Cursor == nil {
+				return false
+			}
+		}
+		return true
+	})
 	a.run(15)
 	follower.exact(a.name, a.eng, "after the restart")
 	if got := a.sinkCount("kvrelay_nats_events_published_total", "result", "duplicate"); got == 0 {
