@@ -74,6 +74,11 @@ type Source struct {
 	// gap. needFloor says it is still to be read.
 	floor     uint64
 	needFloor bool
+	// distrusted: by worker ID, the snapshot object (its NUID) whose
+	// subscription left the index diverged from the relay's digest; that
+	// object is not served again (repair.go).
+	distrusted map[string]string
+	repairs    *prometheus.CounterVec
 }
 
 // NewSource connects without waiting for the server.
@@ -94,12 +99,13 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger)}
+	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger),
+		distrusted: map[string]string{}, repairs: newRepairCounter()}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.mode, s.alive.silences} {
+		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.repairs} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
@@ -210,7 +216,7 @@ func (s *Source) watchForSwitchBack(ctx context.Context, cancel context.CancelCa
 			return
 		case <-t.C:
 		}
-		if _, _, err := s.snapshotInfo(ctx, w); err == nil {
+		if _, err := s.snapshotInfo(ctx, w); err == nil {
 			s.log.Info("switching the worker back to JetStream", "worker", w.ID)
 			cancel(errSwitchBack)
 			return
@@ -234,22 +240,30 @@ func (g *grpcStream) Recv() (*kvpb.KvEventBatch, error) {
 	return b, err
 }
 
+// snapshotRef is a snapshot object found servable: its bucket, stream
+// sequence and NUID (which changes at every write).
+type snapshotRef struct {
+	obs  jetstream.ObjectStore
+	seq  uint64
+	nuid string
+}
+
 // snapshotInfo checks, without downloading it, that w's snapshot object
-// exists, is not older than the floor, and that the stream still holds
-// its tail; it returns the bucket and the snapshot's stream sequence.
-func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.ObjectStore, uint64, error) {
+// exists, is not older than the floor, is not one the worker's index
+// diverged on, and that the stream still holds its tail.
+func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (snapshotRef, error) {
 	if !s.nc.IsConnected() {
-		return nil, 0, errNotConnected
+		return snapshotRef{}, errNotConnected
 	}
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	stream, err := s.js.Stream(octx, s.opts.Stream)
 	if err != nil {
-		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
 	}
 	info, err := stream.Info(octx)
 	if err != nil {
-		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
 	}
 	s.mu.Lock()
 	if s.needFloor {
@@ -266,27 +280,30 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.
 		floor = f
 	}
 	if silent != nil {
-		return nil, 0, silent
+		return snapshotRef{}, silent
 	}
 	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
 	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
+		return snapshotRef{}, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
 	}
 	oi, err := obs.GetInfo(octx, WorkerToken(s.name(w)))
 	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+		return snapshotRef{}, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
 	}
 	seq, err := strconv.ParseUint(oi.Metadata[streamSeqKey], 10, 64)
 	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
+		return snapshotRef{}, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
 	}
 	if seq < floor {
-		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back or its sink went silent (%d); waiting for a newer one", s.name(w), seq, floor)
+		return snapshotRef{}, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back or its sink went silent (%d); waiting for a newer one", s.name(w), seq, floor)
 	}
 	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
-		return nil, 0, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
+		return snapshotRef{}, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
 	}
-	return obs, seq, nil
+	if err := s.trusted(w, oi.NUID); err != nil {
+		return snapshotRef{}, err
+	}
+	return snapshotRef{obs: obs, seq: seq, nuid: oi.NUID}, nil
 }
 
 var errNotConnected = errors.New("NATS is not connected")
@@ -295,10 +312,11 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	s.mu.Lock()
 	lost := s.lost
 	s.mu.Unlock()
-	obs, seq, err := s.snapshotInfo(ctx, w)
+	ref, err := s.snapshotInfo(ctx, w)
 	if err != nil {
 		return nil, err
 	}
+	obs, seq := ref.obs, ref.seq
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	token := WorkerToken(s.name(w))
@@ -347,7 +365,8 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID)}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID),
+		diverged: func() { s.distrust(w, ref.nuid, snap.StreamSeq) }}
 	go func() {
 		defer it.Stop()
 		check := time.NewTicker(s.opts.SilenceCheckEvery)
@@ -385,7 +404,12 @@ type jsStream struct {
 	lostNATS atomic.Bool
 	silent   atomic.Bool // ended because the worker's sink went silent
 	log      *slog.Logger
+	diverged func()
 }
+
+// Diverged is monitor.DivergenceNotifier: the index this stream fed
+// diverged from the relay's digest, and the worker resyncs.
+func (j *jsStream) Diverged() { j.diverged() }
 
 func (j *jsStream) Header() (metadata.MD, error) { return metadata.MD{}, nil }
 
