@@ -114,7 +114,7 @@ func assertAnnouncementsNotStored(t *testing.T, url string) {
 }
 
 // TestAliveTracker: when a sink counts as silent, that it is counted once
-// per silence, and the snapshot floor set at a silence.
+// per silence.
 func TestAliveTracker(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	msg := func(token string, every time.Duration) *nats.Msg {
@@ -192,28 +192,29 @@ func TestAliveTracker(t *testing.T) {
 	}
 }
 
-// TestAliveFloor: the floor is the stream's end read first after a
-// silence, kept until the next silence.
-func TestAliveFloor(t *testing.T) {
+// TestAliveSilenceTaken: a silence is reported to takeSilence once (the
+// source then marks the snapshot object of that moment stale), and not
+// before it happens.
+func TestAliveSilenceTaken(t *testing.T) {
 	tr := newAliveTracker(0, slog.New(slog.DiscardHandler))
 	t0 := time.Unix(1000, 0)
 	tr.now = func() time.Time { return t0 }
-	if f := tr.floor("a", 50); f != 0 {
-		t.Fatalf("floor of an unknown sink = %d, want 0", f)
+	if tr.takeSilence("a") {
+		t.Fatal("an unknown sink reported silenced")
 	}
 	tr.handle(&nats.Msg{Subject: aliveSubject(DefaultSubjectPrefix, "a"), Data: encodeAnnouncement(announcement{Every: time.Second})})
-	if f := tr.floor("a", 50); f != 0 {
-		t.Fatalf("floor before any silence = %d, want 0", f)
+	if tr.takeSilence("a") {
+		t.Fatal("silenced before any silence")
 	}
 	tr.now = func() time.Time { return t0.Add(time.Hour) }
 	if err := tr.check("a", "a"); err == nil {
 		t.Fatal("not silent after an hour")
 	}
-	if f := tr.floor("a", 60); f != 60 {
-		t.Fatalf("floor after the silence = %d, want 60", f)
+	if !tr.takeSilence("a") {
+		t.Fatal("the silence not reported")
 	}
-	if f := tr.floor("a", 70); f != 60 {
-		t.Fatalf("floor read again = %d, want 60 (set once per silence)", f)
+	if tr.takeSilence("a") {
+		t.Fatal("the silence reported twice")
 	}
 }
 

@@ -205,7 +205,7 @@ func (r *replica) exact(id string, e *sim.Engine, when string) {
 			return
 		}
 		if time.Now().After(deadline) {
-			r.t.Fatalf("%s: the index holds %d rows for %s, the engine %d; workers %+v", when, len(got), id, len(want), r.mon.Workers())
+			r.t.Fatalf("%s: the index holds %d rows for %s, the engine %d (%s); workers %+v", when, len(got), id, len(want), liveDiff(got, want), r.mon.Workers())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -226,4 +226,34 @@ func (r *replica) counter(name string, labels map[string]string) float64 {
 		r.t.Fatal(err)
 	}
 	return v
+}
+
+// liveDiff says, per rank, how many rows only the index holds and how many
+// only the engine.
+func liveDiff(got, want []index.LiveBlock) string {
+	type key struct {
+		rank int32
+		tier index.Tier
+		hash uint64
+	}
+	count := func(rows []index.LiveBlock) map[key]int {
+		m := map[key]int{}
+		for _, r := range rows {
+			m[key{r.Rank, r.Tier, r.EngineHash}] += r.Copies
+		}
+		return m
+	}
+	g, w := count(got), count(want)
+	extra, missing := map[int32]int{}, map[int32]int{}
+	for k, n := range g {
+		if w[k] != n {
+			extra[k.rank]++
+		}
+	}
+	for k, n := range w {
+		if g[k] != n {
+			missing[k.rank]++
+		}
+	}
+	return fmt.Sprintf("rows differing from the engine's, by rank: index side %v, engine side %v", extra, missing)
 }

@@ -1,8 +1,6 @@
 package natsevents
 
 import (
-	"fmt"
-
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
@@ -17,7 +15,7 @@ import (
 // a period later. So the object a divergence was found on is distrusted:
 // Open serves the worker from its relay's gRPC stream, which is exact, and
 // switches back (by the switch-back rule) only to another object, which
-// the sink writes at its next period or resync. Meanwhile the worker is
+// it asks the sink for (request.go). Meanwhile the worker is
 // cleared and rebuilt from the relay's own snapshot: routing uses only
 // what the relay served.
 
@@ -28,24 +26,13 @@ func newRepairCounter() *prometheus.CounterVec {
 }
 
 // distrust marks nuid, the snapshot object (at stream sequence seq) w was
-// served from when its index diverged.
+// served from when its index diverged, and asks for another.
 func (s *Source) distrust(w monitor.Worker, nuid string, seq uint64) {
 	s.mu.Lock()
-	s.distrusted[w.ID] = nuid
+	s.stale[w.ID] = staleObject{nuid: nuid, why: "the one its index diverged on"}
 	s.mu.Unlock()
 	s.repairs.WithLabelValues(w.ID).Inc()
+	s.requestSnapshot(WorkerToken(s.name(w)))
 	s.log.Warn("the index diverged from the relay's digest on a worker read from JetStream; it resyncs from its gRPC stream until another snapshot object is written",
 		"worker", w.ID, "snapshot_stream_sequence", seq)
-}
-
-// trusted says why object nuid must not serve w: it is the one w diverged
-// on last.
-func (s *Source) trusted(w monitor.Worker, nuid string) error {
-	s.mu.Lock()
-	bad := s.distrusted[w.ID]
-	s.mu.Unlock()
-	if bad != "" && bad == nuid {
-		return fmt.Errorf("the snapshot object of %s is the one its index diverged on; waiting for another", s.name(w))
-	}
-	return nil
 }

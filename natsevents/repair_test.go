@@ -71,8 +71,8 @@ func spoilSnapshot(t *testing.T, url, worker string, rank int32) {
 // applied a snapshot object that leaves a rank out; the live digest shows
 // the divergence, and the resync must not read the same object again (it
 // would stay wrong until the sink's next object) but the relay's gRPC
-// stream, which is exact. The replica then holds the engine's live set
-// without any new object being written (SnapshotEvery is an hour).
+// stream, which is exact, and ask the sink for a new object (SnapshotEvery
+// is an hour), on which the worker returns to JetStream.
 func TestDivergenceRepairsFromGRPC(t *testing.T) {
 	js := startJetStream(t)
 	a := startWorker(t, "a", 2)
@@ -100,9 +100,15 @@ func TestDivergenceRepairsFromGRPC(t *testing.T) {
 	if got := r.counter("kvrelay_gateway_digest_divergences_total", map[string]string{"worker": a.name, "rank": "1"}); got < 1 {
 		t.Errorf("no divergence counted on rank 1 (%v): the test did not exercise the repair", got)
 	}
-	if r.mode(a.name, "grpc") != 1 {
-		t.Errorf("the worker is not on its gRPC stream after the repair (grpc=%v)", r.mode(a.name, "grpc"))
-	}
+	// The replica asked the sink for a new object, and returns to
+	// JetStream on it.
+	eventually(t, "a new snapshot object on request", func() bool {
+		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 2
+	})
+	eventually(t, "the worker back on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	a.run(10)
 	r.exact(a.name, a.eng, "after the repair, later")
+	if got := r.counter("kvrelay_gateway_events_repairs_total", map[string]string{"worker": a.name}); got != 1 {
+		t.Errorf("kvrelay_gateway_events_repairs_total = %v after the return, want 1", got)
+	}
 }

@@ -145,6 +145,10 @@ type Sink struct {
 
 	mu   sync.Mutex
 	fail func(error) // cancels the current follow when an async publish fails
+	wake func(error) // ends the current wait for a batch (request.go)
+	// requested: a snapshot request came in since the pass last looked.
+	requested atomic.Bool
+	reqSub    *nats.Subscription
 
 	// What the announcements say (alive.go): this process's random
 	// incarnation, the current pass (0: none publishing) and the newest
@@ -238,6 +242,11 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	if err != nil {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	// A subscription made before the server answers is sent when it does.
+	if s.reqSub, err = s.nc.Subscribe(snapshotRequestSubject(opts.SubjectPrefix, s.token), s.takeRequest); err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: subscribe to snapshot requests: %w", err)
 	}
 	return s, nil
 }
@@ -402,10 +411,15 @@ func (s *Sink) follow(ctx context.Context) error {
 		due       = true // a snapshot is due (at once after subscribing)
 		unsettled bool   // due, but a rank could still hide messages below it
 		nextSnap  time.Time
+		lastCut   time.Time
 		published int
 	)
 	for {
 		if !due && !time.Now().Before(nextSnap) {
+			due = true
+		}
+		if !due && s.requested.Load() && time.Since(lastCut) >= snapshotRequestEvery {
+			s.requested.Store(false)
 			due = true
 		}
 		if due {
@@ -426,7 +440,7 @@ func (s *Sink) follow(ctx context.Context) error {
 			// With nothing relayed yet there is nothing to cut: the next
 			// batch tries again.
 			if chunks, pos := s.rel.SnapshotAt(); len(chunks) > 0 {
-				due, nextSnap = false, time.Now().Add(s.opts.SnapshotEvery)
+				due, nextSnap, lastCut = false, time.Now().Add(s.opts.SnapshotEvery), time.Now()
 				pending = &pendingSnapshot{chunks: chunks, pos: pos}
 				if last != nil && lastPos == pos {
 					if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
@@ -436,16 +450,35 @@ func (s *Sink) follow(ctx context.Context) error {
 				}
 			}
 		}
-		wait, wcancel := fctx, context.CancelFunc(func() {})
+		var deadline time.Time
 		switch {
+		case !due && s.requested.Load():
+			// A request came in too soon after the last cut.
+			deadline = lastCut.Add(snapshotRequestEvery)
 		case !due:
-			wait, wcancel = context.WithDeadline(fctx, nextSnap)
+			deadline = nextSnap
 		case unsettled:
 			// The answer that settles the last rank may come after its
 			// message: look again shortly even if nothing else is relayed.
-			wait, wcancel = context.WithTimeout(fctx, settleCheckEvery)
+			deadline = time.Now().Add(settleCheckEvery)
+		}
+		wait, wcancel := fctx, context.CancelFunc(func() {})
+		if !deadline.IsZero() {
+			wait, wcancel = context.WithDeadline(fctx, deadline)
+		}
+		// A snapshot request ends the wait too.
+		wait, wake := context.WithCancelCause(wait)
+		s.mu.Lock()
+		s.wake = wake
+		s.mu.Unlock()
+		if !due && s.requested.Load() && time.Since(lastCut) >= snapshotRequestEvery {
+			wake(errSnapshotRequested) // came in since the check above
 		}
 		enc, err := sub.NextEncoded(wait)
+		s.mu.Lock()
+		s.wake = nil
+		s.mu.Unlock()
+		wake(nil)
 		wcancel()
 		if err != nil {
 			if cause := context.Cause(fctx); cause != nil {
@@ -454,8 +487,8 @@ func (s *Sink) follow(ctx context.Context) error {
 				}
 				return cause
 			}
-			if errors.Is(err, context.DeadlineExceeded) {
-				continue // a snapshot is due, or a rank may have settled
+			if errors.Is(err, context.DeadlineExceeded) || errors.Is(context.Cause(wait), errSnapshotRequested) {
+				continue // a snapshot is due or requested, or a rank may have settled
 			}
 			return err
 		}

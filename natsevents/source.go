@@ -68,17 +68,25 @@ type Source struct {
 	// lost is closed when the connection drops, ending every stream read
 	// from NATS; a new one is made when it is back.
 	lost chan struct{}
-	// floor: after a reconnect, only a snapshot written since (at or above
-	// the stream's last sequence then) is used, so that what the sinks
-	// could not publish meanwhile is covered by a snapshot, not read as a
-	// gap. needFloor says it is still to be read.
-	floor     uint64
-	needFloor bool
-	// distrusted: by worker ID, the snapshot object (its NUID) whose
-	// subscription left the index diverged from the relay's digest; that
-	// object is not served again (repair.go).
-	distrusted map[string]string
-	repairs    *prometheus.CounterVec
+	// epoch counts reconnects (and an unreachable start): after one, a
+	// worker's snapshot object of that moment is stale (epochs holds the
+	// epoch each worker was last checked in), so that what the sinks could
+	// not publish meanwhile is covered by a newer object, not read as a
+	// gap.
+	epoch  uint64
+	epochs map[string]uint64
+	// stale: by worker ID, the snapshot object (its NUID) not to serve:
+	// the one there when NATS came back or the worker's sink went silent,
+	// or the one the worker's index diverged on (repair.go). Any other
+	// object was written since, and is served; one is asked for
+	// (request.go).
+	stale   map[string]staleObject
+	repairs *prometheus.CounterVec
+}
+
+// staleObject is a snapshot object not to serve, and why.
+type staleObject struct {
+	nuid, why string
 }
 
 // NewSource connects without waiting for the server.
@@ -100,7 +108,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Source{opts: opts, log: opts.Logger, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger),
-		distrusted: map[string]string{}, repairs: newRepairCounter()}
+		epochs: map[string]uint64{}, stale: map[string]staleObject{}, repairs: newRepairCounter()}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
@@ -130,7 +138,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		nats.ReconnectHandler(func(*nats.Conn) {
 			s.mu.Lock()
 			s.lost = make(chan struct{})
-			s.needFloor = true
+			s.epoch++
 			s.mu.Unlock()
 			s.alive.reconnected()
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
@@ -143,7 +151,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		// Unreachable at start: the sinks may have lost it too, so as
 		// after a reconnect, only a snapshot written once it is back will do.
 		s.mu.Lock()
-		s.needFloor = true
+		s.epoch++
 		s.mu.Unlock()
 		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", opts.URL)
 	}
@@ -249,8 +257,9 @@ type snapshotRef struct {
 }
 
 // snapshotInfo checks, without downloading it, that w's snapshot object
-// exists, is not older than the floor, is not one the worker's index
-// diverged on, and that the stream still holds its tail.
+// exists, was written since NATS came back or the worker's sink went
+// silent, is not one the worker's index diverged on, and that the stream
+// still holds its tail.
 func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (snapshotRef, error) {
 	if !s.nc.IsConnected() {
 		return snapshotRef{}, errNotConnected
@@ -265,45 +274,52 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (snapshotRe
 	if err != nil {
 		return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
 	}
-	s.mu.Lock()
-	if s.needFloor {
-		s.floor, s.needFloor = info.State.LastSeq, false
-	}
-	floor := s.floor
-	s.mu.Unlock()
 	token := WorkerToken(s.name(w))
-	// A silence found here or by the worker's JetStream subscription sets
-	// the worker's floor to the stream's end now, before the sink's return
-	// can write a snapshot that the floor must not exclude.
-	silent := s.alive.check(token, w.ID)
-	if f := s.alive.floor(token, info.State.LastSeq); f > floor {
-		floor = f
-	}
-	if silent != nil {
-		return snapshotRef{}, silent
-	}
 	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
 	if err != nil {
 		return snapshotRef{}, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
 	}
-	oi, err := obs.GetInfo(octx, WorkerToken(s.name(w)))
-	if err != nil {
-		return snapshotRef{}, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+	oi, ierr := obs.GetInfo(octx, token)
+	nuid := ""
+	if ierr == nil {
+		nuid = oi.NUID
+	}
+	// The first check after a reconnect, or after a silence found here or
+	// by the worker's JetStream subscription, marks the object there now
+	// stale: only one written since is served.
+	silent := s.alive.check(token, w.ID)
+	silenced := s.alive.takeSilence(token)
+	s.mu.Lock()
+	reconnected := s.epochs[w.ID] != s.epoch
+	s.epochs[w.ID] = s.epoch
+	if (reconnected || silenced) && nuid != "" {
+		why := "written before NATS came back"
+		if silenced {
+			why = "written before the worker's sink went silent"
+		}
+		s.stale[w.ID] = staleObject{nuid: nuid, why: why}
+	}
+	stale := s.stale[w.ID]
+	s.mu.Unlock()
+	if silent != nil {
+		return snapshotRef{}, silent
+	}
+	if ierr != nil {
+		s.requestSnapshot(token)
+		return snapshotRef{}, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), ierr)
+	}
+	if stale.nuid == nuid {
+		s.requestSnapshot(token)
+		return snapshotRef{}, fmt.Errorf("the snapshot object of %s was %s; waiting for a newer one", s.name(w), stale.why)
 	}
 	seq, err := strconv.ParseUint(oi.Metadata[streamSeqKey], 10, 64)
 	if err != nil {
 		return snapshotRef{}, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
 	}
-	if seq < floor {
-		return snapshotRef{}, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back or its sink went silent (%d); waiting for a newer one", s.name(w), seq, floor)
-	}
 	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
 		return snapshotRef{}, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
 	}
-	if err := s.trusted(w, oi.NUID); err != nil {
-		return snapshotRef{}, err
-	}
-	return snapshotRef{obs: obs, seq: seq, nuid: oi.NUID}, nil
+	return snapshotRef{obs: obs, seq: seq, nuid: nuid}, nil
 }
 
 var errNotConnected = errors.New("NATS is not connected")
