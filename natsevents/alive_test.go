@@ -44,9 +44,7 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	sinkOpts := func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond; o.AliveEvery = 500 * time.Millisecond }
 	stopSink := a.startSinkStoppable(js.URL(), sinkOpts)
 	a.run(15)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
 	eventually(t, "the replica on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	eventually(t, "an announcement of the sink", func() bool {

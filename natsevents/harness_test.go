@@ -131,6 +131,15 @@ func (w *worker) sinkCount(name string, labels ...string) float64 {
 	return v
 }
 
+// snapshotsWritten waits until the current sink has written n snapshot
+// objects.
+func (w *worker) snapshotsWritten(n int, what string) {
+	w.t.Helper()
+	eventually(w.t, what, func() bool {
+		return w.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= float64(n)
+	})
+}
+
 func (w *worker) run(steps int) {
 	w.t.Helper()
 	if _, err := w.eng.RunWorkload(steps); err != nil {
@@ -152,14 +161,25 @@ type replica struct {
 // a test that must prove the events came over NATS gives a dead address.
 func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *replica {
 	t.Helper()
+	return startReplicaWith(t, natsURL, nil, workers...)
+}
+
+// startReplicaWith is startReplica with the monitor's and the source's
+// options changed by tweak (after the tests' short defaults are set).
+func startReplicaWith(t testing.TB, natsURL string, tweak func(*monitor.Options, *SourceOptions), workers ...monitor.Worker) *replica {
+	t.Helper()
 	r := &replica{t: t, ix: index.New(index.Options{}), reg: prometheus.NewRegistry()}
 	mopts := monitor.Options{Registerer: r.reg, Logger: testLogger().With("replica", "monitor"), MaxBackoff: 200 * time.Millisecond}
 	names := map[string]string{}
 	for _, w := range workers {
 		names[w.ID] = w.ID
 	}
+	sopts := SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond}
+	if tweak != nil {
+		tweak(&mopts, &sopts)
+	}
 	if natsURL != "" {
-		src, err := NewSource(SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond})
+		src, err := NewSource(sopts)
 		if err != nil {
 			t.Fatal(err)
 		}

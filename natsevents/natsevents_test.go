@@ -67,9 +67,7 @@ func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	a.startSink(js.URL())
 	a.run(20)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
 

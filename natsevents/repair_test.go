@@ -78,9 +78,7 @@ func TestDivergenceRepairsFromGRPC(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	a.startSink(js.URL())
 	a.run(30)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	spoilSnapshot(t, js.URL(), a.name, 1)
 
 	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
@@ -102,9 +100,7 @@ func TestDivergenceRepairsFromGRPC(t *testing.T) {
 	}
 	// The replica asked the sink for a new object, and returns to
 	// JetStream on it.
-	eventually(t, "a new snapshot object on request", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 2
-	})
+	a.snapshotsWritten(2, "a new snapshot object on request")
 	eventually(t, "the worker back on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	a.run(10)
 	r.exact(a.name, a.eng, "after the repair, later")

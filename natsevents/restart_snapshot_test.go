@@ -64,9 +64,7 @@ func TestRestartedRelaySnapshotCoversEveryRank(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	a.startSink(js.URL())
 	a.run(40)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	a.run(10)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
@@ -90,9 +88,7 @@ func TestRestartedRelaySnapshotCoversEveryRank(t *testing.T) {
 	a.primed()
 	// Both ranks move: every rank now has a batch the stream did not hold.
 	a.run(10)
-	eventually(t, "the restarted relay's first snapshot", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the restarted relay's first snapshot")
 	t.Logf("first snapshot %v after rank 1's replay was released", time.Since(released).Round(time.Millisecond))
 
 	// A replica that starts now has only the snapshot and what follows it.
@@ -113,9 +109,7 @@ func TestIdleRankSettlesByItsNewestBatch(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	a.startSink(js.URL())
 	a.run(30)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	a.stepRank(0, 3) // rank 0's newest stored message is a batch, not a chunk
 	a.stepRank(1, 3)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
@@ -129,9 +123,7 @@ func TestIdleRankSettlesByItsNewestBatch(t *testing.T) {
 	a.releaseReplay(nil)
 	a.primed()
 	a.stepRank(0, 3) // rank 1 stays idle
-	eventually(t, "a snapshot with rank 1 idle", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "a snapshot with rank 1 idle")
 	late := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	late.exact(a.name, a.eng, "a replica started after the restart")
 }
