@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -277,4 +278,15 @@ func FuzzAnnouncement(f *testing.F) {
 			t.Fatalf("re-encoding changed the announcement: %x -> %x", data, again)
 		}
 	})
+}
+
+// describe is what t knows of token's sink, for a test's failure message.
+func (t *aliveTracker) describe(token string) string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	st := t.sinks[token]
+	if st == nil {
+		return "never heard"
+	}
+	return fmt.Sprintf("heard %v ago, %+v, silent %v", t.now().Sub(st.heard), st.last, st.silent)
 }

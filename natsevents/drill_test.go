@@ -202,9 +202,12 @@ func jetStreamDrill(t *testing.T) {
 		// (Asked of the tracker, not the counter: on a loaded machine an
 		// announcement can come late, and a silence already counted just
 		// before the kill does not count again.)
-		eventually(t, when+": the sink found silent", func() bool {
-			return g1.src.alive.check(WorkerToken(w.name), w.name) != nil
-		})
+		for deadline := time.Now().Add(patience); g1.src.alive.check(WorkerToken(w.name), w.name) == nil; {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the sink not found silent in %v; the tracker: %s", when, patience, g1.src.alive.describe(WorkerToken(w.name)))
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
 		if g1.counter("kvrelay_gateway_events_sink_silent_total", map[string]string{"worker": w.name}) <= silences {
 			t.Logf("%s: the silence began before the kill (a late announcement)", when)
 		}
