@@ -280,13 +280,15 @@ func FuzzAnnouncement(f *testing.F) {
 	})
 }
 
+const neverHeard = "never heard"
+
 // describe is what t knows of token's sink, for a test's failure message.
 func (t *aliveTracker) describe(token string) string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	st := t.sinks[token]
 	if st == nil {
-		return "never heard"
+		return neverHeard
 	}
 	return fmt.Sprintf("heard %v ago, %+v, silent %v", t.now().Sub(st.heard), st.last, st.silent)
 }

@@ -166,7 +166,7 @@ func jetStreamDrill(t *testing.T) {
 		}()
 		tr.quiet(func() {
 			for _, r := range replicas {
-				for _, w := range workers {
+				for _, w := range r.follows(workers) {
 					r.exact(w.name, w.eng, when)
 				}
 			}
@@ -176,7 +176,7 @@ func jetStreamDrill(t *testing.T) {
 	onNATS := func(when string) {
 		t.Helper()
 		for _, r := range replicas {
-			for _, w := range workers {
+			for _, w := range r.follows(workers) {
 				eventually(t, when+": "+w.name+" back on JetStream", func() bool { return r.mode(w.name, "nats") == 1 })
 			}
 		}
@@ -186,6 +186,14 @@ func jetStreamDrill(t *testing.T) {
 	}
 	onNATS("start")
 	exact("start")
+	// A sink a replica never heard is never called silent (an older
+	// relay's, as far as it knows): the kills below come once g1 heard
+	// every sink.
+	for _, w := range workers {
+		eventually(t, "g1 heard "+w.name+"'s sink", func() bool {
+			return g1.src.alive.describe(WorkerToken(w.name)) != neverHeard
+		})
+	}
 
 	one := 1
 	for k := range drillRelayKills {
@@ -235,7 +243,15 @@ func jetStreamDrill(t *testing.T) {
 		healthy(when)
 		onNATS(when)
 		t.Logf("%s: back on JetStream %v after the relay's restart", when, time.Since(restarted).Round(time.Millisecond))
+		// A replica started on the restarted relay's first snapshot
+		// object, as a gateway started then would read it (issue 30: it
+		// held one rank only), with nothing but JetStream to go by.
+		// It is left out of the later checks: with NATS down it has no
+		// source at all.
+		w.snapshotsWritten(1, when+": the restarted relay's first snapshot object")
+		replicas = append(replicas, newReplica(monitor.Worker{ID: w.name, Addr: deadAddr}))
 		exact(when)
+		replicas = replicas[:len(replicas)-1]
 		if k == 1 {
 			// nats-server down and back on its store.
 			js.Stop()
@@ -262,4 +278,18 @@ func jetStreamDrill(t *testing.T) {
 // slicesEqualLive says whether r holds w's engine's live set now.
 func slicesEqualLive(r *replica, w *worker) bool {
 	return slices.Equal(r.ix.LiveSet(w.name), testrelay.EngineLive(w.eng))
+}
+
+// follows lists the workers of ws that r follows.
+func (r *replica) follows(ws []*worker) []*worker {
+	var out []*worker
+	for _, w := range ws {
+		for _, mw := range r.mon.Workers() {
+			if mw.ID == w.name {
+				out = append(out, w)
+				break
+			}
+		}
+	}
+	return out
 }
