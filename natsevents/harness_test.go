@@ -131,6 +131,19 @@ func (w *worker) sinkCount(name string, labels ...string) float64 {
 	return v
 }
 
+// startPublishing starts a JetStream server and worker "a" (2 ranks) with
+// its sink, serves steps requests, and waits for the first snapshot
+// object.
+func startPublishing(t testing.TB, steps int) (*testnats.Node, *worker) {
+	t.Helper()
+	js := startJetStream(t)
+	a := startWorker(t, "a", 2)
+	a.startSink(js.URL())
+	a.run(steps)
+	a.snapshotsWritten(1, "the first snapshot object")
+	return js, a
+}
+
 // snapshotsWritten waits until the current sink has written n snapshot
 // objects.
 func (w *worker) snapshotsWritten(n int, what string) {

@@ -63,11 +63,7 @@ func TestLateReplicaCatchesUpExactly(t *testing.T) {
 // that followed the stream across the restart neither resyncs nor holds a
 // second copy of anything.
 func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
-	js := startJetStream(t)
-	a := startWorker(t, "a", 2)
-	a.startSink(js.URL())
-	a.run(20)
-	a.snapshotsWritten(1, "the first snapshot object")
+	js, a := startPublishing(t, 20)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
 

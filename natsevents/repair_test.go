@@ -74,11 +74,7 @@ func spoilSnapshot(t *testing.T, url, worker string, rank int32) {
 // stream, which is exact, and ask the sink for a new object (SnapshotEvery
 // is an hour), on which the worker returns to JetStream.
 func TestDivergenceRepairsFromGRPC(t *testing.T) {
-	js := startJetStream(t)
-	a := startWorker(t, "a", 2)
-	a.startSink(js.URL())
-	a.run(30)
-	a.snapshotsWritten(1, "the first snapshot object")
+	js, a := startPublishing(t, 30)
 	spoilSnapshot(t, js.URL(), a.name, 1)
 
 	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})

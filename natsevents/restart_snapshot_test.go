@@ -60,11 +60,7 @@ func (w *worker) primed() {
 // as every rank can be covered, not a period later (SnapshotEvery is an
 // hour here).
 func TestRestartedRelaySnapshotCoversEveryRank(t *testing.T) {
-	js := startJetStream(t)
-	a := startWorker(t, "a", 2)
-	a.startSink(js.URL())
-	a.run(40)
-	a.snapshotsWritten(1, "the first snapshot object")
+	js, a := startPublishing(t, 40)
 	a.run(10)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
@@ -105,11 +101,7 @@ func TestRestartedRelaySnapshotCoversEveryRank(t *testing.T) {
 // batches can be one, so the snapshot is written without waiting for
 // that rank to move.
 func TestIdleRankSettlesByItsNewestBatch(t *testing.T) {
-	js := startJetStream(t)
-	a := startWorker(t, "a", 2)
-	a.startSink(js.URL())
-	a.run(30)
-	a.snapshotsWritten(1, "the first snapshot object")
+	js, a := startPublishing(t, 30)
 	a.stepRank(0, 3) // rank 0's newest stored message is a batch, not a chunk
 	a.stepRank(1, 3)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
