@@ -106,6 +106,7 @@ test-long: engines-long build
 	KVRELAY_ENGINE_TIER=long $(GO) test -race -count=1 -timeout 30m -run 'EngineRelease' ./relay/ ./cmd/kvrelay/
 	KVRELAY_HEAVY_INTEROP=1 $(GO) test -count=1 -timeout 30m -run 'TestGatewaysTakeAMillionBlockSnapshot' ./interop/
 	KVRELAY_NATS_DRILL=1 $(GO) test -race -count=1 -timeout 10m -run 'TestNATSClusterDrill' ./cmd/kvrelay/
+	KVRELAY_JETSTREAM_DRILL=10 $(GO) test -race -count=1 -timeout 20m -run 'TestJetStreamRestartDrill' ./natsevents/
 
 # Each fuzz target runs briefly; a crash fails the build.
 FUZZTIME ?= 10s

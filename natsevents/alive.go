@@ -104,10 +104,9 @@ type sinkState struct {
 	heard  time.Time // the last announcement (or the reconnect after it)
 	last   announcement
 	silent bool // reported silent, not heard since
-	// needFloor: the next stream info read sets floor; a snapshot below
-	// floor predates the silence and is not served.
-	needFloor bool
-	floor     uint64
+	// silenced: found silent since the source last took it (takeSilence):
+	// the snapshot object of then predates the silence and is not served.
+	silenced bool
 }
 
 // aliveTracker keeps the last announcement of each worker's sink, by
@@ -189,7 +188,7 @@ func (t *aliveTracker) check(token, workerID string) error {
 		return nil
 	}
 	if !st.silent {
-		st.silent, st.needFloor = true, true
+		st.silent, st.silenced = true, true
 		t.silences.WithLabelValues(workerID).Inc()
 		t.log.Warn("a worker's JetStream sink is silent; the worker follows its gRPC stream", "worker", workerID, "sink", token, "silent_for", quiet.Round(time.Millisecond), "bound", bound, "incarnation", st.last.Incarnation, "pass", st.last.Pass, "last_stream_sequence", st.last.LastSeq)
 	}
@@ -198,20 +197,18 @@ func (t *aliveTracker) check(token, workerID string) error {
 
 var errSinkSilent = errors.New("the worker's JetStream sink is silent")
 
-// floor returns the stream sequence a snapshot of token must reach since
-// its sink last went silent, setting it from lastSeq (the stream's end
-// now) the first time after the silence.
-func (t *aliveTracker) floor(token string, lastSeq uint64) uint64 {
+// takeSilence says whether token's sink was found silent since the last
+// call.
+func (t *aliveTracker) takeSilence(token string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	st := t.sinks[token]
 	if st == nil {
-		return 0
+		return false
 	}
-	if st.needFloor {
-		st.floor, st.needFloor = lastSeq, false
-	}
-	return st.floor
+	was := st.silenced
+	st.silenced = false
+	return was
 }
 
 // announce publishes the sink's announcement every AliveEvery while a pass

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -44,9 +45,7 @@ func TestSinkSilentFallsBackToGRPC(t *testing.T) {
 	sinkOpts := func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond; o.AliveEvery = 500 * time.Millisecond }
 	stopSink := a.startSinkStoppable(js.URL(), sinkOpts)
 	a.run(15)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
 	eventually(t, "the replica on JetStream", func() bool { return r.mode(a.name, "nats") == 1 })
 	eventually(t, "an announcement of the sink", func() bool {
@@ -114,7 +113,7 @@ func assertAnnouncementsNotStored(t *testing.T, url string) {
 }
 
 // TestAliveTracker: when a sink counts as silent, that it is counted once
-// per silence, and the snapshot floor set at a silence.
+// per silence.
 func TestAliveTracker(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	msg := func(token string, every time.Duration) *nats.Msg {
@@ -192,28 +191,29 @@ func TestAliveTracker(t *testing.T) {
 	}
 }
 
-// TestAliveFloor: the floor is the stream's end read first after a
-// silence, kept until the next silence.
-func TestAliveFloor(t *testing.T) {
+// TestAliveSilenceTaken: a silence is reported to takeSilence once (the
+// source then marks the snapshot object of that moment stale), and not
+// before it happens.
+func TestAliveSilenceTaken(t *testing.T) {
 	tr := newAliveTracker(0, slog.New(slog.DiscardHandler))
 	t0 := time.Unix(1000, 0)
 	tr.now = func() time.Time { return t0 }
-	if f := tr.floor("a", 50); f != 0 {
-		t.Fatalf("floor of an unknown sink = %d, want 0", f)
+	if tr.takeSilence("a") {
+		t.Fatal("an unknown sink reported silenced")
 	}
 	tr.handle(&nats.Msg{Subject: aliveSubject(DefaultSubjectPrefix, "a"), Data: encodeAnnouncement(announcement{Every: time.Second})})
-	if f := tr.floor("a", 50); f != 0 {
-		t.Fatalf("floor before any silence = %d, want 0", f)
+	if tr.takeSilence("a") {
+		t.Fatal("silenced before any silence")
 	}
 	tr.now = func() time.Time { return t0.Add(time.Hour) }
 	if err := tr.check("a", "a"); err == nil {
 		t.Fatal("not silent after an hour")
 	}
-	if f := tr.floor("a", 60); f != 60 {
-		t.Fatalf("floor after the silence = %d, want 60", f)
+	if !tr.takeSilence("a") {
+		t.Fatal("the silence not reported")
 	}
-	if f := tr.floor("a", 70); f != 60 {
-		t.Fatalf("floor read again = %d, want 60 (set once per silence)", f)
+	if tr.takeSilence("a") {
+		t.Fatal("the silence reported twice")
 	}
 }
 
@@ -278,4 +278,17 @@ func FuzzAnnouncement(f *testing.F) {
 			t.Fatalf("re-encoding changed the announcement: %x -> %x", data, again)
 		}
 	})
+}
+
+const neverHeard = "never heard"
+
+// describe is what t knows of token's sink, for a test's failure message.
+func (t *aliveTracker) describe(token string) string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	st := t.sinks[token]
+	if st == nil {
+		return neverHeard
+	}
+	return fmt.Sprintf("heard %v ago, %+v, silent %v", t.now().Sub(st.heard), st.last, st.silent)
 }

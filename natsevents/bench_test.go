@@ -164,9 +164,11 @@ func counterValue(reg *prometheus.Registry, name string, labels ...string) float
 	return v
 }
 
-// metricValue reads a counter or gauge of reg whose labels include the
-// given name/value pairs, 0 if absent.
+// metricValue reads the counters or gauges of reg whose labels include
+// the given name/value pairs, summed (one series when the pairs name
+// one), 0 if absent.
 func metricValue(reg prometheus.Gatherer, name string, labels ...string) (float64, error) {
+	var sum float64
 	mfs, err := reg.Gather()
 	if err != nil {
 		return 0, err
@@ -186,11 +188,8 @@ func metricValue(reg prometheus.Gatherer, name string, labels ...string) (float6
 					continue metric
 				}
 			}
-			if c := m.GetCounter(); c != nil {
-				return c.GetValue(), nil
-			}
-			return m.GetGauge().GetValue(), nil
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 		}
 	}
-	return 0, nil
+	return sum, nil
 }

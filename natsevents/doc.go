@@ -41,12 +41,17 @@
 // batch of the worker stored at or below that sequence and none above, so
 // snapshot + the worker's messages after it is exactly what a gRPC
 // subscriber from zero gets. A cut is never taken while the subscription's
-// own snapshot is arriving, so a tail never starts inside one. In a pass
-// that re-published batches the stream already held (a restarted relay),
-// a duplicate's sequence is the earlier run's, possibly below a cut the
-// batch follows; such a pass writes a cut only once every rank has had a
-// new message, after which none of its batches can be a duplicate (see
-// passAcks).
+// own snapshot is arriving, so a tail never starts inside one. A batch
+// the stream held already (a restarted relay re-publishes the engine's
+// replayed history) keeps the earlier run's sequence, possibly below a
+// cut the batch follows, where a reader of the cut would never see it. So
+// a cut is taken only when every configured rank of the relay is settled,
+// none of its later batches able to be a duplicate: the stream held
+// nothing of the rank when the pass began, or the rank had a new message
+// in the pass, or the duplicate of its newest stored batch was answered
+// (see passAcks). A rank that has not primed yet is therefore covered or
+// has nothing to hide, and the first cut after a restart comes as soon as
+// the last rank settles, not a period later (issue 30).
 //
 // # Source (the gateway's side)
 //
@@ -57,9 +62,12 @@
 // rules). Where that cannot be exact it serves the worker's own gRPC
 // stream instead, with the monitor's cursors: NATS unreachable, no
 // snapshot of the worker, the stream no longer holding the snapshot's
-// tail, or, after NATS came back (or was unreachable at start), a snapshot
-// older than the stream's end at that moment (the sinks may have lost
-// messages meanwhile; their resync writes a newer one). Losing NATS ends
+// tail, or a stale snapshot object: the one there when NATS came back (or
+// was unreachable at start; the sinks may have lost messages meanwhile),
+// when the worker's sink went silent, or the one the worker's index
+// diverged from the relay's live digest on (repair.go). An object is told
+// by its NUID, so any object written since serves, and the source asks
+// the sink for one (request.go) rather than wait for its period. Losing NATS ends
 // every JetStream-served subscription at once, and the monitor resubscribes
 // over gRPC from its cursors; a worker on gRPC checks every SwitchBackEvery
 // whether JetStream could serve it exactly, and if so ends its gRPC stream
@@ -82,9 +90,9 @@
 // subscription; the monitor resubscribes and Open serves the gRPC stream,
 // the fallback above, counted in
 // kvrelay_gateway_events_sink_silent_total{worker}. The worker returns by
-// the switch-back rule once the sink announces again and a snapshot at or
-// above the stream's end when the silence was found is there (the restarted
-// pass writes one). A replica that reconnects to NATS restarts every sink's
+// the switch-back rule once the sink announces again and a snapshot object
+// written since the silence was found is there (the restarted pass writes
+// one). A replica that reconnects to NATS restarts every sink's
 // clock. A worker whose sink never announced is served as before: that is
 // a relay from before announcements (or with them off), and treating it as
 // silent would send every worker of a fleet being upgraded to gRPC at once;

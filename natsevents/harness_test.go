@@ -131,6 +131,28 @@ func (w *worker) sinkCount(name string, labels ...string) float64 {
 	return v
 }
 
+// startPublishing starts a JetStream server and worker "a" (2 ranks) with
+// its sink, serves steps requests, and waits for the first snapshot
+// object.
+func startPublishing(t testing.TB, steps int) (*testnats.Node, *worker) {
+	t.Helper()
+	js := startJetStream(t)
+	a := startWorker(t, "a", 2)
+	a.startSink(js.URL())
+	a.run(steps)
+	a.snapshotsWritten(1, "the first snapshot object")
+	return js, a
+}
+
+// snapshotsWritten waits until the current sink has written n snapshot
+// objects.
+func (w *worker) snapshotsWritten(n int, what string) {
+	w.t.Helper()
+	eventually(w.t, what, func() bool {
+		return w.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= float64(n)
+	})
+}
+
 func (w *worker) run(steps int) {
 	w.t.Helper()
 	if _, err := w.eng.RunWorkload(steps); err != nil {
@@ -155,21 +177,22 @@ func startReplica(t testing.TB, natsURL string, workers ...monitor.Worker) *repl
 	return startReplicaWith(t, natsURL, nil, workers...)
 }
 
-// startReplicaWith is startReplica with the monitor's options changed by
-// tweak (nil: none).
-func startReplicaWith(t testing.TB, natsURL string, tweak func(*monitor.Options), workers ...monitor.Worker) *replica {
+// startReplicaWith is startReplica with the monitor's and the source's
+// options changed by tweak (after the tests' short defaults are set).
+func startReplicaWith(t testing.TB, natsURL string, tweak func(*monitor.Options, *SourceOptions), workers ...monitor.Worker) *replica {
 	t.Helper()
 	r := &replica{t: t, ix: index.New(index.Options{}), reg: prometheus.NewRegistry()}
 	mopts := monitor.Options{Registerer: r.reg, Logger: testLogger().With("replica", "monitor"), MaxBackoff: 200 * time.Millisecond}
-	if tweak != nil {
-		tweak(&mopts)
-	}
 	names := map[string]string{}
 	for _, w := range workers {
 		names[w.ID] = w.ID
 	}
+	sopts := SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond}
+	if tweak != nil {
+		tweak(&mopts, &sopts)
+	}
 	if natsURL != "" {
-		src, err := NewSource(SourceOptions{URL: natsURL, Names: names, Registerer: r.reg, Logger: testLogger().With("replica", "source"), RetryWait: 50 * time.Millisecond, SwitchBackEvery: 50 * time.Millisecond})
+		src, err := NewSource(sopts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -215,7 +238,7 @@ func (r *replica) exact(id string, e *sim.Engine, when string) {
 			return
 		}
 		if time.Now().After(deadline) {
-			r.t.Fatalf("%s: the index holds %d rows for %s, the engine %d; workers %+v", when, len(got), id, len(want), r.mon.Workers())
+			r.t.Fatalf("%s: the index holds %d rows for %s, the engine %d (%s); workers %+v", when, len(got), id, len(want), liveDiff(got, want), r.mon.Workers())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -236,4 +259,34 @@ func (r *replica) counter(name string, labels map[string]string) float64 {
 		r.t.Fatal(err)
 	}
 	return v
+}
+
+// liveDiff says, per rank, how many rows only the index holds and how many
+// only the engine.
+func liveDiff(got, want []index.LiveBlock) string {
+	type key struct {
+		rank int32
+		tier index.Tier
+		hash uint64
+	}
+	count := func(rows []index.LiveBlock) map[key]int {
+		m := map[key]int{}
+		for _, r := range rows {
+			m[key{r.Rank, r.Tier, r.EngineHash}] += r.Copies
+		}
+		return m
+	}
+	g, w := count(got), count(want)
+	extra, missing := map[int32]int{}, map[int32]int{}
+	for k, n := range g {
+		if w[k] != n {
+			extra[k.rank]++
+		}
+	}
+	for k, n := range w {
+		if g[k] != n {
+			missing[k.rank]++
+		}
+	}
+	return fmt.Sprintf("rows differing from the engine's, by rank: index side %v, engine side %v", extra, missing)
 }

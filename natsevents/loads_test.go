@@ -83,7 +83,7 @@ func TestLoadsReachAJetStreamReplica(t *testing.T) {
 		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
 	})
 	seen := &seenLoads{byRank: map[int32][]*kvpb.EngineLoad{}}
-	rep := startReplicaWith(t, js.URL(), func(o *monitor.Options) { o.OnLoad = seen.add }, monitor.Worker{ID: a.name, Addr: deadAddr})
+	rep := startReplicaWith(t, js.URL(), func(o *monitor.Options, _ *SourceOptions) { o.OnLoad = seen.add }, monitor.Worker{ID: a.name, Addr: deadAddr})
 	rep.exact(a.name, a.eng, "with loads")
 	eventually(t, "both ranks' records", func() bool { return seen.last(0) != nil && seen.last(1) != nil })
 
@@ -334,8 +334,8 @@ func TestJetStreamAndGRPCReplicasSeeTheSameLoads(t *testing.T) {
 
 	overGRPC := &seenLoads{byRank: map[int32][]*kvpb.EngineLoad{}}
 	overNATS := &seenLoads{byRank: map[int32][]*kvpb.EngineLoad{}}
-	startReplicaWith(t, "", func(o *monitor.Options) { o.OnLoad = overGRPC.add }, monitor.Worker{ID: w.name, Addr: w.addr})
-	startReplicaWith(t, js.URL(), func(o *monitor.Options) { o.OnLoad = overNATS.add }, monitor.Worker{ID: w.name, Addr: deadAddr})
+	startReplicaWith(t, "", func(o *monitor.Options, _ *SourceOptions) { o.OnLoad = overGRPC.add }, monitor.Worker{ID: w.name, Addr: w.addr})
+	startReplicaWith(t, js.URL(), func(o *monitor.Options, _ *SourceOptions) { o.OnLoad = overNATS.add }, monitor.Worker{ID: w.name, Addr: deadAddr})
 
 	// core is what both paths must agree on: the engine's figures.
 	core := func(l *kvpb.EngineLoad) *kvpb.EngineLoad {

@@ -63,19 +63,27 @@ func TestLateReplicaCatchesUpExactly(t *testing.T) {
 // that followed the stream across the restart neither resyncs nor holds a
 // second copy of anything.
 func TestRelayRestartPublishesNoDuplicates(t *testing.T) {
-	js := startJetStream(t)
-	a := startWorker(t, "a", 2)
-	a.startSink(js.URL())
-	a.run(20)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	js, a := startPublishing(t, 20)
 	follower := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: deadAddr})
 	follower.exact(a.name, a.eng, "before the restart")
 
 	a.down()
+	// The engine's replay answers the restarted relay only once its sink
+	// has subscribed, so the primed history reaches the sink batch by
+	// batch (re-published: duplicates), not as the relay's snapshot.
+	a.holdReplay(nil)
 	a.startRelay()
 	a.startSink(js.URL())
+	eventually(t, "the sink subscribed", func() bool { return a.rel.Status().Subscribers >= 1 })
+	a.releaseReplay(nil)
+	eventually(t, "the restarted relay primed", func() bool {
+		for _, r := range a.rel.Status().Ranks {
+			if r.Cursor == nil {
+				return false
+			}
+		}
+		return true
+	})
 	a.run(15)
 	follower.exact(a.name, a.eng, "after the restart")
 	if got := a.sinkCount("kvrelay_nats_events_published_total", "result", "duplicate"); got == 0 {

@@ -40,9 +40,7 @@ func TestNATSLostDuringRun(t *testing.T) {
 	a := startWorker(t, "a", 2)
 	a.startSink(js.URL(), func(o *SinkOptions) { o.SnapshotEvery = 100 * time.Millisecond })
 	a.run(15)
-	eventually(t, "the first snapshot object", func() bool {
-		return a.sinkCount("kvrelay_nats_events_snapshots_total", "result", "written") >= 1
-	})
+	a.snapshotsWritten(1, "the first snapshot object")
 	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
 	r.exact(a.name, a.eng, "on JetStream")
 	if r.mode(a.name, "nats") != 1 {

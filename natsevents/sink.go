@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -27,10 +26,12 @@ import (
 )
 
 // Relay is what the sink needs of a relay: the subscription every gRPC
-// subscriber gets, and a snapshot cut with its log position.
+// subscriber gets, a snapshot cut with its log position, and the ranks a
+// snapshot must account for.
 type Relay interface {
 	Subscribe(ctx context.Context, req *kvpb.SubscribeKvEventsRequest) (*relay.Subscription, error)
 	SnapshotAt() ([]*kvpb.KvEventBatch, uint64)
+	Ranks() []int32
 }
 
 // SinkOptions configures a Sink.
@@ -148,6 +149,10 @@ type Sink struct {
 
 	mu   sync.Mutex
 	fail func(error) // cancels the current follow when an async publish fails
+	wake func(error) // ends the current wait for a batch (request.go)
+	// requested: a snapshot request came in since the pass last looked.
+	requested atomic.Bool
+	reqSub    *nats.Subscription
 
 	// What the announcements say (alive.go): this process's random
 	// incarnation, the current pass (0: none publishing) and the newest
@@ -248,6 +253,11 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	if err != nil {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: %w", err)
+	}
+	// A subscription made before the server answers is sent when it does.
+	if s.reqSub, err = s.nc.Subscribe(snapshotRequestSubject(opts.SubjectPrefix, s.token), s.takeRequest); err != nil {
+		s.nc.Close()
+		return nil, fmt.Errorf("natsevents: subscribe to snapshot requests: %w", err)
 	}
 	return s, nil
 }
@@ -398,6 +408,12 @@ func (s *Sink) follow(ctx context.Context) error {
 	if mp := s.nc.MaxPayload(); mp < record.MaxChunkBytes {
 		s.log.Warn("the NATS server's max_payload is below the relay's largest snapshot chunk: a larger chunk or batch cannot be published, and the sink resyncs at each", "max_payload", mp, "largest_chunk", record.MaxChunkBytes)
 	}
+	// What the stream holds of each rank must be read before this pass
+	// publishes anything (see passAcks).
+	acks, err := s.startAcks(fctx)
+	if err != nil {
+		return err
+	}
 	sub, err := s.rel.Subscribe(fctx, &kvpb.SubscribeKvEventsRequest{LiveDigests: true})
 	if err != nil {
 		return err
@@ -410,19 +426,38 @@ func (s *Sink) follow(ctx context.Context) error {
 		pending   *pendingSnapshot
 		inChunks  bool   // a snapshot of the subscription is arriving
 		due       = true // a snapshot is due (at once after subscribing)
+		unsettled bool   // due, but a rank could still hide messages below it
 		nextSnap  time.Time
+		lastCut   time.Time
 		published int
-		acks      = passAcks{fresh: map[int32]bool{}, seen: map[int32]bool{}}
 	)
 	for {
 		if !due && !time.Now().Before(nextSnap) {
 			due = true
 		}
-		if due && !inChunks && pending == nil {
+		if !due && s.requested.Load() && time.Since(lastCut) >= snapshotRequestEvery {
+			s.requested.Store(false)
+			due = true
+		}
+		if due {
+			// Cut only once no rank can have a message stored below the
+			// cut's sequence that the cut does not cover; checked again
+			// as answers arrive, so the cut comes as soon as it can.
+			if !acks.read(fctx, lastPos, false) {
+				return errors.New("a message of this pass was not stored")
+			}
+			rank, ok := acks.settled()
+			if !ok && !unsettled {
+				s.m.snapshots.WithLabelValues("deferred").Inc()
+				s.log.Debug("snapshot deferred: a rank's earlier messages are in the stream and it has had no new one yet", "rank", rank)
+			}
+			unsettled = !ok
+		}
+		if due && !unsettled && !inChunks && pending == nil {
 			// With nothing relayed yet there is nothing to cut: the next
 			// batch tries again.
 			if chunks, pos := s.rel.SnapshotAt(); len(chunks) > 0 {
-				due, nextSnap = false, time.Now().Add(s.opts.SnapshotEvery)
+				due, nextSnap, lastCut = false, time.Now().Add(s.opts.SnapshotEvery), time.Now()
 				pending = &pendingSnapshot{chunks: chunks, pos: pos}
 				if last != nil && lastPos == pos {
 					if !s.writeSnapshot(fctx, obs, pending, last, &acks) {
@@ -432,11 +467,35 @@ func (s *Sink) follow(ctx context.Context) error {
 				}
 			}
 		}
+		var deadline time.Time
+		switch {
+		case !due && s.requested.Load():
+			// A request came in too soon after the last cut.
+			deadline = lastCut.Add(snapshotRequestEvery)
+		case !due:
+			deadline = nextSnap
+		case unsettled:
+			// The answer that settles the last rank may come after its
+			// message: look again shortly even if nothing else is relayed.
+			deadline = time.Now().Add(settleCheckEvery)
+		}
 		wait, wcancel := fctx, context.CancelFunc(func() {})
-		if !due {
-			wait, wcancel = context.WithDeadline(fctx, nextSnap)
+		if !deadline.IsZero() {
+			wait, wcancel = context.WithDeadline(fctx, deadline)
+		}
+		// A snapshot request ends the wait too.
+		wait, wake := context.WithCancelCause(wait)
+		s.mu.Lock()
+		s.wake = wake
+		s.mu.Unlock()
+		if !due && s.requested.Load() && time.Since(lastCut) >= snapshotRequestEvery {
+			wake(errSnapshotRequested) // came in since the check above
 		}
 		enc, err := sub.NextEncoded(wait)
+		s.mu.Lock()
+		s.wake = nil
+		s.mu.Unlock()
+		wake(nil)
 		wcancel()
 		if err != nil {
 			if cause := context.Cause(fctx); cause != nil {
@@ -445,8 +504,8 @@ func (s *Sink) follow(ctx context.Context) error {
 				}
 				return cause
 			}
-			if errors.Is(err, context.DeadlineExceeded) {
-				continue // a snapshot is due
+			if errors.Is(err, context.DeadlineExceeded) || errors.Is(context.Cause(wait), errSnapshotRequested) {
+				continue // a snapshot is due or requested, or a rank may have settled
 			}
 			return err
 		}
@@ -513,19 +572,68 @@ type ack struct {
 	rank int32
 }
 
-// passAcks is what one pass's answers say about its snapshots. A
-// duplicate was stored by an earlier run, at a sequence that may be below
-// a cut's even when the batch is after the cut (a restarted relay primes
-// the ranks in another order than the earlier run relayed them), so a
-// consumer reading after the cut's sequence would miss it. A rank's
-// batches come in order, and once one is new, none of the rank's later
-// ones can be a duplicate: so while the pass has seen duplicates, a cut is
-// written only when every rank it holds already had a new message.
+// settleCheckEvery is how often a due snapshot waiting for a rank to
+// settle looks at the answers again when nothing else is relayed.
+const settleCheckEvery = 100 * time.Millisecond
+
+// passAcks is what one pass's answers say about its snapshots.
+//
+// A snapshot object at stream sequence S is read with the worker's
+// messages above S, so it must cover every message of the worker stored
+// at or below S. Each message of this pass is stored above every earlier
+// one, except a duplicate: the stream keeps it at the sequence an earlier
+// run stored it at, which may be below S even when the batch comes after
+// the cut (a restarted relay primes its ranks at different times, in
+// another order than the earlier run relayed them). So a cut is written
+// only when every configured rank is settled, that is, none of its later
+// batches can be a duplicate:
+//
+//   - the stream held nothing of the rank when the pass began, or
+//   - the rank had a message stored new in this pass (a rank's batches
+//     come in order, and once one is new, none after it was stored
+//     before), or
+//   - a duplicate of the rank was the rank's newest batch in the stream
+//     when the pass began (its later batches were never stored).
+//
+// A rank that has not primed yet is not settled unless the stream holds
+// nothing of it: its re-published history would be duplicates below the
+// cut (issue 30). Its absence from a cut with nothing of it in the stream
+// hides nothing: its batches are then all stored above the cut, as its
+// batches follow a gRPC snapshot that did not cover it.
 type passAcks struct {
-	queue []*ack // not yet read, in publish order
-	dup   bool
-	fresh map[int32]bool
-	seen  map[int32]bool // ranks with any message in the pass
+	queue   []*ack // not yet read, in publish order
+	ranks   []int32
+	fresh   map[int32]bool
+	settle  map[int32]bool   // settled otherwise than by a new message
+	lastIDs map[int32]uint64 // the rank's newest batch in the stream at the start
+}
+
+// startAcks reads, before the pass publishes, the newest message of each
+// configured rank in the stream.
+func (s *Sink) startAcks(ctx context.Context) (passAcks, error) {
+	ranks := s.rel.Ranks()
+	p := passAcks{ranks: ranks, fresh: map[int32]bool{}, settle: map[int32]bool{}, lastIDs: map[int32]uint64{}}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	st, err := s.js.Stream(ctx, s.opts.Stream)
+	if err != nil {
+		return p, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	for _, r := range ranks {
+		m, err := st.GetLastMsgForSubject(ctx, rankSubject(s.opts.SubjectPrefix, s.token, r))
+		switch {
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+			p.settle[r] = true
+		case err != nil:
+			return p, fmt.Errorf("the stream's newest message of rank %d: %w", r, err)
+		case m.Header.Get(jetstream.MsgIDHeader) != "":
+			p.lastIDs[r] = m.Sequence
+		default:
+			// A snapshot chunk: the rank's newest batch is further back;
+			// the rank settles by a new message.
+		}
+	}
+	return p, nil
 }
 
 // read takes in the answers up to position upTo, waiting for them when
@@ -549,16 +657,26 @@ func (p *passAcks) read(ctx context.Context, upTo uint64, wait bool) bool {
 		if a.err != nil {
 			return false
 		}
-		p.seen[a.rank] = true
-		if a.dup {
-			p.dup = true
-		} else {
+		if !a.dup {
 			p.fresh[a.rank] = true
+		} else if last, ok := p.lastIDs[a.rank]; ok && a.seq == last {
+			p.settle[a.rank] = true
 		}
 		p.queue[0] = nil
 		p.queue = p.queue[1:]
 	}
 	return true
+}
+
+// settled says whether every configured rank is settled by the answers
+// read so far, and if not, one that is not.
+func (p *passAcks) settled() (int32, bool) {
+	for _, r := range p.ranks {
+		if !p.fresh[r] && !p.settle[r] {
+			return r, false
+		}
+	}
+	return 0, true
 }
 
 // awaitAck reads one publish's answer into a and counts it. A failure is
@@ -596,22 +714,18 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 		s.log.Warn("snapshot not written: a message it covers was not stored", "err", last.err)
 		return true // the pass ends on the failure anyway
 	}
-	if acks.dup {
-		ranks := maps.Clone(acks.seen)
-		for _, c := range p.chunks {
-			ranks[c.GetDpRank()] = true
-		}
-		for rank := range ranks {
-			if !acks.fresh[rank] {
-				// Cut again a little later.
-				s.m.snapshots.WithLabelValues("deferred").Inc()
-				s.log.Debug("snapshot deferred: the stream held some of this pass's batches already, and a rank has had no new one yet", "rank", rank)
-				return false
-			}
-		}
+	if rank, ok := acks.settled(); !ok {
+		// Cut again a little later. (The loop cuts only once settled, so
+		// this holds; it guards the rule where it matters.)
+		s.m.snapshots.WithLabelValues("deferred").Inc()
+		s.log.Debug("snapshot deferred: a rank's earlier messages are in the stream and it has had no new one yet", "rank", rank)
+		return false
 	}
-	// last is new here (see passAcks), so no message the cut covers is
-	// stored above it.
+	// Every rank is settled (see passAcks): every message stored at or
+	// below last's sequence is covered by the cut, and none after it is
+	// stored below. last itself may be a duplicate (a settling one): its
+	// sequence is then the earlier run's, and the cut still covers
+	// everything at or below it.
 	seq := last.seq
 	if len(p.chunks) > maxSnapshotChunks {
 		// Replicas would refuse the object: write none rather than one

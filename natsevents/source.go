@@ -74,12 +74,25 @@ type Source struct {
 	// lost is closed when the connection drops, ending every stream read
 	// from NATS; a new one is made when it is back.
 	lost chan struct{}
-	// floor: after a reconnect, only a snapshot written since (at or above
-	// the stream's last sequence then) is used, so that what the sinks
-	// could not publish meanwhile is covered by a snapshot, not read as a
-	// gap. needFloor says it is still to be read.
-	floor     uint64
-	needFloor bool
+	// epoch counts reconnects (and an unreachable start): after one, a
+	// worker's snapshot object of that moment is stale (epochs holds the
+	// epoch each worker was last checked in), so that what the sinks could
+	// not publish meanwhile is covered by a newer object, not read as a
+	// gap.
+	epoch  uint64
+	epochs map[string]uint64
+	// stale: by worker ID, the snapshot object (its NUID) not to serve:
+	// the one there when NATS came back or the worker's sink went silent,
+	// or the one the worker's index diverged on (repair.go). Any other
+	// object was written since, and is served; one is asked for
+	// (request.go).
+	stale   map[string]staleObject
+	repairs *prometheus.CounterVec
+}
+
+// staleObject is a snapshot object not to serve, and why.
+type staleObject struct {
+	nuid, why string
 }
 
 // NewSource connects without waiting for the server.
@@ -101,12 +114,13 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	peerLog := logthrottle.Wrap(opts.Logger)
-	s := &Source{opts: opts, log: opts.Logger, peerLog: peerLog, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger)}
+	s := &Source{opts: opts, log: opts.Logger, peerLog: peerLog, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger),
+		epochs: map[string]uint64{}, stale: map[string]staleObject{}, repairs: newRepairCounter()}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.loads.received} {
+		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.loads.received, s.repairs} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
@@ -131,7 +145,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		nats.ReconnectHandler(func(*nats.Conn) {
 			s.mu.Lock()
 			s.lost = make(chan struct{})
-			s.needFloor = true
+			s.epoch++
 			s.mu.Unlock()
 			s.alive.reconnected()
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
@@ -144,7 +158,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		// Unreachable at start: the sinks may have lost it too, so as
 		// after a reconnect, only a snapshot written once it is back will do.
 		s.mu.Lock()
-		s.needFloor = true
+		s.epoch++
 		s.mu.Unlock()
 		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", natslog.Redact(opts.URL))
 	}
@@ -221,7 +235,7 @@ func (s *Source) watchForSwitchBack(ctx context.Context, cancel context.CancelCa
 			return
 		case <-t.C:
 		}
-		if _, _, err := s.snapshotInfo(ctx, w); err == nil {
+		if _, err := s.snapshotInfo(ctx, w); err == nil {
 			s.log.Info("switching the worker back to JetStream", "worker", w.ID)
 			cancel(errSwitchBack)
 			return
@@ -245,59 +259,78 @@ func (g *grpcStream) Recv() (*kvpb.KvEventBatch, error) {
 	return b, err
 }
 
+// snapshotRef is a snapshot object found servable: its bucket, stream
+// sequence and NUID (which changes at every write).
+type snapshotRef struct {
+	obs  jetstream.ObjectStore
+	seq  uint64
+	nuid string
+}
+
 // snapshotInfo checks, without downloading it, that w's snapshot object
-// exists, is not older than the floor, and that the stream still holds
-// its tail; it returns the bucket and the snapshot's stream sequence.
-func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (jetstream.ObjectStore, uint64, error) {
+// exists, was written since NATS came back or the worker's sink went
+// silent, is not one the worker's index diverged on, and that the stream
+// still holds its tail.
+func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (snapshotRef, error) {
 	if !s.nc.IsConnected() {
-		return nil, 0, errNotConnected
+		return snapshotRef{}, errNotConnected
 	}
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	stream, err := s.js.Stream(octx, s.opts.Stream)
 	if err != nil {
-		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
 	}
 	info, err := stream.Info(octx)
 	if err != nil {
-		return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
 	}
-	s.mu.Lock()
-	if s.needFloor {
-		s.floor, s.needFloor = info.State.LastSeq, false
-	}
-	floor := s.floor
-	s.mu.Unlock()
 	token := WorkerToken(s.name(w))
-	// A silence found here or by the worker's JetStream subscription sets
-	// the worker's floor to the stream's end now, before the sink's return
-	// can write a snapshot that the floor must not exclude.
-	silent := s.alive.check(token, w.ID)
-	if f := s.alive.floor(token, info.State.LastSeq); f > floor {
-		floor = f
-	}
-	if silent != nil {
-		return nil, 0, silent
-	}
 	obs, err := s.js.ObjectStore(octx, BucketFor(s.opts.Stream))
 	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
+		return snapshotRef{}, fmt.Errorf("snapshot bucket %s: %w", BucketFor(s.opts.Stream), err)
 	}
-	oi, err := obs.GetInfo(octx, WorkerToken(s.name(w)))
-	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
+	oi, ierr := obs.GetInfo(octx, token)
+	nuid := ""
+	if ierr == nil {
+		nuid = oi.NUID
+	}
+	// The first check after a reconnect, or after a silence found here or
+	// by the worker's JetStream subscription, marks the object there now
+	// stale: only one written since is served.
+	silent := s.alive.check(token, w.ID)
+	silenced := s.alive.takeSilence(token)
+	s.mu.Lock()
+	reconnected := s.epochs[w.ID] != s.epoch
+	s.epochs[w.ID] = s.epoch
+	if (reconnected || silenced) && nuid != "" {
+		why := "written before NATS came back"
+		if silenced {
+			why = "written before the worker's sink went silent"
+		}
+		s.stale[w.ID] = staleObject{nuid: nuid, why: why}
+	}
+	stale := s.stale[w.ID]
+	s.mu.Unlock()
+	if silent != nil {
+		return snapshotRef{}, silent
+	}
+	if ierr != nil {
+		s.requestSnapshot(token)
+		return snapshotRef{}, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), ierr)
+	}
+	if stale.nuid == nuid {
+		s.requestSnapshot(token)
+		return snapshotRef{}, fmt.Errorf("the snapshot object of %s was %s; waiting for a newer one", s.name(w), stale.why)
 	}
 	seq, err := strconv.ParseUint(oi.Metadata[streamSeqKey], 10, 64)
 	if err != nil {
-		return nil, 0, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
-	}
-	if seq < floor {
-		return nil, 0, fmt.Errorf("the snapshot of %s is at stream sequence %d, from before NATS came back or its sink went silent (%d); waiting for a newer one", s.name(w), seq, floor)
+		return snapshotRef{}, fmt.Errorf("snapshot of %s: no stream sequence in its metadata: %w", s.name(w), err)
 	}
 	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
-		return nil, 0, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
+		return snapshotRef{}, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
 	}
-	return obs, seq, nil
+	return snapshotRef{obs: obs, seq: seq, nuid: nuid}, nil
 }
 
 var errNotConnected = errors.New("NATS is not connected")
@@ -306,10 +339,11 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	s.mu.Lock()
 	lost := s.lost
 	s.mu.Unlock()
-	obs, seq, err := s.snapshotInfo(ctx, w)
+	ref, err := s.snapshotInfo(ctx, w)
 	if err != nil {
 		return nil, err
 	}
+	obs, seq := ref.obs, ref.seq
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	token := WorkerToken(s.name(w))
@@ -358,7 +392,8 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID), loads: s.loads.attach(token)}
+	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID), loads: s.loads.attach(token),
+		diverged: func() { s.distrust(w, ref.nuid, snap.StreamSeq) }}
 	go func() {
 		defer it.Stop()
 		defer s.loads.detach(token, js.loads)
@@ -400,7 +435,12 @@ type jsStream struct {
 	silent   atomic.Bool // ended because the worker's sink went silent
 	log      *slog.Logger
 	peerLog  *slog.Logger // throttled: what a message on the stream drives
+	diverged func()
 }
+
+// Diverged is monitor.DivergenceNotifier: the index this stream fed
+// diverged from the relay's digest, and the worker resyncs.
+func (j *jsStream) Diverged() { j.diverged() }
 
 func (j *jsStream) Header() (metadata.MD, error) { return metadata.MD{}, nil }
 

@@ -267,6 +267,17 @@ func (r *Relay) SnapshotAt() ([]*kvpb.KvEventBatch, uint64) {
 	return cut.Chunks(cursors, unknown, unixSeconds(time.Now())), pos
 }
 
+// Ranks lists the relay's configured DP ranks (none with KV events off),
+// whether or not they have relayed anything yet: what a snapshot must
+// account for to be of the whole relay.
+func (r *Relay) Ranks() []int32 {
+	out := make([]int32, len(r.ranks))
+	for i, rk := range r.ranks {
+		out[i] = rk.rank
+	}
+	return out
+}
+
 // Snapshot is the live-block record of every rank that relayed anything,
 // cut at the ranks' cursors and encoded as snapshot chunks (nil before
 // anything was relayed). It is what a cursor-0 subscriber gets when the

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/kvrelay/kvrelay/sim/prefixcache"
 )
@@ -31,6 +32,11 @@ const (
 	// vLLM and SGLang publish AllBlocksCleared, TokenSpeed (which never
 	// emits it) publishes a removal per block.
 	FaultResetCache FaultKind = "reset_cache"
+	// FaultReplayDelay makes every replay request wait N milliseconds
+	// before it is answered (0 turns it off and releases the requests
+	// waiting), as an engine busy in its scheduler answers late: ranks of
+	// one engine then prime at different times.
+	FaultReplayDelay FaultKind = "replay_delay"
 )
 
 // Fault is one fault injection. Rank nil means every rank.
@@ -52,13 +58,13 @@ func (e *Engine) Fault(f Fault) error {
 		return fmt.Errorf("sim: fault %s: %w", f.Kind, err)
 	}
 	switch f.Kind {
-	case FaultDropEvery:
+	case FaultDropEvery, FaultReplayDelay:
 		if f.N < 0 {
 			return fmt.Errorf("sim: fault %s: n %d must not be negative", f.Kind, f.N)
 		}
 	case FaultRestart, FaultPause, FaultResume, FaultTruncateReplay, FaultResetCache:
 	default:
-		return fmt.Errorf("sim: unknown fault kind %q (want drop_every, restart, pause, resume, truncate_replay or reset_cache)", f.Kind)
+		return fmt.Errorf("sim: unknown fault kind %q (want drop_every, restart, pause, resume, truncate_replay, reset_cache or replay_delay)", f.Kind)
 	}
 	for _, r := range ranks {
 		if err := e.faultRankLocked(f, r); err != nil {
@@ -79,6 +85,10 @@ func (e *Engine) faultRankLocked(f Fault, r int) error {
 	case FaultTruncateReplay:
 		p.mu.Lock()
 		p.truncate = f.N
+		p.mu.Unlock()
+	case FaultReplayDelay:
+		p.mu.Lock()
+		p.replayDelay = time.Duration(f.N) * time.Millisecond
 		p.mu.Unlock()
 	case FaultPause:
 		return p.setPaused(true)

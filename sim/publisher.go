@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 
@@ -90,6 +91,9 @@ type rankPublisher struct {
 	// truncate limits replays to that many replies without an end marker;
 	// negative means off.
 	truncate int
+	// replayDelay is how long a replay request waits before it is read
+	// from the ring and answered (the replay_delay fault).
+	replayDelay time.Duration
 
 	dropped, replays uint64
 }
@@ -251,6 +255,18 @@ func (p *rankPublisher) serveReplay(router zmq4.Socket, done chan struct{}) {
 // sends replies outside the publisher lock so a slow replay reader cannot
 // stall Step.
 func (p *rankPublisher) replay(router zmq4.Socket, id []byte, start uint64) error {
+	// The delay is read again while waiting, so that lowering it (to 0)
+	// releases a request already waiting.
+	for begin := time.Now(); ; {
+		p.mu.Lock()
+		delay := p.replayDelay
+		p.mu.Unlock()
+		left := delay - time.Since(begin)
+		if left <= 0 {
+			break
+		}
+		time.Sleep(min(left, 10*time.Millisecond))
+	}
 	p.mu.Lock()
 	entries := p.ring.from(start)
 	truncate := p.truncate

@@ -131,8 +131,6 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		return fail("--placement-ttl must be positive, got %v", *placementTTL)
 	case *placementMax <= 0:
 		return fail("--placement-max-entries must be positive, got %d", *placementMax)
-	case *natsURL != "" && *placementWeight == 0:
-		return fail("--nats shares placements, which --placement-weight 0 turns off")
 	case *natsSubject == "" || strings.ContainsAny(*natsSubject, " *>") || strings.HasPrefix(*natsSubject, ".") || strings.HasSuffix(*natsSubject, "."):
 		return fail("--nats-subject-prefix must be dot-separated subject tokens without wildcards, got %q", *natsSubject)
 	case *inflightTimeout <= 0:
@@ -233,7 +231,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	if err != nil {
 		return fail("--listen %s: %v", *listen, err)
 	}
-	if *natsURL != "" {
+	// With --placement-weight 0 there are no placements to share (the
+	// gateway publishes none and ignores its peers'): --nats then serves
+	// --nats-events and, with --nats-share-load, the in-flight counts.
+	if *natsURL != "" && (*placementWeight > 0 || *natsShareLoad) {
 		// It does not wait for the server: an unreachable one is retried
 		// while the gateway routes on its own placements.
 		host, _ := os.Hostname()

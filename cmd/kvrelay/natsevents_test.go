@@ -36,9 +36,16 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 	// Two streams on one server, as two model groups would have them: the
 	// default, and one with its own stream and subject prefix (JetStream
 	// refuses a second stream over the first one's subjects).
-	for _, tc := range []struct{ name, stream, subjects string }{
-		{"default stream", "", ""},
-		{"a model group's own stream", "KVRELAY_EVENTS_LLAMA", "kvrelay.llama-events"},
+	// Issue 30: events over JetStream with placements off (and so none
+	// shared) is a gateway that takes --placement-weight 0.
+	for _, tc := range []struct {
+		name, stream, subjects string
+		gatewayExtra           []string
+		placementsShared       bool
+	}{
+		{"default stream", "", "", nil, true},
+		{"a model group's own stream", "KVRELAY_EVENTS_LLAMA", "kvrelay.llama-events", nil, true},
+		{"placements off", "KVRELAY_EVENTS_NOPL", "kvrelay.nopl-events", []string{"--placement-weight", "0", "--nats-share-load=false"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var serveArgs, gatewayArgs []string
@@ -46,7 +53,10 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 				serveArgs = []string{"--nats-stream", tc.stream, "--nats-events-subject-prefix", tc.subjects}
 				gatewayArgs = serveArgs
 			}
-			feedGatewayOverNATS(t, ns.URL(), serveArgs, gatewayArgs)
+			metrics := feedGatewayOverNATS(t, ns.URL(), serveArgs, append(gatewayArgs, tc.gatewayExtra...))
+			if got := strings.Contains(metrics, "kvrelay_gateway_placements_shared_total"); got != tc.placementsShared {
+				t.Errorf("the gateway's metrics have placements shared over NATS: %v, want %v", got, tc.placementsShared)
+			}
 		})
 	}
 }
@@ -54,8 +64,8 @@ func TestServeNATSFeedsGatewayNATSEvents(t *testing.T) {
 // feedGatewayOverNATS runs a simulated engine, kvrelay serve --nats and
 // kvrelay gateway --nats-events (each with its extra flags) until the
 // gateway has indexed the engine's blocks through JetStream alone (its
-// worker's gRPC address is dead).
-func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []string) {
+// worker's gRPC address is dead). It returns the gateway's metrics then.
+func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []string) (metrics string) {
 	eng, cfg := startSimVLLM(t)
 
 	srv := runInBackground(t, append([]string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
@@ -76,6 +86,7 @@ func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []
 		}
 		if addr != "" {
 			m := apiclient.Get(t, "http://"+addr+"/metrics")
+			metrics = m
 			if strings.Contains(m, `kvrelay_gateway_events_source{source="nats",worker="grpc://127.0.0.1:1"} 1`) &&
 				strings.Contains(apiclient.Get(t, "http://"+addr+"/v1/workers"), `"index_blocks"`) {
 				fmt.Sscan(indexBlocks(apiclient.Get(t, "http://"+addr+"/v1/workers")), &blocks)
@@ -91,6 +102,7 @@ func feedGatewayOverNATS(t *testing.T, natsURL string, serveArgs, gatewayArgs []
 	}
 	gw.stop(t)
 	srv.stop(t)
+	return metrics
 }
 
 // startSimVLLM starts a simulated vLLM engine (one rank, block size 16)

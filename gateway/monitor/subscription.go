@@ -44,6 +44,15 @@ type SubscribeFunc func(ctx context.Context, req *kvpb.SubscribeKvEventsRequest)
 // then batches in order): they go through the same admission.
 type StreamOpener func(ctx context.Context, w Worker, req *kvpb.SubscribeKvEventsRequest, viaGRPC SubscribeFunc) (BatchStream, error)
 
+// DivergenceNotifier is a BatchStream that is told when the index it fed
+// diverged from the relay's live digest and the worker is resynced for
+// it, so that its opener can serve the resync from a source that can be
+// exact rather than the one that just diverged (natsevents: the relay's
+// gRPC stream instead of the same snapshot object).
+type DivergenceNotifier interface {
+	Diverged()
+}
+
 // snapshotProgress tracks a relay snapshot that is arriving in chunks.
 type snapshotProgress struct {
 	count, applied uint32
@@ -63,7 +72,10 @@ type subscription struct {
 	// lastDigest and lastDigestResync: when the sink's digest was last
 	// compared, and last resynced for a divergence; owned by the goroutine.
 	lastDigest, lastDigestResync time.Time
-	hot                          hotMetrics
+	// digestResync: the outcomeResync handle returned last is checkDigest's;
+	// owned by the goroutine.
+	digestResync bool
+	hot          hotMetrics
 
 	mu            sync.Mutex // guards the fields below, read by status()
 	cur           cursors
@@ -441,6 +453,12 @@ func (s *subscription) read(stream BatchStream) (outcome, error) {
 			return outcomeRetry, err
 		}
 		if out := s.handle(b); out == outcomeReconnect || out == outcomeResync {
+			if s.digestResync {
+				s.digestResync = false
+				if n, ok := stream.(DivergenceNotifier); ok {
+					n.Diverged()
+				}
+			}
 			return out, nil
 		}
 	}
@@ -523,6 +541,7 @@ func (s *subscription) checkDigest(b *kvpb.KvEventBatch, rank int32) outcome {
 		return outcomeRetry
 	}
 	s.lastDigestResync = now
+	s.digestResync = true
 	s.mu.Lock()
 	s.cur.resetAll()
 	s.snap = nil
