@@ -149,7 +149,7 @@ func NewPoller(opts Options) (*Poller, error) {
 		log = slog.Default()
 	}
 	p := &Poller{
-		opts: opts, log: log.With("load_source", opts.Fetcher.Name()), updated: make(chan struct{}),
+		opts: opts, log: log, updated: make(chan struct{}),
 		polls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_load_polls_total",
 			Help: "Reads of the engine's load source, by source and outcome (ok, error, timeout, malformed, too_large, refused).",
@@ -225,10 +225,10 @@ func (p *Poller) logState(outcome string, err error, ranks int) {
 	p.state = outcome
 	switch {
 	case err == nil:
-		p.log.Info("engine load source readable", "ranks", ranks, "was", prev)
+		p.log.Info("engine load source readable", "load_source", p.opts.Fetcher.Name(), "ranks", ranks, "was", prev)
 	default:
 		p.log.Warn("engine load source unreadable; batches carry the last record until it ages out, then none",
-			"outcome", outcome, "max_age", p.opts.MaxAge, "err", err)
+			"load_source", p.opts.Fetcher.Name(), "outcome", outcome, "max_age", p.opts.MaxAge, "err", err)
 	}
 }
 
