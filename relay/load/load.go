@@ -234,10 +234,13 @@ func (p *Poller) logState(outcome string, err error, ranks int) {
 
 // publish installs a read's records and wakes streams when any rank's
 // record changed. A rank the read did not report keeps its last record,
-// which ages out.
+// which ages out; once it is past MaxAge it is dropped, so a source that
+// names different ranks over time holds only the recent ones (and as many
+// age series).
 func (p *Poller) publish(loads map[int32]*kvpb.EngineLoad, at time.Time) {
 	old := *p.readings.Load()
 	next := maps.Clone(old)
+	maps.DeleteFunc(next, func(_ int32, r *Reading) bool { return at.Sub(r.At) > p.opts.MaxAge })
 	changed := false
 	for rank, l := range loads {
 		r := &Reading{Load: l, At: at, Core: marshalCore(l), Full: marshal(l)}

@@ -406,3 +406,37 @@ func TestHTTPFallbackNameIsSafeToScrape(t *testing.T) {
 		t.Errorf("the failed /metrics read is not logged under load_source=metrics:\n%s", logs.buf.String())
 	}
 }
+
+// TestRanksOfChangingSourceStayBounded: a source that names a different
+// rank on every read (a restarting engine, a peer declaring ranks) holds
+// only the ranks read within MaxAge, not every rank it ever named.
+func TestRanksOfChangingSourceStayBounded(t *testing.T) {
+	f := &scripted{}
+	now := time.Unix(10000, 0)
+	reg := prometheus.NewRegistry()
+	p, err := NewPoller(Options{
+		Fetcher: f, MaxAge: time.Second, Registerer: reg,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Now:    func() time.Time { return now },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const interval = 250 * time.Millisecond
+	for i := range int32(1000) {
+		f.next = map[int32]*kvpb.EngineLoad{i: {RunningRequests: 1}}
+		p.PollOnce(context.Background())
+		now = now.Add(interval)
+	}
+	// Reads at 0, 250, 500, 750 and 1000 ms before the last are within
+	// the 1 s age.
+	if got := len(p.Ranks()); got > 5 {
+		t.Errorf("%d ranks held after 1000 reads naming one rank each, want at most 5", got)
+	}
+	if got := testutil.CollectAndCount(ageCollector{p}); got > 5 {
+		t.Errorf("%d age series, want at most 5", got)
+	}
+	if _, ok := p.Latest(999); !ok {
+		t.Error("the newest rank's record is not handed out")
+	}
+}
