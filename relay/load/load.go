@@ -244,6 +244,16 @@ func (p *Poller) publish(loads map[int32]*kvpb.EngineLoad, at time.Time) {
 	changed := false
 	for rank, l := range loads {
 		r := &Reading{Load: l, At: at, Core: marshalCore(l), Full: marshal(l)}
+		if r.Core == nil || r.Full == nil {
+			// Not encodable: a stream would append an empty record, which
+			// reads as an idle engine. Hand out nothing for the rank.
+			p.log.Debug("engine load record does not encode; the rank goes without one", "load_source", p.opts.Fetcher.Name(), "rank", rank)
+			if _, ok := next[rank]; ok {
+				delete(next, rank)
+				changed = true
+			}
+			continue
+		}
 		if prev, ok := old[rank]; !ok || !proto.Equal(prev.Load, l) {
 			changed = true
 		}
@@ -303,8 +313,12 @@ func marshal(l *kvpb.EngineLoad) []byte {
 	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(l)
 	if err != nil {
 		// An EngineLoad has no required fields and no maps: marshalling
-		// one cannot fail. Leave the record off rather than panic.
+		// one cannot fail (but a string field that is not UTF-8 can).
+		// nil leaves the record off rather than panic.
 		return nil
+	}
+	if b == nil {
+		b = []byte{} // an empty record encodes fine: nil means it failed
 	}
 	return b
 }

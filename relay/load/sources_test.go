@@ -440,3 +440,37 @@ func TestRanksOfChangingSourceStayBounded(t *testing.T) {
 		t.Error("the newest rank's record is not handed out")
 	}
 }
+
+// TestUnencodableRecordIsNotHandedOut: a record that does not encode (a
+// string that is not UTF-8) would be stamped as an empty record, which
+// reads as an idle engine; the rank goes without one instead, and its
+// earlier record is withdrawn.
+func TestUnencodableRecordIsNotHandedOut(t *testing.T) {
+	f := &scripted{}
+	p, err := NewPoller(Options{Fetcher: f, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := &kvpb.EngineLoad{RunningRequests: 3, Disaggregation: &kvpb.EngineDisaggregation{Mode: "\xff"}}
+	for _, read := range []struct {
+		loads  map[int32]*kvpb.EngineLoad
+		want0  bool
+		detail string
+	}{
+		{map[int32]*kvpb.EngineLoad{0: {RunningRequests: 1}, 1: {RunningRequests: 2}}, true, "a good read"},
+		{map[int32]*kvpb.EngineLoad{0: bad, 1: {RunningRequests: 2}}, false, "rank 0 not encodable"},
+	} {
+		f.next = read.loads
+		p.PollOnce(context.Background())
+		r, ok := p.Latest(0)
+		if ok != read.want0 {
+			t.Fatalf("%s: Latest(0) = %v, %v; want handed out %v", read.detail, r, ok, read.want0)
+		}
+		if ok && (len(r.Core) == 0 || len(r.Full) == 0) {
+			t.Fatalf("%s: rank 0's record has empty encodings", read.detail)
+		}
+		if r, ok := p.Latest(1); !ok || r.Load.GetRunningRequests() != 2 {
+			t.Fatalf("%s: rank 1 = %v, %v; the good rank lost its record", read.detail, r, ok)
+		}
+	}
+}
