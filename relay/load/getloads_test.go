@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"testing"
 	"time"
 
@@ -83,9 +84,11 @@ func TestGetLoadsMatchesSMGServicerConversion(t *testing.T) {
 				if err := proto.Unmarshal(raw, want); err != nil {
 					t.Fatal(err)
 				}
-				var r int32
-				fmt.Sscan(rank, &r)
-				if d := cmp.Diff(want, got[r], protocmp.Transform()); d != "" {
+				r, err := strconv.ParseInt(rank, 10, 32)
+				if err != nil {
+					t.Fatalf("the servicer's rank %q: %v", rank, err)
+				}
+				if d := cmp.Diff(want, got[int32(r)], protocmp.Transform()); d != "" {
 					t.Errorf("rank %s: kvrelay's record differs from smg-grpc-servicer's (-smg +kvrelay):\n%s", rank, d)
 				}
 			}
