@@ -51,10 +51,16 @@ func Serve(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prome
 	go func() { serveDone <- webserve.Serve(srv, ln, webConfig, log) }()
 	log.Info("gateway listening", "addr", ln.Addr().String(), "models", g.Models())
 
-	var serveErr error
+	var serveErr, runErr error
+	ran := false // Run returned: it ended early, and the API serves nothing true
 	select {
 	case <-ctx.Done():
 	case serveErr = <-serveDone:
+	case runErr = <-runDone:
+		ran = true
+		if runErr == nil {
+			runErr = errors.New("Run returned before shutdown")
+		}
 	}
 	shutCtx, shutCancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer shutCancel()
@@ -67,7 +73,12 @@ func Serve(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prome
 		}
 	}
 	cancel()
-	<-runDone
+	if !ran {
+		runErr = <-runDone
+	}
+	if runErr != nil {
+		return fmt.Errorf("gateway: %w", runErr)
+	}
 	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
 		return fmt.Errorf("http: %w", serveErr)
 	}

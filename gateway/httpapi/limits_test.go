@@ -304,3 +304,45 @@ func TestGatewayHTTPLoadValuesBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestServeEndsWhenTheGatewayStops: a gateway whose Run fails early (here:
+// it is already running) must not go on serving an API nothing keeps
+// true: Serve shuts the HTTP server down and returns Run's error.
+func TestServeEndsWhenTheGatewayStops(t *testing.T) {
+	verifyNoLeaks(t)
+	reg := prometheus.NewRegistry()
+	g, err := gateway.New(gateway.Config{Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A Run that has ended (its context already done) leaves the gateway
+	// run once: Serve's own Run fails at once.
+	ended, end := context.WithCancel(context.Background())
+	end()
+	if err := g.Run(ended); err != nil {
+		t.Fatalf("the first Run: %v", err)
+	}
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, slog.New(slog.DiscardHandler), g, reg, ln, "", Limits{}) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "Run called twice") {
+			t.Fatalf("Serve = %v, want Run's error", err)
+		}
+	case <-time.After(30 * time.Second):
+		cancel()
+		<-done
+		t.Fatal("Serve went on serving after the gateway's Run failed")
+	}
+	if c, err := net.Dial("tcp", ln.Addr().String()); err == nil {
+		c.Close()
+		t.Fatal("the HTTP listener still accepts after Serve returned")
+	}
+}

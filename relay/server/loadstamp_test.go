@@ -218,3 +218,92 @@ func TestSlowLoadSourceNeverStallsTheStream(t *testing.T) {
 		break
 	}
 }
+
+// countingFetcher reports rank 0 running the figure the test sets.
+type countingFetcher struct {
+	mu      sync.Mutex
+	running uint32
+}
+
+func (f *countingFetcher) Name() string { return "test" }
+func (f *countingFetcher) Fetch(context.Context, int64) (map[int32]*kvpb.EngineLoad, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return map[int32]*kvpb.EngineLoad{0: {RunningRequests: f.running}}, nil
+}
+
+// racingSource publishes a change right after the stream reads the record,
+// once armed: the window between a read and the wait that follows it.
+type racingSource struct {
+	*load.Poller
+	f       *countingFetcher
+	mu      sync.Mutex
+	armed   bool
+	firedAt time.Time
+}
+
+func (s *racingSource) LatestAt(rank int32, now time.Time) (*load.Reading, bool) {
+	r, ok := s.Poller.LatestAt(rank, now)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.armed {
+		s.armed = false
+		s.f.mu.Lock()
+		s.f.running = 30
+		s.f.mu.Unlock()
+		s.Poller.PollOnce(context.Background())
+		s.firedAt = time.Now()
+	}
+	return r, ok
+}
+
+// TestLoadChangeRightAfterAReadIsNotMissed: a change published between the
+// stream's read of the record (a heartbeat) and its wait must wake the
+// stream, not wait for the 5 s backoff heartbeat.
+func TestLoadChangeRightAfterAReadIsNotMissed(t *testing.T) {
+	f := &countingFetcher{running: 3}
+	p, err := load.NewPoller(load.Options{
+		Fetcher: f, MaxAge: time.Hour, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.PollOnce(context.Background())
+	src := &racingSource{Poller: p, f: f}
+	s := startStack(t, stackOptions{load: src})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	st, err := s.client.SubscribeKvEvents(ctx, &kvpb.SubscribeKvEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.publish(t, 0, 100)
+	recvN(t, st, 1)
+	// Two unchanged heartbeats put the stream on the backoff.
+	for i := 0; i < 2; i++ {
+		if b := recvN(t, st, 1)[0]; !b.GetLoad().GetLoadOnly() || b.GetLoad().GetRunningRequests() != 3 {
+			t.Fatalf("heartbeat %d: %v", i+1, b)
+		}
+	}
+	src.mu.Lock()
+	src.armed = true
+	src.mu.Unlock()
+	// The read that publishes the change may be a heartbeat's: that one
+	// carries the old figure, the change goes out after it.
+	for {
+		b := recvN(t, st, 1)[0]
+		if !b.GetLoad().GetLoadOnly() {
+			t.Fatalf("a real batch %v on a quiet stream", b)
+		}
+		if b.GetLoad().GetRunningRequests() == 30 {
+			break
+		}
+	}
+	src.mu.Lock()
+	firedAt := src.firedAt
+	src.mu.Unlock()
+	if d := time.Since(firedAt); d >= load.HeartbeatBackoff {
+		t.Fatalf("the change took %v to go out: the stream waited for the backoff heartbeat", d)
+	}
+}
