@@ -220,7 +220,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	}
 	// The other sources of workers: read once now (a file that does not
 	// parse stops the start), followed while the gateway runs.
-	mem, err := memberSrc.start(g, named, workerTLSPrepare(workerCreds), *natsURL, *natsEvents.subjects, *webConfig, reg, log)
+	mem, err := memberSrc.start(g, named, workerTLSPrepare(workerCreds), *natsURL, natsAuth, *natsEvents.subjects, *webConfig, reg, log)
 	if err != nil {
 		return fail("%v", err)
 	}

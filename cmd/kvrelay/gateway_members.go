@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/membership"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/webserve"
 	"github.com/kvrelay/kvrelay/natsevents"
 )
@@ -85,7 +86,7 @@ type members struct {
 // start builds the Set over g (its static workers adopted), reads the
 // file and the DNS names once, and connects the NATS watcher; run starts
 // following them.
-func (m *memberFlags) start(g *gateway.Gateway, static []gateway.Worker, prepare func(*gateway.Worker) error, natsURL, natsEventsPrefix, webConfig string, reg prometheus.Registerer, log *slog.Logger) (*members, error) {
+func (m *memberFlags) start(g *gateway.Gateway, static []gateway.Worker, prepare func(*gateway.Worker) error, natsURL string, natsAuth *natsconn.Config, natsEventsPrefix, webConfig string, reg prometheus.Registerer, log *slog.Logger) (*members, error) {
 	set, err := membership.New(g, membership.Options{
 		MaxWorkers: *m.maxWorkers, DrainTimeout: *m.drainTimeout, Prepare: prepare,
 		Registerer: reg, Logger: log.With("component", "membership"),
@@ -117,8 +118,12 @@ func (m *memberFlags) start(g *gateway.Gateway, static []gateway.Worker, prepare
 	}
 	if *m.fromNATS {
 		nlog := log.With("component", "membership", "source", membership.SourceNATS)
+		auth, err := natsAuthOptions(natsURL, natsAuth, nlog)
+		if err != nil {
+			return fail(fmt.Errorf("--workers-from-nats: %w", err))
+		}
 		mw, err := natsevents.WatchMembers(natsevents.MemberOptions{
-			URL: natsURL, SubjectPrefix: natsEventsPrefix, MaxMembers: *m.maxWorkers, Logger: nlog,
+			URL: natsURL, SubjectPrefix: natsEventsPrefix, MaxMembers: *m.maxWorkers, Logger: nlog, NATSOptions: auth,
 			OnChange: func(specs []string) {
 				// One relay announcing nonsense does not keep the others out.
 				ws := make([]gateway.Worker, 0, len(specs))
