@@ -161,10 +161,18 @@ func Run(ctx context.Context, o Options) error {
 		all = append(all, running{cfg: rc, relay: r})
 	}
 	// Load pollers run beside the relays and stop after the streams that
-	// read them.
+	// read them; their connections close only once they have stopped, so
+	// a poll in flight at shutdown is cancelled, not failed and logged.
 	var loadWG sync.WaitGroup
+	var closeConns []func()
 	loadCtx, stopLoad := context.WithCancel(context.Background())
-	defer func() { stopLoad(); loadWG.Wait() }()
+	defer func() {
+		stopLoad()
+		loadWG.Wait()
+		for _, closeConn := range closeConns {
+			closeConn()
+		}
+	}()
 	for i := range all {
 		if all[i].relay == nil {
 			continue
@@ -173,7 +181,7 @@ func Run(ctx context.Context, o Options) error {
 		if err != nil {
 			return err
 		}
-		defer closeConn()
+		closeConns = append(closeConns, closeConn)
 		all[i].load = p
 	}
 

@@ -29,12 +29,16 @@ func resolveLoad(c RelayConfig) (LoadSettings, error) {
 	var s LoadSettings
 	var err error
 	if c.LoadInterval != "" {
-		if s.Interval, err = time.ParseDuration(c.LoadInterval); err != nil || s.Interval <= 0 {
+		if s.Interval, err = time.ParseDuration(c.LoadInterval); err != nil {
+			return s, fmt.Errorf("load-interval %q: %w", c.LoadInterval, err)
+		} else if s.Interval <= 0 {
 			return s, fmt.Errorf("load-interval %q is not a positive duration", c.LoadInterval)
 		}
 	}
 	if c.LoadMaxAge != "" {
-		if s.MaxAge, err = time.ParseDuration(c.LoadMaxAge); err != nil || s.MaxAge <= 0 {
+		if s.MaxAge, err = time.ParseDuration(c.LoadMaxAge); err != nil {
+			return s, fmt.Errorf("load-max-age %q: %w", c.LoadMaxAge, err)
+		} else if s.MaxAge <= 0 {
 			return s, fmt.Errorf("load-max-age %q is not a positive duration", c.LoadMaxAge)
 		}
 	}

@@ -21,7 +21,7 @@ type getLoads struct {
 	method string
 	// newResponse and convert are the engine's message and mapping.
 	newResponse func() proto.Message
-	convert     func(proto.Message) map[int32]*kvpb.EngineLoad
+	convert     func(proto.Message) (map[int32]*kvpb.EngineLoad, error)
 }
 
 // NewGetLoads reads GetLoads from the servicer behind conn, under the
@@ -33,17 +33,17 @@ func NewGetLoads(conn grpc.ClientConnInterface, service string) (Fetcher, error)
 	switch service {
 	case kvpb.VllmEngine_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.VllmGetLoadsResponse{} }
-		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
+		g.convert = func(m proto.Message) (map[int32]*kvpb.EngineLoad, error) {
 			return byRank(m.(*kvpb.VllmGetLoadsResponse).GetLoads(), fromVllm)
 		}
 	case kvpb.SglangScheduler_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.SglangGetLoadsResponse{} }
-		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
+		g.convert = func(m proto.Message) (map[int32]*kvpb.EngineLoad, error) {
 			return byRank(m.(*kvpb.SglangGetLoadsResponse).GetLoads(), FromSglang)
 		}
 	case kvpb.TokenSpeedScheduler_ServiceDesc.ServiceName:
 		g.newResponse = func() proto.Message { return &kvpb.TokenSpeedGetLoadsResponse{} }
-		g.convert = func(m proto.Message) map[int32]*kvpb.EngineLoad {
+		g.convert = func(m proto.Message) (map[int32]*kvpb.EngineLoad, error) {
 			return byRank(m.(*kvpb.TokenSpeedGetLoadsResponse).GetLoads(), fromTokenSpeed)
 		}
 	default:
@@ -53,13 +53,20 @@ func NewGetLoads(conn grpc.ClientConnInterface, service string) (Fetcher, error)
 }
 
 // byRank converts every rank's report. A rank reported twice keeps its
-// last report.
-func byRank[L interface{ GetDpRank() int32 }](loads []L, convert func(L) *kvpb.EngineLoad) map[int32]*kvpb.EngineLoad {
+// last report. A report naming more than maxRanks ranks, or a negative
+// rank, is not an engine's: it is refused as malformed rather than kept.
+func byRank[L interface{ GetDpRank() int32 }](loads []L, convert func(L) *kvpb.EngineLoad) (map[int32]*kvpb.EngineLoad, error) {
+	if len(loads) > maxRanks {
+		return nil, fmt.Errorf("%w: GetLoads: %d ranks, more than %d", ErrMalformed, len(loads), maxRanks)
+	}
 	out := make(map[int32]*kvpb.EngineLoad, len(loads))
-	for _, l := range loads {
+	for i, l := range loads {
+		if l.GetDpRank() < 0 {
+			return nil, fmt.Errorf("%w: GetLoads: load %d has dp_rank %d", ErrMalformed, i, l.GetDpRank())
+		}
 		out[l.GetDpRank()] = convert(l)
 	}
-	return out
+	return out, nil
 }
 
 func (g *getLoads) Name() string { return "getloads" }
@@ -72,7 +79,11 @@ func (g *getLoads) Fetch(ctx context.Context, maxBytes int64) (map[int32]*kvpb.E
 	err := g.conn.Invoke(ctx, g.method, req, resp, grpc.MaxCallRecvMsgSize(int(min(maxBytes, math.MaxInt32))))
 	switch status.Code(err) {
 	case codes.OK:
-		return g.convert(resp), nil
+		loads, err := g.convert(resp)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", g.method, err)
+		}
+		return loads, nil
 	case codes.ResourceExhausted:
 		return nil, fmt.Errorf("%w: %s: %w", ErrTooLarge, g.method, err)
 	case codes.Unimplemented:

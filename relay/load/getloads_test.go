@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -91,6 +92,48 @@ func TestGetLoadsMatchesSMGServicerConversion(t *testing.T) {
 			// A reply over the byte cap is refused as too large.
 			if _, err := f.Fetch(ctx, 16); outcomeOf(err) != "too_large" {
 				t.Errorf("a reply over a 16-byte cap: %v, want too_large", err)
+			}
+		})
+	}
+}
+
+// TestGetLoadsRanksAreChecked: a GetLoads reply names its ranks; one with
+// a negative rank, or more ranks than any engine has, is malformed rather
+// than kept.
+func TestGetLoadsRanksAreChecked(t *testing.T) {
+	ranks := func(rs ...int32) []*kvpb.VllmSchedulerLoad {
+		out := make([]*kvpb.VllmSchedulerLoad, len(rs))
+		for i, r := range rs {
+			out[i] = &kvpb.VllmSchedulerLoad{DpRank: r}
+		}
+		return out
+	}
+	many := make([]int32, maxRanks+1)
+	for i := range many {
+		many[i] = int32(i)
+	}
+	for _, tc := range []struct {
+		name    string
+		loads   []*kvpb.VllmSchedulerLoad
+		want    int
+		wantErr bool
+	}{
+		{"two ranks", ranks(0, 1), 2, false},
+		{"a rank twice keeps one", ranks(3, 3), 1, false},
+		{"negative rank", ranks(0, -1), 0, true},
+		{"over the rank cap", ranks(many...), 0, true},
+		{"at the rank cap", ranks(many[:maxRanks]...), maxRanks, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := byRank(tc.loads, fromVllm)
+			if tc.wantErr {
+				if !errors.Is(err, ErrMalformed) {
+					t.Fatalf("err = %v, want ErrMalformed", err)
+				}
+				return
+			}
+			if err != nil || len(got) != tc.want {
+				t.Fatalf("%d ranks, %v; want %d", len(got), err, tc.want)
 			}
 		})
 	}

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync/atomic"
 
 	"google.golang.org/protobuf/proto"
 
@@ -192,8 +193,9 @@ func optionalUnsigned(p *int32) *uint32 {
 type engineHTTP struct {
 	loads   *v1Loads
 	metrics *metricsFetcher
-	// refused: /v1/loads answered 404; read /metrics from then on.
-	refused bool
+	// refused: /v1/loads answered 404; read /metrics from then on. Set by
+	// the polling goroutine, read by Name from a /metrics scrape.
+	refused atomic.Bool
 }
 
 // NewHTTP reads the engine whose HTTP server is at base (for example
@@ -225,19 +227,19 @@ func NewHTTP(client *http.Client, base string) (Fetcher, error) {
 }
 
 func (e *engineHTTP) Name() string {
-	if e.refused {
+	if e.refused.Load() {
 		return "metrics"
 	}
 	return "v1loads"
 }
 
 func (e *engineHTTP) Fetch(ctx context.Context, maxBytes int64) (map[int32]*kvpb.EngineLoad, error) {
-	if !e.refused {
+	if !e.refused.Load() {
 		loads, err := e.loads.Fetch(ctx, maxBytes)
 		if !errors.Is(err, ErrRefused) {
 			return loads, err
 		}
-		e.refused = true
+		e.refused.Store(true)
 	}
 	return e.metrics.Fetch(ctx, maxBytes)
 }

@@ -149,7 +149,7 @@ func NewPoller(opts Options) (*Poller, error) {
 		log = slog.Default()
 	}
 	p := &Poller{
-		opts: opts, log: log.With("load_source", opts.Fetcher.Name()), updated: make(chan struct{}),
+		opts: opts, log: log, updated: make(chan struct{}),
 		polls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_load_polls_total",
 			Help: "Reads of the engine's load source, by source and outcome (ok, error, timeout, malformed, too_large, refused).",
@@ -225,19 +225,22 @@ func (p *Poller) logState(outcome string, err error, ranks int) {
 	p.state = outcome
 	switch {
 	case err == nil:
-		p.log.Info("engine load source readable", "ranks", ranks, "was", prev)
+		p.log.Info("engine load source readable", "load_source", p.opts.Fetcher.Name(), "ranks", ranks, "was", prev)
 	default:
 		p.log.Warn("engine load source unreadable; batches carry the last record until it ages out, then none",
-			"outcome", outcome, "max_age", p.opts.MaxAge, "err", err)
+			"load_source", p.opts.Fetcher.Name(), "outcome", outcome, "max_age", p.opts.MaxAge, "err", err)
 	}
 }
 
 // publish installs a read's records and wakes streams when any rank's
 // record changed. A rank the read did not report keeps its last record,
-// which ages out.
+// which ages out; once it is past MaxAge it is dropped, so a source that
+// names different ranks over time holds only the recent ones (and as many
+// age series).
 func (p *Poller) publish(loads map[int32]*kvpb.EngineLoad, at time.Time) {
 	old := *p.readings.Load()
 	next := maps.Clone(old)
+	maps.DeleteFunc(next, func(_ int32, r *Reading) bool { return at.Sub(r.At) > p.opts.MaxAge })
 	changed := false
 	for rank, l := range loads {
 		r := &Reading{Load: l, At: at, Core: marshalCore(l), Full: marshal(l)}

@@ -9,8 +9,10 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -337,4 +339,104 @@ type scripted struct{ next map[int32]*kvpb.EngineLoad }
 func (s *scripted) Name() string { return "scripted" }
 func (s *scripted) Fetch(context.Context, int64) (map[int32]*kvpb.EngineLoad, error) {
 	return s.next, nil
+}
+
+// TestHTTPFallbackNameIsSafeToScrape: NewHTTP's source changes its name when
+// /v1/loads goes away; a /metrics scrape reads that name while the poller
+// changes it (run with -race), and the log names the source now read.
+func TestHTTPFallbackNameIsSafeToScrape(t *testing.T) {
+	loads := &engineServer{mode: "ok", body: golden(t, "sglang_v1_loads.json")}
+	metrics := &engineServer{mode: "ok", body: golden(t, "sglang_metrics.txt")}
+	mux := http.NewServeMux()
+	mux.Handle("/v1/loads", loads)
+	mux.Handle("/metrics", metrics)
+	hs := httptest.NewServer(mux)
+	defer hs.Close()
+	f, err := NewHTTP(hs.Client(), hs.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &logLines{}
+	p, err := NewPoller(Options{Fetcher: f, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	p.PollOnce(ctx)
+	if _, ok := p.Latest(0); !ok {
+		t.Fatal("no record after a good /v1/loads read")
+	}
+
+	// The scraper calls Collect as the registry does, and shares nothing
+	// with the poller but the record map, which the failed read below does
+	// not replace: only the race detector orders the two.
+	done := make(chan struct{})
+	var scrapes atomic.Int64
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			ch := make(chan prometheus.Metric, 8)
+			ageCollector{p}.Collect(ch)
+			scrapes.Add(1)
+		}
+	}()
+	loads.set("gone")
+	metrics.set("down")
+	p.PollOnce(ctx)
+	for seen := scrapes.Load(); scrapes.Load() < seen+2; {
+		runtime.Gosched()
+	}
+	close(done)
+	wg.Wait()
+
+	if got := f.Name(); got != "metrics" {
+		t.Fatalf("Name() = %q after /v1/loads was refused, want metrics", got)
+	}
+	if n := logs.count("level=WARN"); n != 1 {
+		t.Fatalf("%d warnings, want 1:\n%s", n, logs.buf.String())
+	}
+	if n := logs.count("load_source=metrics"); n != 1 {
+		t.Errorf("the failed /metrics read is not logged under load_source=metrics:\n%s", logs.buf.String())
+	}
+}
+
+// TestRanksOfChangingSourceStayBounded: a source that names a different
+// rank on every read (a restarting engine, a peer declaring ranks) holds
+// only the ranks read within MaxAge, not every rank it ever named.
+func TestRanksOfChangingSourceStayBounded(t *testing.T) {
+	f := &scripted{}
+	now := time.Unix(10000, 0)
+	reg := prometheus.NewRegistry()
+	p, err := NewPoller(Options{
+		Fetcher: f, MaxAge: time.Second, Registerer: reg,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Now:    func() time.Time { return now },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const interval = 250 * time.Millisecond
+	for i := range int32(1000) {
+		f.next = map[int32]*kvpb.EngineLoad{i: {RunningRequests: 1}}
+		p.PollOnce(context.Background())
+		now = now.Add(interval)
+	}
+	// Reads at 0, 250, 500, 750 and 1000 ms before the last are within
+	// the 1 s age.
+	if got := len(p.Ranks()); got > 5 {
+		t.Errorf("%d ranks held after 1000 reads naming one rank each, want at most 5", got)
+	}
+	if got := testutil.CollectAndCount(ageCollector{p}); got > 5 {
+		t.Errorf("%d age series, want at most 5", got)
+	}
+	if _, ok := p.Latest(999); !ok {
+		t.Error("the newest rank's record is not handed out")
+	}
 }

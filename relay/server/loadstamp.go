@@ -40,6 +40,10 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 	// it fired, which costs at most one early wake per heartbeat.
 	var armed time.Time
 	var slab suffixSlab
+	// wake is taken before each read of the record (Stamp, Heartbeat), as
+	// Updated asks: a change published after the read closes it, so the
+	// wait below cannot miss it.
+	wake := src.Updated()
 	for {
 		var (
 			payload []byte
@@ -55,7 +59,7 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 			if !armed.IsZero() {
 				due = timer.C
 			}
-			payload, err = until.NextEncodedUntil(ctx, src.Updated(), due)
+			payload, err = until.NextEncodedUntil(ctx, wake, due)
 			if payload == nil && err == nil && !src.Now().Before(armed) {
 				armed = time.Time{} // it fired (or is about to): re-arm from Due
 			}
@@ -73,6 +77,7 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 		if payload == nil {
 			// Woken with nothing queued: the record changed, or the
 			// heartbeat is due.
+			wake = src.Updated()
 			if hb := rec.Heartbeat(); hb != nil {
 				if err := p.send(nil, hb, nil); err != nil {
 					return err
@@ -88,6 +93,7 @@ func (p *pump) runStamped(ctx context.Context, sub Stream, src LoadSource) error
 				return err
 			}
 		}
+		wake = src.Updated()
 		suffix := slab.stamp(rec, rank, hasRank, seq)
 		if err := p.sendMarked(nil, payload, suffix, lrank, lseq, live); err != nil {
 			return err

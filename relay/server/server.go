@@ -617,12 +617,18 @@ func (s *Server) unknownService(srv any, stream grpc.ServerStream) error {
 	if s.proxy != nil && s.proxy.conn(method) != nil {
 		return s.proxy.handle(srv, stream)
 	}
-	service := strings.TrimPrefix(method, "/")
+	service, name := strings.TrimPrefix(method, "/"), ""
 	if i := strings.LastIndex(service, "/"); i >= 0 {
-		service = service[:i]
+		service, name = service[:i], service[i+1:]
 	}
 	var served []string
 	for _, svc := range s.services {
+		if svc.Engine.ServiceName == service {
+			// A served service's other methods land here too: the
+			// service is right, the method is the engine's.
+			s.log.Debug("call to a method not served", "method", method)
+			return status.Errorf(codes.Unimplemented, "method %s is not served by kvrelay (it forwards it only with --upstream)", name)
+		}
 		served = append(served, fmt.Sprintf("%s (%s)", svc.Engine.Name, svc.Engine.ServiceName))
 	}
 	msg := fmt.Sprintf("unknown service %s: this kvrelay serves SubscribeKvEvents as %s; name that service on the client (a gateway worker's service=, kvrelay tail --service)",

@@ -442,21 +442,55 @@ func TestDisabledEventsAreUnimplementedWithTheEnginesMessage(t *testing.T) {
 
 // A client naming a service the relay does not serve (a gateway worker's
 // service=sglang against a vLLM relay) gets UNIMPLEMENTED, the code SMG
-// relies on, with a message naming what the relay serves.
+// relies on, with a message naming what the relay serves. A call to one of
+// a served service's other methods (GetLoads without --upstream) gets
+// UNIMPLEMENTED saying the method is not served, not that the service is
+// unknown.
 func TestUnknownServiceIsUnimplementedNamingTheServedOnes(t *testing.T) {
 	cc := serveEventsOff(t, server.Service{Engine: vllm.Engine}, server.Service{Engine: tokenspeed.Engine})
-	st, err := kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents(context.Background(), &kvpb.SubscribeKvEventsRequest{})
-	if err == nil {
-		_, err = st.Recv()
-	}
-	msg := status.Convert(err).Message()
-	if status.Code(err) != codes.Unimplemented {
-		t.Fatalf("got %v, want UNIMPLEMENTED", err)
-	}
-	for _, want := range []string{sglang.Engine.ServiceName, "vllm (" + vllm.Engine.ServiceName + ")", "tokenspeed (" + tokenspeed.Engine.ServiceName + ")", "service="} {
-		if !strings.Contains(msg, want) {
-			t.Errorf("message %q does not name %q", msg, want)
-		}
+	for _, tc := range []struct {
+		name          string
+		call          func() error
+		want, notWant []string
+	}{
+		{
+			name: "unknown service",
+			call: func() error {
+				st, err := kvpb.NewSglangSchedulerClient(cc).SubscribeKvEvents(context.Background(), &kvpb.SubscribeKvEventsRequest{})
+				if err == nil {
+					_, err = st.Recv()
+				}
+				return err
+			},
+			want: []string{sglang.Engine.ServiceName, "vllm (" + vllm.Engine.ServiceName + ")", "tokenspeed (" + tokenspeed.Engine.ServiceName + ")", "service="},
+		},
+		{
+			name: "unknown method of a served service",
+			call: func() error {
+				return cc.Invoke(context.Background(), "/"+vllm.Engine.ServiceName+"/GetLoads",
+					&kvpb.VllmGetLoadsRequest{}, &kvpb.VllmGetLoadsResponse{})
+			},
+			want:    []string{"method GetLoads is not served by kvrelay", "--upstream"},
+			notWant: []string{"unknown service", "service="},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.call()
+			msg := status.Convert(err).Message()
+			if status.Code(err) != codes.Unimplemented {
+				t.Fatalf("got %v, want UNIMPLEMENTED", err)
+			}
+			for _, want := range tc.want {
+				if !strings.Contains(msg, want) {
+					t.Errorf("message %q does not name %q", msg, want)
+				}
+			}
+			for _, bad := range tc.notWant {
+				if strings.Contains(msg, bad) {
+					t.Errorf("message %q says %q", msg, bad)
+				}
+			}
+		})
 	}
 }
 
