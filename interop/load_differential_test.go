@@ -153,6 +153,15 @@ func TestDifferentialLoadRecords(t *testing.T) {
 		seq := d.publish(rank, "main", enginepeer.Stored(p, tokens(4, 4*i), h(hash)))
 		parent = hash
 		main = append(main, rankSeq{int32(rank), seq})
+		// Each rank is its own ZMQ socket, so the relays may take two
+		// ranks' batches in either order; the heartbeats name the last
+		// batch's rank. Wait for each batch on both streams before the
+		// next, so that the last one is rank 1's on both.
+		for _, s := range []*kvStream{kvLive, pyLive} {
+			s.waitBatches(t, fmt.Sprintf("main batch %d (rank %d, sequence %d)", i, rank, seq), func(bs []*kvpb.KvEventBatch) bool {
+				return hasAll(bs, map[int32]uint64{int32(rank): seq})
+			}, logs...)
+		}
 	}
 	last := main[len(main)-1]
 	want := map[int32]uint64{last.rank: last.seq}

@@ -64,6 +64,10 @@ type Recorder struct {
 	started     bool
 	// pending: a changed record waits for LoadTick of quiet.
 	pending bool
+	// noRecordUntil: Heartbeat found no fresh record; Due is no earlier
+	// than this, or a waiting stream would be woken again at once for as
+	// long as the source stays down (a busy loop per stream).
+	noRecordUntil time.Time
 }
 
 // NewRecorder is a recorder over src for one stream.
@@ -81,6 +85,7 @@ func (r *Recorder) Stamp(dst []byte, rank int32, hasRank bool, seq uint64) []byt
 	r.lastSentAt = now
 	r.idle = 0
 	r.pending = false
+	r.noRecordUntil = time.Time{}
 	rd, ok := r.src.LatestAt(rank, now)
 	if !ok {
 		return dst
@@ -101,13 +106,19 @@ func (r *Recorder) Due() time.Time {
 	if !r.started {
 		return time.Time{}
 	}
-	if r.pending {
-		return r.lastSentAt.Add(LoadTick)
+	var at time.Time
+	switch {
+	case r.pending:
+		at = r.lastSentAt.Add(LoadTick)
+	case r.idle >= 2:
+		at = r.lastSentAt.Add(HeartbeatBackoff)
+	default:
+		at = r.lastSentAt.Add(HeartbeatInterval)
 	}
-	if r.idle >= 2 {
-		return r.lastSentAt.Add(HeartbeatBackoff)
+	if r.noRecordUntil.After(at) {
+		return r.noRecordUntil
 	}
-	return r.lastSentAt.Add(HeartbeatInterval)
+	return at
 }
 
 // Heartbeat is an encoded load_only KvEventBatch when one is due (the
@@ -120,8 +131,13 @@ func (r *Recorder) Heartbeat() []byte {
 	now := r.src.Now()
 	rd, ok := r.src.LatestAt(r.lastRank, now)
 	if !ok {
+		// No record, no heartbeat (SMG's rule). Ask again a heartbeat
+		// interval on: a record that comes back changed wakes the stream
+		// through Updated sooner.
+		r.noRecordUntil = now.Add(HeartbeatInterval)
 		return nil
 	}
+	r.noRecordUntil = time.Time{}
 	changed := r.last == nil || Changed(r.last, rd.Load)
 	if changed && now.Sub(r.lastSentAt) < LoadTick {
 		r.pending = true // the stream is not quiet yet: ask again at Due

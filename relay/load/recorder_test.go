@@ -222,3 +222,33 @@ func TestAppendRecordIsOneField(t *testing.T) {
 		t.Fatalf("(-want +got):\n%s", d)
 	}
 }
+
+// TestRecorderWithoutRecordIsNotDueAtOnce: while the source has no fresh
+// record, Heartbeat sends nothing; Due must then move on, or a stream
+// waiting until Due is woken at once, again and again, for as long as the
+// source is down (runStamped spun a core per quiet stream).
+func TestRecorderWithoutRecordIsNotDueAtOnce(t *testing.T) {
+	src := newFake()
+	src.set(0, withTelemetry(1))
+	r := NewRecorder(src)
+	r.Stamp(nil, 0, true, 1)
+	delete(src.readings, 0) // aged out: the source went away
+	for i := range 3 {
+		src.now = r.Due()
+		if hb := r.Heartbeat(); hb != nil {
+			t.Fatalf("check %d: heartbeat without a fresh record: %x", i, hb)
+		}
+		if due := r.Due(); !due.After(src.now) {
+			t.Fatalf("check %d: Due %v is not after now %v with no record: a waiting stream would spin", i, due, src.now)
+		}
+	}
+	src.set(0, withTelemetry(1))
+	src.now = r.Due()
+	hb := r.Heartbeat()
+	if hb == nil {
+		t.Fatal("no heartbeat at Due once the record is back")
+	}
+	if got := decodeBatch(t, hb).GetLoad(); !got.GetLoadOnly() || got.GetRunningRequests() != 1 {
+		t.Fatalf("heartbeat once the record is back: %v", got)
+	}
+}

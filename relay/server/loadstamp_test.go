@@ -89,11 +89,18 @@ func TestEveryBatchCarriesItsRanksLoadAndQuietStreamsGetHeartbeats(t *testing.T)
 	waitFor(t, 20*time.Second, "more than a heartbeat interval of polls", func() bool {
 		return tl.servedCount() > polled+int(load.HeartbeatInterval/(20*time.Millisecond))+5
 	})
-	s.publish(t, 0, 100)
-	s.publish(t, 1, 200)
-	s.publish(t, 0, 101)
-
-	got := recvN(t, st, 3)
+	// Each rank is its own socket, so the relay may take two ranks'
+	// batches in either order, and the heartbeats below name the last
+	// batch's rank: take each batch before publishing the next, so that
+	// the last one is rank 0's.
+	var got []*kvpb.KvEventBatch
+	for _, b := range []struct {
+		rank int
+		hash uint64
+	}{{0, 100}, {1, 200}, {0, 101}} {
+		s.publish(t, b.rank, b.hash)
+		got = append(got, recvN(t, st, 1)...)
+	}
 	if got[0].GetLoad().GetLoadOnly() || len(got[0].GetEvents()) == 0 {
 		t.Fatalf("the stream's first message is %v, want the first real batch", got[0])
 	}
