@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"testing"
+	"time"
 
 	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
@@ -64,7 +65,17 @@ func TestSMGGatewayUsesKvrelaysLoadRecords(t *testing.T) {
 			smg.waitLine(t, regexp.MustCompile(`KV event stream connected`), waitTimeout)
 			waitIndex(t, metricsURL, live.count(), "after the history", logs...)
 
+			// Heartbeats renew only the rank of the stream's last batch (SMG's
+			// servicer rule), so on an idle two-rank engine one rank's record
+			// ages past the gateway's poll tick. An engine at work publishes on
+			// every rank; so does this one while the test waits.
+			lastBusy := time.Now()
 			waitFor(t, waitTimeout, func() (bool, string) {
+				if time.Since(lastBusy) > 2*time.Second {
+					publish(0, 1)
+					publish(1, 1)
+					lastBusy = time.Now()
+				}
 				ms, err := scrape(metricsURL)
 				if err != nil {
 					return false, err.Error()
