@@ -17,7 +17,7 @@ ENGINES := $(VENV)/engines
 export KVRELAY_ENGINES := $(ENGINES)
 # A test that needs the venv or the engine releases skips on a plain
 # `go test` (naming the command that fetches them) but fails under make:
-# a full run can never pass by skipping (internal/testkit/prereq).
+# a full run can never pass by skipping (testkit/prereq).
 export KVRELAY_REQUIRE_PREREQS := 1
 
 .PHONY: release image golden bench-smoke engines engines-long test-long all build test test-go test-fuzz vet fmt-check proto proto-check venv run bench vulncheck clean
@@ -93,7 +93,7 @@ fmt-check:
 # failing tests, the packages still running every 30 s, and go test's own
 # "ok pkg" / "FAIL pkg" summary lines.
 test-go: venv engines build
-	$(GO) build -o $(BIN)/testprogress ./internal/testkit/testprogress
+	$(GO) build -o $(BIN)/testprogress ./testkit/testprogress
 	bash -o pipefail -c '$(GO) test -race -count=1 -timeout 20m -json ./... | $(BIN)/testprogress'
 
 # The longer tier (not run by .ci/run): the interop tests against every

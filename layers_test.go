@@ -45,6 +45,9 @@ const layers = `
 
 	# The engine side: the wire decoder, then the engine configs.
 	proto/kvenc < engines/wire < engines < engines/vllm, engines/sglang, engines/tokenspeed;
+	# Each engine's load (its servicer's GetLoads, its /metrics, /v1/loads):
+	# engine knowledge both the relay and the gateway read.
+	proto/kvpb < engines/load;
 
 	# The simulated engines publish what the real ones do.
 	engines/vllm, engines/sglang, engines/tokenspeed, sim/prefixcache, sim/workload < sim;
@@ -53,36 +56,34 @@ const layers = `
 	# fan-out, then the gRPC server.
 	internal/livedigest, proto/kvpb < relay/record;
 	relay/zmqsource;
-	# Engine load sources: read beside the event path, stamped by the server.
-	proto/kvpb < relay/load;
 	engines/vllm, engines/sglang, engines/tokenspeed, internal/latencyprobe,
 	relay/record, relay/zmqsource < relay;
-	relay, relay/load, internal/logthrottle < relay/server;
+	relay, engines/load, internal/logthrottle < relay/server;
 
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;
 	proto/kvdec < gateway/monitor;
 	# The gateway polls GetLoads where a worker pushes no load, with the
 	# relay's own mapping of each engine's answer (a leaf on the protos).
-	gateway/picker, gateway/placement, gateway/monitor, relay/load < gateway;
+	gateway/picker, gateway/placement, gateway/monitor, engines/load < gateway;
 	gateway < gateway/membership;
 	internal/natslog, internal/logthrottle < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, relay/load, gateway/monitor, internal/natslog, internal/logthrottle < natsevents;
+	relay, engines/load, gateway/monitor, internal/natslog, internal/logthrottle < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.
 	relay/server, natsevents, engines/discover, internal/buildinfo,
 	internal/tlsconfig, internal/exposure, internal/webserve,
-	internal/reload, internal/sdnotify < relay/daemon;
+	internal/reload, internal/sdnotify < relayd;
 	gateway, internal/webserve < gateway/httpapi;
 
 	# Programs built on the packages: benchmarks, the demo, the binaries.
 	relay/server, gateway, gateway/placementsync, sim/fleetsim < bench < bench/charts;
 	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
-	bench, demo, relay/daemon, gateway/httpapi, gateway/placementsync,
+	bench, demo, relayd, gateway/httpapi, gateway/placementsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
 	internal/reload, internal/webserve, gateway/membership, internal/natsconn < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
@@ -90,7 +91,7 @@ const layers = `
 
 // testSupport is the tree that only tests and benchmarks may import. Its
 // packages may import anything below the binaries.
-const testSupport = "internal/testkit"
+const testSupport = "testkit"
 
 // testOnly are packages that hold nothing but tests.
 var testOnly = map[string]bool{"": true, "interop": true}

@@ -11,9 +11,9 @@ import (
 	"go.uber.org/goleak"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 func TestMain(m *testing.M) {

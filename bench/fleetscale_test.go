@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // runFleetScaleQuick runs `kvrelay bench --quick --only fleetscale` and

@@ -9,9 +9,9 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // probedPath is a relay fed from memory, served over gRPC on loopback, and

@@ -18,8 +18,8 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // The partitioned gateway tier (issue 31.3, docs/partitioned-tier.md):

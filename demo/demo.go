@@ -15,7 +15,7 @@
 //     the simulator's own choice), so the hit-rate difference comes only
 //     from the choice of engine.
 //  2. Load. Each relay reads its engine's load from the engine's HTTP
-//     server (relay/load, as serve --engine-metrics-url) and stamps it on
+//     server (engines/load, as serve --engine-metrics-url) and stamps it on
 //     its stream; another client's traffic, sent straight to one engine,
 //     then loads it, and the same prompt is routed idle and loaded: overlap
 //     decay and the balance and overload thresholds must act (loads.go).

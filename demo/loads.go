@@ -12,7 +12,7 @@ import (
 
 // The engines' load, as it reaches routing through kvrelay: each relay reads
 // its engine's HTTP server (SGLang's /v1/loads; vLLM's /metrics, its
-// /v1/loads being refused) with relay/load, stamps the records on its
+// /v1/loads being refused) with engines/load, stamps the records on its
 // stream, and the gateway's picker reads them. The load checks make one
 // engine busy with traffic from outside the gateway (another client's
 // traffic, sent straight to the engine) and route a prompt whose cache

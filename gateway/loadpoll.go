@@ -8,9 +8,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // Polling GetLoads, as SMG's gateway does for a worker whose stream pushes

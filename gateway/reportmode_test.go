@@ -13,9 +13,9 @@ import (
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/vllm"
 	"github.com/kvrelay/kvrelay/gateway/index"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/relay/server"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // reportModeStep is one vLLM block-pool event on a rank, in the shapes a

@@ -14,8 +14,8 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // pyRelay is SMG's own Python relay (smg_grpc_servicer.kv_relay behind a

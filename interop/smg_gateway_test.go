@@ -9,8 +9,8 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // liveSet is the set of blocks an engine holds, per rank, as a test

@@ -10,8 +10,8 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // gatedForwarder forwards TCP connections to a backend port. While it is

@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // TestSMGGatewayOverTLS runs SMG's real gateway against `kvrelay serve` with

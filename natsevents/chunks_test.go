@@ -6,10 +6,10 @@ import (
 	"testing"
 
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/testrelay"
 )
 
 // TestMultiChunkSnapshotReachesTheStreamWhole: a sink whose relay no

@@ -15,10 +15,10 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
-	"github.com/kvrelay/kvrelay/internal/testkit/testrelay"
 	relaypkg "github.com/kvrelay/kvrelay/relay"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/testrelay"
 )
 
 // patience bounds every wait for something that must happen; the waits

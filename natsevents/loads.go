@@ -15,8 +15,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // Engine load over NATS. On gRPC a relay stamps every batch with its rank's
@@ -31,7 +31,7 @@ import (
 //
 // So loads go beside the stream, on core NATS like the announcements: the
 // sink publishes each rank's record to <prefix>-load.<token>.<rank> on a
-// change (SMG's thresholds, relay/load's Changed) or on silence (1 s, 5 s after two unchanged),
+// change (SMG's thresholds, engines/load's Changed) or on silence (1 s, 5 s after two unchanged),
 // checked every 100 ms, while a pass is publishing, for the ranks the pass
 // has relayed a batch of (so never before the rank's first real batch).
 // The record's age_ms is its sample's age when sent. The source keeps the

@@ -8,7 +8,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // startCatchUpLab runs a relay against a pyzmq vLLM peer with a short idle

@@ -10,8 +10,8 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/sglang"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // The relay over real libzmq sockets: a pyzmq SGLang publisher with two DP

@@ -12,8 +12,8 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines"
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/zmtppeer"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/zmtppeer"
 )
 
 // Issue 13.11: messages the ZeroMQ subscriber skips before admission (wrong

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // TestMsgspecPeer runs every engine and wire generation against a real

@@ -9,9 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // prompt is n tokens from base, distinct per base.

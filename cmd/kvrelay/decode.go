@@ -16,7 +16,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
-	"github.com/kvrelay/kvrelay/relay/daemon"
+	"github.com/kvrelay/kvrelay/relayd"
 )
 
 func init() {
@@ -51,7 +51,7 @@ func runDecode(_ context.Context, args []string, stdin io.Reader, stdout, stderr
 		fmt.Fprintln(stderr, "kvrelay decode: --engine is required: vllm, sglang or tokenspeed")
 		return 2
 	}
-	eng, err := daemon.EngineByName(*engine)
+	eng, err := relayd.EngineByName(*engine)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay decode: --engine %q: want vllm, sglang or tokenspeed\n", *engine)
 		return 2

@@ -9,7 +9,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/internal/exposure"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
-	"github.com/kvrelay/kvrelay/relay/daemon"
+	"github.com/kvrelay/kvrelay/relayd"
 )
 
 // learned is what serve takes from the engine's servicer when no
@@ -25,17 +25,17 @@ type learned struct {
 // settings), and says on stderr what it learned. A non-zero code is the
 // exit code, its reason already printed.
 func learnFromUpstream(ctx context.Context, engine, upstream string, upstreamTLS tlsconfig.Client, dpSize int, dpSizeSet bool, stderr io.Writer) (learned, int) {
-	addr, useTLS, err := daemon.ParseUpstream(upstream, upstreamTLS)
+	addr, useTLS, err := relayd.ParseUpstream(upstream, upstreamTLS)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return learned{}, 2
 	}
-	creds, _, err := daemon.UpstreamCredentials(useTLS, upstreamTLS, nil)
+	creds, _, err := relayd.UpstreamCredentials(useTLS, upstreamTLS, nil)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: upstream TLS: %v\n", err)
 		return learned{}, 2
 	}
-	pubs, err := daemon.DiscoverPublishers(ctx, engine, addr, creds, daemon.DiscoverTimeout, stderr)
+	pubs, err := relayd.DiscoverPublishers(ctx, engine, addr, creds, relayd.DiscoverTimeout, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: no --kv-events-config, and the engine's servicer did not give one: %v\n", err)
 		return learned{}, 2
@@ -54,7 +54,7 @@ func learnFromUpstream(ctx context.Context, engine, upstream string, upstreamTLS
 		// The engine runs at the upstream's host: a wildcard bind is
 		// reached there, not on this host.
 		host, _, _ := net.SplitHostPort(addr)
-		moved, changed, err := daemon.PublishersOnHost(out.kvConfig, host)
+		moved, changed, err := relayd.PublishersOnHost(out.kvConfig, host)
 		if err != nil {
 			fmt.Fprintf(stderr, "kvrelay serve: the engine at %s advertised an unreadable config: %v\n", upstream, err)
 			return learned{}, 2

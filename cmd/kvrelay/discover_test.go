@@ -18,8 +18,8 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // fakeSGLangServicer answers SglangScheduler.GetServerInfo on loopback as

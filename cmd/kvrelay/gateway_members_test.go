@@ -14,9 +14,9 @@ import (
 	"go.uber.org/goleak"
 	"golang.org/x/crypto/bcrypt"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // startGatewayCmd runs `kvrelay gateway args…` in the test and returns its

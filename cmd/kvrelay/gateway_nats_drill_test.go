@@ -20,9 +20,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // The drill of issue #18, in make test-long only (KVRELAY_NATS_DRILL=1):

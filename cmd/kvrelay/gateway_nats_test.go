@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // TestGatewayNATSSharesLoadByDefault: two `kvrelay gateway --nats` replicas

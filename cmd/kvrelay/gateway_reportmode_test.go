@@ -7,9 +7,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
 )
 
 // kvrelay gateway --report-mode-full applies the relay's report-mode "full"

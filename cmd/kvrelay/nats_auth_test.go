@@ -19,10 +19,10 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // TestFleetOnConfinedNATS runs two relays and a gateway on a nats-server

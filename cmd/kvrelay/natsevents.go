@@ -14,7 +14,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/natsevents"
-	"github.com/kvrelay/kvrelay/relay/daemon"
+	"github.com/kvrelay/kvrelay/relayd"
 )
 
 // serveNATSFlags are kvrelay serve's JetStream sink flags (--nats …).
@@ -79,10 +79,10 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	return nil
 }
 
-// options are the sink's settings for daemon.Options.
-func (f *serveNATSFlags) options() daemon.NATSSink {
+// options are the sink's settings for relayd.Options.
+func (f *serveNATSFlags) options() relayd.NATSSink {
 	url, auth := *f.url, f.auth
-	return daemon.NATSSink{URL: url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member,
+	return relayd.NATSSink{URL: url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member,
 		NATSOptions: func(log *slog.Logger) ([]nats.Option, error) { return natsAuthOptions(url, auth, log) }}
 }
 

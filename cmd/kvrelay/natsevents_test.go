@@ -13,9 +13,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // TestServeNATSFeedsGatewayNATSEvents: `kvrelay serve --nats` publishes a

@@ -20,12 +20,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // testPKI is a CA, a server certificate for 127.0.0.1/localhost and client

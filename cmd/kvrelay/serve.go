@@ -10,8 +10,8 @@ import (
 
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
-	"github.com/kvrelay/kvrelay/relay/daemon"
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
+	"github.com/kvrelay/kvrelay/relayd"
 )
 
 func init() {
@@ -19,8 +19,8 @@ func init() {
 }
 
 // engineLimits are the engine-socket flags, checked before they become
-// daemon.EngineLimits.
-type engineLimits daemon.EngineLimits
+// relayd.EngineLimits.
+type engineLimits relayd.EngineLimits
 
 func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
@@ -79,7 +79,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		return 2
 	}
 
-	var file daemon.File
+	var file relayd.File
 	publishersMoved := false // discovery put the upstream's host in wildcard endpoints
 	if *configPath != "" {
 		set := map[string]bool{}
@@ -93,7 +93,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 				return 2
 			}
 		}
-		f, err := daemon.ReadFile(*configPath)
+		f, err := relayd.ReadFile(*configPath)
 		if err != nil {
 			fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 			return 2
@@ -134,9 +134,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 			return 2
 		}
 		raw, _ := json.Marshal(*kvConfig)
-		file = daemon.File{
+		file = relayd.File{
 			MetricsListen: *metricsListen, LogLevel: *logLevel, LogFormat: *logFormat, WebConfigFile: *webConfig,
-			Relays: []daemon.RelayConfig{{
+			Relays: []relayd.RelayConfig{{
 				Name: *engineName, Engine: *engineName, KVEventsConfig: raw, DPSize: *dpSize,
 				Listen: *listen, Upstream: *upstream, HistoryBatches: *historyBatches,
 				HistoryBytes: *historyBytes, ReplayTimeout: replayTimeout.String(),
@@ -155,7 +155,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	relays, err := daemon.Resolve(file.Relays)
+	relays, err := relayd.Resolve(file.Relays)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
@@ -172,9 +172,9 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
-	err = daemon.Run(ctx, daemon.Options{
+	err = relayd.Run(ctx, relayd.Options{
 		Relays: relays, MetricsListen: file.MetricsListen, WebConfigFile: file.WebConfigFile,
-		EngineLimits: daemon.EngineLimits(lim), ServerLimits: limits.Limits, RecordMaxEntries: limits.RecordMaxEntries,
+		EngineLimits: relayd.EngineLimits(lim), ServerLimits: limits.Limits, RecordMaxEntries: limits.RecordMaxEntries,
 		NATS: natsSink.options(), Logger: log,
 	})
 	if err != nil {

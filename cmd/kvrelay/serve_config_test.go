@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // Configurations the engines accept (or that only fail later) that leave

@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/apiclient"
 )
 
 // A gateway worker given the wrong service (service=sglang against a vLLM

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/httpapi"
-	"github.com/kvrelay/kvrelay/relay/daemon"
+	"github.com/kvrelay/kvrelay/relayd"
 )
 
 func init() {
@@ -128,12 +128,12 @@ func writeStatusTable(w io.Writer, target string, body []byte) error {
 		}
 		return httpapi.WriteWorkersTable(w, ws)
 	}
-	var rs map[string]daemon.RelayStatus
+	var rs map[string]relayd.RelayStatus
 	if err := json.Unmarshal(body, &rs); err != nil {
 		return fmt.Errorf("not a /debug/status answer: %w", err)
 	}
 	if len(rs) == 0 {
 		return errors.New("the answer lists no relay")
 	}
-	return daemon.WriteStatusTable(w, rs)
+	return relayd.WriteStatusTable(w, rs)
 }

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
 )
 
 func runStatusCmd(t *testing.T, args ...string) (int, string, string) {

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
 )
 
 func rankBatch(rank int32, seq uint64, ts float64) *kvpb.KvEventBatch {

@@ -16,8 +16,8 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrelay/kvrelay/gateway"
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
 	"github.com/kvrelay/kvrelay/natsevents"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // BenchmarkMembershipLatency measures, per source, how long after a

@@ -17,8 +17,8 @@ import (
 	"github.com/nats-io/nkeys"
 	"go.uber.org/goleak"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/testnats"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -4,7 +4,7 @@ import (
 	"crypto/tls"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // BenchmarkHandshakeCheck is what each TLS handshake pays to notice a

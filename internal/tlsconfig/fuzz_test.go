@@ -4,7 +4,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // FuzzParseAllowList: any entry is accepted or refused with an error naming

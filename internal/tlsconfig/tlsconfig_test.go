@@ -20,7 +20,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 func TestMain(m *testing.M) {

@@ -11,11 +11,11 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvdec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay/record"
+	"github.com/kvrelay/kvrelay/testkit/goldenvec"
 )
 
 // goldenBatches is every batch the golden vectors stand for (goldenvec.Batches).

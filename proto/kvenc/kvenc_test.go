@@ -13,9 +13,9 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/engines/wire"
-	"github.com/kvrelay/kvrelay/internal/testkit/goldenvec"
 	"github.com/kvrelay/kvrelay/proto/kvenc"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/goldenvec"
 )
 
 // sameAsMarshal fails unless AppendBatch writes exactly proto.Marshal's

@@ -1,6 +1,6 @@
 package server
 
-import "github.com/kvrelay/kvrelay/relay/load"
+import "github.com/kvrelay/kvrelay/engines/load"
 
 // StampForBench is the per-batch stamping of the send path (runStamped),
 // for the benchmark that measures it alone.

@@ -8,8 +8,8 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // untilStream is a Stream that can wait for its next batch and for the

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // loadTimeline is an engine's HTTP server serving SGLang's /v1/loads from

@@ -22,9 +22,9 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/kvrelay/kvrelay/engines/vllm"
-	"github.com/kvrelay/kvrelay/internal/testkit/testpki"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/relay/server"
+	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 // recordingUpstream is an engine servicer that answers every method of the

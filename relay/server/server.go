@@ -33,11 +33,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // Stream is one subscriber's batches, as a relay hands them out.

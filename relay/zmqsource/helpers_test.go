@@ -12,7 +12,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // zmq4's own goroutines all end with the sockets this package closes and

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 )
 
 // TestPeerGoldenEncodings pins the engine peer's msgpack output to the

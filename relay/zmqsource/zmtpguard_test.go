@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/zmtppeer"
+	"github.com/kvrelay/kvrelay/testkit/zmtppeer"
 )
 
 func TestZMTPGuard(t *testing.T) {

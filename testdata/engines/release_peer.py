@@ -9,7 +9,7 @@ event structs then decide the framing, the replay ROUTER, the msgspec
 encoding, the rank port offsets and the bind rules.
 
 It speaks testdata/peer/engine_peer.py's JSON-lines protocol (same ready
-line and commands, see that script's docstring) so internal/testkit/enginepeer drives
+line and commands, see that script's docstring) so testkit/enginepeer drives
 both, with these differences:
 
   --release DIR   the release's folder from fetch.py (.venv/engines/NAME)

@@ -1,4 +1,4 @@
-"""An engine servicer answering GetLoads, for relay/load's GetLoads source.
+"""An engine servicer answering GetLoads, for engines/load's GetLoads source.
 
 It serves one engine's GetLoads (vllm, sglang or tokenspeed) with SMG's own
 generated messages (smg_grpc_proto), a report per DP rank with every field

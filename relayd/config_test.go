@@ -1,4 +1,4 @@
-package daemon
+package relayd
 
 import (
 	"bytes"
@@ -63,7 +63,7 @@ func TestLogEndpoints(t *testing.T) {
 
 // The example config in deploy/ passes every start-time check.
 func TestTheExampleConfigResolves(t *testing.T) {
-	f, err := ReadFile("../../deploy/kvrelay.json.example")
+	f, err := ReadFile("../deploy/kvrelay.json.example")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-// Package daemon is the process `kvrelay serve` runs: relays for one or
+// Package relayd is the process `kvrelay serve` runs: relays for one or
 // more engines, the gRPC listeners serving them (relays that share a listen
 // address share a server), the optional JetStream sink per relay, and the
 // HTTP endpoint with /metrics, /healthz and /debug/status. It owns their
@@ -7,7 +7,7 @@
 //
 // It sits above natsevents (the sink is one more subscriber of a relay),
 // which is why it is placed above both in layers_test.go.
-package daemon
+package relayd
 
 import (
 	"context"
@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvrelay/kvrelay/engines"
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/internal/buildinfo"
 	"github.com/kvrelay/kvrelay/internal/exposure"
 	"github.com/kvrelay/kvrelay/internal/reload"
@@ -32,7 +33,6 @@ import (
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
 	"github.com/kvrelay/kvrelay/relay"
-	"github.com/kvrelay/kvrelay/relay/load"
 	"github.com/kvrelay/kvrelay/relay/server"
 )
 

@@ -12,14 +12,14 @@ import (
 	"runtime"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/prereq"
+	"github.com/kvrelay/kvrelay/testkit/prereq"
 )
 
 // RepoRoot is the repository's top directory, found from this file's path so
 // tests in any package can reach testdata/.
 func RepoRoot() string {
 	_, file, _, _ := runtime.Caller(0)
-	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", "..", ".."))
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
 }
 
 // Python returns the venv interpreter. KVRELAY_PYTHON (set by the Makefile)

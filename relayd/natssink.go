@@ -1,4 +1,4 @@
-package daemon
+package relayd
 
 import (
 	"context"
@@ -12,10 +12,10 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relay"
-	"github.com/kvrelay/kvrelay/relay/load"
 )
 
 // NATSSink is serve's JetStream sink (--nats …); an empty URL is off.

@@ -29,7 +29,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // Engines the script can imitate.

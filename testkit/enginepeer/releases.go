@@ -8,8 +8,8 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/kvrelay/kvrelay/internal/testkit/prereq"
-	"github.com/kvrelay/kvrelay/internal/testkit/pyenv"
+	"github.com/kvrelay/kvrelay/testkit/prereq"
+	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
 // Release is one engine release whose own kv_events module the interop

@@ -1,4 +1,4 @@
-package daemon
+package relayd
 
 import (
 	"context"
@@ -11,7 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
-	"github.com/kvrelay/kvrelay/relay/load"
+	"github.com/kvrelay/kvrelay/engines/load"
 )
 
 // LoadSettings are a relay's checked load-source settings.
