@@ -177,7 +177,7 @@ func Run(ctx context.Context, o Options) error {
 		if all[i].relay == nil {
 			continue
 		}
-		p, closeConn, err := startLoad(loadCtx, &loadWG, log, reg, all[i].cfg, dialUpstream(log))
+		p, closeConn, err := startLoad(loadCtx, &loadWG, log, reg, all[i].cfg, dialUpstream(log, &reloaders))
 		if err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/kvrelay/kvrelay/engines/load"
+	"github.com/kvrelay/kvrelay/internal/reload"
 )
 
 // LoadSettings are a relay's checked load-source settings.
@@ -124,12 +125,17 @@ func startLoad(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg pr
 // grpcDial dials a relay's upstream servicer.
 type grpcDial func(rc Relay) (*grpc.ClientConn, error)
 
-// dialUpstream dials rc's upstream with the credentials the proxy uses.
-func dialUpstream(log *slog.Logger) grpcDial {
+// dialUpstream dials rc's upstream with the credentials the proxy uses. A
+// TLS dialer joins reloaders, so SIGHUP rotates this connection's
+// certificates as it does the proxy's.
+func dialUpstream(log *slog.Logger, reloaders *[]reload.Reloader) grpcDial {
 	return func(rc Relay) (*grpc.ClientConn, error) {
-		creds, _, err := UpstreamCredentials(rc.upstreamTLS, rc.UpstreamTLS, log)
+		creds, d, err := UpstreamCredentials(rc.upstreamTLS, rc.UpstreamTLS, log)
 		if err != nil {
 			return nil, err
+		}
+		if d != nil {
+			*reloaders = append(*reloaders, d)
 		}
 		return grpc.NewClient(rc.upstreamAddr, grpc.WithTransportCredentials(creds))
 	}
