@@ -12,12 +12,14 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"sort"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -106,7 +108,7 @@ type goPackage struct {
 }
 
 func TestImportsPointDownTheLayers(t *testing.T) {
-	pkgs := listPackages(t, "./...")
+	pkgs := listPackages(t)
 	allowed := parseLayers(t, layers)
 
 	var problems []string
@@ -145,15 +147,20 @@ func TestImportsPointDownTheLayers(t *testing.T) {
 
 // The binaries must not link test support, directly or through any chain.
 func TestBinariesLinkNoTestSupport(t *testing.T) {
-	for _, p := range listPackages(t, "./cmd/...") {
-		if p.Name != "main" {
+	binaries := 0
+	for _, p := range listPackages(t) {
+		if p.Name != "main" || !strings.HasPrefix(local(p.ImportPath), "cmd/") {
 			continue
 		}
+		binaries++
 		for _, dep := range p.Deps {
 			if strings.HasPrefix(dep, module+"/"+testSupport+"/") {
 				t.Errorf("%s links %s", local(p.ImportPath), local(dep))
 			}
 		}
+	}
+	if binaries == 0 {
+		t.Fatal("no binary under cmd/ was checked")
 	}
 }
 
@@ -182,18 +189,19 @@ func TestLayerRulesCatchUpwardImports(t *testing.T) {
 	}
 }
 
-func listPackages(t *testing.T, pattern string) []goPackage {
-	t.Helper()
+// modulePackages lists every package of the module once per test binary:
+// both tests read the same graph, and go list is the slow step.
+var modulePackages = sync.OnceValues(func() ([]goPackage, error) {
 	goCmd, err := exec.LookPath("go")
 	if err != nil {
 		goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
 	}
-	cmd := exec.Command(goCmd, "list", "-e", "-json", pattern)
+	cmd := exec.Command(goCmd, "list", "-e", "-json", "./...")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("go list %s: %v\n%s", pattern, err, stderr.String())
+		return nil, fmt.Errorf("go list ./...: %w\n%s", err, stderr.String())
 	}
 	var pkgs []goPackage
 	dec := json.NewDecoder(bytes.NewReader(out))
@@ -202,15 +210,24 @@ func listPackages(t *testing.T, pattern string) []goPackage {
 		if err := dec.Decode(&p); errors.Is(err, io.EOF) {
 			break
 		} else if err != nil {
-			t.Fatalf("reading go list output: %v", err)
+			return nil, fmt.Errorf("reading go list output: %w", err)
 		}
 		if p.Error != nil {
-			t.Fatalf("go list %s: %s", p.ImportPath, p.Error.Err)
+			return nil, fmt.Errorf("go list %s: %s", p.ImportPath, p.Error.Err)
 		}
 		pkgs = append(pkgs, p)
 	}
 	if len(pkgs) == 0 {
-		t.Fatalf("go list %s listed no packages", pattern)
+		return nil, errors.New("go list ./... listed no packages")
+	}
+	return pkgs, nil
+})
+
+func listPackages(t *testing.T) []goPackage {
+	t.Helper()
+	pkgs, err := modulePackages()
+	if err != nil {
+		t.Fatal(err)
 	}
 	return pkgs
 }

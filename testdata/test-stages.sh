@@ -15,7 +15,6 @@ mkdir -p "$logs"
 stages=("$@")
 n=${#stages[@]}
 declare -a result secs
-failed=0
 code=0
 for i in "${!stages[@]}"; do
   s=${stages[$i]}
@@ -43,7 +42,6 @@ for i in "${!stages[@]}"; do
   secs[$i]=$((SECONDS - start))
   if [ "$rc" -ne 0 ]; then
     result[$i]="FAILED ($rc)"
-    failed=1
     code=$rc
     echo "==> $s failed (exit $rc); the end of $log:"
     tail -n 40 "$log" | sed 's/^/    /'
