@@ -346,6 +346,10 @@ func socketKey(ep string) string {
 	return ep
 }
 
+// BindRule says PublisherBinds's rule in the words the relay's warning and
+// the simulator's error both use, so the two ends of one mistake read alike.
+const BindRule = "the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://"
+
 // PublisherBinds applies the engines' bind rule (engine-wire.md §1.2): the
 // PUB socket binds when its endpoint contains "*" or "::", or is ipc:// or
 // inproc://; otherwise the engine connects to that address and listens

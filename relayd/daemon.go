@@ -74,7 +74,7 @@ func logEndpoints(log *slog.Logger, rc Relay) {
 	}
 	if !rc.PublishersOnUpstreamHost && !engines.PublisherBinds(rc.KV.Endpoint) {
 		log.Warn("the engine will connect its publisher to this endpoint instead of binding it, so nothing listens there for kvrelay: "+
-			"the engines bind only an endpoint with a wildcard (tcp://*:PORT), an IPv6 \"::\" or ipc://; use tcp://*:PORT",
+			engines.BindRule+"; use tcp://*:PORT",
 			"relay", rc.Name, "endpoint", rc.KV.Endpoint)
 	}
 	eps, err := engines.PublisherEndpoints(rc.KV, rc.DPSize)

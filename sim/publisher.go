@@ -21,11 +21,10 @@ var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 // follows the engines' PUB rule (engines.PublisherBinds): an endpoint without
 // a wildcard is dialled, not bound, so a user who wrote tcp://127.0.0.1:PORT
 // expecting the simulator to listen for kvrelay gets "connection refused"
-// instead. The words match the hint `kvrelay serve` logs for the same
-// configuration, so both ends of the mistake read alike.
-const connectHint = "the engines connect their publisher to an endpoint without a wildcard instead of binding it, " +
-	"and nothing listens there; to have the simulator listen for kvrelay as an engine would, " +
-	"use tcp://*:PORT (an IPv6 \"::\" or ipc:// endpoint binds too)"
+// instead. It states the rule in the words of the hint `kvrelay serve` logs
+// for the same configuration (engines.BindRule).
+const connectHint = "the simulator, as the engines do, connects its publisher to an endpoint without a wildcard instead of binding it, " +
+	"and nothing listens there: " + engines.BindRule + "; to have the simulator listen for kvrelay, use tcp://*:PORT"
 
 type ringEntry struct {
 	seq     uint64
