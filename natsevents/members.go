@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/kvrelay/kvrelay/internal/natslog"
 )
 
 // Members: a relay started with a member (SinkOptions.Member, kvrelay serve
@@ -101,7 +103,7 @@ func WatchMembers(opts MemberOptions) (*MemberWatcher, error) {
 	}, opts.NATSOptions...)
 	nc, err := nats.Connect(opts.URL, nopts...)
 	if err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", opts.URL, err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
 	}
 	w.nc = nc
 	if w.sub, err = nc.Subscribe(aliveFilter(opts.SubjectPrefix), w.handle); err != nil {

@@ -13,6 +13,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/sglang"
 	"github.com/kvrelay/kvrelay/engines/tokenspeed"
 	"github.com/kvrelay/kvrelay/engines/vllm"
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 )
 
@@ -37,8 +38,42 @@ type File struct {
 	LogFormat     string `json:"log_format"`
 	// WebConfigFile is the metrics listener's exporter-toolkit web config
 	// (TLS, basic auth).
-	WebConfigFile string        `json:"web_config_file"`
-	Relays        []RelayConfig `json:"relays"`
+	WebConfigFile string `json:"web_config_file"`
+	// NATS, when present, publishes every relay's stream to JetStream (the
+	// --nats… flags' settings; each relay's name is its nats_worker).
+	NATS   *NATSConfig   `json:"nats"`
+	Relays []RelayConfig `json:"relays"`
+}
+
+// NATSConfig is the file's "nats" block: what serve's --nats,
+// --nats-stream, --nats-events-subject-prefix, --nats-alive-every and
+// their authentication and TLS flags set, under the keys of the README's
+// table. cmd/kvrelay checks and applies it.
+type NATSConfig struct {
+	URL                 string `json:"url"`
+	Stream              string `json:"stream"`
+	EventsSubjectPrefix string `json:"events_subject_prefix"`
+	// AliveEvery is a duration; "" is the flag's default, "0s" never.
+	AliveEvery   string        `json:"alive_every"`
+	Creds        string        `json:"creds"`
+	NKeySeed     string        `json:"nkey_seed"`
+	User         string        `json:"user"`
+	PasswordFile string        `json:"password_file"`
+	TokenFile    string        `json:"token_file"`
+	TLS          NATSTLSConfig `json:"tls"`
+	// Password and Token are read only to be refused: a secret comes from
+	// a file (password_file, token_file) or the environment, never from
+	// the file that configures the relays.
+	Password json.RawMessage `json:"password"`
+	Token    json.RawMessage `json:"token"`
+}
+
+// NATSTLSConfig is the "nats" block's "tls": PEM files as --nats-tls-ca,
+// --nats-tls-cert and --nats-tls-key.
+type NATSTLSConfig struct {
+	CA   string `json:"ca"`
+	Cert string `json:"cert"`
+	Key  string `json:"key"`
 }
 
 // RelayConfig is one relay. KVEventsConfig is the exact JSON the engine got,
@@ -79,6 +114,11 @@ type RelayConfig struct {
 	LoadSource       string `json:"load_source"`
 	LoadInterval     string `json:"load_interval"`
 	LoadMaxAge       string `json:"load_max_age"`
+	// NATSWorker and NATSMember are the relay's --nats-worker and
+	// --nats-member: the name its batches go under ("" : HOSTNAME:PORT of
+	// Listen) and how gateways taking workers from NATS reach it.
+	NATSWorker string `json:"nats_worker"`
+	NATSMember string `json:"nats_member"`
 	// PublishersOnUpstreamHost: discovery replaced the engine's wildcard
 	// bind hosts by the upstream's host (PublishersOnHost); the engine
 	// binds them all the same. Set by Learn, never by a file.
@@ -115,7 +155,30 @@ func ReadFile(path string) (File, error) {
 	if len(f.Relays) == 0 {
 		return File{}, fmt.Errorf("--config %s: \"relays\" is empty", path)
 	}
+	if err := f.NATS.refuseSecrets(); err != nil {
+		return File{}, fmt.Errorf("--config %s: %w", path, err)
+	}
 	return f, nil
+}
+
+// refuseSecrets refuses a password or token written in the block, in
+// either of its keys or in the URL.
+func (n *NATSConfig) refuseSecrets() error {
+	if n == nil {
+		return nil
+	}
+	if n.Password != nil {
+		return errors.New("nats.password: a password is never written in the config; put it in a file named by nats.password_file (or $KVRELAY_NATS_PASSWORD)")
+	}
+	if n.Token != nil {
+		return errors.New("nats.token: a token is never written in the config; put it in a file named by nats.token_file (or $KVRELAY_NATS_TOKEN)")
+	}
+	if natslog.HasCredentials(n.URL) {
+		// Not even redacted: a server list without a scheme hides its
+		// credential from the redaction.
+		return errors.New("nats.url: it carries a credential (user:password@ or token@), which is never written in the config; give nats.user with nats.password_file, nats.token_file, nats.creds or nats.nkey_seed")
+	}
+	return nil
 }
 
 // Resolve checks every relay's settings and parses its engine config, so a

@@ -59,7 +59,7 @@ type Options struct {
 	// cap, as relay.Config spells it).
 	RecordMaxEntries int
 	// NATS, when its URL is set, publishes every relay's stream to
-	// JetStream.
+	// JetStream, each under its relay's NATSWorker.
 	NATS   NATSSink
 	Logger *slog.Logger
 }
@@ -109,6 +109,10 @@ func Run(ctx context.Context, o Options) error {
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
+	}
+	workers, err := o.NATS.WorkerNames(o.Relays)
+	if err != nil {
+		return err
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
@@ -277,7 +281,7 @@ func Run(ctx context.Context, o Options) error {
 	}
 	// The JetStream sink (--nats) is one more subscriber of its relay.
 	for _, r := range all {
-		if err := o.NATS.start(runCtx, &wg, log, reg, r.relay, r.cfg.Listen, r.load); err != nil {
+		if err := o.NATS.start(runCtx, &wg, log, reg, r.cfg, workers[r.cfg.Name], r.relay, r.load); err != nil {
 			cancel()
 			closeAll()
 			wg.Wait()

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/kvrelay/kvrelay/engines/load"
+	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/kvrelay/kvrelay/internal/reload"
 )
 
@@ -113,7 +114,7 @@ func startLoad(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg pr
 		closer()
 		return nil, nil, fmt.Errorf("relay %q: %w", rc.Name, err)
 	}
-	log.Info("reading the engine's load", "relay", rc.Name, "source", rc.Load.Kind, "url", rc.Load.URL, "upstream", rc.Upstream)
+	log.Info("reading the engine's load", "relay", rc.Name, "source", rc.Load.Kind, "url", natslog.Redact(rc.Load.URL), "upstream", rc.Upstream)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()

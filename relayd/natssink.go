@@ -18,65 +18,87 @@ import (
 	"github.com/kvrelay/kvrelay/relay"
 )
 
-// NATSSink is serve's JetStream sink (--nats …); an empty URL is off.
+// NATSSink is serve's JetStream sink (--nats …, or --config's "nats"
+// block): one per relay, each under its relay's NATSWorker and announcing
+// its NATSMember. An empty URL is off.
 type NATSSink struct {
 	URL, Stream, SubjectPrefix string
-	// Worker names the engine's batches; "" names it HOSTNAME:PORT of the
-	// relay's listen address, what a gateway's grpc://HOSTNAME:PORT worker
-	// looks up.
-	Worker string
 	// AliveEvery: 0 never announces (natsevents.SinkOptions reads 0 as its
 	// default; this does not).
 	AliveEvery time.Duration
-	// Member, if set, is announced with every announcement: how gateways
-	// taking their workers from NATS route to this engine (--nats-member).
-	Member string
 	// NATSOptions, when set, gives the connection's authentication and TLS
 	// options (cmd/kvrelay's --nats-creds …, internal/natsconn), for the
 	// sink's logger.
 	NATSOptions func(*slog.Logger) ([]nats.Option, error)
 }
 
-// start runs one sink for the relay until ctx ends; wg tracks it. loads,
-// if not nil, is the relay's load source: the sink publishes its records
-// beside the stream.
-func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rel *relay.Relay, listen string, loads *load.Poller) error {
+// WorkerNames are the names the relays' sinks publish under, by relay
+// name: a relay's NATSWorker, else HOSTNAME:PORT of its listen address,
+// what a gateway's grpc://HOSTNAME:PORT worker looks up. Two relays under
+// one name would mix their streams on the same subjects (two relays on
+// one listener do, by default), so that is refused, naming both. Run
+// checks it; serve asks first, to refuse the file before it starts.
+func (f NATSSink) WorkerNames(relays []Relay) (map[string]string, error) {
+	names := map[string]string{}
+	if f.URL == "" {
+		return names, nil
+	}
+	host, _ := os.Hostname()
+	by := map[string]string{} // worker name -> relay
+	for _, rc := range relays {
+		if !rc.KV.Enabled {
+			continue // no stream, no sink
+		}
+		name := rc.NATSWorker
+		if name == "" {
+			_, port, err := net.SplitHostPort(rc.Listen)
+			if err != nil {
+				return nil, fmt.Errorf("relay %q: naming its NATS worker after its listen address %s: %w", rc.Name, rc.Listen, err)
+			}
+			name = net.JoinHostPort(host, port)
+		}
+		if other, ok := by[name]; ok {
+			return nil, fmt.Errorf("relays %q and %q would both publish to NATS as worker %q: give each its own nats_worker", other, rc.Name, name)
+		}
+		by[name] = rc.Name
+		names[rc.Name] = name
+	}
+	return names, nil
+}
+
+// start runs one sink for the relay rc (rel: its running relay) under the
+// name given until ctx ends; wg tracks it. loads, if not nil, is the
+// relay's load source: the sink publishes its records beside the stream.
+// The sink's metrics carry the relay label, as the relay's own do.
+func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logger, reg prometheus.Registerer, rc Relay, name string, rel *relay.Relay, loads *load.Poller) error {
 	if f.URL == "" || rel == nil {
 		return nil
-	}
-	name := f.Worker
-	if name == "" {
-		host, _ := os.Hostname()
-		_, port, err := net.SplitHostPort(listen)
-		if err != nil {
-			return fmt.Errorf("--nats: naming the worker after --listen %s: %w", listen, err)
-		}
-		name = net.JoinHostPort(host, port)
 	}
 	aliveEvery := f.AliveEvery
 	if aliveEvery == 0 {
 		aliveEvery = -1 // off; SinkOptions reads 0 as the default
 	}
-	sinkLog := log.With("component", "natsevents", "worker", name)
+	sinkLog := log.With("component", "natsevents", "relay", rc.Name, "worker", name)
 	var nopts []nats.Option
 	if f.NATSOptions != nil {
 		var err error
 		if nopts, err = f.NATSOptions(sinkLog); err != nil {
-			return err
+			return fmt.Errorf("relay %q: NATS: %w", rc.Name, err)
 		}
 	}
 	opts := natsevents.SinkOptions{
-		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, Registerer: reg, AliveEvery: aliveEvery, Member: f.Member,
-		Logger: sinkLog, NATSOptions: nopts,
+		URL: f.URL, Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, Worker: name, AliveEvery: aliveEvery, Member: rc.NATSMember,
+		Registerer: prometheus.WrapRegistererWith(prometheus.Labels{"relay": rc.Name}, reg),
+		Logger:     sinkLog, NATSOptions: nopts,
 	}
 	if loads != nil {
 		opts.Loads = natsevents.PollerLoads(loads)
 	}
 	sink, err := natsevents.NewSink(rel, opts)
 	if err != nil {
-		return fmt.Errorf("--nats: %w", err)
+		return fmt.Errorf("relay %q: NATS sink: %w", rc.Name, err)
 	}
-	log.Info("publishing to JetStream", "nats", natslog.Redact(f.URL), "stream", f.Stream, "worker", name,
+	log.Info("publishing to JetStream", "relay", rc.Name, "nats", natslog.Redact(f.URL), "stream", f.Stream, "worker", name,
 		"subjects", f.SubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
 	wg.Add(1)
 	go func() {

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -42,8 +43,9 @@ func addServeNATSFlags(fs *flag.FlagSet) *serveNATSFlags {
 	}
 }
 
-// check refuses a bad combination before anything starts.
-func (f *serveNATSFlags) check(usesConfigFile bool) error {
+// check refuses a bad combination before anything starts (forConfig
+// does it for a serve --config).
+func (f *serveNATSFlags) check() error {
 	if *f.url == "" {
 		if *f.worker != "" {
 			return errors.New("--nats-worker needs --nats")
@@ -62,28 +64,130 @@ func (f *serveNATSFlags) check(usesConfigFile bool) error {
 	if err := checkNATSAuth(*f.url, f.auth); err != nil {
 		return err
 	}
-	if *f.aliveEvery < 0 || *f.aliveEvery > time.Minute || (*f.aliveEvery > 0 && *f.aliveEvery < time.Millisecond) {
-		return fmt.Errorf("--nats-alive-every %s: want 0 (off) or 1ms to 1m", *f.aliveEvery)
+	if err := checkAliveEvery(*f.aliveEvery); err != nil {
+		return fmt.Errorf("--nats-alive-every %s: %w", *f.aliveEvery, err)
 	}
 	if *f.member != "" {
-		if _, err := membership.ParseWorker(*f.member); err != nil {
+		if err := checkMember(*f.member, *f.aliveEvery, "--nats-alive-every"); err != nil {
 			return fmt.Errorf("--nats-member: %w", err)
 		}
-		if *f.aliveEvery == 0 {
-			return errors.New("--nats-member is announced, which --nats-alive-every 0 turns off")
-		}
-	}
-	if usesConfigFile {
-		return errors.New("--nats cannot be combined with --config yet (one sink per relay needs a name per relay)")
 	}
 	return nil
 }
 
-// options are the sink's settings for relayd.Options.
+// checkAliveEvery refuses an announcement interval the gateways cannot
+// follow.
+func checkAliveEvery(d time.Duration) error {
+	if d < 0 || d > time.Minute || (d > 0 && d < time.Millisecond) {
+		return errors.New("want 0 (off) or 1ms to 1m")
+	}
+	return nil
+}
+
+// checkMember refuses a member a gateway cannot parse, or one that is
+// never announced (aliveSetting 0).
+func checkMember(member string, aliveEvery time.Duration, aliveSetting string) error {
+	if _, err := membership.ParseWorker(member); err != nil {
+		return err
+	}
+	if aliveEvery == 0 {
+		return fmt.Errorf("it is announced, which %s 0 turns off", aliveSetting)
+	}
+	return nil
+}
+
+// options are the flags' sink settings for relayd.Options; the single
+// relay's name and member are its RelayConfig's (worker, member).
 func (f *serveNATSFlags) options() relayd.NATSSink {
-	url, auth := *f.url, f.auth
-	return relayd.NATSSink{URL: url, Stream: *f.stream, SubjectPrefix: *f.subjects, Worker: *f.worker, AliveEvery: *f.aliveEvery, Member: *f.member,
+	return sinkSettings(*f.url, *f.stream, *f.subjects, *f.aliveEvery, f.auth)
+}
+
+// sinkSettings are the sink's settings from flags or from the block, auth
+// connecting it.
+func sinkSettings(url, stream, subjects string, aliveEvery time.Duration, auth *natsconn.Config) relayd.NATSSink {
+	return relayd.NATSSink{URL: url, Stream: stream, SubjectPrefix: subjects, AliveEvery: aliveEvery,
 		NATSOptions: func(log *slog.Logger) ([]nats.Option, error) { return natsAuthOptions(url, auth, log) }}
+}
+
+// forConfig is the sink of a serve --config: the file's "nats" block, or,
+// when it has none, the --nats… flags; giving both is refused, naming the
+// flag (set: the names of the flags given). Each relay's nats_worker and
+// nats_member are checked against it, naming the relay and the key.
+func (f *serveNATSFlags) forConfig(file relayd.File, set []string) (relayd.NATSSink, error) {
+	if *f.worker != "" {
+		return relayd.NATSSink{}, errors.New("--nats-worker cannot be combined with --config: it names one relay (give each relay its nats_worker in the file)")
+	}
+	if *f.member != "" {
+		return relayd.NATSSink{}, errors.New("--nats-member cannot be combined with --config: it announces one relay (give each relay its nats_member in the file)")
+	}
+	sink, aliveSetting := f.options(), "--nats-alive-every"
+	if file.NATS == nil {
+		if err := f.check(); err != nil {
+			return relayd.NATSSink{}, err
+		}
+	} else {
+		for _, name := range set {
+			if strings.HasPrefix(name, "nats") {
+				return relayd.NATSSink{}, fmt.Errorf("--%s cannot be combined with the \"nats\" block of --config: the block is the sink's whole setting (put it there; README: NATS options)", name)
+			}
+		}
+		var err error
+		if sink, err = natsBlock(file.NATS); err != nil {
+			return relayd.NATSSink{}, err
+		}
+		aliveSetting = "nats.alive_every"
+	}
+	for i, r := range file.Relays {
+		where := fmt.Sprintf("relay %d", i)
+		if r.Name != "" {
+			where = fmt.Sprintf("relay %q", r.Name)
+		}
+		if sink.URL == "" {
+			if r.NATSWorker != "" || r.NATSMember != "" {
+				return relayd.NATSSink{}, fmt.Errorf("%s: nats_worker and nats_member need a \"nats\" block with a url in --config (or --nats)", where)
+			}
+			continue
+		}
+		if r.NATSMember != "" {
+			if err := checkMember(r.NATSMember, sink.AliveEvery, aliveSetting); err != nil {
+				return relayd.NATSSink{}, fmt.Errorf("%s: nats_member: %w", where, err)
+			}
+		}
+	}
+	return sink, nil
+}
+
+// natsBlock checks --config's "nats" block (ReadFile refused its
+// secrets), naming the keys, and returns its sink.
+func natsBlock(n *relayd.NATSConfig) (relayd.NATSSink, error) {
+	if n.URL == "" {
+		return relayd.NATSSink{}, errors.New("nats.url is required: the \"nats\" block turns the JetStream sink on")
+	}
+	stream, subjects, aliveEvery := n.Stream, n.EventsSubjectPrefix, natsevents.DefaultAliveEvery
+	if stream == "" {
+		stream = natsevents.DefaultStream
+	}
+	if subjects == "" {
+		subjects = natsevents.DefaultSubjectPrefix
+	}
+	if n.AliveEvery != "" {
+		d, err := time.ParseDuration(n.AliveEvery)
+		if err != nil {
+			return relayd.NATSSink{}, fmt.Errorf("nats.alive_every %q: not a duration (say \"1s\"; \"0s\": never)", n.AliveEvery)
+		}
+		if err := checkAliveEvery(d); err != nil {
+			return relayd.NATSSink{}, fmt.Errorf("nats.alive_every %q: %w", n.AliveEvery, err)
+		}
+		aliveEvery = d
+	}
+	auth := &natsconn.Config{
+		Creds: n.Creds, NKeySeed: n.NKeySeed, User: n.User, PasswordFile: n.PasswordFile, TokenFile: n.TokenFile,
+		CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, Names: natsconn.KeyNames("nats."),
+	}
+	if err := auth.Check(); err != nil {
+		return relayd.NATSSink{}, err
+	}
+	return sinkSettings(n.URL, stream, subjects, aliveEvery, auth), nil
 }
 
 // gatewayNATSEventsFlags are kvrelay gateway's --nats-events flags.
@@ -174,9 +278,6 @@ func natsAuthOptions(url string, auth *natsconn.Config, log *slog.Logger) ([]nat
 	if natslog.HasCredentials(url) {
 		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.Redact(url))
 	}
-	opts, err := auth.Options(log)
-	if err != nil {
-		return nil, fmt.Errorf("--nats: %w", err)
-	}
-	return opts, nil
+	// auth's errors name the flag or key at fault.
+	return auth.Options(log)
 }

@@ -140,7 +140,6 @@ func TestNATSEventsFlagsRefused(t *testing.T) {
 		want string
 	}{
 		{"serve worker name without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-worker", "a"}, "--nats-worker needs --nats"},
-		{"serve --nats with --config", []string{"serve", "--config", "x.json", "--nats", "nats://127.0.0.1:1"}, "--nats"},
 		{"gateway --nats-events without --nats", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-events"}, "--nats-events needs --nats"},
 		{"gateway worker name without --nats-events", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "a=b"}, "--nats-worker-name needs --nats-events"},
 		{"serve subject prefix without --nats", []string{"serve", "--engine", "vllm", "--kv-events-config", `{"enable_kv_cache_events": true}`, "--nats-events-subject-prefix", "x.y"}, "--nats-events-subject-prefix needs --nats"},

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
@@ -74,16 +75,14 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		fmt.Fprintf(stderr, "kvrelay serve: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
-	if err := natsSink.check(*configPath != ""); err != nil {
-		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
-		return 2
-	}
 
 	var file relayd.File
+	var sink relayd.NATSSink
 	publishersMoved := false // discovery put the upstream's host in wildcard endpoints
 	if *configPath != "" {
 		set := map[string]bool{}
-		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		var given []string
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true; given = append(given, f.Name) })
 		for _, single := range []string{"engine", "kv-events-config", "dp-size", "listen", "upstream", "history-batches", "history-bytes", "replay-timeout",
 			"tls-cert", "tls-key", "tls-client-ca", "tls-allow", "reflection", "upstream-tls-ca", "upstream-tls-cert", "upstream-tls-key",
 			"upstream-tls-server-name", "upstream-service", "upstream-drop-authorization", "allow-unknown-config-keys",
@@ -99,6 +98,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 			return 2
 		}
 		file = f
+		if sink, err = natsSink.forConfig(file, given); err != nil {
+			fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+			return 2
+		}
 		if file.MetricsListen == "" {
 			file.MetricsListen = *metricsListen
 		}
@@ -112,6 +115,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 			file.WebConfigFile = *webConfig
 		}
 	} else {
+		if err := natsSink.check(); err != nil {
+			fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+			return 2
+		}
 		if *engineName == "" {
 			fmt.Fprintln(stderr, "kvrelay serve: --engine is required (or --config)")
 			return 2
@@ -147,8 +154,10 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 				PublishersOnUpstreamHost: publishersMoved,
 				EngineMetricsURL:         *engineMetricsURL, LoadSource: *loadSource,
 				LoadInterval: durationKey(*loadInterval), LoadMaxAge: durationKey(*loadMaxAge),
+				NATSWorker: *natsSink.worker, NATSMember: *natsSink.member,
 			}},
 		}
+		sink = natsSink.options()
 	}
 	log, err := newLogger(stderr, file.LogLevel, file.LogFormat)
 	if err != nil {
@@ -159,6 +168,18 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	if err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
+	}
+	if _, err := sink.WorkerNames(relays); err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	if sink.URL != "" {
+		// A credential or certificate file that cannot be read fails now,
+		// naming its flag or key, not once the relays run.
+		if _, err := sink.NATSOptions(slog.New(slog.DiscardHandler)); err != nil {
+			fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+			return 2
+		}
 	}
 	if err := webserve.CheckConfig(file.WebConfigFile); err != nil {
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
@@ -175,7 +196,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	err = relayd.Run(ctx, relayd.Options{
 		Relays: relays, MetricsListen: file.MetricsListen, WebConfigFile: file.WebConfigFile,
 		EngineLimits: relayd.EngineLimits(lim), ServerLimits: limits.Limits, RecordMaxEntries: limits.RecordMaxEntries,
-		NATS: natsSink.options(), Logger: log,
+		NATS: sink, Logger: log,
 	})
 	if err != nil {
 		log.Error("kvrelay serve failed", "err", err)

@@ -1,5 +1,6 @@
-// Package natsconn turns kvrelay's NATS authentication and TLS flags into
-// nats.go options, for every component that connects: the relay's
+// Package natsconn turns kvrelay's NATS authentication and TLS settings
+// (flags, or the keys of serve --config's "nats" block) into nats.go
+// options, for every component that connects: the relay's
 // JetStream sink (serve --nats), the gateway's placement sharing (gateway
 // --nats) and its JetStream event source (--nats-events).
 //
@@ -57,8 +58,40 @@ type Config struct {
 	// against; Cert and Key a client certificate (mTLS). Any of them turns
 	// TLS on.
 	CA, Cert, Key string
+	// Names are what errors and refusal logs call each setting; the zero
+	// Names is FlagNames (a --config file's block uses KeyNames).
+	Names Names
 	// Getenv replaces os.Getenv (tests).
 	Getenv func(string) string
+}
+
+// Names are what an error calls each setting of a Config: the flag or the
+// config key an operator corrects.
+type Names struct {
+	Creds, NKeySeed, User, PasswordFile, TokenFile, CA, Cert, Key string
+}
+
+// FlagNames are the --nats-… flags AddFlags registers.
+var FlagNames = Names{
+	Creds: "--nats-creds", NKeySeed: "--nats-nkey-seed", User: "--nats-user", PasswordFile: "--nats-password-file",
+	TokenFile: "--nats-token-file", CA: "--nats-tls-ca", Cert: "--nats-tls-cert", Key: "--nats-tls-key",
+}
+
+// KeyNames are the keys of a config file's block whose path is prefix
+// (say "nats."): creds, nkey_seed, user, password_file, token_file and
+// tls.ca, tls.cert, tls.key.
+func KeyNames(prefix string) Names {
+	return Names{
+		Creds: prefix + "creds", NKeySeed: prefix + "nkey_seed", User: prefix + "user", PasswordFile: prefix + "password_file",
+		TokenFile: prefix + "token_file", CA: prefix + "tls.ca", Cert: prefix + "tls.cert", Key: prefix + "tls.key",
+	}
+}
+
+func (c *Config) names() Names {
+	if c.Names == (Names{}) {
+		return FlagNames
+	}
+	return c.Names
 }
 
 // AddFlags registers the flags under their --nats-… names and returns the
@@ -89,8 +122,10 @@ func (c *Config) Set() bool {
 		c.CA != "" || c.Cert != "" || c.Key != "" || c.getenv(EnvToken) != ""
 }
 
-// Check refuses a combination that cannot authenticate, naming the flags.
+// Check refuses a combination that cannot authenticate, naming the flags
+// (or keys: Names).
 func (c *Config) Check() error {
+	k := c.names()
 	n := 0
 	for _, set := range []bool{c.Creds != "", c.NKeySeed != "", c.User != "", c.TokenFile != "" || c.getenv(EnvToken) != ""} {
 		if set {
@@ -99,13 +134,13 @@ func (c *Config) Check() error {
 	}
 	switch {
 	case n > 1:
-		return errors.New("--nats-creds, --nats-nkey-seed, --nats-user and --nats-token-file (or $" + EnvToken + ") are alternatives: give one")
+		return fmt.Errorf("%s, %s, %s and %s (or $%s) are alternatives: give one", k.Creds, k.NKeySeed, k.User, k.TokenFile, EnvToken)
 	case c.PasswordFile != "" && c.User == "":
-		return errors.New("--nats-password-file needs --nats-user")
+		return fmt.Errorf("%s needs %s", k.PasswordFile, k.User)
 	case c.User != "" && c.PasswordFile == "" && c.getenv(EnvPassword) == "":
-		return errors.New("--nats-user needs --nats-password-file or $" + EnvPassword)
+		return fmt.Errorf("%s needs %s or $%s", k.User, k.PasswordFile, EnvPassword)
 	case (c.Cert == "") != (c.Key == ""):
-		return errors.New("--nats-tls-cert and --nats-tls-key go together")
+		return fmt.Errorf("%s and %s go together", k.Cert, k.Key)
 	}
 	return nil
 }
@@ -122,17 +157,18 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	k := c.names()
 	var opts []nats.Option
 	switch {
 	case c.Creds != "":
 		if _, err := os.Stat(c.Creds); err != nil {
-			return nil, fmt.Errorf("--nats-creds: %w", err)
+			return nil, fmt.Errorf("%s: %w", k.Creds, err)
 		}
 		opts = append(opts, nats.UserCredentials(c.Creds))
 	case c.NKeySeed != "":
 		o, err := nats.NkeyOptionFromSeed(c.NKeySeed)
 		if err != nil {
-			return nil, fmt.Errorf("--nats-nkey-seed %s: %w", c.NKeySeed, err)
+			return nil, fmt.Errorf("%s %s: %w", k.NKeySeed, c.NKeySeed, err)
 		}
 		opts = append(opts, o)
 	case c.User != "":
@@ -143,7 +179,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			return readSecret(c.PasswordFile)
 		}
 		if _, err := password(); err != nil {
-			return nil, fmt.Errorf("--nats-password-file: %w", err)
+			return nil, fmt.Errorf("%s: %w", k.PasswordFile, err)
 		}
 		opts = append(opts, nats.UserInfoHandler(func() (string, string) {
 			p, err := password()
@@ -160,7 +196,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			return readSecret(c.TokenFile)
 		}
 		if _, err := token(); err != nil {
-			return nil, fmt.Errorf("--nats-token-file: %w", err)
+			return nil, fmt.Errorf("%s: %w", k.TokenFile, err)
 		}
 		opts = append(opts, nats.TokenHandler(func() string {
 			t, err := token()
@@ -177,7 +213,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			certCB = func() (tls.Certificate, error) {
 				cert, err := tls.LoadX509KeyPair(c.Cert, c.Key)
 				if err != nil {
-					return tls.Certificate{}, fmt.Errorf("--nats-tls-cert/--nats-tls-key: %w", err)
+					return tls.Certificate{}, fmt.Errorf("%s/%s: %w", k.Cert, k.Key, err)
 				}
 				return cert, nil
 			}
@@ -186,11 +222,11 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			caCB = func() (*x509.CertPool, error) {
 				pem, err := os.ReadFile(c.CA)
 				if err != nil {
-					return nil, fmt.Errorf("--nats-tls-ca: %w", err)
+					return nil, fmt.Errorf("%s: %w", k.CA, err)
 				}
 				pool := x509.NewCertPool()
 				if !pool.AppendCertsFromPEM(pem) {
-					return nil, fmt.Errorf("--nats-tls-ca %s: no PEM certificate in it", c.CA)
+					return nil, fmt.Errorf("%s %s: no PEM certificate in it", k.CA, c.CA)
 				}
 				return pool, nil
 			}
@@ -210,7 +246,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 		}
 		opts = append(opts, nats.ClientTLSConfig(certCB, caCB))
 	}
-	opts = append(opts, nats.IgnoreAuthErrorAbort(), Failures(log))
+	opts = append(opts, nats.IgnoreAuthErrorAbort(), k.failures(log))
 	return opts, nil
 }
 
@@ -227,12 +263,13 @@ func readSecret(path string) (string, error) {
 	return s, nil
 }
 
-// Failures is the option that logs a refused connection once per cause:
+// failures is the option that logs a refused connection once per cause:
 // at ERROR, with the cause named (an authorization violation, an expired
-// or untrusted certificate, a refused dial), the URL in it redacted. It
-// wraps the connect, reconnect and error callbacks set before it.
-func Failures(log *slog.Logger) nats.Option {
-	f := &failureLog{log: log}
+// or untrusted certificate, a refused dial) in n's words, the URL in it
+// redacted. It wraps the connect, reconnect and error callbacks set before
+// it.
+func (n Names) failures(log *slog.Logger) nats.Option {
+	f := &failureLog{log: log, names: n}
 	return func(o *nats.Options) error {
 		prevErr, prevConn, prevReconn, prevAsync := o.ReconnectErrCB, o.ConnectedCB, o.ReconnectedCB, o.AsyncErrorCB
 		o.ReconnectErrCB = func(nc *nats.Conn, err error) {
@@ -266,9 +303,10 @@ func Failures(log *slog.Logger) nats.Option {
 }
 
 type failureLog struct {
-	log  *slog.Logger
-	mu   sync.Mutex
-	last string
+	log   *slog.Logger
+	names Names
+	mu    sync.Mutex
+	last  string
 }
 
 func (f *failureLog) report(err error) {
@@ -277,7 +315,7 @@ func (f *failureLog) report(err error) {
 	}
 	// Once per cause, not per text: the text of one cause varies from
 	// attempt to attempt (ports, the side that noticed first).
-	cause := Cause(err)
+	cause := f.names.cause(err)
 	f.mu.Lock()
 	same := cause == f.last
 	f.last = cause
@@ -299,8 +337,9 @@ func isAuth(err error) bool {
 		errors.Is(err, nats.ErrAuthRevoked) || errors.Is(err, nats.ErrAccountAuthExpired)
 }
 
-// Cause names why a connection failed, in words an operator acts on.
-func Cause(err error) string {
+// cause names why a connection failed, in words an operator acts on,
+// naming the settings as n does.
+func (n Names) cause(err error) string {
 	var unknownAuthority x509.UnknownAuthorityError
 	var hostname x509.HostnameError
 	var invalid x509.CertificateInvalidError
@@ -308,13 +347,13 @@ func Cause(err error) string {
 	var alert tls.AlertError
 	switch {
 	case errors.Is(err, nats.ErrAuthorization):
-		return "credentials refused by the server (authorization violation): check --nats-creds, --nats-nkey-seed, --nats-user/--nats-password-file or --nats-token-file"
+		return "credentials refused by the server (authorization violation): check " + n.Creds + ", " + n.NKeySeed + ", " + n.User + "/" + n.PasswordFile + " or " + n.TokenFile
 	case errors.Is(err, nats.ErrAuthExpired), errors.Is(err, nats.ErrAccountAuthExpired):
 		return "credentials expired"
 	case errors.Is(err, nats.ErrAuthRevoked):
 		return "credentials revoked"
 	case errors.As(err, &unknownAuthority):
-		return "the server's certificate is not signed by a CA in --nats-tls-ca"
+		return "the server's certificate is not signed by a CA in " + n.CA
 	case errors.As(err, &hostname):
 		return "the server's certificate does not name the host dialled"
 	case errors.As(err, &invalid):
@@ -324,7 +363,7 @@ func Cause(err error) string {
 	case errors.As(err, &alert), strings.Contains(err.Error(), "tls: "), strings.Contains(err.Error(), "tls error"):
 		return "TLS handshake refused (a client certificate the server does not accept, or none given?)"
 	case errors.Is(err, nats.ErrSecureConnRequired):
-		return "the server requires TLS: give --nats-tls-ca"
+		return "the server requires TLS: give " + n.CA
 	case errors.Is(err, nats.ErrSecureConnWanted):
 		return "TLS asked for but the server does not offer it"
 	case errors.Is(err, nats.ErrNoServers):

@@ -189,6 +189,10 @@ func TestCheck(t *testing.T) {
 		{"password without user", Config{PasswordFile: "p"}, "needs --nats-user"},
 		{"user without password", Config{User: "u"}, "--nats-user needs"},
 		{"cert without key", Config{Cert: "c"}, "go together"},
+		// A config file's block names its keys instead.
+		{"keys: two alternatives", Config{Creds: "a", TokenFile: "b", Names: KeyNames("nats.")}, "nats.creds, nats.nkey_seed, nats.user and nats.token_file"},
+		{"keys: password without user", Config{PasswordFile: "p", Names: KeyNames("nats.")}, "nats.password_file needs nats.user"},
+		{"keys: cert without key", Config{Cert: "c", Names: KeyNames("nats.")}, "nats.tls.cert and nats.tls.key go together"},
 	} {
 		err := tc.cfg.Check()
 		if (err == nil) != (tc.want == "") || err != nil && !strings.Contains(err.Error(), tc.want) {
@@ -207,6 +211,10 @@ func TestMissingFilesFailAtStart(t *testing.T) {
 			t.Errorf("%+v: no error for a missing file", cfg)
 		} else if !strings.Contains(err.Error(), "--nats-") {
 			t.Errorf("%+v: error %q names no flag", cfg, err)
+		}
+		cfg.Names = KeyNames("nats.")
+		if _, err := cfg.Options(nil); err == nil || !strings.Contains(err.Error(), "nats.") || strings.Contains(err.Error(), "--nats-") {
+			t.Errorf("%+v: error %v does not name the key alone", cfg, err)
 		}
 	}
 	if _, err := os.Stat(missing); err == nil {

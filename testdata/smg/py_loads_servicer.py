@@ -17,23 +17,16 @@ Prints {"ready": true, "port": N} once it listens, then {"call": "GetLoads"}
 for every GetLoads call.
 """
 
-import argparse
-import asyncio
 import json
-import logging
-import sys
 
-import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pbg
 from smg_grpc_servicer import kv_relay, load_record
 
+import relay_peer
+
 
 def main_args():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--replay-endpoint", default=None)
-    ap.add_argument("--dp-size", type=int, default=1)
-    ap.add_argument("--port", type=int, default=0)
+    ap = relay_peer.parser()
     ap.add_argument("--loads-file", required=True)
     return ap.parse_args()
 
@@ -50,10 +43,7 @@ def read(path):
 
 async def main() -> int:
     a = main_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = argparse.Namespace(endpoint=a.endpoint, replay_endpoint=a.replay_endpoint)
-    sources = kv_relay.rank_sources(config, range(a.dp_size))
+    sources = relay_peer.rank_sources(a)
 
     def load_source(rank):
         push, ranks = read(a.loads_file)
@@ -74,17 +64,8 @@ async def main() -> int:
             loads = [ranks[r] for r in sorted(ranks)]
             return pb.GetLoadsResponse(dp_rank_count=len(loads), loads=loads)
 
-    server = grpc.aio.server()
-    pbg.add_VllmEngineServicer_to_server(Servicer(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{a.port}")
-    await server.start()
-    print(json.dumps({"ready": True, "port": port}), flush=True)
-    await server.wait_for_termination()
-    return 0
+    return await relay_peer.serve(pbg.add_VllmEngineServicer_to_server, Servicer(), a.port)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(asyncio.run(main()))
-    except KeyboardInterrupt:
-        pass
+    relay_peer.run(main)

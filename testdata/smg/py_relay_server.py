@@ -14,19 +14,16 @@ a test changes the engine's load by replacing the file.
 Prints {"ready": true, "port": N} on stdout once it listens.
 """
 
-import argparse
-import asyncio
 import json
-import logging
-import sys
 
-import grpc
 from smg_grpc_proto.generated import (
     sglang_scheduler_pb2_grpc,
     tokenspeed_scheduler_pb2_grpc,
     vllm_engine_pb2_grpc,
 )
 from smg_grpc_servicer import kv_relay
+
+import relay_peer
 
 SERVICES = {
     "vllm": (vllm_engine_pb2_grpc.VllmEngineServicer, vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, kv_relay.Engine.VLLM),
@@ -36,23 +33,14 @@ SERVICES = {
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = relay_peer.parser()
     ap.add_argument("--engine", choices=sorted(SERVICES), required=True)
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--replay-endpoint", default=None)
-    ap.add_argument("--dp-size", type=int, default=1)
     ap.add_argument("--topic", default="")
-    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--load-file", default=None)
     a = ap.parse_args()
-    # The relay logs its subscriptions, replays and failures at INFO/WARNING;
-    # tests read them on stderr when something goes wrong.
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     base, add, engine = SERVICES[a.engine]
-    config = argparse.Namespace(endpoint=a.endpoint, replay_endpoint=a.replay_endpoint)
-    sources = kv_relay.rank_sources(config, range(a.dp_size))
+    sources = relay_peer.rank_sources(a)
 
     load_source = None
     if a.load_file:
@@ -74,17 +62,8 @@ async def main() -> int:
             ):
                 yield batch
 
-    server = grpc.aio.server()
-    add(Relay(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{a.port}")
-    await server.start()
-    print(json.dumps({"ready": True, "port": port}), flush=True)
-    await server.wait_for_termination()
-    return 0
+    return await relay_peer.serve(add, Relay(), a.port)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(asyncio.run(main()))
-    except KeyboardInterrupt:
-        pass
+    relay_peer.run(main)
