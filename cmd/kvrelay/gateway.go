@@ -86,6 +86,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	fs.IntVar(&lim.MaxTokens, "max-request-tokens", httpapi.DefaultLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
 	fs.IntVar(&lim.MaxInFlight, "max-inflight-requests", httpapi.DefaultLimits.MaxInFlight, "/v1/route and /v1/load requests handled at once; more get 503 with Retry-After")
 	fs.DurationVar(&lim.ReadTimeout, "http-read-timeout", httpapi.DefaultLimits.ReadTimeout, "time to read a whole request, body included")
+	fs.Float64Var(&lim.MinUploadRate, "min-upload-rate", httpapi.DefaultLimits.MinUploadRate, "least average rate (bytes/s) a POST body must arrive at, counted after its first 2 s; slower gets 408 and the connection closed (0: none)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var workerTLS tlsconfig.Client
@@ -143,6 +144,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		return fail("--max-inflight-requests must be at least 1, got %d", lim.MaxInFlight)
 	case lim.ReadTimeout <= 0:
 		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
+	case lim.MinUploadRate < 0 || math.IsNaN(lim.MinUploadRate) || math.IsInf(lim.MinUploadRate, 0):
+		return fail("--min-upload-rate must be a rate ≥ 0 in bytes/s, got %v", lim.MinUploadRate)
 	}
 	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
 		return fail("%v", err)

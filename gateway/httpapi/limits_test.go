@@ -24,7 +24,14 @@ import (
 // Serve (the real server settings) on loopback.
 func limitedGateway(t *testing.T, lim Limits, workers ...gateway.Worker) (url string, g *gateway.Gateway) {
 	t.Helper()
-	reg := prometheus.NewRegistry()
+	url, g, _ = servedGateway(t, lim, slog.New(slog.DiscardHandler), workers...)
+	return url, g
+}
+
+// servedGateway is limitedGateway with a log, also returning the registry.
+func servedGateway(t *testing.T, lim Limits, log *slog.Logger, workers ...gateway.Worker) (url string, g *gateway.Gateway, reg *prometheus.Registry) {
+	t.Helper()
+	reg = prometheus.NewRegistry()
 	g, err := gateway.New(gateway.Config{
 		Workers:    workers,
 		Monitor:    monitor.Options{InitialBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
@@ -39,14 +46,14 @@ func limitedGateway(t *testing.T, lim Limits, workers ...gateway.Worker) (url st
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, slog.New(slog.DiscardHandler), g, reg, ln, "", lim) }()
+	go func() { done <- Serve(ctx, log, g, reg, ln, "", lim) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	return "http://" + ln.Addr().String(), g
+	return "http://" + ln.Addr().String(), g, reg
 }
 
 func TestGatewayHTTPBoundsAndMessages(t *testing.T) {
