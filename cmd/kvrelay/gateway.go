@@ -79,6 +79,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
 	natsAuth := natsconn.AddFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
+	reportedTTL := fs.Duration("reported-load-ttl", gateway.DefaultReportedLoadTTL, `a count reported by /v1/load (or a route's "loads") is dropped when not reported again within this: the worker's load is then its tracked requests alone`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
 	maxRecv := fs.Int("max-recv-msg-bytes", monitor.DefaultMaxRecvMsgBytes, "largest gRPC message accepted from a worker; at least the relay's --max-send-msg-bytes")
@@ -136,6 +137,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		return fail("--nats-subject-prefix must be dot-separated subject tokens without wildcards, got %q", *natsSubject)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
+	case *reportedTTL <= 0:
+		return fail("--reported-load-ttl must be positive, got %v", *reportedTTL)
 	case *maxRecv < 4<<20:
 		return fail("--max-recv-msg-bytes must be at least 4194304 (gRPC's default), got %d", *maxRecv)
 	case lim.MaxTokens < 1 || lim.MaxTokens > httpapi.MaxRequestTokensCap:
@@ -210,7 +213,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
-		InflightTimeout: *inflightTimeout, LoadPollInterval: *loadPoll,
+		InflightTimeout: *inflightTimeout, ReportedLoadTTL: *reportedTTL, LoadPollInterval: *loadPoll,
 		Placements:   placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
 		NoPlacements: *placementWeight == 0,
 		Registerer:   reg,

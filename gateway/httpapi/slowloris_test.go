@@ -114,7 +114,7 @@ func TestGatewayHTTPMinUploadRateEndsSlowUploads(t *testing.T) {
 			e := kvstream.Start(t)
 			lim := Limits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second, MinUploadRate: DefaultMinUploadRate}
 			var logs safeLog
-			url, _, reg := servedGateway(t, lim, slog.New(slog.NewTextHandler(&logs, nil)), gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+			url, _, reg := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.NewTextHandler(&logs, nil)))
 			addr := strings.TrimPrefix(url, "http://")
 			// Routing works before the flood.
 			if got := honestRoutes(t, url, 1, nil); got[http.StatusOK] == 0 {
@@ -250,7 +250,7 @@ func TestGatewayHTTPRejectionsCountedAndThrottled(t *testing.T) {
 	e := kvstream.Start(t)
 	lim := Limits{MaxTokens: 10, MaxInFlight: 4, ReadTimeout: 30 * time.Second}
 	var logs safeLog
-	url, _, reg := servedGateway(t, lim, slog.New(slog.NewTextHandler(&logs, nil)), gateway.Worker{ID: "w", Addr: e.Addr, Model: "m"})
+	url, _, reg := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.NewTextHandler(&logs, nil)))
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	cl := &http.Client{Transport: tr}
