@@ -70,7 +70,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
 	placementWeight := fs.Float64("placement-weight", placement.DefaultWeight, "score a block the gateway routed to a worker, before its engine reports it, as this fraction of a reported one (0: placements off)")
 	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
-	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
+	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest of the source holding the most (this replica, or one peer replica) go first")
 	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
