@@ -34,13 +34,16 @@ const layers = `
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
 	internal/natslog, internal/tlsconfig, internal/freeport, internal/logthrottle,
-	internal/exposure, internal/webserve, internal/reload, internal/sdnotify,
+	internal/exposure, internal/reload, internal/sdnotify,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
 
 	# NATS connection options (auth, TLS) from flags; they log through
 	# natslog's redaction.
 	internal/natslog < internal/natsconn;
+
+	# The HTTP listeners' web config; their error lines are throttled.
+	internal/logthrottle < internal/webserve;
 
 	# Codecs over the protobuf.
 	proto/kvpb < proto/kvenc, proto/kvdec;

@@ -83,6 +83,11 @@ type Config struct {
 	// InflightTimeout ends a tracked request nobody completed; 0 =
 	// DefaultInflightTimeout.
 	InflightTimeout time.Duration
+	// ReportedLoadTTL is how long a client-reported in-flight count
+	// (ReportLoads, POST /v1/load) counts without being reported again;
+	// then it is dropped: unknown, not zero, so the worker's count is its
+	// tracked requests alone. 0 = DefaultReportedLoadTTL.
+	ReportedLoadTTL time.Duration
 	// Placements tunes the blocks the gateway records on the worker it
 	// routed a request to, before the engine reports them (package
 	// placement); zero values take its defaults.
@@ -152,7 +157,8 @@ type WorkerStatus struct {
 	// Inflight is the in-flight count the picker uses: the larger of
 	// Reported and Routed+PeerRouted.
 	Inflight int `json:"inflight"`
-	// Reported is the last count a client reported; Routed the tracked
+	// Reported is the last count a client reported (within
+	// Config.ReportedLoadTTL; 0 when none); Routed the tracked
 	// requests routed to the worker and not completed, by this replica;
 	// PeerRouted those of the other replicas sharing load over NATS.
 	Reported   int `json:"reported_inflight"`
@@ -211,7 +217,10 @@ type Gateway struct {
 	models   map[string]*model
 	workerOf map[string]string // worker ID → model
 	inflight map[string]int    // reported by clients
-	routed   map[string]int    // tracked and not completed
+	// reportedAt is when each count of inflight was reported; a count
+	// older than ReportedLoadTTL is dropped (expireReported).
+	reportedAt map[string]time.Time
+	routed     map[string]int // tracked and not completed
 	// routedVersion changes with every change of routed (RoutedCounts).
 	routedVersion uint64
 	routedSignal  chan struct{} // RoutedChanged
@@ -251,6 +260,12 @@ func New(cfg Config) (*Gateway, error) {
 	if cfg.InflightTimeout == 0 {
 		cfg.InflightTimeout = DefaultInflightTimeout
 	}
+	if cfg.ReportedLoadTTL < 0 {
+		return nil, fmt.Errorf("gateway: reported load TTL must be ≥ 0, got %v", cfg.ReportedLoadTTL)
+	}
+	if cfg.ReportedLoadTTL == 0 {
+		cfg.ReportedLoadTTL = DefaultReportedLoadTTL
+	}
 	p, err := picker.New(cfg.Picker)
 	if err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
@@ -268,6 +283,7 @@ func New(cfg Config) (*Gateway, error) {
 		models:       map[string]*model{},
 		workerOf:     map[string]string{},
 		inflight:     map[string]int{},
+		reportedAt:   map[string]time.Time{},
 		routed:       map[string]int{},
 		routedSignal: make(chan struct{}, 1),
 		pending:      map[uint64]tracked{},
@@ -362,6 +378,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 	g.reachDirty.Store(true) // the last reachable worker gone: the others come back
 	delete(g.workerOf, id)
 	delete(g.inflight, id)
+	delete(g.reportedAt, id)
 	delete(g.peerRouted, id)
 	delete(g.engine, id)
 	delete(g.lastPush, id)
@@ -604,8 +621,10 @@ func (g *Gateway) reportLoadsLocked(loads map[string]int) error {
 			return fmt.Errorf("%w: %q", ErrUnknownWorker, w)
 		}
 	}
+	now := g.now()
 	for w, n := range loads {
 		g.inflight[w] = max(n, 0)
+		g.reportedAt[w] = now
 		g.syncFleetLocked(w)
 	}
 	return nil

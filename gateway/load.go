@@ -19,7 +19,8 @@ import (
 //     gauge;
 //   - the requests the gateway routed with RouteRequest.Track and that have
 //     not completed (Decision.Done, POST /v1/done), as SMG counts its own;
-//   - in-flight counts a client reports (ReportLoads, POST /v1/load).
+//   - in-flight counts a client reports (ReportLoads, POST /v1/load),
+//     each dropped when not reported again within Config.ReportedLoadTTL.
 //
 // A worker's in-flight count is the larger of the last two: a client that
 // reports totals and also completes tracked requests is not counted twice,
@@ -33,6 +34,12 @@ import (
 // DefaultInflightTimeout is how long a tracked request counts as in flight
 // when nobody completes it (a client that crashed, a lost /v1/done).
 const DefaultInflightTimeout = 10 * time.Minute
+
+// DefaultReportedLoadTTL is how long a client-reported count lives without
+// a new report: a client reporting totals reports them far more often
+// than this, and one that stopped (or a forger's one-off MaxReportedLoad,
+// issue 29) stops steering routing within it.
+const DefaultReportedLoadTTL = time.Minute
 
 // engineLoadMaxAge is how old a rank's load record may be and still steer
 // the picker. Streams send one at least every 5 s while idle (SMG's
@@ -299,10 +306,28 @@ func (g *Gateway) expireTracked() int {
 	return len(ids)
 }
 
-// runExpiry expires tracked requests until ctx ends, checking a few times
-// per timeout so none outlives it by more than a quarter.
+// expireReported drops the reported counts older than ReportedLoadTTL.
+func (g *Gateway) expireReported() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	now := g.now()
+	n := 0
+	for w, at := range g.reportedAt {
+		if now.Sub(at) >= g.cfg.ReportedLoadTTL {
+			delete(g.inflight, w)
+			delete(g.reportedAt, w)
+			g.syncFleetLocked(w)
+			n++
+		}
+	}
+	return n
+}
+
+// runExpiry expires tracked requests and reported counts until ctx ends,
+// checking a few times per timeout so none outlives it by more than a
+// quarter of it.
 func (g *Gateway) runExpiry(ctx context.Context) {
-	every := min(max(g.cfg.InflightTimeout/4, 10*time.Millisecond), 30*time.Second)
+	every := min(max(min(g.cfg.InflightTimeout, g.cfg.ReportedLoadTTL)/4, 10*time.Millisecond), 30*time.Second)
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -311,6 +336,7 @@ func (g *Gateway) runExpiry(ctx context.Context) {
 			return
 		case <-t.C:
 			g.expireTracked()
+			g.expireReported()
 		}
 	}
 }

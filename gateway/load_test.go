@@ -516,3 +516,84 @@ func TestPeerRouted(t *testing.T) {
 	}
 	d.Done()
 }
+
+// TestReportedLoadExpires: a client-reported count is dropped when not
+// reported again within ReportedLoadTTL (issue 29: a forged MaxInt64 had
+// no expiry): the worker's count is then its tracked requests (unknown,
+// not zero), and routing follows; a new report lives a TTL from it.
+func TestReportedLoadExpires(t *testing.T) {
+	now := time.Unix(1000, 0)
+	const ttl = time.Minute
+	g, err := New(Config{
+		Workers:         []Worker{{ID: "A", Addr: "127.0.0.1:1"}, {ID: "B", Addr: "127.0.0.1:2"}},
+		ReportedLoadTTL: ttl, NoPlacements: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.now = func() time.Time { return now }
+	route := func() string {
+		t.Helper()
+		d, err := g.Route(RouteRequest{TokenIDs: tokens(0, 64)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.Worker
+	}
+	// A has 2 tracked requests, B 3; a client reports 1,000 on A.
+	for _, w := range []string{"A", "A", "B", "B", "B"} {
+		g.mu.Lock()
+		g.trackLocked(w, now)
+		g.mu.Unlock()
+	}
+	if err := g.ReportLoad("A", 1000); err != nil {
+		t.Fatal(err)
+	}
+	if st := workerStatus(t, g, "A"); st.Inflight != 1000 || route() != "B" {
+		t.Fatalf("with the report: A %+v, route %s; want 1000 and B", st, route())
+	}
+	now = now.Add(ttl - time.Nanosecond)
+	if n := g.expireReported(); n != 0 || workerStatus(t, g, "A").Reported != 1000 {
+		t.Fatalf("expired %d before the TTL", n)
+	}
+	now = now.Add(time.Nanosecond)
+	if n := g.expireReported(); n != 1 {
+		t.Fatalf("expired %d at the TTL, want 1", n)
+	}
+	if st := workerStatus(t, g, "A"); st.Inflight != 2 || st.Reported != 0 || st.Routed != 2 {
+		t.Errorf("after the TTL: A %+v, want its 2 tracked requests", st)
+	}
+	if w := route(); w != "A" {
+		t.Errorf("after the TTL the route went to %s, want A (2 in flight against 3)", w)
+	}
+	// Reporting again starts a new TTL.
+	if err := g.ReportLoads(map[string]int{"A": 7}); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(ttl / 2)
+	if err := g.ReportLoads(map[string]int{"A": 8}); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(ttl/2 + time.Second)
+	if n := g.expireReported(); n != 0 || workerStatus(t, g, "A").Reported != 8 {
+		t.Errorf("a report renewed within the TTL expired (%d)", n)
+	}
+	if _, err := New(Config{ReportedLoadTTL: -time.Second}); err == nil {
+		t.Error("a negative TTL accepted")
+	}
+}
+
+// TestReportedLoadExpiresWhileRunning: Run's expiry loop drops a report
+// within its TTL and a quarter.
+func TestReportedLoadExpiresWhileRunning(t *testing.T) {
+	const ttl = 200 * time.Millisecond
+	g := runGateway(t, Config{Workers: []Worker{{ID: "A", Addr: "127.0.0.1:1"}}, ReportedLoadTTL: ttl, NoPlacements: true})
+	if err := g.ReportLoad("A", 5); err != nil {
+		t.Fatal(err)
+	}
+	reported := time.Now()
+	eventually(t, "the report to expire", func() bool { return workerStatus(t, g, "A").Reported == 0 })
+	if took := time.Since(reported); took < ttl {
+		t.Errorf("the report expired after %v, before its TTL %v", took, ttl)
+	}
+}

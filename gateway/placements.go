@@ -56,10 +56,11 @@ func (g *Gateway) publishPlacement(model, worker string, hashes []uint64) {
 	}
 }
 
-// ApplyPlacement records a placement another replica made: hashes (prefix
-// hashes, as package index computes them) placed on worker, which must
-// serve model here too.
-func (g *Gateway) ApplyPlacement(model, worker string, hashes []uint64) error {
+// ApplyPlacement records a placement another replica, peer, made: hashes
+// (prefix hashes, as package index computes them) placed on worker, which
+// must serve model here too. The entries are peer's in the model's
+// placements: a peer flooding them evicts its own (package placement).
+func (g *Gateway) ApplyPlacement(model, peer, worker string, hashes []uint64) error {
 	g.mu.Lock()
 	m := g.models[model]
 	ok := m != nil && m.workers[worker]
@@ -72,7 +73,7 @@ func (g *Gateway) ApplyPlacement(model, worker string, hashes []uint64) error {
 	case m.places == nil:
 		return nil // placements are off here
 	}
-	m.places.Record(worker, hashes, 0, g.now())
+	m.places.RecordFrom(peer, worker, hashes, 0, g.now())
 	return nil
 }
 

@@ -70,7 +70,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	balanceUsage := fs.Float64("balance-token-usage-threshold", picker.DefaultTokenUsageThreshold, "suspend cache affinity while engines' KV token usages spread (hottest − coldest) by more than this (1.0: off)")
 	placementWeight := fs.Float64("placement-weight", placement.DefaultWeight, "score a block the gateway routed to a worker, before its engine reports it, as this fraction of a reported one (0: placements off)")
 	placementTTL := fs.Duration("placement-ttl", placement.DefaultTTL, "forget a placement the engine has not confirmed after this")
-	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest go first")
+	placementMax := fs.Int("placement-max-entries", placement.DefaultMaxEntries, "bound on placements (blocks × workers) per model; the oldest of the source holding the most (this replica, or one peer replica) go first")
 	natsURL := fs.String("nats", "", "share placements with the other gateway replicas through this NATS server (nats://HOST:4222[,…]); without it, each replica keeps its own")
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
@@ -79,6 +79,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
 	natsAuth := natsconn.AddFlags(fs)
 	inflightTimeout := fs.Duration("inflight-timeout", gateway.DefaultInflightTimeout, `a request routed with "track": true stops counting as in flight after this if /v1/done never names it`)
+	reportedTTL := fs.Duration("reported-load-ttl", gateway.DefaultReportedLoadTTL, `a count reported by /v1/load (or a route's "loads") is dropped when not reported again within this: the worker's load is then its tracked requests alone`)
 	reportModeFull := fs.Bool("report-mode-full", false,
 		"the workers' requests may ask for vLLM's kv_cache_report_mode \"full\": a re-announced prefix-cache hit adds no copy, the rule of kvrelay serve --report-mode-full; use it behind relays that relay the stream faithfully (no --suppress-reannounced-stores), or the digests diverge (see README)")
 	maxRecv := fs.Int("max-recv-msg-bytes", monitor.DefaultMaxRecvMsgBytes, "largest gRPC message accepted from a worker; at least the relay's --max-send-msg-bytes")
@@ -86,6 +87,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	fs.IntVar(&lim.MaxTokens, "max-request-tokens", httpapi.DefaultLimits.MaxTokens, "token ids one /v1/route request may carry; bounds the body size too (413 above)")
 	fs.IntVar(&lim.MaxInFlight, "max-inflight-requests", httpapi.DefaultLimits.MaxInFlight, "/v1/route and /v1/load requests handled at once; more get 503 with Retry-After")
 	fs.DurationVar(&lim.ReadTimeout, "http-read-timeout", httpapi.DefaultLimits.ReadTimeout, "time to read a whole request, body included")
+	fs.Float64Var(&lim.MinUploadRate, "min-upload-rate", httpapi.DefaultLimits.MinUploadRate, "least average rate (bytes/s) a POST body must arrive at, counted after its first 2 s; slower gets 408 and the connection closed (0: none)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	logFormat := fs.String("log-format", "text", "text or json")
 	var workerTLS tlsconfig.Client
@@ -135,6 +137,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		return fail("--nats-subject-prefix must be dot-separated subject tokens without wildcards, got %q", *natsSubject)
 	case *inflightTimeout <= 0:
 		return fail("--inflight-timeout must be positive, got %v", *inflightTimeout)
+	case *reportedTTL <= 0:
+		return fail("--reported-load-ttl must be positive, got %v", *reportedTTL)
 	case *maxRecv < 4<<20:
 		return fail("--max-recv-msg-bytes must be at least 4194304 (gRPC's default), got %d", *maxRecv)
 	case lim.MaxTokens < 1 || lim.MaxTokens > httpapi.MaxRequestTokensCap:
@@ -143,6 +147,8 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		return fail("--max-inflight-requests must be at least 1, got %d", lim.MaxInFlight)
 	case lim.ReadTimeout <= 0:
 		return fail("--http-read-timeout must be positive, got %v", lim.ReadTimeout)
+	case lim.MinUploadRate < 0 || math.IsNaN(lim.MinUploadRate) || math.IsInf(lim.MinUploadRate, 0):
+		return fail("--min-upload-rate must be a rate ≥ 0 in bytes/s, got %v", lim.MinUploadRate)
 	}
 	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
 		return fail("%v", err)
@@ -207,7 +213,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 			AbsThreshold: *spillAbs, RelThreshold: *spillRel, Temperature: *temperature,
 			OverlapDecay: *overlapDecay, OverloadTokenUsage: *overloadUsage, BalanceTokenUsage: *balanceUsage,
 		},
-		InflightTimeout: *inflightTimeout, LoadPollInterval: *loadPoll,
+		InflightTimeout: *inflightTimeout, ReportedLoadTTL: *reportedTTL, LoadPollInterval: *loadPoll,
 		Placements:   placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
 		NoPlacements: *placementWeight == 0,
 		Registerer:   reg,

@@ -15,8 +15,10 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"reflect"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -25,6 +27,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 	"github.com/kvrelay/kvrelay/internal/webserve"
 )
 
@@ -38,14 +41,16 @@ func Serve(ctx context.Context, log *slog.Logger, g *gateway.Gateway, reg *prome
 	runDone := make(chan error, 1)
 	go func() { runDone <- g.Run(runCtx) }()
 
+	// webserve.Serve adds its ReadHeaderTimeout (10 s) and an ErrorLog
+	// throttled per kind of line (a flood of bad TLS handshakes or
+	// malformed requests yields a few lines a minute).
 	srv := &http.Server{
-		Handler:           NewHandler(g, reg, log, lim, extra...),
-		ReadHeaderTimeout: 10 * time.Second,
-		// A body trickled in byte by byte holds its request (and its share
-		// of the in-flight cap) no longer than this.
+		Handler: NewHandler(g, reg, log, lim, extra...),
+		// A body trickled in holds its request (and its share of the
+		// in-flight cap) no longer than this, and below MinUploadRate
+		// no longer than a few seconds (uploadrate.go).
 		ReadTimeout: lim.ReadTimeout,
 		IdleTimeout: 2 * time.Minute,
-		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	serveDone := make(chan error, 1)
 	go func() { serveDone <- webserve.Serve(srv, ln, webConfig, log) }()
@@ -101,13 +106,17 @@ type Limits struct {
 	MaxInFlightPerClient int
 	// ReadTimeout bounds reading a whole request.
 	ReadTimeout time.Duration
+	// MinUploadRate is the least average rate, in bytes a second, a POST
+	// body must arrive at from UploadGrace on; a slower one is answered
+	// 408 and its connection closed (uploadrate.go). 0 = none.
+	MinUploadRate float64
 }
 
 // DefaultLimits: a million-token prompt (the longest contexts served
 // today) is routable; 64 bodies of that size are under 1 GiB, and routing
 // takes microseconds, so 64 at once is far above what two cores get through
 // anyway.
-var DefaultLimits = Limits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second}
+var DefaultLimits = Limits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second, MinUploadRate: DefaultMinUploadRate}
 
 // MaxRequestTokensCap keeps the body bound within an int on any platform.
 const MaxRequestTokensCap = 1 << 26
@@ -160,11 +169,13 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 	for _, add := range extra {
 		add(mux)
 	}
+	rej := newRejections(reg, log)
+	writeError := rej.write
 	inflight := make(chan struct{}, lim.MaxInFlight)
 	perClient := newClientSlots(lim.perClient())
 	// bounded admits a POST only while fewer than MaxInFlightPerClient of
 	// its client's and MaxInFlight in all are handled; a refused client is
-	// told when to come back.
+	// told when to come back. Its body must arrive at MinUploadRate.
 	bounded := func(h http.HandlerFunc) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
 			client := clientKey(r)
@@ -173,24 +184,27 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 				// the body (which a slow client trickles) before replying.
 				w.Header().Set("Connection", "close")
 				w.Header().Set("Retry-After", "1")
-				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("this client has %d requests in flight already (the per-client bound); retry shortly", perClient.max))
+				writeError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("this client has %d requests in flight already (the per-client bound); retry shortly", perClient.max))
 				return
 			}
 			defer perClient.give(client)
 			select {
 			case inflight <- struct{}{}:
 				defer func() { <-inflight }()
+				if lim.MinUploadRate > 0 {
+					r.Body = newRateBody(w, r, lim.MinUploadRate, lim.ReadTimeout)
+				}
 				h(w, r)
 			default:
 				w.Header().Set("Retry-After", "1")
-				writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("the gateway is handling %d requests already (--max-inflight-requests); retry shortly", lim.MaxInFlight))
+				writeError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("the gateway is handling %d requests already (--max-inflight-requests); retry shortly", lim.MaxInFlight))
 			}
 		}
 	}
 	mux.HandleFunc("POST /v1/route", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req routeRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
+			writeError(w, r, code, err.Error())
 			return
 		}
 		var toks []uint32
@@ -201,16 +215,16 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		case req.Text != nil:
 			text = *req.Text
 		default:
-			writeError(w, http.StatusBadRequest, `"token_ids" (an array of token ids) or "text" is required`)
+			writeError(w, r, http.StatusBadRequest, `"token_ids" (an array of token ids) or "text" is required`)
 			return
 		}
 		if n := len(toks); n > lim.MaxTokens {
-			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf(`"token_ids" holds %d tokens; this gateway takes at most %d (--max-request-tokens)`, n, lim.MaxTokens))
+			writeError(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf(`"token_ids" holds %d tokens; this gateway takes at most %d (--max-request-tokens)`, n, lim.MaxTokens))
 			return
 		}
 		loads, err := checkLoads(req.Loads)
 		if err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
+			writeError(w, r, http.StatusBadRequest, err.Error())
 			return
 		}
 		d, err := g.Route(gateway.RouteRequest{
@@ -219,17 +233,17 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		})
 		switch {
 		case errors.Is(err, gateway.ErrUnknownWorker):
-			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
+			writeError(w, r, http.StatusBadRequest, "loads: "+err.Error())
 			return
 		case errors.Is(err, gateway.ErrUnknownModel):
-			writeError(w, http.StatusNotFound, err.Error())
+			writeError(w, r, http.StatusNotFound, err.Error())
 			return
 		case errors.Is(err, gateway.ErrNoWorkers):
-			writeError(w, http.StatusServiceUnavailable, err.Error())
+			writeError(w, r, http.StatusServiceUnavailable, err.Error())
 			return
 		case err != nil:
 			log.Error("route failed", "err", err)
-			writeError(w, http.StatusInternalServerError, err.Error())
+			writeError(w, r, http.StatusInternalServerError, err.Error())
 			return
 		}
 		writeJSON(w, http.StatusOK, routeResponse{
@@ -240,15 +254,15 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 	mux.HandleFunc("POST /v1/done", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req doneRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
+			writeError(w, r, code, err.Error())
 			return
 		}
 		if req.RequestID == nil {
-			writeError(w, http.StatusBadRequest, `"request_id" is required (from a /v1/route answer with "track": true)`)
+			writeError(w, r, http.StatusBadRequest, `"request_id" is required (from a /v1/route answer with "track": true)`)
 			return
 		}
 		if err := g.Complete(*req.RequestID); err != nil {
-			writeError(w, http.StatusNotFound, err.Error())
+			writeError(w, r, http.StatusNotFound, err.Error())
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"completed": true})
@@ -256,20 +270,20 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 	mux.HandleFunc("POST /v1/load", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req loadRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
-			writeError(w, code, err.Error())
+			writeError(w, r, code, err.Error())
 			return
 		}
 		if len(req.Loads) == 0 {
-			writeError(w, http.StatusBadRequest, `"loads" is required: {"loads": {"WORKER": INFLIGHT}}`)
+			writeError(w, r, http.StatusBadRequest, `"loads" is required: {"loads": {"WORKER": INFLIGHT}}`)
 			return
 		}
 		loads, err := checkLoads(req.Loads)
 		if err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
+			writeError(w, r, http.StatusBadRequest, err.Error())
 			return
 		}
 		if err := g.ReportLoads(loads); err != nil {
-			writeError(w, http.StatusBadRequest, "loads: "+err.Error())
+			writeError(w, r, http.StatusBadRequest, "loads: "+err.Error())
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]int{"accepted": len(loads)})
@@ -302,7 +316,31 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		writeJSON(w, http.StatusOK, Workers{Workers: g.Workers()})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	return mux
+	// A path or method no route takes is a rejection too (404, 405).
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, pattern := mux.Handler(r); pattern != "" {
+			mux.ServeHTTP(w, r)
+			return
+		}
+		rec := &codeRecorder{ResponseWriter: w}
+		mux.ServeHTTP(rec, r)
+		if rec.code >= 400 {
+			rej.count(r, rec.code, "no route")
+		}
+	})
+}
+
+// codeRecorder keeps the status a handler answers with.
+type codeRecorder struct {
+	http.ResponseWriter
+	code int
+}
+
+func (c *codeRecorder) WriteHeader(code int) {
+	if c.code == 0 {
+		c.code = code
+	}
+	c.ResponseWriter.WriteHeader(code)
 }
 
 // checkLoads validates in-flight counts (the gateway checks the names).
@@ -333,6 +371,14 @@ func decodeBody(w http.ResponseWriter, r *http.Request, v any, lim Limits) (int,
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			return http.StatusRequestEntityTooLarge, fmt.Errorf("body over %d bytes; this gateway takes at most %d tokens per request (--max-request-tokens)", tooBig.Limit, lim.MaxTokens)
+		}
+		if errors.Is(err, errUploadTooSlow) {
+			w.Header().Set("Connection", "close")
+			return http.StatusRequestTimeout, fmt.Errorf("the body arrived slower than %.0f bytes/s (--min-upload-rate, counted from %v in)", lim.MinUploadRate, UploadGrace)
+		}
+		if errors.Is(err, errReadTimeout) || errors.Is(err, os.ErrDeadlineExceeded) {
+			w.Header().Set("Connection", "close")
+			return http.StatusRequestTimeout, fmt.Errorf("the body did not arrive within %v (--http-read-timeout)", lim.ReadTimeout)
 		}
 		if errors.Is(err, io.EOF) {
 			return http.StatusBadRequest, errors.New("empty body: want a JSON object")
@@ -391,4 +437,50 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 
 func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, map[string]string{"error": msg})
+}
+
+// rejections counts and logs every request the API refuses.
+type rejections struct {
+	total *prometheus.CounterVec // code
+	log   *slog.Logger           // throttled: clients drive it
+}
+
+// newRejections registers kvrelay_gateway_http_rejected_total with reg
+// (or takes the one registered already: a second handler on one
+// registry counts into the same).
+func newRejections(reg prometheus.Registerer, log *slog.Logger) *rejections {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvrelay_gateway_http_rejected_total",
+		Help: "Requests the gateway's HTTP API refused, by status code: 400 bad body, 404 unknown model, request or path, 405 wrong method, 408 body too slow (--min-upload-rate, --http-read-timeout), 413 too large, 503 over an in-flight bound or no workers, 500 routing failed. Basic-auth failures (401) are answered by the web config's handler before the API and are not counted.",
+	}, []string{"code"})
+	for _, code := range []int{400, 404, 405, 408, 413, 503} {
+		c.WithLabelValues(strconv.Itoa(code))
+	}
+	if reg != nil {
+		if err := reg.Register(c); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if errors.As(err, &are) {
+				if ex, ok := are.ExistingCollector.(*prometheus.CounterVec); ok {
+					c = ex
+				}
+			}
+		}
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &rejections{total: c, log: logthrottle.Wrap(log)}
+}
+
+// write answers r with code and msg, counts it, and logs it at most a few
+// lines a minute per code.
+func (j *rejections) write(w http.ResponseWriter, r *http.Request, code int, msg string) {
+	j.count(r, code, msg)
+	writeError(w, code, msg)
+}
+
+func (j *rejections) count(r *http.Request, code int, msg string) {
+	j.total.WithLabelValues(strconv.Itoa(code)).Inc()
+	j.log.Info("HTTP request rejected: "+strconv.Itoa(code)+" "+http.StatusText(code),
+		"client", r.RemoteAddr, "method", r.Method, "path", r.URL.Path, "reason", msg)
 }

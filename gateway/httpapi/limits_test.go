@@ -3,6 +3,7 @@ package httpapi
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -24,12 +25,18 @@ import (
 // Serve (the real server settings) on loopback.
 func limitedGateway(t *testing.T, lim Limits, workers ...gateway.Worker) (url string, g *gateway.Gateway) {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	g, err := gateway.New(gateway.Config{
-		Workers:    workers,
-		Monitor:    monitor.Options{InitialBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
-		Registerer: reg,
-	})
+	url, g, _ = servedGateway(t, gateway.Config{Workers: workers}, lim, slog.New(slog.DiscardHandler))
+	return url, g
+}
+
+// servedGateway is limitedGateway with a gateway config and a log, also
+// returning the registry.
+func servedGateway(t *testing.T, cfg gateway.Config, lim Limits, log *slog.Logger) (url string, g *gateway.Gateway, reg *prometheus.Registry) {
+	t.Helper()
+	reg = prometheus.NewRegistry()
+	cfg.Monitor = monitor.Options{InitialBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	cfg.Registerer = reg
+	g, err := gateway.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,14 +46,14 @@ func limitedGateway(t *testing.T, lim Limits, workers ...gateway.Worker) (url st
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, slog.New(slog.DiscardHandler), g, reg, ln, "", lim) }()
+	go func() { done <- Serve(ctx, log, g, reg, ln, "", lim) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	return "http://" + ln.Addr().String(), g
+	return "http://" + ln.Addr().String(), g, reg
 }
 
 func TestGatewayHTTPBoundsAndMessages(t *testing.T) {
@@ -301,6 +308,51 @@ func TestGatewayHTTPLoadValuesBounded(t *testing.T) {
 	for _, ws := range g.Workers() {
 		if ws.ID == "w" && ws.Inflight != MaxReportedLoad {
 			t.Errorf("w's load %d, want the accepted %d", ws.Inflight, MaxReportedLoad)
+		}
+	}
+}
+
+// TestGatewayHTTPReportedLoadExpires: a count posted to /v1/load is gone
+// from /v1/workers (and from routing) once --reported-load-ttl passes
+// without a new report.
+func TestGatewayHTTPReportedLoadExpires(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	const ttl = 300 * time.Millisecond
+	url, g, _ := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}, ReportedLoadTTL: ttl}, DefaultLimits, slog.New(slog.DiscardHandler))
+	if code, out := apiclient.Post(t, url+"/v1/load", fmt.Sprintf(`{"loads":{"w":%d}}`, MaxReportedLoad)); code != http.StatusOK {
+		t.Fatalf("/v1/load: %d %v", code, out)
+	}
+	posted := time.Now()
+	reported := func() int {
+		var ws Workers
+		if err := json.Unmarshal([]byte(apiclient.Get(t, url+"/v1/workers")), &ws); err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range ws.Workers {
+			if w.ID == "w" {
+				return w.Reported
+			}
+		}
+		t.Fatal("no worker w")
+		return 0
+	}
+	if n := reported(); n != MaxReportedLoad && time.Since(posted) < ttl {
+		t.Fatalf("reported %d right after the post", n)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for reported() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the reported count still there %v after the post (TTL %v)", time.Since(posted), ttl)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if took := time.Since(posted); took < ttl {
+		t.Errorf("gone after %v, before the TTL %v", took, ttl)
+	}
+	for _, ws := range g.Workers() {
+		if ws.Inflight != 0 {
+			t.Errorf("%s in flight %d after the report expired, want its tracked 0", ws.ID, ws.Inflight)
 		}
 	}
 }

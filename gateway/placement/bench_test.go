@@ -44,3 +44,51 @@ func BenchmarkExtendRecord(b *testing.B) {
 		s.Record(chosen, prefix, blocks/2, now)
 	}
 }
+
+// BenchmarkEvictFlood is the cost of a peer's flood into a full store:
+// each op records 2,048 new blocks from one peer (the per-record cap of a
+// 32,768-entry store) into a store full of the gateway's own 16,384
+// entries and 8 other peers' 2,048 each, so each op evicts 2,048. Reported
+// per op and per evicted entry.
+func BenchmarkEvictFlood(b *testing.B) {
+	const capacity, per = 1 << 15, 2048
+	s, err := New(Options{MaxEntries: capacity, MaxPerRecord: per})
+	if err != nil {
+		b.Fatal(err)
+	}
+	now := time.Unix(1_000_000, 0)
+	next := uint64(1)
+	fresh := func() []uint64 {
+		out := make([]uint64, per)
+		for i := range out {
+			out[i] = next * 0x9E3779B97F4A7C15
+			next++
+		}
+		return out
+	}
+	for range capacity / 2 / per {
+		s.Record("local", fresh(), 0, now)
+	}
+	for p := range 8 {
+		s.RecordFrom(fmt.Sprint("peer", p), "w", fresh(), 0, now)
+	}
+	floods := make([][]uint64, 64)
+	for i := range floods {
+		floods[i] = fresh()
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		s.RecordFrom("forger", "f", floods[i%len(floods)], 0, now)
+		if i%len(floods) == len(floods)-1 {
+			b.StopTimer()
+			for j := range floods {
+				floods[j] = fresh()
+			}
+			b.StartTimer()
+		}
+	}
+	b.StopTimer()
+	st := s.Stats()
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(st.Evicted), "ns/evicted")
+}

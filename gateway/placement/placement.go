@@ -21,13 +21,20 @@
 //     placement no lookup meets that way waits for its TTL;
 //   - expired: its TTL passed (checked on lookup, and by Sweep, which one
 //     goroutine of the gateway calls periodically);
-//   - evicted: the store is at MaxEntries and a newer entry needs the room
-//     (the least recently recorded goes);
+//   - evicted: the store is at MaxEntries and a newer entry needs the room:
+//     the least recently recorded entry of the largest source goes (below);
 //   - removed: its worker left the gateway.
 //
-// Entries are kept in one list ordered by their last recording, so with one
-// TTL for all the oldest is also the first to expire: expiry and eviction
-// pop the list's front, O(1) each.
+// Every entry belongs to a source: the gateway's own routing decisions
+// (Record) or one peer replica (RecordFrom, the placements package
+// placementsync receives). Eviction takes from the source holding the most
+// entries, so a peer flooding placements evicts its own and nobody else's
+// until it holds no more than they do (issue 29: one peer's million
+// placements evicted the real ones). Each source keeps its entries in a
+// list ordered by their last recording, so with one TTL for all the oldest
+// is also the first to expire: expiry and eviction pop a list's front,
+// O(1) each, after a scan of the sources (at most MaxSources+2) to find the
+// largest.
 package placement
 
 import (
@@ -51,17 +58,30 @@ const (
 	// when an engine's LRU cache would have evicted it under load.
 	DefaultTTL = 180 * time.Second
 	// DefaultMaxEntries bounds a model's placements: 262,144 blocks
-	// (about 29 MB at ~112 bytes an entry), 4 million tokens at block size
+	// (about 32 MB at EntryBytes an entry), 4 million tokens at block size
 	// 16 recorded within one TTL.
 	DefaultMaxEntries = 1 << 18
 	// DefaultWeight scores an inferred block like a stored one.
 	DefaultWeight = 1.0
 )
 
+// MaxSources bounds the peer replicas whose placements are kept apart. A
+// peer seen while MaxSources others hold entries shares the overflow
+// source with every other such peer (a forger rotating its replica id
+// lands there after its first MaxSources ids, and is evicted as one
+// source); a peer whose entries are all gone is forgotten, freeing its
+// place. Ids longer than MaxSourceID bytes go to the overflow too, so the
+// ids kept cost at most MaxSources × MaxSourceID bytes.
+const (
+	MaxSources  = 64
+	MaxSourceID = 128
+)
+
 // EntryBytes is the estimated memory of one entry: the entry (hash, worker
-// name header, expiry, two list links, two chain links) plus its share of
-// the hash map and holder slice.
-const EntryBytes = 112
+// name header, expiry, its source, two list links, two chain links: 80
+// bytes in Go's size classes) plus its share of the hash map and holder
+// slice.
+const EntryBytes = 128
 
 // Options configures a Store. Zero values take the defaults.
 type Options struct {
@@ -113,8 +133,9 @@ func (o *Options) fill() error {
 type entry struct {
 	hash       uint64
 	worker     string
-	expires    int64 // unix nanoseconds
-	prev, next *entry
+	expires    int64   // unix nanoseconds
+	src        *source // whose list it is in
+	prev, next *entry  // its source's list
 	// chainPrev and chainNext link the entries one Record placed on
 	// consecutive blocks for this worker, so a lookup or a refresh that
 	// follows a placed prefix reads the next entry through a pointer and
@@ -123,9 +144,28 @@ type entry struct {
 	chainPrev, chainNext *entry
 }
 
+// source is the entries one recorder placed: the gateway itself, one peer
+// replica, or the peers past MaxSources together.
+type source struct {
+	peer string // "" for the local and the overflow source
+	// head is the list's sentinel: head.next is the least recently
+	// recorded entry, head.prev the most recent.
+	head entry
+	n    int
+}
+
+func (src *source) init() *source {
+	src.head.prev, src.head.next = &src.head, &src.head
+	return src
+}
+
 // Stats counts a store's entries and how they ended.
 type Stats struct {
-	Entries   int
+	Entries int
+	// Local is the entries of the gateway's own decisions; Sources the
+	// peer sources holding entries (the overflow counts as one).
+	Local     int
+	Sources   int
 	Confirmed uint64
 	Expired   uint64
 	Evicted   uint64
@@ -136,13 +176,13 @@ type Stats struct {
 type Store struct {
 	opts Options
 
-	mu     sync.Mutex
-	byHash map[uint64][]*entry
-	// head is the list's sentinel: head.next is the least recently
-	// recorded entry, head.prev the most recent.
-	head  entry
-	n     int
-	stats Stats
+	mu       sync.Mutex
+	byHash   map[uint64][]*entry
+	local    source
+	peers    map[string]*source // at most MaxSources, each with entries
+	overflow source             // the peers past MaxSources
+	n        int
+	stats    Stats
 }
 
 // New returns an empty Store.
@@ -150,8 +190,9 @@ func New(opts Options) (*Store, error) {
 	if err := opts.fill(); err != nil {
 		return nil, err
 	}
-	s := &Store{opts: opts, byHash: map[uint64][]*entry{}}
-	s.head.prev, s.head.next = &s.head, &s.head
+	s := &Store{opts: opts, byHash: map[uint64][]*entry{}, peers: map[string]*source{}}
+	s.local.init()
+	s.overflow.init()
 	return s, nil
 }
 
@@ -163,10 +204,66 @@ func (s *Store) unlink(e *entry) {
 	e.prev, e.next = nil, nil
 }
 
-func (s *Store) pushBack(e *entry) {
-	e.prev, e.next = s.head.prev, &s.head
-	s.head.prev.next = e
-	s.head.prev = e
+// pushBack appends e to src's list as its most recent entry.
+func (s *Store) pushBack(src *source, e *entry) {
+	e.src = src
+	e.prev, e.next = src.head.prev, &src.head
+	src.head.prev.next = e
+	src.head.prev = e
+}
+
+// peerSource is peer's source, made if need be (s.mu held).
+func (s *Store) peerSource(peer string) *source {
+	if src := s.peers[peer]; src != nil {
+		return src
+	}
+	if len(s.peers) >= MaxSources || len(peer) > MaxSourceID {
+		return &s.overflow
+	}
+	src := (&source{peer: peer}).init()
+	s.peers[peer] = src
+	return src
+}
+
+// forget drops a peer's source once it holds nothing (s.mu held).
+func (s *Store) forget(src *source) {
+	if src.n == 0 && src != &s.local && src != &s.overflow {
+		delete(s.peers, src.peer)
+	}
+}
+
+// largest is the source holding the most entries, and how many more it
+// holds than the next largest; on a tie a peer's goes before the local
+// one (s.mu held).
+func (s *Store) largest() (*source, int) {
+	big, second := &s.overflow, -1
+	consider := func(src *source) {
+		switch {
+		case src.n > big.n:
+			second, big = big.n, src
+		case src.n > second:
+			second = src.n
+		}
+	}
+	for _, src := range s.peers {
+		consider(src)
+	}
+	consider(&s.local)
+	return big, big.n - max(second, 0)
+}
+
+// evict drops the oldest entries of the largest source until the store
+// is within MaxEntries (s.mu held). It takes from one source up to the
+// lead it has over the next, so a flood costs a scan of the sources per
+// run of evictions, not per entry.
+func (s *Store) evict() {
+	for s.n > s.opts.MaxEntries {
+		src, lead := s.largest()
+		for k := max(lead, 1); k > 0 && s.n > s.opts.MaxEntries && src.n > 0; k-- {
+			s.dropEntry(src.head.next)
+			s.stats.Evicted++
+		}
+	}
 }
 
 // drop removes e from the list and from its hash's holders at position i.
@@ -190,6 +287,9 @@ func (s *Store) drop(hs []*entry, i int) []*entry {
 		s.byHash[e.hash] = hs
 	}
 	s.n--
+	e.src.n--
+	s.forget(e.src)
+	e.src = nil
 	return hs
 }
 
@@ -204,20 +304,44 @@ func (s *Store) dropEntry(e *entry) {
 	}
 }
 
-// Record places prefix[from:] on worker at now: blocks the event index
-// already holds for it (the first from) need no placement. An existing
-// placement is refreshed. Consecutive blocks are chained, so recording a
-// prefix placed before costs one map probe, then a pointer walk. Blocks
-// past the first MaxPerRecord of the prefix are not placed.
+// Record places prefix[from:] on worker at now, as the gateway's own
+// decision: blocks the event index already holds for it (the first from)
+// need no placement. An existing placement is refreshed. Consecutive blocks
+// are chained, so recording a prefix placed before costs one map probe,
+// then a pointer walk. Blocks past the first MaxPerRecord of the prefix are
+// not placed.
 func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) {
-	end := min(len(prefix), s.opts.MaxPerRecord)
-	if from < 0 || from >= end || worker == "" {
-		return
+	if s.recordable(worker, prefix, from) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		s.record(&s.local, worker, prefix, from, now)
 	}
+}
+
+// RecordFrom is Record for a placement peer replica peer made: its new
+// entries are peer's, evicted before another source's while peer holds
+// the most. A placement the gateway itself holds stays its own; one a
+// peer holds already stays that peer's (refreshed), so a peer replaying
+// another's placements cannot make them its own to evict.
+func (s *Store) RecordFrom(peer, worker string, prefix []uint64, from int, now time.Time) {
+	if s.recordable(worker, prefix, from) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		src := s.peerSource(peer)
+		s.record(src, worker, prefix, from, now)
+		s.forget(src) // it only refreshed others' entries
+	}
+}
+
+func (s *Store) recordable(worker string, prefix []uint64, from int) bool {
+	return from >= 0 && from < min(len(prefix), s.opts.MaxPerRecord) && worker != ""
+}
+
+// record is Record into src's entries (s.mu held).
+func (s *Store) record(src *source, worker string, prefix []uint64, from int, now time.Time) {
+	end := min(len(prefix), s.opts.MaxPerRecord)
 	exp := now.Add(s.opts.TTL).UnixNano()
 	slack := refreshSlack(s.opts.TTL)
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	var last *entry // the entry placed on the block before, for the chain
 	for _, h := range prefix[from:end] {
 		var e *entry
@@ -226,29 +350,35 @@ func (s *Store) Record(worker string, prefix []uint64, from int, now time.Time) 
 		} else {
 			e = s.find(h, worker)
 		}
-		if e != nil {
-			if e.expires < exp-slack {
-				// Not refreshed a moment ago (a hot prefix is left
-				// alone, and so is the list's order).
-				s.unlink(e)
-				e.expires = exp
-				s.pushBack(e)
-			}
-		} else {
+		switch {
+		case e == nil:
 			e = &entry{hash: h, worker: worker, expires: exp}
 			s.byHash[h] = append(s.byHash[h], e)
 			s.n++
-			s.pushBack(e)
+			src.n++
+			s.pushBack(src, e)
+		case src == &s.local && e.src != src:
+			// The gateway's own decision takes the entry over.
+			e.src.n--
+			s.unlink(e)
+			s.forget(e.src)
+			e.expires = exp
+			src.n++
+			s.pushBack(src, e)
+		case e.expires < exp-slack:
+			// Not refreshed a moment ago (a hot prefix is left alone,
+			// and so is the list's order).
+			owner := e.src
+			s.unlink(e)
+			e.expires = exp
+			s.pushBack(owner, e)
 		}
 		if last != nil && last.chainNext == nil && e.chainPrev == nil {
 			last.chainNext, e.chainPrev = e, last
 		}
 		last = e
 	}
-	for s.n > s.opts.MaxEntries {
-		s.dropEntry(s.head.next)
-		s.stats.Evicted++
-	}
+	s.evict()
 }
 
 // find returns worker's entry on block hash h, or nil.
@@ -437,12 +567,25 @@ func (s *Store) Sweep(now time.Time) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	n := 0
-	for e := s.head.next; e != &s.head && e.expires <= t; e = s.head.next {
-		s.dropEntry(e)
-		n++
+	for _, src := range s.sources() {
+		for e := src.head.next; e != &src.head && e.expires <= t; e = src.head.next {
+			s.dropEntry(e)
+			n++
+		}
 	}
 	s.stats.Expired += uint64(n)
 	return n
+}
+
+// sources lists every source, so a caller may drop entries (and so
+// forget sources) while walking them (s.mu held).
+func (s *Store) sources() []*source {
+	out := make([]*source, 0, len(s.peers)+2)
+	out = append(out, &s.local, &s.overflow)
+	for _, src := range s.peers {
+		out = append(out, src)
+	}
+	return out
 }
 
 // RemoveWorker drops every placement on worker and returns how many.
@@ -450,13 +593,15 @@ func (s *Store) RemoveWorker(worker string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	n := 0
-	for e := s.head.next; e != &s.head; {
-		next := e.next
-		if e.worker == worker {
-			s.dropEntry(e)
-			n++
+	for _, src := range s.sources() {
+		for e := src.head.next; e != &src.head; {
+			next := e.next
+			if e.worker == worker {
+				s.dropEntry(e)
+				n++
+			}
+			e = next
 		}
-		e = next
 	}
 	s.stats.Removed += uint64(n)
 	return n
@@ -468,5 +613,10 @@ func (s *Store) Stats() Stats {
 	defer s.mu.Unlock()
 	st := s.stats
 	st.Entries = s.n
+	st.Local = s.local.n
+	st.Sources = len(s.peers)
+	if s.overflow.n > 0 {
+		st.Sources++
+	}
 	return st
 }

@@ -15,7 +15,7 @@ import (
 // arrivals is a Target that reports when each placement arrived.
 type arrivals chan time.Time
 
-func (a arrivals) ApplyPlacement(string, string, []uint64) error {
+func (a arrivals) ApplyPlacement(string, string, string, []uint64) error {
 	a <- time.Now()
 	return nil
 }

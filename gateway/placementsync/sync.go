@@ -36,9 +36,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Target is where received placements go (a *gateway.Gateway).
+// Target is where received placements go (a *gateway.Gateway); peer is
+// the sending replica's id (its ReplicaHeader, "" when it sent none).
 type Target interface {
-	ApplyPlacement(model, worker string, hashes []uint64) error
+	ApplyPlacement(model, peer, worker string, hashes []uint64) error
 }
 
 // Options configures a Sync.
@@ -275,7 +276,7 @@ func (s *Sync) receive(msg *nats.Msg) {
 			default:
 				return // counted in kvrelay_gateway_nats_peer_limited_total
 			}
-			err = s.target.ApplyPlacement(model, worker, hashes)
+			err = s.target.ApplyPlacement(model, peer, worker, hashes)
 		}
 	}
 	if err != nil {

@@ -16,7 +16,9 @@ package logthrottle
 
 import (
 	"context"
+	stdlog "log"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -155,3 +157,60 @@ func (h *Handler) WithGroup(name string) slog.Handler {
 
 // Suppressed is how many records were held back in all.
 func (h *Handler) Suppressed() uint64 { return h.lim.suppressed.Load() }
+
+// ErrorLog returns a *log.Logger for an http.Server's ErrorLog (or any
+// library that logs through the standard logger) whose lines go to log at
+// level, throttled: a flood of bad TLS handshakes or malformed requests,
+// each line naming another client address, yields a few lines a minute.
+// The throttle's key is the line's kind, its text up to the first
+// " from ", ": " or digit ("http: TLS handshake error"), so lines that
+// differ only in the client or the cause share one allowance; the whole
+// line is the "detail" attribute.
+func ErrorLog(log *slog.Logger, level slog.Level) *stdlog.Logger {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return stdlog.New(&errorWriter{log: Wrap(log), level: level}, "", 0)
+}
+
+type errorWriter struct {
+	log   *slog.Logger
+	level slog.Level
+}
+
+func (w *errorWriter) Write(p []byte) (int, error) {
+	line := strings.TrimRight(string(p), "\n")
+	w.log.Log(context.Background(), w.level, lineKind(line), "detail", line)
+	return len(p), nil
+}
+
+// lineKind is a log line's constant part: its text up to the first
+// " from " or ": " past a leading "http: ", or the first digit, at most
+// maxKind bytes (cut at a space).
+func lineKind(line string) string {
+	const maxKind = 80
+	start := 0
+	if strings.HasPrefix(line, "http: ") {
+		start = len("http: ")
+	}
+	end := len(line)
+	for _, sep := range []string{" from ", ": "} {
+		if i := strings.Index(line[start:], sep); i >= 0 && start+i < end {
+			end = start + i
+		}
+	}
+	if i := strings.IndexAny(line[:end], "0123456789"); i >= 0 {
+		end = i
+	}
+	if end > maxKind {
+		end = maxKind
+		if i := strings.LastIndexByte(line[:end], ' '); i > start {
+			end = i
+		}
+	}
+	kind := strings.TrimSpace(line[:end])
+	if kind == "" || kind == "http:" {
+		return "HTTP server error"
+	}
+	return kind
+}

@@ -115,3 +115,35 @@ func TestKeysAreBounded(t *testing.T) {
 func TestWrapNil(t *testing.T) {
 	Wrap(nil).Warn("nothing") // must not panic
 }
+
+// TestErrorLogHoldsAFloodOfServerErrors: an http.Server's error lines,
+// each naming another client, share their kind's allowance; another kind
+// has its own.
+func TestErrorLogHoldsAFloodOfServerErrors(t *testing.T) {
+	var buf bytes.Buffer
+	el := ErrorLog(slog.New(slog.NewJSONHandler(&buf, nil)), slog.LevelWarn)
+	for i := range 10_000 {
+		el.Printf("http: TLS handshake error from 10.0.%d.%d:%d: remote error: tls: bad certificate", i/256%256, i%256, 40000+i)
+	}
+	el.Printf("http: URL query contains semicolon, which is no longer a supported separator; parts of the query may be stripped when parsed; see golang.org/issue/25192")
+	got := lines(t, &buf)
+	if len(got) != DefaultBurst+1 {
+		t.Fatalf("%d lines for 10,001 errors, want %d", len(got), DefaultBurst+1)
+	}
+	if got[0]["msg"] != "http: TLS handshake error" || got[0]["level"] != "WARN" || !strings.Contains(got[0]["detail"].(string), "10.0.0.0:40000") {
+		t.Errorf("first line %v", got[0])
+	}
+	if got[DefaultBurst]["msg"] != "http: URL query contains semicolon, which is no longer a supported separator;" {
+		t.Errorf("another kind: %v", got[DefaultBurst]["msg"])
+	}
+	for line, want := range map[string]string{
+		"http: Accept error: accept tcp: too many open files; retrying in 5ms": "http: Accept error",
+		"http: panic serving 1.2.3.4:5: boom":                                  "http: panic serving",
+		"12345":                                                                "HTTP server error",
+		"http: ":                                                               "HTTP server error",
+	} {
+		if got := lineKind(line); got != want {
+			t.Errorf("lineKind(%q) = %q, want %q", line, got, want)
+		}
+	}
+}

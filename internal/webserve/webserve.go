@@ -11,9 +11,12 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"time"
 
 	"github.com/prometheus/exporter-toolkit/web"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 )
 
 // CheckConfig reads a --web.config.file now, so a bad file stops the start
@@ -28,9 +31,23 @@ func CheckConfig(path string) error {
 	return nil
 }
 
+// DefaultReadHeaderTimeout is how long Serve gives a client to send a
+// request's headers when srv sets no ReadHeaderTimeout: a client that
+// opens connections and sends nothing holds each this long.
+const DefaultReadHeaderTimeout = 10 * time.Second
+
 // Serve serves srv on lis with the web config's TLS and basic auth (none
-// when webConfig is empty). A server shut down returns nil.
+// when webConfig is empty). A server shut down returns nil. Unless srv
+// sets them, it takes DefaultReadHeaderTimeout and an ErrorLog that
+// writes to log, throttled (logthrottle.ErrorLog), so a flood of bad TLS
+// handshakes or malformed requests yields a few lines a minute.
 func Serve(srv *http.Server, lis net.Listener, webConfig string, log *slog.Logger) error {
+	if srv.ReadHeaderTimeout == 0 {
+		srv.ReadHeaderTimeout = DefaultReadHeaderTimeout
+	}
+	if srv.ErrorLog == nil {
+		srv.ErrorLog = logthrottle.ErrorLog(log, slog.LevelWarn)
+	}
 	err := web.Serve(lis, srv, &web.FlagConfig{WebConfigFile: &webConfig}, log)
 	if errors.Is(err, http.ErrServerClosed) {
 		return nil
