@@ -96,10 +96,10 @@ const (
 	// fill included). Counted in CPU time rather than instructions, two
 	// tables still paid for 4,740 resizes in the Mooncake corpus replay
 	// (each a fresh allocation, its page faults and a rehash); eight bring
-	// that to 2,296 and the replay's CPU time down by about a tenth, for
-	// 16 % more index bytes there (59.4 to 68.6 B a block). A cache whose
-	// table does not swing (the synthetic bs128 replay's) does not change.
-	// Sixteen and more saved no more time. See
+	// that to 2,296 and the replay's CPU time down by 11 %, for 16 % more
+	// index bytes there (59.4 to 68.6 B a block). A cache whose table does
+	// not swing (the synthetic bs128 replay's) does not change. Sixteen and
+	// 32 saved 3-5 % more, inside the spread, for 3-6 % more bytes. See
 	// docs/bench/log/2026-12-05-index-write-path.md.
 	revPeakWindow = 8
 )
