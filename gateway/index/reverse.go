@@ -88,12 +88,20 @@ const (
 	// the whole replay's instructions.
 	revPeakLoad100 = 78
 	// revPeakWindow is a peak window's length in changes, in multiples of
-	// the slot count: a table forgets a peak after two to four times its
-	// size in changes. Half a table forgot too soon (a worker's big request
+	// the slot count: a table forgets a peak after eight to sixteen times
+	// its size in changes, and its bytes are bounded by the most entries it
+	// had in that span. Half a table forgot too soon (a worker's big request
 	// comes back after several small ones) and left 8 % of the replay's
 	// instructions in resizes; two tables, 4.6 % (the growth while caches
-	// fill included).
-	revPeakWindow = 2
+	// fill included). Counted in CPU time rather than instructions, two
+	// tables still paid for 4,740 resizes in the Mooncake corpus replay
+	// (each a fresh allocation, its page faults and a rehash); eight bring
+	// that to 2,296 and the replay's CPU time down by 11 %, for 16 % more
+	// index bytes there (59.4 to 68.6 B a block). A cache whose table does
+	// not swing (the synthetic bs128 replay's) does not change. Sixteen and
+	// 32 saved 3-5 % more, inside the spread, for 3-6 % more bytes. See
+	// docs/bench/log/2026-12-05-index-write-path.md.
+	revPeakWindow = 8
 )
 
 func newRevTable() *revTable {

@@ -228,13 +228,15 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	for k := range uint64(3 * n / 4) {
 		rt.del(rt.find(k + 1))
 	}
-	// Overshoot and evict a twentieth, 200 times over: a handful of
-	// resizes at most, not one a cycle.
+	// Overshoot and evict a twentieth, over and over until the drain lies
+	// two windows and 200 cycles behind: a handful of resizes at most, not
+	// one a cycle.
 	resizes, size := 0, len(rt.slots)
 	next := uint64(n + 1)
 	oldest := uint64(3*n/4 + 1)
 	changes := 0
-	for range 200 {
+	cycles := 2*revPeakWindow*full/(2*(n/4/20)) + 200
+	for range cycles {
 		for range n / 4 / 20 {
 			rt.upsert(next, uint32(next), 1)
 			next++
@@ -253,7 +255,7 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	}
 	loadOK("after cycling")
 	if resizes > 4 {
-		t.Fatalf("%d resizes in 200 overshoot cycles", resizes)
+		t.Fatalf("%d resizes in %d overshoot cycles", resizes, cycles)
 	}
 	for k := oldest; k < next; k++ {
 		if rt.find(k) < 0 {
@@ -304,6 +306,62 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 		if rt.find(k) < 0 {
 			t.Fatalf("entry %d lost", k)
 		}
+	}
+}
+
+// TestRevTablePeakThatComesBackKeepsItsSize: the Mooncake corpus's shape
+// at the scale of one worker. A 512-block cache swings by small requests,
+// stored before the engine evicts as many, and a big request (400 blocks)
+// comes back after five tables' worth of changes. Remembering its peak for
+// two to four tables of changes, the table shrank between the big requests
+// and grew again, a quarter at a time, at each one: 4,740 resizes in the
+// replay, each a fresh allocation and a rehash. Remembered for eight to
+// sixteen, it keeps its size, which the peak still bounds.
+func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
+	rt := newRevTable()
+	const capacity, small, big = 512, 32, 400
+	next, oldest := uint64(1), uint64(1)
+	swing := func(k int) {
+		for range k {
+			rt.upsert(next, uint32(next), 1)
+			next++
+		}
+		for range k {
+			rt.del(rt.find(oldest))
+			oldest++
+		}
+	}
+	for range capacity {
+		rt.upsert(next, uint32(next), 1)
+		next++
+	}
+	swing(big)
+	gap := 5 * len(rt.slots) // changes between two big requests
+	var settled uint32
+	for round := range 8 {
+		if round == 2 {
+			settled = rt.resizes // the first rounds may still settle the size
+		}
+		for changes := 0; changes < gap; changes += 2 * small {
+			swing(small)
+		}
+		swing(big)
+	}
+	if n := rt.resizes - settled; n > 0 {
+		t.Fatalf("%d resizes in 6 rounds of small swings and a big one every %d changes (%d slots)", n, gap, len(rt.slots))
+	}
+	// Its bytes stay bounded by the peak: sized for capacity+big entries at
+	// the growth threshold, not more than a quarter above.
+	if limit := (capacity + big) * 16 / revMaxLoad16 * 5 / 4; len(rt.slots) > limit {
+		t.Fatalf("%d slots for peaks of %d entries, over %d", len(rt.slots), capacity+big, limit)
+	}
+	for k := oldest; k < next; k++ {
+		if rt.find(k) < 0 {
+			t.Fatalf("entry %d lost", k)
+		}
+	}
+	if rt.n != capacity {
+		t.Fatalf("%d entries, want %d", rt.n, capacity)
 	}
 }
 
