@@ -276,7 +276,7 @@ func checkNATSAuth(url string, auth *natsconn.Config) error {
 // warned about (ps and the shell's history show it) but still used.
 func natsAuthOptions(url string, auth *natsconn.Config, log *slog.Logger) ([]nats.Option, error) {
 	if natslog.HasCredentials(url) {
-		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.Redact(url))
+		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.RedactURL(url))
 	}
 	// auth's errors name the flag or key at fault.
 	return auth.Options(log)
