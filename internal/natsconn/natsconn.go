@@ -30,6 +30,7 @@ import (
 	"sync"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
 
 	"github.com/kvrelay/kvrelay/internal/natslog"
 )
@@ -166,6 +167,10 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 		}
 		opts = append(opts, nats.UserCredentials(c.Creds))
 	case c.NKeySeed != "":
+		if isSeed(c.NKeySeed) {
+			// Not echoed: the error reaches stderr and the log.
+			return nil, fmt.Errorf("%s: the value given is an nkey seed itself, not a file holding one: write it to a file readable by kvrelay alone and give its path", k.NKeySeed)
+		}
 		o, err := nats.NkeyOptionFromSeed(c.NKeySeed)
 		if err != nil {
 			return nil, fmt.Errorf("%s %s: %w", k.NKeySeed, c.NKeySeed, err)
@@ -248,6 +253,20 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 	}
 	opts = append(opts, nats.IgnoreAuthErrorAbort(), k.failures(log))
 	return opts, nil
+}
+
+// isSeed reports whether v is an nkey seed rather than the path of a file
+// holding one (no such file, and it decodes as a seed).
+func isSeed(v string) bool {
+	if _, err := os.Stat(v); err == nil {
+		return false
+	}
+	kp, err := nkeys.FromSeed([]byte(v))
+	if err != nil {
+		return false
+	}
+	kp.Wipe()
+	return true
 }
 
 // readSecret reads a one-line secret file, without its line end.

@@ -225,3 +225,31 @@ func TestMissingFilesFailAtStart(t *testing.T) {
 func port(url string) string { return url[strings.LastIndex(url, ":")+1:] }
 
 func slogTo(w *logBuf) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
+
+// TestSecretGivenForItsFileIsNotEchoed: an nkey seed given where its
+// file's path goes (--nats-nkey-seed SU…, nats.nkey_seed) is refused
+// without printing it: the error says what went wrong and keeps the seed
+// out of the log it reaches.
+func TestSecretGivenForItsFileIsNotEchoed(t *testing.T) {
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seed, err := user.Seed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, names := range []Names{{}, KeyNames("nats.")} {
+		cfg := Config{NKeySeed: string(seed), Names: names}
+		_, err := cfg.Options(nil)
+		if err == nil {
+			t.Fatal("a seed accepted as its file's path")
+		}
+		if strings.Contains(err.Error(), string(seed)) || strings.Contains(err.Error(), string(seed[:20])) {
+			t.Errorf("the error shows the seed: %v", err)
+		}
+		if !strings.Contains(err.Error(), cfg.names().NKeySeed) || !strings.Contains(err.Error(), "not a file") {
+			t.Errorf("the error %q does not say the seed was given instead of its file", err)
+		}
+	}
+}
