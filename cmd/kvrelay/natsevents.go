@@ -53,6 +53,9 @@ func (f *serveNATSFlags) check() error {
 		if *f.member != "" {
 			return errors.New("--nats-member needs --nats")
 		}
+		if *f.stream != natsevents.DefaultStream {
+			return errors.New("--nats-stream needs --nats")
+		}
 		if *f.subjects != natsevents.DefaultSubjectPrefix {
 			return errors.New("--nats-events-subject-prefix needs --nats")
 		}
