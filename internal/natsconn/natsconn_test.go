@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -251,5 +253,34 @@ func TestSecretGivenForItsFileIsNotEchoed(t *testing.T) {
 		if !strings.Contains(err.Error(), cfg.names().NKeySeed) || !strings.Contains(err.Error(), "not a file") {
 			t.Errorf("the error %q does not say the seed was given instead of its file", err)
 		}
+	}
+}
+
+// TestSecretGivenForAFileIsNotEchoed: a password or token given where
+// its file's path goes (--nats-password-file hunter2) names no file that
+// exists; the error says so without printing the value, which may be the
+// secret. A missing file given with a directory is still named.
+func TestSecretGivenForAFileIsNotEchoed(t *testing.T) {
+	const secret = "hunter2-s3cret"
+	for _, cfg := range []Config{
+		{User: "u", PasswordFile: secret}, {TokenFile: secret}, {Creds: secret},
+	} {
+		for _, names := range []Names{{}, KeyNames("nats.")} {
+			cfg.Names = names
+			_, err := cfg.Options(nil)
+			if err == nil {
+				t.Fatalf("%+v accepted", cfg)
+			}
+			if strings.Contains(err.Error(), secret) {
+				t.Errorf("the error shows the value given: %v", err)
+			}
+			if !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("the error %v does not wrap fs.ErrNotExist", err)
+			}
+		}
+	}
+	missing := filepath.Join(t.TempDir(), "password")
+	if _, err := (&Config{User: "u", PasswordFile: missing}).Options(nil); err == nil || !strings.Contains(err.Error(), missing) {
+		t.Errorf("a missing file with a directory: %v, want it named", err)
 	}
 }
