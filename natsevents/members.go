@@ -103,7 +103,7 @@ func WatchMembers(opts MemberOptions) (*MemberWatcher, error) {
 	}, opts.NATSOptions...)
 	nc, err := nats.Connect(opts.URL, nopts...)
 	if err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
 	}
 	w.nc = nc
 	if w.sub, err = nc.Subscribe(aliveFilter(opts.SubjectPrefix), w.handle); err != nil {

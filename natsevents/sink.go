@@ -241,7 +241,7 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 		}),
 	}, opts.NATSOptions...)
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
 	}
 	s.js, err = jetstream.New(s.nc,
 		jetstream.WithPublishAsyncMaxPending(opts.MaxPending),

@@ -152,7 +152,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		}),
 	}, opts.NATSOptions...)
 	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
+		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
 	}
 	if !s.nc.IsConnected() {
 		// Unreachable at start: the sinks may have lost it too, so as
@@ -160,7 +160,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		s.mu.Lock()
 		s.epoch++
 		s.mu.Unlock()
-		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", natslog.Redact(opts.URL))
+		s.log.Warn("NATS unreachable; workers follow their gRPC streams until it answers", "url", natslog.RedactURL(opts.URL))
 	}
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		s.nc.Close()

@@ -98,7 +98,7 @@ func (f NATSSink) start(ctx context.Context, wg *sync.WaitGroup, log *slog.Logge
 	if err != nil {
 		return fmt.Errorf("relay %q: NATS sink: %w", rc.Name, err)
 	}
-	log.Info("publishing to JetStream", "relay", rc.Name, "nats", natslog.Redact(f.URL), "stream", f.Stream, "worker", name,
+	log.Info("publishing to JetStream", "relay", rc.Name, "nats", natslog.RedactURL(f.URL), "stream", f.Stream, "worker", name,
 		"subjects", f.SubjectPrefix+"."+natsevents.WorkerToken(name)+".<rank>")
 	wg.Add(1)
 	go func() {

@@ -53,6 +53,9 @@ func (f *serveNATSFlags) check() error {
 		if *f.member != "" {
 			return errors.New("--nats-member needs --nats")
 		}
+		if *f.stream != natsevents.DefaultStream {
+			return errors.New("--nats-stream needs --nats")
+		}
 		if *f.subjects != natsevents.DefaultSubjectPrefix {
 			return errors.New("--nats-events-subject-prefix needs --nats")
 		}
@@ -276,7 +279,7 @@ func checkNATSAuth(url string, auth *natsconn.Config) error {
 // warned about (ps and the shell's history show it) but still used.
 func natsAuthOptions(url string, auth *natsconn.Config, log *slog.Logger) ([]nats.Option, error) {
 	if natslog.HasCredentials(url) {
-		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.Redact(url))
+		log.Warn("a credential in the --nats URL is visible in ps and shell history; use --nats-creds, --nats-nkey-seed, --nats-password-file or --nats-token-file", "nats", natslog.RedactURL(url))
 	}
 	// auth's errors name the flag or key at fault.
 	return auth.Options(log)

@@ -16,11 +16,13 @@ import (
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
-// httpGet reads url's body, at most maxBytes of it.
-func httpGet(ctx context.Context, client *http.Client, url string, maxBytes int64) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+// httpGet reads url's body, at most maxBytes of it. Its errors show url
+// without its credentials (redacted): the poller logs them.
+func httpGet(ctx context.Context, client *http.Client, rawURL string, maxBytes int64) ([]byte, error) {
+	url := redacted(rawURL)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, rawURL, nil)
 	if err != nil {
-		return nil, fmt.Errorf("load: %w", err)
+		return nil, fmt.Errorf("load: GET %s: not a valid URL", url) // err quotes it whole
 	}
 	resp, err := client.Do(req)
 	if err != nil {
@@ -205,19 +207,19 @@ type engineHTTP struct {
 func NewHTTP(client *http.Client, base string) (Fetcher, error) {
 	u, err := url.Parse(base)
 	if err != nil || u.Scheme == "" || u.Host == "" {
-		return nil, fmt.Errorf("load: engine URL %q: want http(s)://host:port[/metrics|/v1/loads]", base)
+		return nil, fmt.Errorf("load: engine URL %q: want http(s)://host:port[/metrics|/v1/loads]", redacted(base))
 	}
 	path := strings.TrimRight(u.Path, "/")
 	switch {
 	case strings.HasSuffix(path, "/v1/loads") || strings.HasSuffix(path, "/get_load"):
 		if strings.HasSuffix(path, "/get_load") {
-			return nil, fmt.Errorf("load: engine URL %q: /get_load is SGLang's deprecated endpoint; use /v1/loads", base)
+			return nil, fmt.Errorf("load: engine URL %q: /get_load is SGLang's deprecated endpoint; use /v1/loads", redacted(base))
 		}
 		return NewV1Loads(client, base), nil
 	case strings.HasSuffix(path, "/metrics"):
 		return NewMetrics(client, base), nil
 	case path != "":
-		return nil, fmt.Errorf("load: engine URL %q: give the server's base URL, or one ending in /metrics or /v1/loads", base)
+		return nil, fmt.Errorf("load: engine URL %q: give the server's base URL, or one ending in /metrics or /v1/loads", redacted(base))
 	}
 	root := strings.TrimRight(base, "/")
 	return &engineHTTP{
@@ -242,4 +244,24 @@ func (e *engineHTTP) Fetch(ctx context.Context, maxBytes int64) (map[int32]*kvpb
 		e.refused.Store(true)
 	}
 	return e.metrics.Fetch(ctx, maxBytes)
+}
+
+// redacted is an engine URL as messages show it: its userinfo (basic
+// auth, http://user:pw@host) replaced by REDACTED, also where the URL
+// does not parse.
+func redacted(s string) string {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return s
+	}
+	rest := s[i+3:]
+	authority := rest
+	if j := strings.IndexAny(rest, "/?#"); j >= 0 {
+		authority = rest[:j]
+	}
+	at := strings.LastIndexByte(authority, '@')
+	if at < 0 {
+		return s
+	}
+	return s[:i+3] + "REDACTED@" + rest[at+1:]
 }

@@ -171,6 +171,14 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 	}
 	rej := newRejections(reg, log)
 	writeError := rej.write
+	// own holds the API's own patterns, whose handlers count their
+	// refusals themselves; any other answer of 400 or more (no route, or
+	// a route extra added) is counted by the handler returned.
+	own := map[string]bool{"GET /metrics": true}
+	handleFunc := func(pattern string, h http.HandlerFunc) {
+		own[pattern] = true
+		mux.HandleFunc(pattern, h)
+	}
 	inflight := make(chan struct{}, lim.MaxInFlight)
 	perClient := newClientSlots(lim.perClient())
 	// bounded admits a POST only while fewer than MaxInFlightPerClient of
@@ -201,7 +209,7 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 			}
 		}
 	}
-	mux.HandleFunc("POST /v1/route", bounded(func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("POST /v1/route", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req routeRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
 			writeError(w, r, code, err.Error())
@@ -251,7 +259,7 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 			BlockSize: d.BlockSize, RequestBlocks: d.RequestBlocks, RequestID: d.RequestID,
 		})
 	}))
-	mux.HandleFunc("POST /v1/done", bounded(func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("POST /v1/done", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req doneRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
 			writeError(w, r, code, err.Error())
@@ -267,7 +275,7 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"completed": true})
 	}))
-	mux.HandleFunc("POST /v1/load", bounded(func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("POST /v1/load", bounded(func(w http.ResponseWriter, r *http.Request) {
 		var req loadRequest
 		if code, err := decodeBody(w, r, &req, lim); err != nil {
 			writeError(w, r, code, err.Error())
@@ -289,12 +297,12 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		writeJSON(w, http.StatusOK, map[string]int{"accepted": len(loads)})
 	}))
 	// Liveness: the process serves HTTP.
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	// Readiness: every model that has workers has one whose stream is
 	// open, so its routing rests on a live index.
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
 		streaming := map[string]bool{}
 		for _, ws := range g.Workers() {
 			streaming[ws.Model] = streaming[ws.Model] || ws.State == monitor.StateStreaming
@@ -312,20 +320,27 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		}
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 	})
-	mux.HandleFunc("GET /v1/workers", func(w http.ResponseWriter, r *http.Request) {
+	handleFunc("GET /v1/workers", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, Workers{Workers: g.Workers()})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	// A path or method no route takes is a rejection too (404, 405).
+	// A path or method no route takes is a rejection too (404, 405), and
+	// so is a refusal of a route extra added (the membership admin API's
+	// 403 while the listener is unprotected, say).
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if _, pattern := mux.Handler(r); pattern != "" {
+		_, pattern := mux.Handler(r)
+		if own[pattern] {
 			mux.ServeHTTP(w, r)
 			return
 		}
 		rec := &codeRecorder{ResponseWriter: w}
 		mux.ServeHTTP(rec, r)
 		if rec.code >= 400 {
-			rej.count(r, rec.code, "no route")
+			reason := "no route"
+			if pattern != "" {
+				reason = "refused by " + pattern
+			}
+			rej.count(r, rec.code, reason)
 		}
 	})
 }
@@ -342,6 +357,9 @@ func (c *codeRecorder) WriteHeader(code int) {
 	}
 	c.ResponseWriter.WriteHeader(code)
 }
+
+// Unwrap lets http.ResponseController reach the connection.
+func (c *codeRecorder) Unwrap() http.ResponseWriter { return c.ResponseWriter }
 
 // checkLoads validates in-flight counts (the gateway checks the names).
 // MaxReportedLoad bounds a client-reported in-flight count: far above what
@@ -451,7 +469,7 @@ type rejections struct {
 func newRejections(reg prometheus.Registerer, log *slog.Logger) *rejections {
 	c := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvrelay_gateway_http_rejected_total",
-		Help: "Requests the gateway's HTTP API refused, by status code: 400 bad body, 404 unknown model, request or path, 405 wrong method, 408 body too slow (--min-upload-rate, --http-read-timeout), 413 too large, 503 over an in-flight bound or no workers, 500 routing failed. Basic-auth failures (401) are answered by the web config's handler before the API and are not counted.",
+		Help: "Requests the gateway's HTTP API refused, by status code: 400 bad body, 404 unknown model, request or path, 405 wrong method, 408 body too slow (--min-upload-rate, --http-read-timeout), 413 too large, 503 over an in-flight bound or no workers, 500 routing failed; the membership admin API's by theirs (403 while the listener is unprotected). Basic-auth failures (401) are answered by the web config's handler before the API and are not counted.",
 	}, []string{"code"})
 	for _, code := range []int{400, 404, 405, 408, 413, 503} {
 		c.WithLabelValues(strconv.Itoa(code))

@@ -52,10 +52,17 @@ func newRateBody(w http.ResponseWriter, r *http.Request, rate float64, readTimeo
 	return b
 }
 
-// due is when the bytes read so far stop being enough.
+// due is when the bytes read so far stop being enough. Their n/rate
+// seconds are capped at maxDueAfter: past about 292 years they no longer
+// fit a time.Duration (a tiny rate: 10 KB at 1e-6 B/s), whose conversion
+// then yields a deadline in the past; the read timeout comes first anyway.
 func (b *rateBody) due() time.Time {
-	return b.start.Add(UploadGrace + time.Duration(float64(b.n)/b.rate*float64(time.Second)))
+	secs := min(float64(b.n)/b.rate, maxDueAfter.Seconds())
+	return b.start.Add(UploadGrace + time.Duration(secs*float64(time.Second)))
 }
+
+// maxDueAfter bounds how far past UploadGrace due may be.
+const maxDueAfter = 100 * 365 * 24 * time.Hour
 
 func (b *rateBody) Read(p []byte) (int, error) {
 	if b.finished {

@@ -58,7 +58,7 @@ const (
 	// when an engine's LRU cache would have evicted it under load.
 	DefaultTTL = 180 * time.Second
 	// DefaultMaxEntries bounds a model's placements: 262,144 blocks
-	// (about 32 MB at EntryBytes an entry), 4 million tokens at block size
+	// (about 46 MB at EntryBytes an entry), 4 million tokens at block size
 	// 16 recorded within one TTL.
 	DefaultMaxEntries = 1 << 18
 	// DefaultWeight scores an inferred block like a stored one.
@@ -77,11 +77,13 @@ const (
 	MaxSourceID = 128
 )
 
-// EntryBytes is the estimated memory of one entry: the entry (hash, worker
-// name header, expiry, its source, two list links, two chain links: 80
-// bytes in Go's size classes) plus its share of the hash map and holder
-// slice.
-const EntryBytes = 128
+// EntryBytes is the memory of one entry, rounded up from what a full
+// store holds: the entry (hash, worker name header, expiry, its source,
+// two list links, two chain links: 80 bytes in Go's size classes), its
+// holder slice (8), and its share of the hash map, whose slots (a key and
+// a slice header, 32 bytes) run between half and seven eighths full: 168
+// bytes an entry at DefaultMaxEntries (TestEntryBytesCoversAFullStore).
+const EntryBytes = 176
 
 // Options configures a Store. Zero values take the defaults.
 type Options struct {

@@ -32,7 +32,7 @@ const (
 	// placements: 20,000 hashes a second sustained (a replica routing
 	// 300 requests a second of 64 new blocks each), 32,768 at once (a
 	// 512 k-token prompt at block size 16). A flooder is then held to a
-	// burst per Backoff: about 3 bursts, 98,304 hashes (12.6 MB of a
+	// burst per Backoff: about 3 bursts, 98,304 hashes (17.3 MB of a
 	// model's placements at placement.EntryBytes), alive within a TTL
 	// of 180 s. The placements it gets through are its own source in the
 	// store: once it holds the most, it evicts its own, not others'.

@@ -176,7 +176,7 @@ func Start(target Target, opts Options) (*Sync, error) {
 	s.hdr = nats.Header{ReplicaHeader: []string{s.id}}
 	nc, err := nats.Connect(opts.URL, append(nopts, opts.NATSOptions...)...)
 	if err != nil {
-		return nil, fmt.Errorf("placementsync: connect %s: %w", natslog.Redact(opts.URL), err)
+		return nil, fmt.Errorf("placementsync: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(opts.SubjectPrefix+".>", s.receive); err != nil {

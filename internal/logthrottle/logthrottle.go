@@ -185,13 +185,15 @@ func (w *errorWriter) Write(p []byte) (int, error) {
 }
 
 // lineKind is a log line's constant part: its text up to the first
-// " from " or ": " past a leading "http: ", or the first digit, at most
-// maxKind bytes (cut at a space).
+// " from " or ": " past a leading "http: " (or the HTTP/2 server's
+// "http2: "), or the first digit, at most maxKind bytes (cut at a space).
 func lineKind(line string) string {
 	const maxKind = 80
 	start := 0
-	if strings.HasPrefix(line, "http: ") {
-		start = len("http: ")
+	for _, prefix := range []string{"http: ", "http2: "} {
+		if strings.HasPrefix(line, prefix) {
+			start = len(prefix)
+		}
 	}
 	end := len(line)
 	for _, sep := range []string{" from ", ": "} {
@@ -199,8 +201,8 @@ func lineKind(line string) string {
 			end = start + i
 		}
 	}
-	if i := strings.IndexAny(line[:end], "0123456789"); i >= 0 {
-		end = i
+	if i := strings.IndexAny(line[start:end], "0123456789"); i >= 0 {
+		end = start + i
 	}
 	if end > maxKind {
 		end = maxKind
@@ -209,7 +211,7 @@ func lineKind(line string) string {
 		}
 	}
 	kind := strings.TrimSpace(line[:end])
-	if kind == "" || kind == "http:" {
+	if kind == "" || kind == "http:" || kind == "http2:" {
 		return "HTTP server error"
 	}
 	return kind

@@ -147,3 +147,24 @@ func TestErrorLogHoldsAFloodOfServerErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestErrorLogKindsOfHTTP2Lines: the HTTP/2 server's lines ("http2: …")
+// are keyed by their kind too, so a client flooding malformed frames
+// (one "server connection error" per connection) does not use up the
+// allowance of a handler's panic on HTTP/2. (The digit of "http2" cut
+// every such line's kind to "http": one allowance for all of them.)
+func TestErrorLogKindsOfHTTP2Lines(t *testing.T) {
+	var buf bytes.Buffer
+	el := ErrorLog(slog.New(slog.NewJSONHandler(&buf, nil)), slog.LevelWarn)
+	for i := range 1000 {
+		el.Printf("http2: server connection error from 10.0.%d.%d:%d: connection error: PROTOCOL_ERROR", i/256%256, i%256, 40000+i)
+	}
+	el.Printf("http2: panic serving 10.0.0.1:40000: boom\ngoroutine 1 [running]:")
+	got := lines(t, &buf)
+	if len(got) != DefaultBurst+1 {
+		t.Fatalf("%d lines, want the flood's %d and the panic:\n%s", len(got), DefaultBurst, buf.String())
+	}
+	if got[0]["msg"] != "http2: server connection error" || got[DefaultBurst]["msg"] != "http2: panic serving" {
+		t.Errorf("kinds %q and %q, want the connection error's and the panic's", got[0]["msg"], got[DefaultBurst]["msg"])
+	}
+}

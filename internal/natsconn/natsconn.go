@@ -24,12 +24,14 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"strings"
 	"sync"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
 
 	"github.com/kvrelay/kvrelay/internal/natslog"
 )
@@ -162,10 +164,17 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 	switch {
 	case c.Creds != "":
 		if _, err := os.Stat(c.Creds); err != nil {
-			return nil, fmt.Errorf("%s: %w", k.Creds, err)
+			return nil, fileError(k.Creds, c.Creds, err)
 		}
 		opts = append(opts, nats.UserCredentials(c.Creds))
 	case c.NKeySeed != "":
+		if isSeed(c.NKeySeed) {
+			// Not echoed: the error reaches stderr and the log.
+			return nil, fmt.Errorf("%s: the value given is an nkey seed itself, not a file holding one: write it to a file readable by kvrelay alone and give its path", k.NKeySeed)
+		}
+		if _, err := os.Stat(c.NKeySeed); err != nil {
+			return nil, fileError(k.NKeySeed, c.NKeySeed, err)
+		}
 		o, err := nats.NkeyOptionFromSeed(c.NKeySeed)
 		if err != nil {
 			return nil, fmt.Errorf("%s %s: %w", k.NKeySeed, c.NKeySeed, err)
@@ -179,7 +188,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			return readSecret(c.PasswordFile)
 		}
 		if _, err := password(); err != nil {
-			return nil, fmt.Errorf("%s: %w", k.PasswordFile, err)
+			return nil, fileError(k.PasswordFile, c.PasswordFile, err)
 		}
 		opts = append(opts, nats.UserInfoHandler(func() (string, string) {
 			p, err := password()
@@ -196,7 +205,7 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 			return readSecret(c.TokenFile)
 		}
 		if _, err := token(); err != nil {
-			return nil, fmt.Errorf("%s: %w", k.TokenFile, err)
+			return nil, fileError(k.TokenFile, c.TokenFile, err)
 		}
 		opts = append(opts, nats.TokenHandler(func() string {
 			t, err := token()
@@ -248,6 +257,31 @@ func (c *Config) Options(log *slog.Logger) ([]nats.Option, error) {
 	}
 	opts = append(opts, nats.IgnoreAuthErrorAbort(), k.failures(log))
 	return opts, nil
+}
+
+// fileError is the error of setting name's file at path. A path without
+// a directory that names no file is not printed: it may be the secret
+// itself, given where its file goes (--nats-token-file "$TOKEN"), and the
+// error reaches stderr and the log.
+func fileError(name, path string, err error) error {
+	if errors.Is(err, fs.ErrNotExist) && !strings.ContainsAny(path, `/\`) {
+		return fmt.Errorf("%s: the value given names no file here (not shown: it may be the secret itself; give the path of the file holding it): %w", name, fs.ErrNotExist)
+	}
+	return fmt.Errorf("%s: %w", name, err)
+}
+
+// isSeed reports whether v is an nkey seed rather than the path of a file
+// holding one (no such file, and it decodes as a seed).
+func isSeed(v string) bool {
+	if _, err := os.Stat(v); err == nil {
+		return false
+	}
+	kp, err := nkeys.FromSeed([]byte(v))
+	if err != nil {
+		return false
+	}
+	kp.Wipe()
+	return true
 }
 
 // readSecret reads a one-line secret file, without its line end.

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -225,3 +227,60 @@ func TestMissingFilesFailAtStart(t *testing.T) {
 func port(url string) string { return url[strings.LastIndex(url, ":")+1:] }
 
 func slogTo(w *logBuf) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
+
+// TestSecretGivenForItsFileIsNotEchoed: an nkey seed given where its
+// file's path goes (--nats-nkey-seed SU…, nats.nkey_seed) is refused
+// without printing it: the error says what went wrong and keeps the seed
+// out of the log it reaches.
+func TestSecretGivenForItsFileIsNotEchoed(t *testing.T) {
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seed, err := user.Seed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, names := range []Names{{}, KeyNames("nats.")} {
+		cfg := Config{NKeySeed: string(seed), Names: names}
+		_, err := cfg.Options(nil)
+		if err == nil {
+			t.Fatal("a seed accepted as its file's path")
+		}
+		if strings.Contains(err.Error(), string(seed)) || strings.Contains(err.Error(), string(seed[:20])) {
+			t.Errorf("the error shows the seed: %v", err)
+		}
+		if !strings.Contains(err.Error(), cfg.names().NKeySeed) || !strings.Contains(err.Error(), "not a file") {
+			t.Errorf("the error %q does not say the seed was given instead of its file", err)
+		}
+	}
+}
+
+// TestSecretGivenForAFileIsNotEchoed: a password or token given where
+// its file's path goes (--nats-password-file hunter2) names no file that
+// exists; the error says so without printing the value, which may be the
+// secret. A missing file given with a directory is still named.
+func TestSecretGivenForAFileIsNotEchoed(t *testing.T) {
+	const secret = "hunter2-s3cret"
+	for _, cfg := range []Config{
+		{User: "u", PasswordFile: secret}, {TokenFile: secret}, {Creds: secret},
+	} {
+		for _, names := range []Names{{}, KeyNames("nats.")} {
+			cfg.Names = names
+			_, err := cfg.Options(nil)
+			if err == nil {
+				t.Fatalf("%+v accepted", cfg)
+			}
+			if strings.Contains(err.Error(), secret) {
+				t.Errorf("the error shows the value given: %v", err)
+			}
+			if !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("the error %v does not wrap fs.ErrNotExist", err)
+			}
+		}
+	}
+	missing := filepath.Join(t.TempDir(), "password")
+	if _, err := (&Config{User: "u", PasswordFile: missing}).Options(nil); err == nil || !strings.Contains(err.Error(), missing) {
+		t.Errorf("a missing file with a directory: %v, want it named", err)
+	}
+}

@@ -1,8 +1,11 @@
 package natslog
 
 import (
+	"errors"
 	"strings"
 	"testing"
+
+	"github.com/nats-io/nats.go"
 )
 
 func TestRedact(t *testing.T) {
@@ -58,4 +61,45 @@ func FuzzRedact(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestRedactURL(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
+		{"127.0.0.1:4222,h2:4222", "127.0.0.1:4222,h2:4222"},
+		{"alice:s3cret@127.0.0.1:4222", "REDACTED@127.0.0.1:4222"},
+		{"nats://h:1, tok3n@h:2,nats://bob:pw@h:3", "nats://h:1, REDACTED@h:2,nats://REDACTED@h:3"},
+		{"x@y:p%40ss@h:4222/path@x", "REDACTED@h:4222/path@x"},
+	} {
+		got := RedactURL(tc.in)
+		if got != tc.want {
+			t.Errorf("RedactURL(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+		for _, secret := range []string{"s3cret", "tok3n", ":pw@", "p%40ss"} {
+			if strings.Contains(got, secret) {
+				t.Errorf("RedactURL(%q) = %q keeps %q", tc.in, got, secret)
+			}
+		}
+	}
+}
+
+// TestRedactError: nats.Connect's error for a URL it cannot parse quotes
+// the URL whole (url.Parse's), with or without the scheme given.
+func TestRedactError(t *testing.T) {
+	for _, url := range []string{"nats://alice:s3cret@127.0.0.1:42x2", "alice:s3cret@127.0.0.1:42x2"} {
+		_, err := nats.Connect(url)
+		if err == nil {
+			t.Fatalf("%q connected", url)
+		}
+		red := RedactError(err)
+		if strings.Contains(red.Error(), "s3cret") || !strings.Contains(red.Error(), "REDACTED@127.0.0.1:42x2") {
+			t.Errorf("RedactError(%v) = %v", err, red)
+		}
+		if !errors.Is(red, err) {
+			t.Errorf("RedactError(%v) does not wrap it", err)
+		}
+	}
+	if RedactError(nil) != nil {
+		t.Error("RedactError(nil) is not nil")
+	}
 }
