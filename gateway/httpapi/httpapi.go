@@ -193,6 +193,7 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 				w.Header().Set("Connection", "close")
 				w.Header().Set("Retry-After", "1")
 				writeError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("this client has %d requests in flight already (the per-client bound); retry shortly", perClient.max))
+				dropUnreadBody(w)
 				return
 			}
 			defer perClient.give(client)
@@ -204,8 +205,12 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 				}
 				h(w, r)
 			default:
+				// As above: the slow client that finds the gateway full
+				// must not hold a connection while its body trickles in.
+				w.Header().Set("Connection", "close")
 				w.Header().Set("Retry-After", "1")
 				writeError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("the gateway is handling %d requests already (--max-inflight-requests); retry shortly", lim.MaxInFlight))
+				dropUnreadBody(w)
 			}
 		}
 	}
@@ -501,4 +506,16 @@ func (j *rejections) count(r *http.Request, code int, msg string) {
 	j.total.WithLabelValues(strconv.Itoa(code)).Inc()
 	j.log.Info("HTTP request rejected: "+strconv.Itoa(code)+" "+http.StatusText(code),
 		"client", r.RemoteAddr, "method", r.Method, "path", r.URL.Path, "reason", msg)
+}
+
+// dropUnreadBody ends a refused request's connection as soon as its answer
+// is out. "Connection: close" alone is not enough: after the handler
+// returns, net/http still reads up to 256 KiB of an unread body before it
+// closes, so a client that trickles its body would hold the connection
+// until --http-read-timeout. A read deadline in the past makes that read
+// fail at once.
+func dropUnreadBody(w http.ResponseWriter) {
+	rc := http.NewResponseController(w)
+	_ = rc.Flush()
+	_ = rc.SetReadDeadline(time.Now())
 }

@@ -307,3 +307,83 @@ func TestGatewayHTTPRejectionsCountedAndThrottled(t *testing.T) {
 		t.Errorf("the 405 is not logged:\n%s", logs.String())
 	}
 }
+
+// TestGatewayHTTPFullAnswersASlowClientAtOnce: when every slot is held, a
+// new POST whose small body trickles in gets its 503 at once and its
+// connection closed. Without "Connection: close" net/http reads the rest
+// of a body under 256 KiB before it writes the answer, and with it, after
+// the answer and before it closes: either way a slow client at the cap
+// held a connection until --http-read-timeout.
+func TestGatewayHTTPFullAnswersASlowClientAtOnce(t *testing.T) {
+	verifyNoLeaks(t)
+	e := kvstream.Start(t)
+	// No upload rate: the held uploads keep their slots until the test
+	// closes them. MaxInFlight 8 gives each address one slot.
+	lim := Limits{MaxTokens: 1 << 20, MaxInFlight: 8, ReadTimeout: 20 * time.Second}
+	url, _, _ := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.DiscardHandler))
+	addr := strings.TrimPrefix(url, "http://")
+	dialFrom := func(ip string) net.Conn {
+		c, err := (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}).Dial("tcp", addr)
+		if err != nil {
+			t.Skipf("cannot send from %s here: %v", ip, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	// A POST whose 1,000-byte body stops after its first bytes.
+	stalled := func(c net.Conn) {
+		if _, err := fmt.Fprintf(c, "POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":\"m\","); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range lim.MaxInFlight {
+		stalled(dialFrom(fmt.Sprintf("127.0.0.%d", 2+i)))
+	}
+	// Every slot is held once an honest route is refused for the cap.
+	deadline := time.Now().Add(10 * time.Second)
+	for got := honestRoutes(t, url, 1, nil); got[http.StatusServiceUnavailable] == 0; got = honestRoutes(t, url, 1, nil) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the held uploads never filled the %d slots: %v", lim.MaxInFlight, got)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// A new client finds the gateway full; 127.0.0.2 finds its own slot
+	// taken (the per-client bound is checked first).
+	for _, ip := range []string{fmt.Sprintf("127.0.0.%d", 2+lim.MaxInFlight), "127.0.0.2"} {
+		refusedAtOnce(t, dialFrom(ip), stalled, lim.ReadTimeout)
+	}
+}
+
+// refusedAtOnce sends a stalled POST on c and checks that it is answered
+// 503 and its connection closed well before readTimeout.
+func refusedAtOnce(t *testing.T, c net.Conn, stalled func(net.Conn), readTimeout time.Duration) {
+	t.Helper()
+	start := time.Now()
+	stalled(c)
+	_ = c.SetReadDeadline(time.Now().Add(readTimeout + 10*time.Second))
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("no answer to a POST at the cap: %v", err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	took := time.Since(start)
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("a POST at the cap from %s: %d, want 503", c.LocalAddr(), resp.StatusCode)
+	}
+	if took >= readTimeout/2 {
+		t.Errorf("the 503 at the cap took %v: the server read the slow body first (read timeout %v)", took, readTimeout)
+	}
+	if !resp.Close {
+		t.Errorf("the 503 at the cap keeps the connection open (Connection: %q)", resp.Header.Get("Connection"))
+	}
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Errorf("after the 503 at the cap the connection is still open: %v", err)
+	}
+	closed := time.Since(start)
+	if closed >= readTimeout/2 {
+		t.Errorf("the connection answered 503 at the cap closed after %v: the server read the slow body first (read timeout %v)", closed, readTimeout)
+	}
+	t.Logf("%s: 503 after %v, connection closed after %v", c.LocalAddr(), took.Round(time.Millisecond), closed.Round(time.Millisecond))
+}
