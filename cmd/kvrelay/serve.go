@@ -102,17 +102,25 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 			fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 			return 2
 		}
-		if file.MetricsListen == "" {
-			file.MetricsListen = *metricsListen
-		}
-		if file.LogLevel == "" {
-			file.LogLevel = *logLevel
-		}
-		if file.LogFormat == "" {
-			file.LogFormat = *logFormat
-		}
-		if file.WebConfigFile == "" {
-			file.WebConfigFile = *webConfig
+		// A setting the file and the command line both give is refused,
+		// as the nats block's are: one of the two would be silently lost.
+		for _, both := range []struct {
+			flag, key string
+			file      *string
+			value     string
+		}{
+			{"metrics-listen", "metrics_listen", &file.MetricsListen, *metricsListen},
+			{"log-level", "log_level", &file.LogLevel, *logLevel},
+			{"log-format", "log_format", &file.LogFormat, *logFormat},
+			{"web.config.file", "web_config_file", &file.WebConfigFile, *webConfig},
+		} {
+			switch {
+			case *both.file == "":
+				*both.file = both.value
+			case set[both.flag]:
+				fmt.Fprintf(stderr, "kvrelay serve: --%s cannot be combined with %s in --config %s (give it in one place)\n", both.flag, both.key, *configPath)
+				return 2
+			}
 		}
 	} else {
 		if err := natsSink.check(); err != nil {

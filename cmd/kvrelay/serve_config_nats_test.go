@@ -388,3 +388,35 @@ func TestServeConfigPublishesToAuthenticatedNATS(t *testing.T) {
 		t.Errorf("a NATS URL with userinfo in the logs:\n%s", logs)
 	}
 }
+
+// TestServeConfigRefusesAFlagTheFileAlsoGives: a process-wide setting
+// given both in the --config file and as a flag is refused, naming both,
+// instead of the flag losing silently to the file.
+func TestServeConfigRefusesAFlagTheFileAlsoGives(t *testing.T) {
+	for _, tc := range []struct{ key, value, flag string }{
+		{"metrics_listen", "127.0.0.1:0", "--metrics-listen"},
+		{"log_level", "debug", "--log-level"},
+		{"log_format", "json", "--log-format"},
+		{"web_config_file", "web.yml", "--web.config.file"},
+	} {
+		t.Run(tc.key, func(t *testing.T) {
+			b, err := json.Marshal(map[string]any{tc.key: tc.value, "relays": []map[string]any{relayEntry("a", 5557, "127.0.0.1:0")}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join(t.TempDir(), "kvrelay.json")
+			if err := os.WriteFile(path, b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			var stderr syncBuffer
+			// A serve that takes the flags runs until the context ends.
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			code := dispatch(ctx, []string{"serve", "--config", path, tc.flag, "x"}, strings.NewReader(""), io.Discard, &stderr)
+			want := tc.flag + " cannot be combined with " + tc.key + " in --config"
+			if code != 2 || !strings.Contains(stderr.String(), want) {
+				t.Fatalf("exit %d, stderr %q; want exit 2 saying %q", code, stderr.String(), want)
+			}
+		})
+	}
+}
