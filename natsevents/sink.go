@@ -525,6 +525,8 @@ func (s *Sink) follow(ctx context.Context) error {
 		s.noteRank(b.GetDpRank())
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc
+		// Ties the sink's announcements to its stream (alive.go).
+		msg.Header.Set(IncarnationHeader, incarnationText(s.incarnation))
 		if snap := b.GetSnapshot(); snap != nil {
 			// Chunks carry no message id: a snapshot published again is
 			// a new resync point, harmless to apply again.
