@@ -456,7 +456,11 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	it, err := cons.Messages()
+	// The client buffers at most 4 of the server's largest messages per
+	// worker (nats.go's default is 500 messages, whatever their size: a
+	// flood of large messages, forged or not, would be read ahead into
+	// the heap). A pull asks for at least half of it, so any message fits.
+	it, err := cons.Messages(jetstream.PullMaxBytes(prefetchBytes(s.nc.MaxPayload())))
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
@@ -771,4 +775,10 @@ func (s *Source) refused(w monitor.Worker, nuid string, err error) {
 	s.requestSnapshot(WorkerToken(s.name(w)))
 	s.peerLog.Warn("refused a snapshot or batch inconsistent with the worker's stream; the worker keeps its blocks and follows its gRPC stream until another snapshot object is written",
 		"worker", w.ID, "reason", reason, "err", err)
+}
+
+// prefetchBytes is what a worker's consumer may buffer: 4 of the server's
+// largest messages (at least 4 MiB, should the server not have said yet).
+func prefetchBytes(maxPayload int64) int {
+	return int(4 * max(maxPayload, 1<<20))
 }
