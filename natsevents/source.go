@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -150,11 +151,6 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		}
 	}
 	nopts := append([]nats.Option{
-		nats.Name("kvrelay-gateway events"),
-		nats.RetryOnFailedConnect(true),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(opts.RetryWait),
-		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.mu.Lock()
 			select {
@@ -163,7 +159,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 				close(s.lost)
 			}
 			s.mu.Unlock()
-			s.log.Warn("NATS lost; workers read from JetStream fall back to their gRPC streams", "err", err)
+			s.log.Warn("NATS lost; workers read from JetStream fall back to their gRPC streams", "err", natslog.RedactErr(err))
 		}),
 		nats.ReconnectHandler(func(*nats.Conn) {
 			s.mu.Lock()
@@ -174,8 +170,8 @@ func NewSource(opts SourceOptions) (*Source, error) {
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
 		}),
 	}, opts.NATSOptions...)
-	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.Redact(opts.URL), err)
+	if s.nc, err = natsconn.Connect(opts.URL, "kvrelay-gateway events", opts.RetryWait, s.log, nopts...); err != nil {
+		return nil, fmt.Errorf("natsevents: %w", err)
 	}
 	if !s.nc.IsConnected() {
 		// Unreachable at start: the sinks may have lost it too, so as

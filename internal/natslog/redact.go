@@ -41,3 +41,18 @@ func HasCredentials(servers string) bool {
 	}
 	return false
 }
+
+// RedactErr is err with its text redacted (Redact), for an error that may
+// quote a URL with its credentials (a URL that does not parse, a server
+// list); it still unwraps to err. nil stays nil.
+func RedactErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	return redactedError{err}
+}
+
+type redactedError struct{ err error }
+
+func (e redactedError) Error() string { return Redact(e.err.Error()) }
+func (e redactedError) Unwrap() error { return e.err }
