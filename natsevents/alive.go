@@ -183,6 +183,9 @@ const (
 	mismatchNoMessage    = "no_message"
 	mismatchUnverifiable = "unverifiable"
 	mismatchOverflow     = "overflow"
+	// mismatchNotYet: the incarnation matches, no sequence is announced
+	// yet; neither taken nor counted.
+	mismatchNotYet = "not_yet"
 )
 
 // otherSink is the sink label of a mismatch for a token the stream holds
@@ -211,6 +214,9 @@ func (t *aliveTracker) runVerifier(ctx context.Context) {
 			if reason == "" {
 				t.checked.WithLabelValues(token).Inc()
 				t.accept(token, a)
+				continue
+			}
+			if reason == mismatchNotYet {
 				continue
 			}
 			sink := token
@@ -381,7 +387,12 @@ func (s *Source) verifyAnnouncement(ctx context.Context, token string, a announc
 	if got, want := newest.Header.Get(IncarnationHeader), incarnationText(a.Incarnation); got != want {
 		return mismatchIncarnation, fmt.Errorf("the stream's newest message of the worker (sequence %d) is of incarnation %q, the announcement %q", newest.Sequence, got, want)
 	}
-	if a.LastSeq == 0 || a.LastSeq > newest.Sequence {
+	if a.LastSeq == 0 {
+		// A sink whose first message is stored but not yet acknowledged
+		// to it: not taken, and not a mismatch (its next one will do).
+		return mismatchNotYet, nil
+	}
+	if a.LastSeq > newest.Sequence {
 		return mismatchSequence, fmt.Errorf("announced stream sequence %d, the worker's newest is %d", a.LastSeq, newest.Sequence)
 	}
 	if a.LastSeq == newest.Sequence {
