@@ -556,6 +556,9 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 				}
 				return nil, err
 			}
+			// As the monitor does on a snapshot: the chunks' cursors,
+			// and none for a rank without chunks.
+			j.cursors = rankCursors{}
 			for _, c := range chunks {
 				j.cursors[c.GetDpRank()] = c.GetSequenceNumber()
 			}
@@ -595,7 +598,7 @@ func (j *jsStream) collect(msg jetstream.Msg, first *kvpb.KvEventBatch) ([]*kvpb
 	)
 	start := func(b *kvpb.KvEventBatch, size int) error {
 		check = snapshotCheck{maxBytes: j.maxBytes, ceiling: j.cursors.ceiling}
-		chunks = chunks[:0]
+		chunks = nil
 		return j.addChunk(&check, &chunks, b, size)
 	}
 	if err := start(first, len(msg.Data())); err != nil {
