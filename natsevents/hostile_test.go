@@ -483,3 +483,84 @@ func TestForgedAliveDoesNotKeepASilentSinkTrusted(t *testing.T) {
 		})
 	}
 }
+
+// TestForgedStreamMessagesAreRefused: forged messages on worker a's rank
+// subject that break the other rules of the stream: a batch whose rank is
+// not its subject's, a batch 2^20+1 past its rank's last sequence, and
+// snapshots with a gap, stopping short, or storing other than their
+// declared blocks. Each is refused under its reason, the replica keeps
+// a's blocks (no forged one in the index) and stays exact, then returns to
+// JetStream on the sink's next object. Without the guard the batch of
+// another rank and every snapshot are applied (forged blocks planted), and
+// the jump is taken as a gap the stream can never fill.
+func TestForgedStreamMessagesAreRefused(t *testing.T) {
+	js, a := startPublishing(t, 30)
+	r := startReplicaWith(t, js.URL(), func(_ *monitor.Options, o *SourceOptions) { o.ChunkWait = 500 * time.Millisecond },
+		monitor.Worker{ID: a.name, Addr: a.addr})
+	f := newForger(t, js.URL())
+	token := WorkerToken(a.name)
+	subject := rankSubject(DefaultSubjectPrefix, token, 0)
+	newest := func(rank int32) uint64 {
+		ctx, cancel := context.WithTimeout(context.Background(), patience)
+		defer cancel()
+		st, err := openDefaultStream(ctx, t, js.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := st.GetLastMsgForSubject(ctx, rankSubject(DefaultSubjectPrefix, token, rank))
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := batchHeader(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h.GetSequenceNumber()
+	}
+	batch := func(rank int32, seq uint64) *kvpb.KvEventBatch {
+		return &kvpb.KvEventBatch{SequenceNumber: seq, DpRank: proto.Int32(rank), Events: []*kvpb.KvCacheEvent{f.stored(100)}}
+	}
+	for _, tc := range []struct {
+		name, reason string
+		// forge gets the sequence of the stream's newest message of a
+		// rank.
+		forge func(newest func(rank int32) uint64)
+	}{
+		// Rank 1's next sequence, on rank 0's subject.
+		{"a batch of another rank than its subject's", reasonRankSubject, func(newest func(int32) uint64) {
+			f.publish(subject, batch(1, newest(1)+1))
+		}},
+		{"a batch 2^20+1 past its rank's last sequence", reasonSequenceAhead, func(newest func(int32) uint64) {
+			f.publish(subject, batch(0, newest(0)+maxSequenceJump+1))
+		}},
+		{"a snapshot with a gap", reasonChunkOrder, func(func(int32) uint64) {
+			f.publish(subject, f.chunk(0, 3, 300, 0, 100))
+			f.publish(subject, f.chunk(2, 3, 300, 1, 100))
+		}},
+		{"a snapshot that stops short", reasonChunkIncomplete, func(func(int32) uint64) {
+			f.publish(subject, f.chunk(0, 2, 200, 0, 100))
+		}},
+		{"a snapshot storing more than it declares", reasonBlocksStored, func(func(int32) uint64) {
+			f.publish(subject, f.chunk(0, 2, 150, 0, 100))
+			f.publish(subject, f.chunk(1, 2, 150, 1, 100))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eventually(t, "the replica on JetStream", func() bool {
+				a.run(1)
+				return r.mode(a.name, "nats") == 1
+			})
+			r.exact(a.name, a.eng, "before the forger")
+			tc.forge(newest)
+			eventually(t, "the forged message refused or applied", func() bool {
+				return r.rejected(a.name, tc.reason) >= 1 || f.planted(r.ix, a.name) > 0
+			})
+			if n := f.planted(r.ix, a.name); n != 0 {
+				t.Fatalf("the forged message was applied: %d forged blocks in the index", n)
+			}
+			r.exact(a.name, a.eng, "after the refusal")
+			a.run(5)
+			r.exact(a.name, a.eng, "real batches after the refusal")
+		})
+	}
+}
