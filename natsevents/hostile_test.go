@@ -564,3 +564,41 @@ func TestForgedStreamMessagesAreRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestAnnouncementsOfUnknownSinksAreNotKept: a forger announces 200 sinks
+// the stream holds nothing of. None is taken (a worker of that name would
+// otherwise be trusted, and the tracker would grow with every name), and
+// they are counted under one series, sink="other", not one per name.
+func TestAnnouncementsOfUnknownSinksAreNotKept(t *testing.T) {
+	js, a := startPublishing(t, 10)
+	r := startReplica(t, js.URL(), monitor.Worker{ID: a.name, Addr: a.addr})
+	f := newForger(t, js.URL())
+	const forged = 200
+	for i := range forged {
+		msg := encodeAnnouncement(announcement{Incarnation: uint64(i), Pass: 1, LastSeq: 1, Every: time.Second})
+		if err := f.nc.Publish(aliveSubject(DefaultSubjectPrefix, "forged-"+strconv.Itoa(i)), msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	mismatched := func(sink string) float64 {
+		return r.counter("kvrelay_gateway_events_announcements_mismatched_total", map[string]string{"sink": sink, "reason": mismatchNoMessage})
+	}
+	// One announcement per name: each is checked once.
+	eventually(t, "the forged announcements checked", func() bool { return mismatched(otherSink) >= forged })
+	r.src.alive.mu.Lock()
+	for token := range r.src.alive.sinks {
+		if token != WorkerToken(a.name) {
+			t.Errorf("an announcement of %s was taken", token)
+		}
+	}
+	r.src.alive.mu.Unlock()
+	if n := mismatched(otherSink); n != forged {
+		t.Errorf("%v mismatches counted for %d announcements", n, forged)
+	}
+	if n := mismatched("forged-0"); n != 0 {
+		t.Errorf("a series for a forged sink name: %v", n)
+	}
+}
