@@ -439,7 +439,6 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 		}
 		return nil, fmt.Errorf("snapshot of %s: %w", s.name(w), err)
 	}
-	snap := snapshotObject{StreamSeq: snapSeq}
 	cursors := rankCursors{}
 	for _, c := range chunks {
 		cursors[c.GetDpRank()] = c.GetSequenceNumber()
@@ -447,7 +446,7 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	cons, err := s.js.OrderedConsumer(octx, s.opts.Stream, jetstream.OrderedConsumerConfig{
 		FilterSubjects: []string{workerFilter(s.opts.SubjectPrefix, token)},
 		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:    snap.StreamSeq + 1,
+		OptStartSeq:    snapSeq + 1,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
@@ -461,7 +460,7 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
 	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID), loads: s.loads.attach(token),
-		diverged: func() { s.distrust(w, ref.nuid, snap.StreamSeq) },
+		diverged: func() { s.distrust(w, ref.nuid, snapSeq) },
 		cursors:  cursors, maxBytes: s.opts.MaxSnapshotBytes, chunkWait: s.opts.ChunkWait,
 		refused: func(err error) { s.refused(w, ref.nuid, err) }}
 	go func() {
