@@ -38,8 +38,8 @@ const layers = `
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
 
-	# NATS connection options (auth, TLS) from flags; they log through
-	# natslog's redaction.
+	# NATS connections: the options every one starts with, and auth and
+	# TLS from flags; they log through natslog's redaction.
 	internal/natslog < internal/natsconn;
 
 	# The HTTP listeners' web config; their error lines are throttled.
@@ -72,11 +72,11 @@ const layers = `
 	# relay's own mapping of each engine's answer (a leaf on the protos).
 	gateway/picker, gateway/placement, gateway/monitor, engines/load < gateway;
 	gateway < gateway/membership;
-	internal/natslog, internal/logthrottle < gateway/placementsync;
+	internal/natslog, internal/natsconn, internal/logthrottle < gateway/placementsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
-	relay, engines/load, gateway/monitor, internal/natslog, internal/logthrottle < natsevents;
+	relay, engines/load, gateway/monitor, internal/natslog, internal/natsconn, internal/logthrottle < natsevents;
 
 	# The processes the binary runs: serve's relays, listeners, sink and
 	# metrics endpoint; the gateway's HTTP API.

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
@@ -117,9 +119,19 @@ type aliveTracker struct {
 	log         *slog.Logger
 	silences    *prometheus.CounterVec // by worker token
 	sub         *nats.Subscription
+	// verify, if set, checks an announcement against the worker's stream
+	// (Source.verifyAnnouncement): the reason label of a mismatch, ""
+	// when it holds. Announcements then wait in pending (the newest per
+	// sink) for the verifier (runVerifier); unset, they are taken as
+	// they come (the tracker's unit tests).
+	verify     func(ctx context.Context, token string, a announcement) (reason string, err error)
+	mismatched *prometheus.CounterVec // by sink token, reason
+	checked    *prometheus.CounterVec // by sink token: borne out
+	kick       chan struct{}
 
-	mu    sync.Mutex
-	sinks map[string]*sinkState
+	mu      sync.Mutex
+	sinks   map[string]*sinkState
+	pending map[string]announcement
 	// peerLog is log throttled, for what announcements (anyone's who can
 	// publish on the alive subjects) drive.
 	peerLog *slog.Logger
@@ -128,9 +140,95 @@ type aliveTracker struct {
 func newAliveTracker(silentAfter time.Duration, log *slog.Logger) *aliveTracker {
 	return &aliveTracker{
 		silentAfter: silentAfter, now: time.Now, log: log, peerLog: logthrottle.Wrap(log), sinks: map[string]*sinkState{},
+		pending: map[string]announcement{}, kick: make(chan struct{}, 1),
 		silences: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_events_sink_silent_total",
 			Help: "Times a worker's JetStream sink stopped announcing itself while this replica's NATS connection was up; the worker then follows its gRPC stream until the sink is back with a newer snapshot."},
 			[]string{"worker"}),
+		mismatched: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_events_announcements_mismatched_total",
+			Help: "Sink announcements not taken because the worker's stream does not bear them out (reason: incarnation, not the stream's newest message's; sequence, not one of the worker's messages in the stream; no_message, the stream holds nothing of the sink; unverifiable, the stream could not be asked; overflow, too many waiting). sink is the worker token, or \"other\" for a sink the stream holds nothing of or was not asked about."},
+			[]string{"sink", "reason"}),
+		checked: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_events_announcements_checked_total",
+			Help: "Sink announcements the worker's stream bore out (its incarnation the stream's newest message's, its sequence the worker's), by sink token."},
+			[]string{"sink"}),
+	}
+}
+
+// Announcements tied to the stream (issue 29). Anyone who can publish on
+// <prefix>-alive.<token> could keep a dead sink trusted; so with a
+// verifier, an announcement counts only when the worker's stream bears it
+// out: its incarnation is the one the sink stamped (IncarnationHeader) on
+// the stream's newest message of the worker, and its LastSeq is a
+// sequence of the stream holding one of the worker's messages, at or
+// below that newest one. A forged announcement for a sink that stopped
+// (a made-up incarnation, or a sequence the stream does not hold for the
+// worker) is counted in kvrelay_gateway_events_announcements_mismatched_total
+// and does not restart the sink's clock, so the worker falls back to its
+// gRPC stream within the silence bound. Not stopped: a verbatim replay of
+// a real announcement while the sink is idle (the stream's newest message
+// is still its own); NATS's permissions stop that.
+
+// maxPendingClaims bounds the announcements waiting for the verifier (one
+// per sink token, the newest); verifyEvery paces its rounds, so a flood
+// of announcements costs NATS at most 3 requests per waiting sink per
+// round.
+const (
+	maxPendingClaims = 1024
+	verifyEvery      = 100 * time.Millisecond
+)
+
+// Reasons of a mismatch.
+const (
+	mismatchIncarnation  = "incarnation"
+	mismatchSequence     = "sequence"
+	mismatchNoMessage    = "no_message"
+	mismatchUnverifiable = "unverifiable"
+	mismatchOverflow     = "overflow"
+	// mismatchNotYet: the incarnation matches, no sequence is announced
+	// yet; neither taken nor counted.
+	mismatchNotYet = "not_yet"
+)
+
+// otherSink is the sink label of a mismatch for a token the stream holds
+// nothing of: forged tokens must not make metric series.
+const otherSink = "other"
+
+// runVerifier checks the pending announcements until ctx ends.
+func (t *aliveTracker) runVerifier(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.kick:
+		}
+		t.mu.Lock()
+		claims := t.pending
+		t.pending = make(map[string]announcement, len(claims))
+		t.mu.Unlock()
+		for token, a := range claims {
+			vctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			reason, err := t.verify(vctx, token, a)
+			cancel()
+			if ctx.Err() != nil {
+				return
+			}
+			if reason == "" {
+				t.checked.WithLabelValues(token).Inc()
+				t.accept(token, a)
+				continue
+			}
+			if reason == mismatchNotYet {
+				continue
+			}
+			sink := token
+			if reason != mismatchIncarnation && reason != mismatchSequence {
+				sink = otherSink // the stream holds nothing of it, or was not asked
+			}
+			t.mismatched.WithLabelValues(sink, reason).Inc()
+			t.peerLog.Warn("a sink announcement the worker's stream does not bear out; ignored", "sink", token, "reason", reason, "incarnation", a.Incarnation, "last_stream_sequence", a.LastSeq, "err", err)
+		}
+		if !sleep(ctx, verifyEvery) {
+			return
+		}
 	}
 }
 
@@ -142,6 +240,30 @@ func (t *aliveTracker) handle(m *nats.Msg) {
 		t.peerLog.Warn("undecodable sink announcement; ignored", "subject", m.Subject, "err", err)
 		return
 	}
+	if t.verify == nil {
+		t.accept(token, a)
+		return
+	}
+	t.mu.Lock()
+	_, waiting := t.pending[token]
+	full := !waiting && len(t.pending) >= maxPendingClaims
+	if !full {
+		t.pending[token] = a
+	}
+	t.mu.Unlock()
+	if full {
+		t.mismatched.WithLabelValues(otherSink, mismatchOverflow).Inc()
+		t.peerLog.Warn("too many sink announcements waiting to be checked; ignored", "max", maxPendingClaims)
+		return
+	}
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+// accept takes an announcement of token's sink as heard now.
+func (t *aliveTracker) accept(token string, a announcement) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	st := t.sinks[token]
@@ -240,4 +362,51 @@ func (s *Sink) announce(ctx context.Context) {
 			s.log.Debug("announcement not sent", "err", err)
 		}
 	}
+}
+
+// IncarnationHeader is the header of a sink's stream messages holding its
+// incarnation (hexadecimal), which its announcements must match.
+const IncarnationHeader = "Kvrelay-Incarnation"
+
+func incarnationText(inc uint64) string { return strconv.FormatUint(inc, 16) }
+
+// verifyAnnouncement is the aliveTracker's verify: whether the worker's
+// stream bears the announcement out (see runVerifier's comment above).
+func (s *Source) verifyAnnouncement(ctx context.Context, token string, a announcement) (string, error) {
+	stream, err := s.eventsStream(ctx)
+	if err != nil {
+		return mismatchUnverifiable, err
+	}
+	newest, err := stream.GetLastMsgForSubject(ctx, workerFilter(s.opts.SubjectPrefix, token))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return mismatchNoMessage, errors.New("the stream holds no message of the sink's worker")
+	}
+	if err != nil {
+		return mismatchUnverifiable, fmt.Errorf("the stream's newest message of the worker: %w", err)
+	}
+	if got, want := newest.Header.Get(IncarnationHeader), incarnationText(a.Incarnation); got != want {
+		return mismatchIncarnation, fmt.Errorf("the stream's newest message of the worker (sequence %d) is of incarnation %q, the announcement %q", newest.Sequence, got, want)
+	}
+	if a.LastSeq == 0 {
+		// A sink whose first message is stored but not yet acknowledged
+		// to it: not taken, and not a mismatch (its next one will do).
+		return mismatchNotYet, nil
+	}
+	if a.LastSeq > newest.Sequence {
+		return mismatchSequence, fmt.Errorf("announced stream sequence %d, the worker's newest is %d", a.LastSeq, newest.Sequence)
+	}
+	if a.LastSeq == newest.Sequence {
+		return "", nil
+	}
+	m, err := stream.GetMsg(ctx, a.LastSeq)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return mismatchSequence, fmt.Errorf("the stream holds no message at the announced sequence %d", a.LastSeq)
+	}
+	if err != nil {
+		return mismatchUnverifiable, fmt.Errorf("the stream's message at sequence %d: %w", a.LastSeq, err)
+	}
+	if !strings.HasPrefix(m.Subject, s.opts.SubjectPrefix+"."+token+".") {
+		return mismatchSequence, fmt.Errorf("the stream's message at the announced sequence %d is not the worker's (%s)", a.LastSeq, m.Subject)
+	}
+	return "", nil
 }

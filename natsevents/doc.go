@@ -59,7 +59,10 @@
 // makes for a worker is served from the snapshot object then an ordered
 // consumer on the worker's subjects from the next sequence, and goes
 // through the monitor's admission unchanged (stale, gap, restart, snapshot
-// rules). Where that cannot be exact it serves the worker's own gRPC
+// rules), once the source has checked it against the worker's stream: a
+// snapshot, object or on the stream, is read whole and checked before its
+// first chunk is handed on, and one that breaks a bound is refused without
+// touching the worker's blocks (guard.go). Where that cannot be exact it serves the worker's own gRPC
 // stream instead, with the monitor's cursors: NATS unreachable, no
 // snapshot of the worker, the stream no longer holding the snapshot's
 // tail, or a stale snapshot object: the one there when NATS came back (or
@@ -84,7 +87,10 @@
 // every AliveEvery (1 s, kvrelay serve --nats-alive-every) while a pass is
 // publishing, on core NATS at <prefix>-alive.<token> (not captured by the
 // stream's <prefix>.>, so never stored), with its incarnation, pass and
-// the stream sequence of its newest stored message, and its interval. A
+// the stream sequence of its newest stored message, and its interval,
+// taken only when the stream bears it out (the incarnation is the one the
+// sink stamps on its stream messages, the sequence one of the worker's; see
+// alive.go). A
 // source whose worker's sink, once heard, has been silent for longer than
 // 3 of its intervals (SilentAfter) ends that worker's JetStream
 // subscription; the monitor resubscribes and Open serves the gRPC stream,

@@ -12,7 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvrelay/kvrelay/internal/natslog"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 )
 
 // Members: a relay started with a member (SinkOptions.Member, kvrelay serve
@@ -97,13 +97,11 @@ func WatchMembers(opts MemberOptions) (*MemberWatcher, error) {
 	}
 	w := &MemberWatcher{opts: opts, log: opts.Logger, now: time.Now, members: map[string]heardMember{}, changed: make(chan struct{}, 1)}
 	nopts := append([]nats.Option{
-		nats.Name("kvrelay-gateway-members"),
-		nats.RetryOnFailedConnect(true), nats.MaxReconnects(-1), nats.ReconnectWait(time.Second),
 		nats.ReconnectHandler(func(*nats.Conn) { w.reconnected() }),
 	}, opts.NATSOptions...)
-	nc, err := nats.Connect(opts.URL, nopts...)
+	nc, err := natsconn.Connect(opts.URL, "kvrelay-gateway-members", time.Second, w.log, nopts...)
 	if err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
+		return nil, fmt.Errorf("natsevents: %w", err)
 	}
 	w.nc = nc
 	if w.sub, err = nc.Subscribe(aliveFilter(opts.SubjectPrefix), w.handle); err != nil {

@@ -16,8 +16,11 @@ import (
 )
 
 // spoilSnapshot rewrites worker's snapshot object with rank's blocks left
-// out (its chunks kept, their events dropped), at the same stream
-// sequence: what a sink that wrote a cut hiding a rank left behind.
+// out (its chunks kept, their events dropped, the block total the chunks
+// declare lowered to match), at the same stream sequence: what a sink
+// that wrote a cut hiding a rank left behind. (An object whose chunks
+// store other than their declared total is refused before it is applied:
+// TestForgedSnapshotObjectIsRefused.)
 func spoilSnapshot(t *testing.T, url, worker string, rank int32) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
@@ -43,23 +46,29 @@ func spoilSnapshot(t *testing.T, url, worker string, rank int32) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dropped := 0
+	dropped, droppedBlocks := 0, uint64(0)
+	chunks := make([]*kvpb.KvEventBatch, len(o.Chunks))
 	for i, c := range o.Chunks {
 		b := &kvpb.KvEventBatch{}
 		if err := proto.Unmarshal(c, b); err != nil {
 			t.Fatal(err)
 		}
+		chunks[i] = b
 		if b.GetDpRank() != rank {
 			continue
 		}
 		dropped += len(b.Events)
+		droppedBlocks += storedBlocks(b)
 		b.Events = nil
-		if o.Chunks[i], err = proto.Marshal(b); err != nil {
-			t.Fatal(err)
-		}
 	}
 	if dropped == 0 {
 		t.Fatalf("the snapshot of %s holds no event of rank %d to leave out", worker, rank)
+	}
+	for i, b := range chunks {
+		b.Snapshot.Blocks -= droppedBlocks
+		if o.Chunks[i], err = proto.Marshal(b); err != nil {
+			t.Fatal(err)
+		}
 	}
 	meta := jetstream.ObjectMeta{Name: WorkerToken(worker), Metadata: map[string]string{streamSeqKey: strconv.FormatUint(o.StreamSeq, 10)}}
 	if _, err := obs.Put(ctx, meta, bytes.NewReader(encodeSnapshot(o))); err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -227,21 +228,16 @@ func NewSink(rel Relay, opts SinkOptions) (*Sink, error) {
 	}
 	s := &Sink{opts: opts, rel: rel, token: WorkerToken(opts.Worker), log: opts.Logger, m: m, incarnation: rand.Uint64(), ranks: map[int32]struct{}{}}
 	nopts := append([]nats.Option{
-		nats.Name("kvrelay-serve " + opts.Worker),
-		nats.RetryOnFailedConnect(true),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(opts.RetryWait),
 		nats.ConnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS connected") }),
 		nats.ReconnectHandler(func(*nats.Conn) { m.connected.Set(1); s.log.Info("NATS reconnected") }),
-		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			m.connected.Set(0)
-			s.log.Warn("NATS disconnected; the stream will get a snapshot when it is back", "err", err)
-			s.failFollow(fmt.Errorf("NATS disconnected: %w", err))
+			s.log.Warn("NATS disconnected; the stream will get a snapshot when it is back", "err", natslog.RedactError(err))
+			s.failFollow(fmt.Errorf("NATS disconnected: %w", natslog.RedactError(err)))
 		}),
 	}, opts.NATSOptions...)
-	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
+	if s.nc, err = natsconn.Connect(opts.URL, "kvrelay-serve "+opts.Worker, opts.RetryWait, s.log, nopts...); err != nil {
+		return nil, fmt.Errorf("natsevents: %w", err)
 	}
 	s.js, err = jetstream.New(s.nc,
 		jetstream.WithPublishAsyncMaxPending(opts.MaxPending),
@@ -525,6 +521,8 @@ func (s *Sink) follow(ctx context.Context) error {
 		s.noteRank(b.GetDpRank())
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc
+		// Ties the sink's announcements to its stream (alive.go).
+		msg.Header.Set(IncarnationHeader, incarnationText(s.incarnation))
 		if snap := b.GetSnapshot(); snap != nil {
 			// Chunks carry no message id: a snapshot published again is
 			// a new resync point, harmless to apply again.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"strconv"
 	"sync"
@@ -13,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,9 +48,16 @@ type SourceOptions struct {
 	// (250 ms).
 	SilentAfter       time.Duration
 	SilenceCheckEvery time.Duration
-	NATSOptions       []nats.Option
-	Registerer        prometheus.Registerer
-	Logger            *slog.Logger
+	// MaxSnapshotBytes bounds a snapshot's encoded size, an object's or
+	// a snapshot's chunks on the stream together
+	// (DefaultMaxSnapshotBytes); a larger one is refused (guard.go).
+	MaxSnapshotBytes uint64
+	// ChunkWait is how long a snapshot's next chunk on the stream may
+	// take before the snapshot is refused as incomplete (10 s).
+	ChunkWait   time.Duration
+	NATSOptions []nats.Option
+	Registerer  prometheus.Registerer
+	Logger      *slog.Logger
 }
 
 // Source opens a gateway's worker subscriptions from the JetStream stream
@@ -88,6 +97,15 @@ type Source struct {
 	// (request.go).
 	stale   map[string]staleObject
 	repairs *prometheus.CounterVec
+	// stream is the events stream's handle, once looked up (for the
+	// announcements' checks).
+	stream jetstream.Stream
+	// stopVerifier ends the announcements' verifier; verifierDone is
+	// closed when it returned.
+	stopVerifier context.CancelFunc
+	verifierDone chan struct{}
+	// rejected counts refused snapshots and batches (guard.go).
+	rejected *prometheus.CounterVec
 }
 
 // staleObject is a snapshot object not to serve, and why.
@@ -110,28 +128,29 @@ func NewSource(opts SourceOptions) (*Source, error) {
 	if opts.SilenceCheckEvery <= 0 {
 		opts.SilenceCheckEvery = 250 * time.Millisecond
 	}
+	if opts.MaxSnapshotBytes == 0 {
+		opts.MaxSnapshotBytes = DefaultMaxSnapshotBytes
+	}
+	if opts.ChunkWait <= 0 {
+		opts.ChunkWait = 10 * time.Second
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	peerLog := logthrottle.Wrap(opts.Logger)
 	s := &Source{opts: opts, log: opts.Logger, peerLog: peerLog, lost: make(chan struct{}), alive: newAliveTracker(opts.SilentAfter, opts.Logger), loads: newLoadTracker(opts.Logger),
-		epochs: map[string]uint64{}, stale: map[string]staleObject{}, repairs: newRepairCounter()}
+		epochs: map[string]uint64{}, stale: map[string]staleObject{}, repairs: newRepairCounter(), rejected: newRejectCounter()}
 	s.mode = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrelay_gateway_events_source",
 		Help: "1 for the source a worker's KV events come from on this replica: nats (the JetStream stream) or grpc (the worker's own stream)."},
 		[]string{"worker", "source"})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.loads.received, s.repairs} {
+		for _, c := range []prometheus.Collector{s.mode, s.alive.silences, s.alive.mismatched, s.alive.checked, s.loads.received, s.repairs, s.rejected} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("natsevents: %w", err)
 			}
 		}
 	}
 	nopts := append([]nats.Option{
-		nats.Name("kvrelay-gateway events"),
-		nats.RetryOnFailedConnect(true),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(opts.RetryWait),
-		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.mu.Lock()
 			select {
@@ -140,7 +159,7 @@ func NewSource(opts SourceOptions) (*Source, error) {
 				close(s.lost)
 			}
 			s.mu.Unlock()
-			s.log.Warn("NATS lost; workers read from JetStream fall back to their gRPC streams", "err", err)
+			s.log.Warn("NATS lost; workers read from JetStream fall back to their gRPC streams", "err", natslog.RedactError(err))
 		}),
 		nats.ReconnectHandler(func(*nats.Conn) {
 			s.mu.Lock()
@@ -151,8 +170,8 @@ func NewSource(opts SourceOptions) (*Source, error) {
 			s.log.Info("NATS is back; workers return to JetStream at their next subscription once a snapshot newer than the outage is there")
 		}),
 	}, opts.NATSOptions...)
-	if s.nc, err = nats.Connect(opts.URL, nopts...); err != nil {
-		return nil, fmt.Errorf("natsevents: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
+	if s.nc, err = natsconn.Connect(opts.URL, "kvrelay-gateway events", opts.RetryWait, s.log, nopts...); err != nil {
+		return nil, fmt.Errorf("natsevents: %w", err)
 	}
 	if !s.nc.IsConnected() {
 		// Unreachable at start: the sinks may have lost it too, so as
@@ -166,20 +185,46 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: %w", err)
 	}
+	s.alive.verify = s.verifyAnnouncement
+	vctx, stop := context.WithCancel(context.Background())
+	s.stopVerifier, s.verifierDone = stop, make(chan struct{})
+	go func() { defer close(s.verifierDone); s.alive.runVerifier(vctx) }()
 	// A subscription made before the server answers is sent when it does.
 	if s.alive.sub, err = s.nc.Subscribe(aliveFilter(opts.SubjectPrefix), s.alive.handle); err != nil {
-		s.nc.Close()
+		s.Close()
 		return nil, fmt.Errorf("natsevents: subscribe to the sinks' announcements: %w", err)
 	}
 	if s.loads.sub, err = s.nc.Subscribe(loadFilter(opts.SubjectPrefix), s.loads.handle); err != nil {
-		s.nc.Close()
+		s.Close()
 		return nil, fmt.Errorf("natsevents: subscribe to the sinks' load records: %w", err)
 	}
 	return s, nil
 }
 
 // Close closes the connection (after the monitor stopped).
-func (s *Source) Close() { s.nc.Close() }
+func (s *Source) Close() {
+	s.stopVerifier()
+	<-s.verifierDone
+	s.nc.Close()
+}
+
+// eventsStream is the events stream's handle, looked up once.
+func (s *Source) eventsStream(ctx context.Context) (jetstream.Stream, error) {
+	s.mu.Lock()
+	st := s.stream
+	s.mu.Unlock()
+	if st != nil {
+		return st, nil
+	}
+	st, err := s.js.Stream(ctx, s.opts.Stream)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	}
+	s.mu.Lock()
+	s.stream = st
+	s.mu.Unlock()
+	return st, nil
+}
 
 func (s *Source) name(w monitor.Worker) string {
 	if n, ok := s.opts.Names[w.ID]; ok {
@@ -265,6 +310,11 @@ type snapshotRef struct {
 	obs  jetstream.ObjectStore
 	seq  uint64
 	nuid string
+	// size is the object's size; stream the events stream and lastSeq
+	// its last sequence when the object was looked at (guard.go).
+	size    uint64
+	stream  jetstream.Stream
+	lastSeq uint64
 }
 
 // snapshotInfo checks, without downloading it, that w's snapshot object
@@ -330,7 +380,23 @@ func (s *Source) snapshotInfo(ctx context.Context, w monitor.Worker) (snapshotRe
 	if info.State.Msgs > 0 && info.State.FirstSeq > seq+1 {
 		return snapshotRef{}, fmt.Errorf("the stream starts at sequence %d, after the snapshot of %s at %d: its tail is gone", info.State.FirstSeq, s.name(w), seq)
 	}
-	return snapshotRef{obs: obs, seq: seq, nuid: nuid}, nil
+	if oi.Size > s.opts.MaxSnapshotBytes {
+		err := refuse(reasonSize, "the snapshot object of %s takes %d bytes, at most %d taken", s.name(w), oi.Size, s.opts.MaxSnapshotBytes)
+		s.refused(w, nuid, err)
+		return snapshotRef{}, err
+	}
+	if seq > info.State.LastSeq {
+		// Written after the stream was looked at, or forged: look again.
+		if info, err = stream.Info(octx); err != nil {
+			return snapshotRef{}, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		}
+	}
+	if seq > info.State.LastSeq {
+		err := refuse(reasonObjectSequence, "the snapshot object of %s says stream sequence %d, the stream's last is %d", s.name(w), seq, info.State.LastSeq)
+		s.refused(w, nuid, err)
+		return snapshotRef{}, err
+	}
+	return snapshotRef{obs: obs, seq: seq, nuid: nuid, size: oi.Size, stream: stream, lastSeq: info.State.LastSeq}, nil
 }
 
 var errNotConnected = errors.New("NATS is not connected")
@@ -343,7 +409,7 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	if err != nil {
 		return nil, err
 	}
-	obs, seq := ref.obs, ref.seq
+	obs := ref.obs
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	token := WorkerToken(s.name(w))
@@ -353,47 +419,50 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 	var data []byte
 	for attempt := 1; ; attempt++ {
 		gctx, gcancel := context.WithTimeout(octx, 5*time.Second)
-		data, err = obs.GetBytes(gctx, token)
+		data, err = s.readObject(gctx, obs, token, &ref)
 		gcancel()
-		if err == nil || attempt == 3 || octx.Err() != nil {
+		if err == nil || refusalReason(err) != "" || attempt == 3 || octx.Err() != nil {
 			break
 		}
 		s.log.Debug("reading the snapshot again", "worker", w.ID, "err", err)
 	}
 	if err != nil {
+		if refusalReason(err) != "" {
+			s.refused(w, ref.nuid, err)
+		}
 		return nil, fmt.Errorf("snapshot of %s in %s: %w", s.name(w), BucketFor(s.opts.Stream), err)
 	}
-	snap, err := decodeSnapshot(data)
+	chunks, snapSeq, err := s.checkObject(octx, w, ref, data)
 	if err != nil {
+		if refusalReason(err) != "" {
+			s.refused(w, ref.nuid, err)
+		}
 		return nil, fmt.Errorf("snapshot of %s: %w", s.name(w), err)
 	}
-	if snap.StreamSeq < seq {
-		// Replaced between the two reads by an older one: cannot happen
-		// with one sink per worker, and is not served if it does.
-		return nil, fmt.Errorf("snapshot of %s: its body says stream sequence %d, its metadata %d", s.name(w), snap.StreamSeq, seq)
-	}
-	chunks := make([]*kvpb.KvEventBatch, 0, len(snap.Chunks))
-	for i, c := range snap.Chunks {
-		b := &kvpb.KvEventBatch{}
-		if err := proto.Unmarshal(c, b); err != nil || b.GetSnapshot() == nil {
-			return nil, fmt.Errorf("snapshot of %s: chunk %d is not a snapshot chunk (%v)", s.name(w), i, err)
-		}
-		chunks = append(chunks, b)
+	cursors := rankCursors{}
+	for _, c := range chunks {
+		cursors[c.GetDpRank()] = c.GetSequenceNumber()
 	}
 	cons, err := s.js.OrderedConsumer(octx, s.opts.Stream, jetstream.OrderedConsumerConfig{
 		FilterSubjects: []string{workerFilter(s.opts.SubjectPrefix, token)},
 		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:    snap.StreamSeq + 1,
+		OptStartSeq:    snapSeq + 1,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
-	it, err := cons.Messages()
+	// The client buffers at most 4 of the server's largest messages per
+	// worker (nats.go's default is 500 messages, whatever their size: a
+	// flood of large messages, forged or not, would be read ahead into
+	// the heap). A pull asks for at least half of it, so any message fits.
+	it, err := cons.Messages(jetstream.PullMaxBytes(prefetchBytes(s.nc.MaxPayload())))
 	if err != nil {
 		return nil, fmt.Errorf("consumer of %s: %w", s.name(w), err)
 	}
 	js := &jsStream{chunks: chunks, it: it, done: make(chan struct{}), log: s.log.With("worker", w.ID), peerLog: s.peerLog.With("worker", w.ID), loads: s.loads.attach(token),
-		diverged: func() { s.distrust(w, ref.nuid, snap.StreamSeq) }}
+		diverged: func() { s.distrust(w, ref.nuid, snapSeq) },
+		cursors:  cursors, maxBytes: s.opts.MaxSnapshotBytes, chunkWait: s.opts.ChunkWait,
+		refused: func(err error) { s.refused(w, ref.nuid, err) }}
 	go func() {
 		defer it.Stop()
 		defer s.loads.detach(token, js.loads)
@@ -424,7 +493,9 @@ func (s *Source) openJetStream(ctx context.Context, w monitor.Worker) (*jsStream
 
 // jsStream is one subscription served from JetStream: the snapshot's
 // chunks, then the worker's messages after it, as a relay would serve them,
-// with the sink's load records as load_only batches between them.
+// with the sink's load records as load_only batches between them. A
+// snapshot on the stream is read whole and checked before its first chunk
+// is handed out (guard.go).
 type jsStream struct {
 	loads    *loadFeed
 	chunks   []*kvpb.KvEventBatch
@@ -436,6 +507,13 @@ type jsStream struct {
 	log      *slog.Logger
 	peerLog  *slog.Logger // throttled: what a message on the stream drives
 	diverged func()
+	// cursors is the last sequence handed out per rank; maxBytes and
+	// chunkWait bound a snapshot on the stream; refused reports a refusal
+	// (counted, logged, the object distrusted), which ends the stream.
+	cursors   rankCursors
+	maxBytes  uint64
+	chunkWait time.Duration
+	refused   func(error)
 }
 
 // Diverged is monitor.DivergenceNotifier: the index this stream fed
@@ -460,24 +538,245 @@ func (j *jsStream) Recv() (*kvpb.KvEventBatch, error) {
 			continue // a load record arrived
 		}
 		if err != nil {
-			j.once.Do(func() { close(j.done) })
-			if j.lostNATS.Load() {
-				return nil, status.Error(codes.Unavailable, "NATS connection lost")
-			}
-			if j.silent.Load() {
-				return nil, status.Error(codes.Unavailable, errSinkSilent.Error())
-			}
-			return nil, status.Errorf(codes.Unavailable, "JetStream consumer ended: %v", err)
+			return nil, j.end(err)
 		}
-		b := &kvpb.KvEventBatch{}
-		if err := proto.Unmarshal(msg.Data(), b); err != nil {
-			// Skipped: if it mattered, admission sees its sequence
-			// missing, as it would a gap on a gRPC stream.
-			j.peerLog.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
+		b, ok := j.decode(msg)
+		if !ok {
 			continue
 		}
-		j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
+		if err := checkSubject(msg.Subject(), b); err != nil {
+			return nil, j.refuse(err)
+		}
+		if b.GetSnapshot() != nil {
+			chunks, err := j.collect(msg, b)
+			if err != nil {
+				if refusalReason(err) != "" {
+					return nil, j.refuse(err)
+				}
+				return nil, err
+			}
+			// As the monitor does on a snapshot: the chunks' cursors,
+			// and none for a rank without chunks.
+			j.cursors = rankCursors{}
+			for _, c := range chunks {
+				j.cursors[c.GetDpRank()] = c.GetSequenceNumber()
+			}
+			j.chunks = chunks[1:]
+			return chunks[0], nil
+		}
+		if err := j.cursors.checkBatch(b); err != nil {
+			return nil, j.refuse(err)
+		}
+		j.cursors[b.GetDpRank()] = b.GetSequenceNumber()
 		j.loads.delivered(b)
 		return b, nil
 	}
+}
+
+// decode reads a message of the stream; false for one that does not
+// decode, which is skipped: if it mattered, admission sees its sequence
+// missing, as it would a gap on a gRPC stream.
+func (j *jsStream) decode(msg jetstream.Msg) (*kvpb.KvEventBatch, bool) {
+	b := &kvpb.KvEventBatch{}
+	if err := proto.Unmarshal(msg.Data(), b); err != nil {
+		j.peerLog.Warn("undecodable message on the stream; skipped", "subject", msg.Subject(), "err", err)
+		return nil, false
+	}
+	j.log.Debug("from JetStream", "subject", msg.Subject(), "rank", b.GetDpRank(), "sequence", b.GetSequenceNumber(), "snapshot", b.GetSnapshot() != nil)
+	return b, true
+}
+
+// collect reads the rest of the snapshot whose chunk first (of msg) came
+// on the stream, and checks it whole. A chunk 0 inside it starts it again
+// (a pass of the sink that broke off mid-snapshot, followed by the next
+// pass's snapshot: the broken one never reached the index).
+func (j *jsStream) collect(msg jetstream.Msg, first *kvpb.KvEventBatch) ([]*kvpb.KvEventBatch, error) {
+	var (
+		check  snapshotCheck
+		chunks []*kvpb.KvEventBatch
+	)
+	start := func(b *kvpb.KvEventBatch, size int) error {
+		check = snapshotCheck{maxBytes: j.maxBytes, ceiling: j.cursors.ceiling}
+		chunks = nil
+		return j.addChunk(&check, &chunks, b, size)
+	}
+	if err := start(first, len(msg.Data())); err != nil {
+		return nil, err
+	}
+	for !check.complete() {
+		ctx, cancel := context.WithTimeout(context.Background(), j.chunkWait)
+		next, err := j.it.Next(jetstream.NextContext(ctx))
+		timedOut := ctx.Err() != nil
+		cancel()
+		if err != nil && timedOut {
+			return nil, refuse(reasonChunkIncomplete, "chunk %d of %d did not come within %s", check.next, check.count, j.chunkWait)
+		}
+		if err != nil {
+			return nil, j.end(err)
+		}
+		b, ok := j.decode(next)
+		if !ok {
+			return nil, refuse(reasonChunkOrder, "an undecodable message where chunk %d of %d was due", check.next, check.count)
+		}
+		if err := checkSubject(next.Subject(), b); err != nil {
+			return nil, err
+		}
+		if snap := b.GetSnapshot(); snap != nil && snap.GetIndex() == 0 {
+			j.log.Debug("a snapshot on the stream broke off; the next one starts", "chunks", check.next, "of", check.count)
+			err = start(b, len(next.Data()))
+		} else {
+			err = j.addChunk(&check, &chunks, b, len(next.Data()))
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if err := check.finish(); err != nil {
+		return nil, err
+	}
+	return chunks, nil
+}
+
+func (j *jsStream) addChunk(check *snapshotCheck, chunks *[]*kvpb.KvEventBatch, b *kvpb.KvEventBatch, size int) error {
+	if err := check.add(b, size); err != nil {
+		return err
+	}
+	*chunks = append(*chunks, b)
+	return nil
+}
+
+// refuse reports a refused message and ends the stream with it.
+func (j *jsStream) refuse(err error) error {
+	j.refused(err)
+	j.once.Do(func() { close(j.done) })
+	return status.Errorf(codes.Unavailable, "refused from JetStream: %v", err)
+}
+
+// end ends the stream on the consumer's error.
+func (j *jsStream) end(err error) error {
+	j.once.Do(func() { close(j.done) })
+	if j.lostNATS.Load() {
+		return status.Error(codes.Unavailable, "NATS connection lost")
+	}
+	if j.silent.Load() {
+		return status.Error(codes.Unavailable, errSinkSilent.Error())
+	}
+	return status.Errorf(codes.Unavailable, "JetStream consumer ended: %v", err)
+}
+
+// readObject reads worker token's newest snapshot object, refusing one
+// larger than MaxSnapshotBytes before reading it (and reading no more than
+// that if its size lies); ref takes the NUID and size of the object read,
+// which may be newer than the one looked at.
+func (s *Source) readObject(ctx context.Context, obs jetstream.ObjectStore, token string, ref *snapshotRef) ([]byte, error) {
+	r, err := obs.Get(ctx, token)
+	if err != nil {
+		return nil, err
+	}
+	defer r.Close()
+	info, err := r.Info()
+	if err != nil {
+		return nil, err
+	}
+	ref.nuid, ref.size = info.NUID, info.Size
+	limit := s.opts.MaxSnapshotBytes
+	if info.Size > limit {
+		return nil, refuse(reasonSize, "the object takes %d bytes, at most %d taken", info.Size, limit)
+	}
+	// The client checks the size and digest at the end; a limit one
+	// past the cap stops an object whose size lies.
+	data, err := io.ReadAll(io.LimitReader(r, int64(limit)+1))
+	if err != nil {
+		return nil, err
+	}
+	if uint64(len(data)) > limit {
+		return nil, refuse(reasonSize, "the object holds more than %d bytes", limit)
+	}
+	return data, nil
+}
+
+// checkObject decodes a snapshot object and checks it (guard.go): its
+// stream sequence against the stream's, its chunks as a whole and each
+// chunk's sequence against the stream's newest message of its rank.
+func (s *Source) checkObject(ctx context.Context, w monitor.Worker, ref snapshotRef, data []byte) ([]*kvpb.KvEventBatch, uint64, error) {
+	snap, err := decodeSnapshot(data)
+	if err != nil {
+		return nil, 0, &refusal{reason: reasonMalformed, err: err}
+	}
+	if snap.StreamSeq < ref.seq {
+		// Replaced between the two reads by an older one: cannot happen
+		// with one sink per worker, and is not served if it does.
+		return nil, 0, fmt.Errorf("its body says stream sequence %d, its metadata %d", snap.StreamSeq, ref.seq)
+	}
+	if snap.StreamSeq > ref.lastSeq {
+		// Written after the stream was looked at, or forged: look again.
+		info, err := ref.stream.Info(ctx)
+		if err != nil {
+			return nil, 0, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+		}
+		if snap.StreamSeq > info.State.LastSeq {
+			return nil, 0, refuse(reasonObjectSequence, "the object says stream sequence %d, the stream's last is %d", snap.StreamSeq, info.State.LastSeq)
+		}
+	}
+	token := WorkerToken(s.name(w))
+	newest := map[int32]uint64{}
+	check := snapshotCheck{maxBytes: s.opts.MaxSnapshotBytes, ceiling: func(rank int32) (uint64, bool, error) {
+		if top, ok := newest[rank]; ok {
+			return top, true, nil
+		}
+		m, err := ref.stream.GetLastMsgForSubject(ctx, rankSubject(s.opts.SubjectPrefix, token, rank))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			// Aged out of the stream (a rank idle for longer than its
+			// retention): nothing to bound it by.
+			return 0, false, nil
+		}
+		if err != nil {
+			return 0, false, fmt.Errorf("the stream's newest message of rank %d: %w", rank, err)
+		}
+		h, err := batchHeader(m.Data)
+		if err != nil {
+			return 0, false, fmt.Errorf("the stream's newest message of rank %d: %w", rank, err)
+		}
+		newest[rank] = h.GetSequenceNumber()
+		return h.GetSequenceNumber(), true, nil
+	}}
+	chunks := make([]*kvpb.KvEventBatch, 0, len(snap.Chunks))
+	for i, c := range snap.Chunks {
+		b := &kvpb.KvEventBatch{}
+		if err := proto.Unmarshal(c, b); err != nil {
+			return nil, 0, &refusal{reason: reasonMalformed, err: fmt.Errorf("chunk %d: %w", i, err)}
+		}
+		if err := check.add(b, len(c)); err != nil {
+			return nil, 0, err
+		}
+		chunks = append(chunks, b)
+	}
+	if err := check.finish(); err != nil {
+		return nil, 0, err
+	}
+	return chunks, snap.StreamSeq, nil
+}
+
+// refused counts and logs a refused snapshot or batch of w and stops
+// serving the snapshot object nuid (the one refused, or the one the
+// stream that carried the refused message was read after): w follows its
+// gRPC stream, its blocks kept, until another object is written, which is
+// asked for (as after a divergence, repair.go).
+func (s *Source) refused(w monitor.Worker, nuid string, err error) {
+	reason := refusalReason(err)
+	s.rejected.WithLabelValues(w.ID, reason).Inc()
+	if nuid != "" {
+		s.mu.Lock()
+		s.stale[w.ID] = staleObject{nuid: nuid, why: "served when an inconsistent snapshot or batch was refused (" + reason + ")"}
+		s.mu.Unlock()
+	}
+	s.requestSnapshot(WorkerToken(s.name(w)))
+	s.peerLog.Warn("refused a snapshot or batch inconsistent with the worker's stream; the worker keeps its blocks and follows its gRPC stream until another snapshot object is written",
+		"worker", w.ID, "reason", reason, "err", err)
+}
+
+// prefetchBytes is what a worker's consumer may buffer: 4 of the server's
+// largest messages (at least 4 MiB, should the server not have said yet).
+func prefetchBytes(maxPayload int64) int {
+	return int(4 * max(maxPayload, 1<<20))
 }

@@ -121,6 +121,23 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 
+	// The gateway checks the relays' announcements and snapshot objects
+	// against the stream (natsevents/alive.go, guard.go): the
+	// configuration lets it read single messages of the stream.
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		m := apiclient.Get(t, "http://"+addr+"/metrics")
+		if strings.Contains(m, `kvrelay_gateway_events_announcements_checked_total{sink="engine-a"}`) &&
+			strings.Contains(m, `kvrelay_gateway_events_announcements_checked_total{sink="engine-b"}`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the gateway never bore out an announcement of each relay against the stream; gateway:\n%s", gw.stderr.String())
+		}
+	}
+	if m := apiclient.Get(t, "http://"+addr+"/metrics"); strings.Contains(m, `reason="unverifiable"`) {
+		t.Error("the gateway could not check some announcements against the stream (reason=\"unverifiable\")")
+	}
+
 	// Hostile clients.
 	dial := func(role string, withCert, withPassword bool) (*nats.Conn, *asyncErrs, error) {
 		errs := &asyncErrs{}

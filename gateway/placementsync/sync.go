@@ -32,6 +32,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
 	"github.com/kvrelay/kvrelay/internal/natslog"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -158,25 +159,20 @@ func Start(target Target, opts Options) (*Sync, error) {
 	s.places = newPeerLimiter("placement", lim.PeerHashRate, lim.PeerHashBurst, lim.TotalHashRate, lim.TotalHashBurst, lim.Backoff, s.limited)
 	s.id = newReplicaID()
 	nopts := []nats.Option{
-		nats.Name(opts.Name),
 		nats.NoEcho(),
-		nats.RetryOnFailedConnect(true),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(opts.ReconnectWait),
 		// No buffering while disconnected: Publish fails and the
 		// placement is dropped.
 		nats.ReconnectBufSize(-1),
 		nats.ConnectHandler(func(*nats.Conn) { s.log.Info("nats connected: sharing placements") }),
 		nats.ReconnectHandler(func(*nats.Conn) { s.log.Info("nats reconnected: sharing placements again") }),
-		natslog.AsyncErrors(s.log),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			s.log.Warn("nats disconnected: placements stay local until it reconnects", "err", err)
+			s.log.Warn("nats disconnected: placements stay local until it reconnects", "err", natslog.RedactError(err))
 		}),
 	}
 	s.hdr = nats.Header{ReplicaHeader: []string{s.id}}
-	nc, err := nats.Connect(opts.URL, append(nopts, opts.NATSOptions...)...)
+	nc, err := natsconn.Connect(opts.URL, opts.Name, opts.ReconnectWait, s.log, append(nopts, opts.NATSOptions...)...)
 	if err != nil {
-		return nil, fmt.Errorf("placementsync: connect %s: %w", natslog.RedactURL(opts.URL), natslog.RedactError(err))
+		return nil, fmt.Errorf("placementsync: %w", err)
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(opts.SubjectPrefix+".>", s.receive); err != nil {

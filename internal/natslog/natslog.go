@@ -13,13 +13,14 @@ import (
 )
 
 // AsyncErrors is the nats.Option that logs the connection's asynchronous
-// errors to log, with the subject when one subscription is concerned.
+// errors to log, with the subject when one subscription is concerned; an
+// error's text is redacted (RedactError).
 func AsyncErrors(log *slog.Logger) nats.Option {
 	return nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
 		if sub != nil {
-			log.Warn("nats: asynchronous error", "err", err, "subject", sub.Subject)
+			log.Warn("nats: asynchronous error", "err", RedactError(err), "subject", sub.Subject)
 			return
 		}
-		log.Warn("nats: asynchronous error", "err", err)
+		log.Warn("nats: asynchronous error", "err", RedactError(err))
 	})
 }
