@@ -149,7 +149,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	rt := ws.ranks[rank]
 	if rt == nil {
-		rt = newRevTable()
+		rt = newRevTable(&ix.pool)
 		ws.ranks[rank] = rt
 	}
 	var seed uint64
@@ -160,7 +160,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	var prev uint64
 	var prevLoc loc
 	chained := false
-	lk := newShardLocks(ix)
+	lk := newShardLocks(ix, &ws.lkRuns)
 	defer lk.release()
 	if ix.opts.ReportModeFull && !snapshot && s.ParentBlockHash == nil && ix.reannounced(&lk, rt, s, tier, content, seed) {
 		ws.c.ReannouncedStores++
@@ -559,7 +559,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	if len(locs) == 0 {
 		return
 	}
-	lk := newShardLocks(ix)
+	lk := newShardLocks(ix, &ws.lkRuns)
 	defer lk.release()
 	for j, l := range locs {
 		if j%settleEvery == settleEvery-1 {

@@ -291,6 +291,7 @@ func runPlan(b *testing.B, plan replayPlan, bs int, in replayInput) {
 		b.ReportMetric(mb.reverseLoad, "rev-load")
 		b.ReportMetric(per(mb.runHeaders), "runhdr-B/block")
 		b.ReportMetric(per(mb.arrays), "arrays-B/block")
+		b.ReportMetric(per(mb.pooled), "pooled-B/block")
 		b.ReportMetric(per(mb.other), "other-B/block")
 		b.ReportMetric(float64(mb.entries)/float64(max(mb.runs, 1)), "held-positions/run")
 	}
@@ -412,7 +413,8 @@ type indexMemory struct {
 	reverse     int     // workers' reverse tables (14 B a slot)
 	reverseLoad float64 // their entries ÷ slots
 	runHeaders  int     // run and runBody headers (memBytes' runOverhead)
-	arrays      int     // run arrays in use and spare
+	arrays      int     // run arrays in use
+	pooled      int     // arrays kept for reuse (run arrays and reverse tables)
 	other       int     // heads tables, run directories, bitsets, free lists, refs
 	runs        int     // live runs
 	entries     int     // held positions
@@ -427,10 +429,11 @@ func memoryBreakdown(ix *Index) indexMemory {
 		m.runs += live
 		m.entries += int(load(&sh.entries))
 		m.runHeaders += live * runOverhead
-		m.arrays += sh.bytes + sh.spareBytes
-		m.other += sh.memBytes() - live*runOverhead - sh.bytes - sh.spareBytes
+		m.arrays += sh.bytes
+		m.other += sh.memBytes() - live*runOverhead - sh.bytes
 		sh.mu.Unlock()
 	}
+	m.pooled = ix.pool.heldBytes()
 	entries, slots := 0, 0
 	ix.wmu.RLock()
 	for _, ws := range ix.workers {

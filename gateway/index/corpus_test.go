@@ -171,7 +171,13 @@ func writeCorpus(w io.Writer, c opsCorpus) error {
 // readCorpus parses a corpus. A truncated or inconsistent file is an error
 // naming what is wrong and where; no declared count sizes an allocation
 // before it is checked against the bounds above.
-func readCorpus(r io.Reader) (opsCorpus, error) {
+func readCorpus(r io.Reader) (opsCorpus, error) { return streamCorpus(r, 0, nil) }
+
+// streamCorpus is readCorpus handing the operations to each, chunk at a
+// time, instead of keeping them (each nil: keeps them all, as readCorpus);
+// the returned corpus then has none. each must not keep the slice it is
+// given (it is reused), only what its operations point to.
+func streamCorpus(r io.Reader, chunk int, each func(c opsCorpus, ops []corpusOp)) (opsCorpus, error) {
 	br := bufio.NewReaderSize(r, 64<<10)
 	var scratch [8]byte
 	read := func(n int) ([]byte, error) {
@@ -275,6 +281,11 @@ func readCorpus(r io.Reader) (opsCorpus, error) {
 		}
 		c.blockOps += uint64(n)
 		c.ops = append(c.ops, op)
+		if each != nil && (len(c.ops) == chunk || i+1 == nops) {
+			each(c, c.ops)
+			clear(c.ops)
+			c.ops = c.ops[:0]
+		}
 	}
 	if c.blockOps != blockOps {
 		return c, fmt.Errorf("corpus: header says %d block ops, the operations hold %d", blockOps, c.blockOps)
@@ -309,21 +320,17 @@ type corpusReplay struct {
 	cpu, wall time.Duration
 	lat       []time.Duration
 	checksum  uint64 // sum over lookups of the best prefix depth
+	// Over the timed part: heap bytes allocated, minor page faults taken
+	// (process-wide) and collector cycles completed.
+	allocBytes, faults uint64
+	gcs                uint32
 }
 
-// replayCorpus replays c into a fresh index on the calling goroutine, as
-// the Rust harness does: every batch, Prepared and lookup is built first;
-// the timed part is ApplyPrepared and FindMatchesContentInto in corpus order,
-// every lookup into the same Matches (as SMG's score_into reuses its output),
-// so that lookups allocate nothing.
-func replayCorpus(c opsCorpus, opts replayOptions) (*Index, corpusReplay) {
-	ix := New(Options{BlockSize: int(c.blockSize)})
-	names := make([]WorkerID, c.workers)
-	for i := range names {
-		names[i] = fmt.Sprintf("worker-%03d", i)
-	}
-	preps := make([]*Prepared, len(c.ops))
-	for i, op := range c.ops {
+// corpusPreps builds the Prepared of every apply operation of ops (nil for
+// a lookup), as the gateway's decoder would hand them to the index.
+func corpusPreps(c opsCorpus, ops []corpusOp) []*Prepared {
+	preps := make([]*Prepared, len(ops))
+	for i, op := range ops {
 		switch op.kind {
 		case corpusStore:
 			s := &kvpb.KvBlocksStored{Blocks: make([]*kvpb.KvBlock, len(op.engine))}
@@ -344,6 +351,80 @@ func replayCorpus(c opsCorpus, opts replayOptions) (*Index, corpusReplay) {
 			preps[i] = &Prepared{batch: batch(0, removed(unspec, hs...))}
 		}
 	}
+	return preps
+}
+
+// corpusClock measures a timed part: CPU and wall time, heap bytes
+// allocated, minor faults and collector cycles between start and stop,
+// summed over as many parts as it is started and stopped for.
+type corpusClock struct {
+	cpu0            time.Duration
+	t0              time.Time
+	alloc0, faults0 uint64
+	gc0             uint32
+}
+
+func (k *corpusClock) start() {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	k.alloc0, k.gc0, k.faults0 = ms.TotalAlloc, ms.NumGC, minorFaults()
+	k.cpu0, k.t0 = cpuTime(), time.Now()
+}
+
+func (k *corpusClock) stop(r *corpusReplay) {
+	r.wall += time.Since(k.t0)
+	r.cpu += cpuTime() - k.cpu0
+	f := minorFaults()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	r.allocBytes += ms.TotalAlloc - k.alloc0
+	r.gcs += ms.NumGC - k.gc0
+	r.faults += f - k.faults0
+}
+
+// replayOps applies or looks up ops in order on the calling goroutine (the
+// timed part of a replay).
+func replayOps(ix *Index, names []WorkerID, ops []corpusOp, preps []*Prepared, m *Matches, r *corpusReplay, opts replayOptions) {
+	for i, op := range ops {
+		if op.kind != corpusLookup {
+			ix.ApplyPrepared(names[op.worker], preps[i])
+			continue
+		}
+		if opts.probe != nil {
+			opts.probe.before()
+		}
+		s := time.Now()
+		if opts.allocating {
+			*m = ix.FindMatchesContent(op.content)
+		} else {
+			ix.FindMatchesContentInto(m, op.content)
+		}
+		lat := time.Since(s)
+		if opts.probe != nil {
+			opts.probe.after(lat, len(op.content))
+		}
+		r.lat = append(r.lat, lat)
+		r.checksum += uint64(m.Best())
+	}
+}
+
+func corpusWorkerNames(c opsCorpus) []WorkerID {
+	names := make([]WorkerID, c.workers)
+	for i := range names {
+		names[i] = fmt.Sprintf("worker-%03d", i)
+	}
+	return names
+}
+
+// replayCorpus replays c into a fresh index on the calling goroutine, as
+// the Rust harness does: every batch, Prepared and lookup is built first;
+// the timed part is ApplyPrepared and FindMatchesContentInto in corpus order,
+// every lookup into the same Matches (as SMG's score_into reuses its output),
+// so that lookups allocate nothing.
+func replayCorpus(c opsCorpus, opts replayOptions) (*Index, corpusReplay) {
+	ix := New(Options{BlockSize: int(c.blockSize)})
+	names := corpusWorkerNames(c)
+	preps := corpusPreps(c, c.ops)
 	var r corpusReplay
 	var m Matches
 	r.lat = make([]time.Duration, 0, len(c.ops))
@@ -356,29 +437,10 @@ func replayCorpus(c opsCorpus, opts replayOptions) (*Index, corpusReplay) {
 	if opts.onStart != nil {
 		opts.onStart()
 	}
-	cpu0, t0 := cpuTime(), time.Now()
-	for i, op := range c.ops {
-		if op.kind != corpusLookup {
-			ix.ApplyPrepared(names[op.worker], preps[i])
-			continue
-		}
-		if opts.probe != nil {
-			opts.probe.before()
-		}
-		s := time.Now()
-		if opts.allocating {
-			m = ix.FindMatchesContent(op.content)
-		} else {
-			ix.FindMatchesContentInto(&m, op.content)
-		}
-		lat := time.Since(s)
-		if opts.probe != nil {
-			opts.probe.after(lat, len(op.content))
-		}
-		r.lat = append(r.lat, lat)
-		r.checksum += uint64(m.Best())
-	}
-	r.wall, r.cpu = time.Since(t0), cpuTime()-cpu0
+	var k corpusClock
+	k.start()
+	replayOps(ix, names, c.ops, preps, &m, &r, opts)
+	k.stop(&r)
 	return ix, r
 }
 

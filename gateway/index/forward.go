@@ -211,11 +211,10 @@ type shard struct {
 	maxRuns int
 	// capWarned: the run cap's warning was logged for this shard.
 	capWarned bool
-	// spare holds run arrays given back, by size class, for reuse: runs come
-	// and go with conversations, and allocating their arrays anew made the
-	// garbage collector a fifth of a replay's time.
-	spare      [bodyClasses][]*runBody
-	spareBytes int
+	// pool recycles run arrays given back (the index's, shared by its
+	// shards): runs come and go with conversations, and allocating their
+	// arrays anew made the garbage collector a fifth of a replay's time.
+	pool *arrayPool
 
 	// Counted by the writers (mu held, plain stores), read without locking.
 	entries uint64 // positions with at least one holder
@@ -226,8 +225,9 @@ type shard struct {
 
 const shardMinSlots = 64
 
-func (s *shard) init(maxRuns int) {
+func (s *shard) init(maxRuns int, pool *arrayPool) {
 	s.maxRuns = maxRuns
+	s.pool = pool
 	s.filter.Store(newHeadFilter(shardMinSlots))
 	s.tab.Store(newTable(shardMinSlots))
 	s.dir.Store(&runDir{r: make([]atomic.Pointer[run], 16)})
@@ -424,37 +424,14 @@ func bodyClass(n int) int {
 func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-1)] }
 
 // getBody returns arrays for n positions (a size class), holders and stamps
-// zero. A reused body may still be read by a lookup that started before it
-// was given back; that lookup's shard version has moved since, so it will
-// read again, and the stores here are atomic for the race detector's sake.
+// zero, from the index's pool (see arrayPool.getBody).
 func (s *shard) getBody(n int, stamped bool) *runBody {
-	k := bodyClass(n)
-	n = bodySizes[k]
-	if l := len(s.spare[k]); l > 0 && s.spare[k][l-1].stamped() == stamped {
-		b := s.spare[k][l-1]
-		s.spare[k][l-1] = nil
-		s.spare[k] = s.spare[k][:l-1]
-		s.spareBytes -= bodyBytes(b)
-		h := b.holds[:cap(b.holds)]
-		for i := range h { // holders and stamps
-			store32(&h[i], 0)
-		}
-		return b
-	}
-	return newRunBody(n, stamped)
+	return s.pool.getBody(bodyClass(n), stamped)
 }
 
-// putBody keeps b for reuse (mu held, and the shard's version odd, so that
-// lookups reading b will read again). What is kept is bounded, per size
-// class and to a sixteenth of the shard's live arrays, and counted in memBytes.
-func (s *shard) putBody(b *runBody) {
-	k := bodyClass(b.size())
-	n := bodyBytes(b)
-	if len(s.spare[k]) < max(2, 512/bodySizes[k]) && s.spareBytes+n <= 2048+s.bytes/16 {
-		s.spare[k] = append(s.spare[k], b)
-		s.spareBytes += n
-	}
-}
+// putBody gives b back to the pool (mu held, and b's run's version odd, so
+// that lookups reading b will read again).
+func (s *shard) putBody(b *runBody) { s.pool.putBody(b) }
 
 func bodyBytes(b *runBody) int { return len(b.hashes)*8 + cap(b.holds)*4 }
 
@@ -669,7 +646,7 @@ func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
 // memBytes estimates the shard's own memory (mu held).
 func (s *shard) memBytes() int {
 	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
-		s.bytes + s.spareBytes + len(s.sets.Load().w)*8 + len(s.filter.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
+		s.bytes + len(s.sets.Load().w)*8 + len(s.filter.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
 }
 
 // tryHasHead reports, without locking, whether k heads a run of s; ok is

@@ -86,6 +86,7 @@ type Index struct {
 	epoch     time.Time
 	shardBits uint8
 	shards    []shard
+	pool      arrayPool // run arrays and reverse tables given back
 	pruning   bool
 	blockSize atomic.Int64
 	log       *slog.Logger
@@ -138,6 +139,7 @@ type workerState struct {
 	// between events so that applying one allocates nothing; guarded by mu.
 	evSlots   []evSlot
 	evContent []uint64
+	lkRuns    [2][]*run // shardLocks.runs' arrays (see shardLocks.keep)
 	evLocs    []loc
 }
 
@@ -219,7 +221,7 @@ func New(opts Options) *Index {
 	}
 	ix.epoch = ix.now()
 	for i := range ix.shards {
-		ix.shards[i].init(maxRunsFor(uint8(sb)))
+		ix.shards[i].init(maxRunsFor(uint8(sb)), &ix.pool)
 	}
 	if opts.BlockSize > 0 {
 		ix.blockSize.Store(int64(opts.BlockSize))
@@ -343,13 +345,14 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 		return
 	}
 	delete(ws.ranks, rank)
-	lk := newShardLocks(ix)
+	lk := newShardLocks(ix, &ws.lkRuns)
 	defer lk.release()
 	for i := range rt.slots {
 		if rt.counts(i) != 0 {
 			ix.dropRef(&lk, ws, unpackLoc(rt.slots[i].pos, ix.shardBits))
 		}
 	}
+	rt.release()
 }
 
 // ClearWorker drops every block w holds on every rank (snapshot chunk 0,
@@ -524,6 +527,7 @@ func (ix *Index) Stats() Stats {
 		st.MemoryBytes += int64(sh.memBytes())
 		sh.mu.Unlock()
 	}
+	st.MemoryBytes += int64(ix.pool.heldBytes())
 	ix.wmu.RLock()
 	wss := make([]*workerState, 0, len(ix.workers))
 	for _, ws := range ix.workers {

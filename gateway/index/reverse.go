@@ -42,6 +42,8 @@ type revTable struct {
 	// reallocated; without it, a table settled in such a band was rehashed
 	// into one of the same size at every removal.
 	shrinkFloor int
+	// pool, when not nil, gives and takes back the table's arrays.
+	pool *arrayPool
 }
 
 // rslot is one entry. The key is kept as two 32-bit halves so that the slot
@@ -104,15 +106,21 @@ const (
 	revPeakWindow = 8
 )
 
-func newRevTable() *revTable {
-	t := &revTable{}
-	t.alloc(revMinSlots)
+func newRevTable(pool *arrayPool) *revTable {
+	t := &revTable{pool: pool}
+	t.alloc(revMinSlots, revMinSlots)
 	return t
 }
 
-func (t *revTable) alloc(slots int) {
-	t.slots = fullAlloc[rslot](slots)
-	t.meta = make([]uint16, len(t.slots))
+// alloc gives the table empty arrays of at least slots and, when they come
+// from the pool, at most most slots.
+func (t *revTable) alloc(slots, most int) {
+	if t.pool != nil {
+		t.slots, t.meta = t.pool.getRev(slots, max(slots, most))
+	} else {
+		t.slots = fullAlloc[rslot](slots)
+		t.meta = make([]uint16, len(t.slots))
+	}
 	t.n = 0
 	t.resizes++
 	t.shrinkFloor = 0
@@ -192,12 +200,16 @@ func (t *revTable) counts(i int) uint8 { return uint8(t.meta[i]) }
 // setCounts sets slot i's non-zero copy counts.
 func (t *revTable) setCounts(i int, c uint8) { t.meta[i] = t.meta[i]&0xff00 | uint16(c) }
 
-func (t *revTable) grow() { t.resize(len(t.slots) + len(t.slots)/4) }
+func (t *revTable) grow() {
+	size := len(t.slots) + len(t.slots)/4
+	t.resize(size, size+size/8)
+}
 
-// resize rehashes the table into size slots (at least its entries).
-func (t *revTable) resize(size int) {
+// resize rehashes the table into size slots, or up to most when arrays of
+// that size are at hand in the pool (size at least its entries).
+func (t *revTable) resize(size, most int) {
 	slots, meta := t.slots, t.meta
-	t.alloc(size)
+	t.alloc(size, most)
 	n := len(t.slots)
 	for j, md := range meta {
 		if md&0xff == 0 {
@@ -212,6 +224,20 @@ func (t *revTable) resize(size int) {
 		t.slots[i], t.meta[i] = slots[j], md
 		t.n++
 	}
+	t.giveBack(slots, meta)
+}
+
+// giveBack returns arrays the table no longer uses to its pool.
+func (t *revTable) giveBack(slots []rslot, meta []uint16) {
+	if t.pool != nil {
+		t.pool.putRev(slots, meta)
+	}
+}
+
+// release gives the table's arrays back; the table is not used again.
+func (t *revTable) release() {
+	t.giveBack(t.slots, t.meta)
+	t.slots, t.meta, t.n = nil, nil, 0
 }
 
 // fillsHole reports whether the entry at slot j, whose home is slot h, moves
@@ -244,7 +270,9 @@ func (t *revTable) del(i int) {
 	t.changed()
 	switch {
 	case t.n == 0 && len(t.slots) > 1<<16:
-		t.alloc(revMinSlots) // give a drained rank's memory back
+		slots, meta := t.slots, t.meta
+		t.alloc(revMinSlots, revMinSlots) // give a drained rank's memory back
+		t.giveBack(slots, meta)
 	case len(t.slots) > revMinSlots && t.n*100 < len(t.slots)*revMinLoad100:
 		old := len(t.slots)
 		// A table below the load threshold usually stays as it is, kept
@@ -258,7 +286,7 @@ func (t *revTable) del(i int) {
 		}
 		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
 		if size <= old-old/8 && (t.shrinkFloor == 0 || size < t.shrinkFloor) {
-			t.resize(size)
+			t.resize(size, min(size+size/8, old-old/8))
 			if len(t.slots) > old-old/8 {
 				t.shrinkFloor = size
 			}

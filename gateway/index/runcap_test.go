@@ -16,7 +16,7 @@ func TestRevSlotIs12Bytes(t *testing.T) {
 	if n := reflect.TypeFor[rslot]().Size(); n != 12 {
 		t.Fatalf("rslot is %d bytes, want 12", n)
 	}
-	rt := newRevTable()
+	rt := newRevTable(nil)
 	if got, want := rt.bytes(), len(rt.slots)*14; got != want {
 		t.Fatalf("bytes() = %d for %d slots, want %d (12 + 2 of metadata a slot)", got, len(rt.slots), want)
 	}
@@ -152,7 +152,7 @@ func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
 		t.Run(fmt.Sprintf("stamped=%v", stamped), func(t *testing.T) {
 			const sb = 6
 			var s shard
-			s.init(maxRunsFor(sb))
+			s.init(maxRunsFor(sb), &arrayPool{})
 			idx, ok := s.newRunFor(1<<40, stamped, sb, 1)
 			if !ok {
 				t.Fatal("no run")

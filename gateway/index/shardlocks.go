@@ -26,9 +26,21 @@ type shardLocks struct {
 	last      *run
 	lastShard int
 	lastIdx   uint32
+	// keep, when not nil, lends runs' arrays from one event to the next (the
+	// worker's scratch, guarded by its lock): growing them anew for each
+	// event was a steady allocation.
+	keep *[2][]*run
 }
 
-func newShardLocks(ix *Index) shardLocks { return shardLocks{ix: ix, held: [2]int{-1, -1}} }
+// newShardLocks returns no locks held; keep (may be nil) is the scratch
+// runs' arrays are taken from and given back to at release.
+func newShardLocks(ix *Index, keep *[2][]*run) shardLocks {
+	l := shardLocks{ix: ix, held: [2]int{-1, -1}, keep: keep}
+	if keep != nil {
+		l.runs = *keep
+	}
+	return l
+}
 
 // cached returns run idx of shard s if it is l.last: s is held and the
 // run's version is odd by our hand; nil otherwise.
@@ -118,6 +130,9 @@ func (l *shardLocks) release() {
 			l.drop(i)
 		}
 	}
+	if l.keep != nil {
+		*l.keep = l.runs
+	}
 }
 
 // drop lets go of held slot i.
@@ -173,7 +188,8 @@ func (l *shardLocks) need(a, b int) bool {
 			free++
 		}
 	}
-	var add []int
+	var addBuf [2]int
+	add := addBuf[:0]
 	for _, s := range []int{lo, hi} {
 		if s >= 0 && !l.has(s) {
 			add = append(add, s)

@@ -12,7 +12,7 @@ import (
 // and keys crowding the same home slots.
 func TestRevTableAgainstMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(11, 11))
-	rt := newRevTable()
+	rt := newRevTable(nil)
 	want := map[uint64][2]uint64{} // key → (loc, counts)
 	var keys []uint64
 	for step := range 25000 {
@@ -69,7 +69,7 @@ func TestShardAgainstMap(t *testing.T) {
 	const sb = 6
 	rng := rand.New(rand.NewPCG(12, 12))
 	var s shard
-	s.init(maxRunsFor(sb))
+	s.init(maxRunsFor(sb), &arrayPool{})
 	type pos struct {
 		run uint32
 		off int
@@ -189,7 +189,7 @@ func TestShardAgainstMap(t *testing.T) {
 func TestFreedRunReadsEmpty(t *testing.T) {
 	const sb = 6
 	var s shard
-	s.init(maxRunsFor(sb))
+	s.init(maxRunsFor(sb), &arrayPool{})
 	a := newRunOrFail(t, &s, 1, sb)
 	ra := s.runAt(a)
 	s.addHolder(ra.body.Load(), 0, 7, 0)
@@ -212,7 +212,7 @@ func TestFreedRunReadsEmpty(t *testing.T) {
 // than its minimum), and a cache that keeps overshooting by a twentieth and
 // evicting it again does not resize on every cycle.
 func TestRevTableShrinksWithHysteresis(t *testing.T) {
-	rt := newRevTable()
+	rt := newRevTable(nil)
 	const n = 20000
 	for k := range uint64(n) {
 		rt.upsert(k+1, uint32(k), 1)
@@ -272,7 +272,7 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 // instructions); sized for its recent peak it settles.
 func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 5))
-	rt := newRevTable()
+	rt := newRevTable(nil)
 	const capacity = 512
 	next, oldest := uint64(1), uint64(1)
 	for range capacity {
@@ -318,7 +318,7 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 // replay, each a fresh allocation and a rehash. Remembered for eight to
 // sixteen, it keeps its size, which the peak still bounds.
 func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
-	rt := newRevTable()
+	rt := newRevTable(nil)
 	const capacity, small, big = 512, 32, 400
 	next, oldest := uint64(1), uint64(1)
 	swing := func(k int) {
@@ -371,7 +371,7 @@ func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
 // asked for ~2,200 slots, got 2,560 again, and did so at each deletion.
 func TestRevTableShrinkThatRoundsUpIsNotRepeated(t *testing.T) {
 	for _, tc := range []struct{ fill, level int }{{2500, 1500}, {3000, 1500}, {5000, 2900}} {
-		rt := newRevTable()
+		rt := newRevTable(nil)
 		next, oldest := uint64(1), uint64(1)
 		for range tc.fill {
 			rt.upsert(next, uint32(next), 1)
