@@ -128,6 +128,13 @@ func TestGatewayHTTPCapsRequestsInFlight(t *testing.T) {
 			}
 			break
 		}
+		select {
+		case code := <-held:
+			// Not the bound's failure: the request meant to hold the
+			// slot is gone (seen once under a loaded -race run).
+			t.Fatalf("the request holding the slot ended before the bound was seen (%d)", code)
+		default:
+		}
 		if time.Now().After(deadline) {
 			t.Fatalf("requests beyond --max-inflight-requests still served (%d)", resp.StatusCode)
 		}
