@@ -336,14 +336,29 @@ func TestGatewayHTTPFullAnswersASlowClientAtOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for i := range lim.MaxInFlight {
-		stalled(dialFrom(fmt.Sprintf("127.0.0.%d", 2+i)))
+	holders := make([]net.Conn, lim.MaxInFlight)
+	for i := range holders {
+		holders[i] = dialFrom(fmt.Sprintf("127.0.0.%d", 2+i))
+		stalled(holders[i])
 	}
-	// Every slot is held once an honest route is refused for the cap.
-	deadline := time.Now().Add(10 * time.Second)
+	// Every slot is held once an honest route is refused for the cap. An
+	// honest route in flight when a holder arrives takes that holder's
+	// slot, and the holder is refused and closed: such a holder is
+	// replaced, so the slots fill on a machine of any speed.
+	deadline := time.Now().Add(30 * time.Second)
 	for got := honestRoutes(t, url, 1, nil); got[http.StatusServiceUnavailable] == 0; got = honestRoutes(t, url, 1, nil) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the held uploads never filled the %d slots: %v", lim.MaxInFlight, got)
+		}
+		for i, c := range holders {
+			_ = c.SetReadDeadline(time.Now().Add(time.Millisecond))
+			var b [1]byte
+			_, err := c.Read(b[:])
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				continue // still held
+			}
+			holders[i] = dialFrom(fmt.Sprintf("127.0.0.%d", 2+i))
+			stalled(holders[i])
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
