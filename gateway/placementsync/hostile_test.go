@@ -15,6 +15,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/memstats"
 )
 
@@ -24,7 +25,7 @@ import (
 // subjects in production, and these bounds hold what gets through.
 
 // startLoggedReplica is startReplica with a log to read and options.
-func startLoggedReplica(t testing.TB, url string, workers int, log *safeBuffer, tune func(*Options, *gateway.Gateway)) *replica {
+func startLoggedReplica(t testing.TB, url string, workers int, log *logbuf.Buffer, tune func(*Options, *gateway.Gateway)) *replica {
 	t.Helper()
 	var ws []gateway.Worker
 	for i := range workers {
@@ -89,9 +90,9 @@ func TestPlacementFloodIsHeld(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			url := runNATS(t).URL()
-			var victimLog safeBuffer
+			var victimLog logbuf.Buffer
 			victim := startLoggedReplica(t, url, 4, &victimLog, func(o *Options, _ *gateway.Gateway) { o.Limits = testLimits })
-			honest := startLoggedReplica(t, url, 4, &safeBuffer{}, nil)
+			honest := startLoggedReplica(t, url, 4, &logbuf.Buffer{}, nil)
 			nc := hostileConn(t, url)
 
 			before := memstats.Settled().HeapInuse
@@ -187,7 +188,7 @@ func limitedTotal(r *replica, kind string) float64 {
 // flood's end.
 func TestLoadFloodIsHeld(t *testing.T) {
 	url := runNATS(t).URL()
-	var log safeBuffer
+	var log logbuf.Buffer
 	v := startLoggedReplica(t, url, 4, &log, func(o *Options, g *gateway.Gateway) { o.Load, o.Limits = g, testLimits })
 	nc := hostileConn(t, url)
 
@@ -269,7 +270,7 @@ func TestPlacementFloodEvictsOnlyItsOwn(t *testing.T) {
 	if err := s.Flush(waitFor); err != nil {
 		t.Fatal(err)
 	}
-	honest := startLoggedReplica(t, url, 4, &safeBuffer{}, nil)
+	honest := startLoggedReplica(t, url, 4, &logbuf.Buffer{}, nil)
 
 	// The honest replica's placement reaches the victim; the victim makes
 	// its own on another prefix.
