@@ -242,22 +242,8 @@ func TestGatewayHTTPRejectionsCountedAndThrottled(t *testing.T) {
 	lim := Limits{MaxTokens: 10, MaxInFlight: 4, ReadTimeout: 30 * time.Second}
 	var logs logbuf.Buffer
 	url, _, reg := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.NewTextHandler(&logs, nil)))
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
-	cl := &http.Client{Transport: tr}
-	do := func(method, path, body string) int {
-		req, err := http.NewRequest(method, url+path, strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp, err := cl.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	cl := apiClient(t)
+	do := func(method, path, body string) int { return status(t, cl, request(t, method, url+path, body)) }
 	const flood = 200
 	for range flood {
 		if code := do("POST", "/v1/route", `{"model":`); code != http.StatusBadRequest {
