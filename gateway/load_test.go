@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,6 +18,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // loadBatch is a load-only batch of rank carrying l.
@@ -243,23 +243,10 @@ kvrelay_gateway_engine_cache_hit_rate{model="llama",rank="1",worker="A"} 0.75
 	}
 }
 
-// syncBuffer is a bytes.Buffer the logger and the test may share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) lines() []map[string]any {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+// routeDecisions are the "route decision" lines of a JSON log.
+func routeDecisions(log string) []map[string]any {
 	var out []map[string]any
-	for _, l := range strings.Split(strings.TrimSpace(s.b.String()), "\n") {
+	for _, l := range strings.Split(strings.TrimSpace(log), "\n") {
 		var m map[string]any
 		if json.Unmarshal([]byte(l), &m) == nil && m["msg"] == "route decision" {
 			out = append(out, m)
@@ -271,10 +258,10 @@ func (s *syncBuffer) lines() []map[string]any {
 // TestDecisionLog: one debug line per decision names its branch.
 func TestDecisionLog(t *testing.T) {
 	prompt := tokens(0, 64)
-	var buf syncBuffer
+	var buf logbuf.Buffer
 	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	g, a, b := twoHolders(t, Config{Logger: log, Picker: picker.Config{AbsThreshold: 1, RelThreshold: 1, BalanceTokenUsage: 0.5}}, prompt)
-	before := len(buf.lines())
+	before := len(routeDecisions(buf.String()))
 	route := func(req RouteRequest) {
 		t.Helper()
 		if _, err := g.Route(req); err != nil {
@@ -296,7 +283,7 @@ func TestDecisionLog(t *testing.T) {
 	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.TokenUsage == 0.9 })
 	waitLoad(t, g, "B", func(l EngineLoad) bool { return l.TokenUsage == 0.1 })
 	route(RouteRequest{TokenIDs: prompt, Loads: map[string]int{"A": 0, "B": 0, "C": 0}}) // kv_pressure
-	lines := buf.lines()[before:]
+	lines := routeDecisions(buf.String())[before:]
 	var branches []string
 	for _, l := range lines {
 		branches = append(branches, l["branch"].(string))

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // idleGateway is a gateway over n workers that never connect: its index
@@ -105,7 +106,7 @@ func TestBurstFollowsTheFirstPlacement(t *testing.T) {
 // than stored ones.
 // The decision log names the branch and the inferred blocks.
 func TestPlacementWeight(t *testing.T) {
-	var buf syncBuffer
+	var buf logbuf.Buffer
 	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	g := idleGateway(t, 2, Config{Logger: log, Placements: placement.Options{Weight: 0.25}})
 	prompt := tokens(0, 128) // 8 blocks
@@ -117,7 +118,7 @@ func TestPlacementWeight(t *testing.T) {
 	if err != nil || d.Worker != first.Worker || d.MatchedBlocks[first.Worker] != 2 {
 		t.Fatalf("second route: %+v %v, want %s with 8 × 0.25 = 2 blocks", d, err, first.Worker)
 	}
-	lines := buf.lines()
+	lines := routeDecisions(buf.String())
 	if len(lines) != 2 {
 		t.Fatalf("%d decision lines, want 2", len(lines))
 	}

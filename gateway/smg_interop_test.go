@@ -7,14 +7,13 @@ import (
 	"fmt"
 	"os/exec"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
@@ -24,8 +23,7 @@ import (
 type pyRelay struct {
 	cmd    *exec.Cmd
 	port   int
-	mu     sync.Mutex
-	stderr strings.Builder
+	stderr logbuf.Buffer
 }
 
 // startTCPEngine starts a simulated vLLM engine of dp ranks publishing on
@@ -61,11 +59,7 @@ func startPyScript(t *testing.T, script string, args []string, onLine func([]byt
 	t.Helper()
 	cmd := pyenv.Command(t, pyenv.Script("smg", script), args...)
 	p := &pyRelay{cmd: cmd}
-	cmd.Stderr = writerFunc(func(b []byte) (int, error) {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.stderr.Write(b)
-	})
+	cmd.Stderr = &p.stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -104,15 +98,7 @@ func (p *pyRelay) stop() {
 	}
 }
 
-func (p *pyRelay) log() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.stderr.String()
-}
-
-type writerFunc func([]byte) (int, error)
-
-func (f writerFunc) Write(b []byte) (int, error) { return f(b) }
+func (p *pyRelay) log() string { return p.stderr.String() }
 
 // TestSMGPythonRelay runs the monitor against SMG's Python servicer relay:
 // the index follows a two-rank engine exactly, and after the relay restarts

@@ -18,6 +18,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/memstats"
 	"github.com/kvrelay/kvrelay/testkit/testrelay"
 )
 
@@ -170,7 +171,7 @@ func TestForgedStreamSnapshotsAreRefused(t *testing.T) {
 
 	// The flood.
 	const flood, perChunk = 100, 20_000
-	before := heapInUse()
+	before := memstats.Settled().HeapInuse
 	var peak uint64
 	sample := make(chan struct{})
 	sampled := make(chan struct{})
@@ -224,7 +225,7 @@ func TestForgedStreamSnapshotsAreRefused(t *testing.T) {
 	if err := st.Purge(ctx); err != nil {
 		t.Fatal(err)
 	}
-	after := heapInUse()
+	after := memstats.Settled().HeapInuse
 	if n := f.planted(r.ix, a.name); n != 0 {
 		t.Fatalf("%d forged blocks in the index after the flood", n)
 	}
@@ -243,16 +244,6 @@ func TestForgedStreamSnapshotsAreRefused(t *testing.T) {
 	if refused < 2 {
 		t.Errorf("%v refusals: the replica did not read the flood", refused)
 	}
-}
-
-// heapInUse is the heap in use after two collections: the embedded
-// server's buffers wait in sync.Pools, whose victims survive one.
-func heapInUse() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapInuse
 }
 
 // forgedObject is a consistent snapshot object of rank 0: n chunks of

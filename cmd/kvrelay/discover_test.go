@@ -19,6 +19,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
@@ -99,10 +100,10 @@ func TestServeLearnsEngineReleasePublishersFromUpstream(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	var out, errOut syncBuffer
+	var out, errOut logbuf.Buffer
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		out, errOut = syncBuffer{}, syncBuffer{}
+		out, errOut = logbuf.Buffer{}, logbuf.Buffer{}
 		tctx, tcancel := context.WithTimeout(ctx, 10*time.Second)
 		code := dispatch(tctx, []string{"tail", "--addr", grpcAddr, "--service", "sglang", "--json", "-n", "4"}, strings.NewReader(""), &out, &errOut)
 		tcancel()
@@ -149,7 +150,7 @@ func TestServeDiscoveryErrors(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			code := dispatch(context.Background(), append([]string{"serve", "--metrics-listen", ""}, tc.args...), strings.NewReader(""), io.Discard, &stderr)
 			if code == 0 || !strings.Contains(stderr.String(), tc.want) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)
@@ -184,7 +185,7 @@ func TestServeDiscoversOverTLSAndPlaintext(t *testing.T) {
 			upstream := tc.upstream()
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			done := make(chan int, 1)
 			go func() {
 				done <- dispatch(ctx, append([]string{"serve", "--engine", "sglang", "--upstream", upstream,
@@ -219,7 +220,7 @@ func TestServeDiscoversOverTLSAndPlaintext(t *testing.T) {
 
 // The upstream TLS settings are checked before discovery, as for the proxy.
 func TestServeDiscoveryRefusesTLSSettingsForAPlaintextUpstream(t *testing.T) {
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	code := dispatch(context.Background(), []string{"serve", "--metrics-listen", "", "--engine", "sglang",
 		"--upstream", "127.0.0.1:1", "--upstream-tls-ca", "ca.pem"}, strings.NewReader(""), io.Discard, &stderr)
 	if code != 2 || !strings.Contains(stderr.String(), "is plaintext (use grpcs://HOST:PORT)") {
@@ -246,7 +247,7 @@ func TestServeDialsDiscoveredWildcardsAtTheUpstreamHost(t *testing.T) {
 	upstream := fakeSGLangServicerOn(t, net.JoinHostPort(ip.String(), "0"), map[string]any{"kv_events_config": cfg, "dp_size": 2})
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	done := make(chan int, 1)
 	go func() {
 		done <- dispatch(ctx, []string{"serve", "--engine", "sglang", "--upstream", upstream,

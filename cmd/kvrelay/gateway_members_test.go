@@ -16,12 +16,13 @@ import (
 
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
 // startGatewayCmd runs `kvrelay gateway args…` in the test and returns its
 // HTTP address; the command stops, cleanly, when the test ends.
-func startGatewayCmd(t *testing.T, args ...string) (addr string, stderr *syncBuffer) {
+func startGatewayCmd(t *testing.T, args ...string) (addr string, stderr *logbuf.Buffer) {
 	t.Helper()
 	b := runInBackground(t, append([]string{"gateway", "--listen", "127.0.0.1:0"}, args...)...)
 	t.Cleanup(func() { b.stop(t) })
@@ -29,7 +30,7 @@ func startGatewayCmd(t *testing.T, args ...string) (addr string, stderr *syncBuf
 }
 
 // listeningAddr waits for the gateway's "listening" line.
-func listeningAddr(t *testing.T, stderr *syncBuffer) string {
+func listeningAddr(t *testing.T, stderr *logbuf.Buffer) string {
 	t.Helper()
 	addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)
 	deadline := time.Now().Add(10 * time.Second)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
@@ -68,7 +69,7 @@ type drillReplica struct {
 	name   string // a, b, c; its probe model is "probe-"+name
 	url    string // http://ADDR
 	exit   chan int
-	stderr *syncBuffer
+	stderr *logbuf.Buffer
 }
 
 func (r *drillReplica) probeModel() string { return "probe-" + r.name }
@@ -434,7 +435,7 @@ func TestNATSClusterDrill(t *testing.T) {
 	defer cancel()
 	var replicas []*drillReplica
 	for _, name := range names {
-		r := &drillReplica{name: name, exit: make(chan int, 1), stderr: &syncBuffer{}}
+		r := &drillReplica{name: name, exit: make(chan int, 1), stderr: &logbuf.Buffer{}}
 		args := append([]string{"gateway", "--listen", "127.0.0.1:0", "--nats", cluster.URLs(), "--placement-ttl", "1h"}, workers...)
 		go func() { r.exit <- dispatch(ctx, args, nil, io.Discard, r.stderr) }()
 		addrRE := regexp.MustCompile(`gateway listening\"? addr=(\S+)`)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
@@ -24,7 +25,7 @@ func TestGatewayNATSSharesLoadByDefault(t *testing.T) {
 	defer cancel()
 
 	start := func(extra ...string) (addr string, exit chan int) {
-		var stderr syncBuffer
+		var stderr logbuf.Buffer
 		exit = make(chan int, 1)
 		args := append([]string{"gateway", "--worker", "grpc://" + e.Addr + ",model=m",
 			"--listen", "127.0.0.1:0", "--nats", ns.URL()}, extra...)

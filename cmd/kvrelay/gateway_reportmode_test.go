@@ -10,6 +10,7 @@ import (
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // kvrelay gateway --report-mode-full applies the relay's report-mode "full"
@@ -33,7 +34,7 @@ func TestGatewayReportModeFullFlag(t *testing.T) {
 			e := kvstream.Start(t)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			exit := make(chan int, 1)
 			args := append([]string{"gateway", "--worker", "grpc://" + e.Addr + ",model=m", "--listen", "127.0.0.1:0"}, tc.flags...)
 			go func() { exit <- dispatch(ctx, args, nil, io.Discard, &stderr) }()

@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 func TestParseWorker(t *testing.T) {
@@ -98,24 +98,6 @@ func TestGatewayBadFlags(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for the logger and the test together.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestGatewayCommand runs `kvrelay gateway` itself: it routes a repeated
 // prompt to the worker that cached it, and stops cleanly when its context
 // ends.
@@ -124,7 +106,7 @@ func TestGatewayCommand(t *testing.T) {
 	e1, e2 := kvstream.Start(t), kvstream.Start(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	exit := make(chan int, 1)
 	go func() {
 		exit <- dispatch(ctx, []string{"gateway",

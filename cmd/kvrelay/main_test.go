@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 func TestHelpExitsZeroForEverySubcommand(t *testing.T) {
@@ -117,7 +119,7 @@ func TestTailPrintsTheStatusMessage(t *testing.T) {
 type background struct {
 	ctx    context.Context // ends when the command is stopped
 	cancel context.CancelFunc
-	stderr syncBuffer
+	stderr logbuf.Buffer
 	done   chan int
 }
 

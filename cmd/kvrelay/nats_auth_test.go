@@ -21,6 +21,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
@@ -303,7 +304,7 @@ func TestNATSAuthFlagsRefused(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("KVRELAY_NATS_PASSWORD", "")
 			t.Setenv("KVRELAY_NATS_TOKEN", "")
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			code := dispatch(context.Background(), tc.args, strings.NewReader(""), io.Discard, &stderr)
 			if code == 0 || !strings.Contains(stderr.String(), tc.want) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
@@ -151,7 +152,7 @@ func TestNATSEventsFlagsRefused(t *testing.T) {
 		{"gateway malformed worker name", []string{"gateway", "--worker", "grpc://127.0.0.1:1", "--nats-worker-name", "ab"}, "WORKER=NAME"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			code := dispatch(context.Background(), tc.args, strings.NewReader(""), io.Discard, &stderr)
 			if code == 0 || !strings.Contains(stderr.String(), tc.want) {
 				t.Fatalf("exit %d, stderr %q; want a failure naming %q", code, stderr.String(), tc.want)

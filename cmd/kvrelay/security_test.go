@@ -25,6 +25,7 @@ import (
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
 	"github.com/kvrelay/kvrelay/testkit/enginepeer"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
@@ -129,7 +130,7 @@ func TestServeOverMutualTLS(t *testing.T) {
 	}
 
 	tail := func(args ...string) (int, string, string) {
-		var out, errOut syncBuffer
+		var out, errOut logbuf.Buffer
 		tctx, tcancel := context.WithTimeout(ctx, 30*time.Second)
 		defer tcancel()
 		code := dispatch(tctx, append([]string{"tail", "--service", "vllm", "-n", "1"}, args...), strings.NewReader(""), &out, &errOut)
@@ -181,7 +182,7 @@ func TestGatewayCommandOverMutualTLS(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	exit := make(chan int, 1)
 	go func() {
 		exit <- dispatch(ctx, []string{"gateway",
@@ -270,7 +271,7 @@ func TestSecurityFlagsNameTheProblem(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			code := dispatch(ctx, tt.args, strings.NewReader(""), io.Discard, &stderr)
@@ -374,7 +375,7 @@ func TestServeCertificateRotation(t *testing.T) {
 }
 
 // waitUntil polls cond until it holds or d passes.
-func waitUntil(t *testing.T, d time.Duration, what string, logs *syncBuffer, cond func() bool) {
+func waitUntil(t *testing.T, d time.Duration, what string, logs *logbuf.Buffer, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {

@@ -24,6 +24,7 @@ import (
 	"github.com/kvrelay/kvrelay/natsevents"
 	"github.com/kvrelay/kvrelay/relayd"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
@@ -61,7 +62,7 @@ func relayEntry(name string, live int, listen string, extra ...any) map[string]a
 
 func serveConfig(t *testing.T, path string, flags ...string) (int, string) {
 	t.Helper()
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	code := dispatch(context.Background(), append([]string{"serve", "--config", path, "--metrics-listen", ""}, flags...), strings.NewReader(""), io.Discard, &stderr)
 	return code, stderr.String()
 }
@@ -408,7 +409,7 @@ func TestServeConfigRefusesAFlagTheFileAlsoGives(t *testing.T) {
 			if err := os.WriteFile(path, b, 0o600); err != nil {
 				t.Fatal(err)
 			}
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			// A serve that takes the flags runs until the context ends.
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()

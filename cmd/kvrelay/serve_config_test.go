@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // Configurations the engines accept (or that only fail later) that leave
@@ -32,7 +33,7 @@ func TestServeRefusesUnreachableConfigs(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			args := append([]string{"serve", "--engine", "vllm", "--listen", "127.0.0.1:0", "--metrics-listen", ""}, tc.args...)
 			code := dispatch(context.Background(), args, strings.NewReader(""), io.Discard, &stderr)
 			if code != 2 {
@@ -47,7 +48,7 @@ func TestServeRefusesUnreachableConfigs(t *testing.T) {
 
 func TestServeRefusesABadHistoryVariable(t *testing.T) {
 	t.Setenv("SMG_KV_EVENT_HISTORY_BATCHES", "abc")
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	code := dispatch(context.Background(), []string{"serve", "--engine", "vllm", "--listen", "127.0.0.1:0", "--metrics-listen", "",
 		"--kv-events-config", `{"enable_kv_cache_events": true}`}, strings.NewReader(""), io.Discard, &stderr)
 	if code == 0 || !strings.Contains(stderr.String(), `$SMG_KV_EVENT_HISTORY_BATCHES=\"abc\": want a positive integer`) {
@@ -64,7 +65,7 @@ func TestServeJSONLogsHaveNoDuplicateKeys(t *testing.T) {
 		strings.Replace(peer.PubEndpoint(0), "127.0.0.1", "*", 1), strings.Replace(peer.ReplayEndpoint(0), "127.0.0.1", "*", 1))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs syncBuffer
+	var logs logbuf.Buffer
 	done := make(chan int, 1)
 	go func() {
 		done <- dispatch(ctx, []string{"serve", "--engine", "vllm", "--kv-events-config", cfg, "--listen", freeAddr(t),
@@ -122,7 +123,7 @@ func TestServeMetricsBeforeTheFirstEvent(t *testing.T) {
 	httpAddr := freeAddr(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs syncBuffer
+	var logs logbuf.Buffer
 	done := make(chan int, 1)
 	go func() {
 		// Nothing listens at the endpoint: the relay keeps retrying.

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvrelay/kvrelay/testkit/enginepeer"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 func TestServeBadFlagsNameTheFlag(t *testing.T) {
@@ -65,7 +66,7 @@ func TestServeBadFlagsNameTheFlag(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var stderr syncBuffer
+			var stderr logbuf.Buffer
 			code := dispatch(context.Background(), append([]string{"serve"}, tc.args...), strings.NewReader(""), io.Discard, &stderr)
 			if code == 0 {
 				t.Fatalf("exit 0, want a failure; stderr: %s", stderr.String())
@@ -128,7 +129,7 @@ func TestServeRelaysAPeerToTail(t *testing.T) {
 		}
 	}
 
-	var out, errOut syncBuffer
+	var out, errOut logbuf.Buffer
 	tctx, tcancel := context.WithTimeout(ctx, 30*time.Second)
 	defer tcancel()
 	if code := dispatch(tctx, []string{"tail", "--addr", grpcAddr, "--service", "vllm", "--json", "-n", "4"}, strings.NewReader(""), &out, &errOut); code != 0 {
@@ -180,7 +181,7 @@ func TestServeRunsRelaysOnTwoListeners(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var stderr syncBuffer
+	var stderr logbuf.Buffer
 	done := make(chan int, 1)
 	go func() {
 		done <- dispatch(ctx, []string{"serve", "--config", path}, strings.NewReader(""), io.Discard, &stderr)

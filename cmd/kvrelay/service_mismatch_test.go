@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // A gateway worker given the wrong service (service=sglang against a vLLM
@@ -44,7 +45,7 @@ func TestServiceMismatchIsNamedOnBothSides(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var out, errOut syncBuffer
+	var out, errOut logbuf.Buffer
 	code := dispatch(ctx, []string{"tail", "--addr", grpcAddr, "--service", "sglang"}, strings.NewReader(""), &out, &errOut)
 	if code != 1 || !strings.Contains(errOut.String(), "Unimplemented") || !strings.Contains(errOut.String(), served) {
 		t.Errorf("tail --service sglang: exit %d, stderr %q", code, errOut.String())

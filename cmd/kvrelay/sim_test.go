@@ -7,12 +7,12 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 func TestSimFlagErrors(t *testing.T) {
@@ -46,24 +46,6 @@ func TestSimFlagErrors(t *testing.T) {
 	}
 }
 
-// simStderr is a goroutine-safe stderr for a running subcommand.
-type simStderr struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *simStderr) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *simStderr) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestSimRuns starts the subcommand with two ranks and a control endpoint,
 // waits until its workload has filled both ranks' caches, and stops it by
 // cancelling its context.
@@ -73,7 +55,7 @@ func TestSimRuns(t *testing.T) {
 	ctl := fmt.Sprintf("127.0.0.1:%d", base+4)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	stderr := &simStderr{}
+	stderr := &logbuf.Buffer{}
 	done := make(chan int, 1)
 	go func() {
 		done <- dispatch(ctx, []string{"sim", "--engine", "sglang", "--dp-size", "2", "--rate", "400",

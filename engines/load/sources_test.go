@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 func golden(t testing.TB, name string) []byte {
@@ -213,30 +214,12 @@ func (e *engineServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// logLines counts warnings, safe for the poller's goroutine.
-type logLines struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logLines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logLines) count(s string) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.Count(l.buf.String(), s)
-}
-
 func TestBadSourcesAreCountedLoggedOnceAndAgeOut(t *testing.T) {
 	eng := &engineServer{mode: "ok", body: golden(t, "sglang_v1_loads.json")}
 	hs := httptest.NewServer(eng)
 	defer hs.Close()
 	reg := prometheus.NewRegistry()
-	logs := &logLines{}
+	logs := &logbuf.Buffer{}
 	now := time.Unix(10000, 0)
 	var clockMu sync.Mutex
 	p, err := NewPoller(Options{
@@ -277,8 +260,8 @@ func TestBadSourcesAreCountedLoggedOnceAndAgeOut(t *testing.T) {
 			t.Errorf("polls{outcome=%s} = %v, want %v", outcome, got, n)
 		}
 	}
-	if n := logs.count("level=WARN"); n != 5 {
-		t.Errorf("%d warnings for 5 bad states over 15 reads, want 5:\n%s", n, logs.buf.String())
+	if n := strings.Count(logs.String(), "level=WARN"); n != 5 {
+		t.Errorf("%d warnings for 5 bad states over 15 reads, want 5:\n%s", n, logs.String())
 	}
 	// 7.5 s of failed reads: the record is past its 3 s age and no longer
 	// handed out, but still reported with its age.
@@ -298,7 +281,7 @@ kvrelay_load_record_age_seconds{rank="1",source="v1loads"} 7.5
 	if _, ok := p.Latest(0); !ok {
 		t.Fatal("no record after the source recovered")
 	}
-	if n := logs.count("engine load source readable"); n != 2 {
+	if n := strings.Count(logs.String(), "engine load source readable"); n != 2 {
 		t.Errorf("recovery logged %d times, want once (plus the first read)", n)
 	}
 }
@@ -356,7 +339,7 @@ func TestHTTPFallbackNameIsSafeToScrape(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs := &logLines{}
+	logs := &logbuf.Buffer{}
 	p, err := NewPoller(Options{Fetcher: f, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -399,11 +382,11 @@ func TestHTTPFallbackNameIsSafeToScrape(t *testing.T) {
 	if got := f.Name(); got != "metrics" {
 		t.Fatalf("Name() = %q after /v1/loads was refused, want metrics", got)
 	}
-	if n := logs.count("level=WARN"); n != 1 {
-		t.Fatalf("%d warnings, want 1:\n%s", n, logs.buf.String())
+	if n := strings.Count(logs.String(), "level=WARN"); n != 1 {
+		t.Fatalf("%d warnings, want 1:\n%s", n, logs.String())
 	}
-	if n := logs.count("load_source=metrics"); n != 1 {
-		t.Errorf("the failed /metrics read is not logged under load_source=metrics:\n%s", logs.buf.String())
+	if n := strings.Count(logs.String(), "load_source=metrics"); n != 1 {
+		t.Errorf("the failed /metrics read is not logged under load_source=metrics:\n%s", logs.String())
 	}
 }
 

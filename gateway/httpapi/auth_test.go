@@ -1,15 +1,11 @@
 package httpapi
 
 import (
-	"context"
 	"fmt"
-	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -40,38 +36,14 @@ func TestGatewayHTTPBasicAuthCoversEveryEndpoint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, slog.New(slog.DiscardHandler), g, reg, ln, cfg, DefaultLimits) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	}()
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
-	cl := &http.Client{Transport: tr}
-	url := "http://" + ln.Addr().String()
+	url := serveAPI(t, slog.New(slog.DiscardHandler), g, reg, cfg, DefaultLimits)
+	cl := apiClient(t)
 	call := func(method, path, body, user, pass string) int {
-		req, err := http.NewRequest(method, url+path, strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
+		req := request(t, method, url+path, body)
 		if user != "" {
 			req.SetBasicAuth(user, pass)
 		}
-		resp, err := cl.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		return resp.StatusCode
+		return status(t, cl, req)
 	}
 	for _, c := range []struct{ method, path, body string }{
 		{"POST", "/v1/route", `{"model":"m","token_ids":[1,2,3]}`},

@@ -40,20 +40,58 @@ func servedGateway(t *testing.T, cfg gateway.Config, lim Limits, log *slog.Logge
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveAPI(t, log, g, reg, "", lim), g, reg
+}
+
+// serveAPI runs Serve for g with webConfig and lim on a loopback listener
+// until the test ends, and returns the API's URL.
+func serveAPI(t *testing.T, log *slog.Logger, g *gateway.Gateway, reg *prometheus.Registry, webConfig string, lim Limits) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, log, g, reg, ln, "", lim) }()
+	go func() { done <- Serve(ctx, log, g, reg, ln, webConfig, lim) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	return "http://" + ln.Addr().String(), g, reg
+	return "http://" + ln.Addr().String()
+}
+
+// apiClient is a client on a transport of its own, whose idle connections
+// are closed when the test ends.
+func apiClient(t *testing.T) *http.Client {
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
+}
+
+// request is a request of method to url with body.
+func request(t *testing.T, method, url, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
+// status sends req on cl and returns the answer's status; the answer's
+// body is read to its end and dropped.
+func status(t *testing.T, cl *http.Client, req *http.Request) int {
+	t.Helper()
+	resp, err := cl.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
 }
 
 func TestGatewayHTTPBoundsAndMessages(t *testing.T) {

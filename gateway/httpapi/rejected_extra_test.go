@@ -1,11 +1,9 @@
 package httpapi
 
 import (
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"testing"
 	"time"
 
@@ -39,22 +37,8 @@ func TestGatewayHTTPRefusalsOfExtraRoutesCounted(t *testing.T) {
 	}
 	srv := httptest.NewServer(NewHandler(g, reg, slog.New(slog.DiscardHandler), Limits{MaxTokens: 10, MaxInFlight: 4, ReadTimeout: 30 * time.Second}, admin))
 	defer srv.Close()
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
-	cl := &http.Client{Transport: tr}
-	do := func(method, path, body string) int {
-		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp, err := cl.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	cl := apiClient(t)
+	do := func(method, path, body string) int { return status(t, cl, request(t, method, srv.URL+path, body)) }
 	for _, c := range []struct {
 		method, path, body string
 		code               int

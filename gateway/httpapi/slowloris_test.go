@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // slowUpload is one slow-loris upload over its own TCP connection from
@@ -113,7 +114,7 @@ func TestGatewayHTTPMinUploadRateEndsSlowUploads(t *testing.T) {
 			verifyNoLeaks(t)
 			e := kvstream.Start(t)
 			lim := Limits{MaxTokens: 1 << 20, MaxInFlight: 64, ReadTimeout: 30 * time.Second, MinUploadRate: DefaultMinUploadRate}
-			var logs safeLog
+			var logs logbuf.Buffer
 			url, _, reg := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.NewTextHandler(&logs, nil)))
 			addr := strings.TrimPrefix(url, "http://")
 			if probe, err := (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(fmt.Sprintf("127.0.0.%d", 1+tc.clients))}}).Dial("tcp", addr); err != nil {
@@ -232,23 +233,6 @@ func rejected(t *testing.T, reg *prometheus.Registry, code string) float64 {
 	return 0
 }
 
-type safeLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *safeLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *safeLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestGatewayHTTPRejectionsCountedAndThrottled: every refusal the API
 // makes is counted by its code, and a flood of bad requests yields a few
 // log lines per code, not one each.
@@ -256,24 +240,10 @@ func TestGatewayHTTPRejectionsCountedAndThrottled(t *testing.T) {
 	verifyNoLeaks(t)
 	e := kvstream.Start(t)
 	lim := Limits{MaxTokens: 10, MaxInFlight: 4, ReadTimeout: 30 * time.Second}
-	var logs safeLog
+	var logs logbuf.Buffer
 	url, _, reg := servedGateway(t, gateway.Config{Workers: []gateway.Worker{{ID: "w", Addr: e.Addr, Model: "m"}}}, lim, slog.New(slog.NewTextHandler(&logs, nil)))
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
-	cl := &http.Client{Transport: tr}
-	do := func(method, path, body string) int {
-		req, err := http.NewRequest(method, url+path, strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp, err := cl.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	cl := apiClient(t)
+	do := func(method, path, body string) int { return status(t, cl, request(t, method, url+path, body)) }
 	const flood = 200
 	for range flood {
 		if code := do("POST", "/v1/route", `{"model":`); code != http.StatusBadRequest {

@@ -84,8 +84,9 @@ func lookupName(allocating bool) string {
 	return "kvrelay gateway/index FindMatchesContentInto"
 }
 
-// corpusFromEnv reads the corpus file KVRELAY_CORPUS names, or skips t.
-func corpusFromEnv(t *testing.T) opsCorpus {
+// openCorpusFromEnv opens the corpus file KVRELAY_CORPUS names, or skips
+// t; the caller closes it.
+func openCorpusFromEnv(t *testing.T) *os.File {
 	t.Helper()
 	path := os.Getenv("KVRELAY_CORPUS")
 	if path == "" {
@@ -95,10 +96,17 @@ func corpusFromEnv(t *testing.T) opsCorpus {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return f
+}
+
+// corpusFromEnv reads the corpus file KVRELAY_CORPUS names, or skips t.
+func corpusFromEnv(t *testing.T) opsCorpus {
+	t.Helper()
+	f := openCorpusFromEnv(t)
 	defer f.Close()
 	c, err := readCorpus(f)
 	if err != nil {
-		t.Fatalf("%s: %v", path, err)
+		t.Fatalf("%s: %v", f.Name(), err)
 	}
 	return c
 }
@@ -179,14 +187,7 @@ func printCorpusResult(t *testing.T, name string, blockOps uint64, ix *Index, r 
 // index's fresh arrays reuse memory it freed instead of faulting in new
 // pages. GOGC applies as usual.
 func TestIndexerCorpusReplayStream(t *testing.T) {
-	path := os.Getenv("KVRELAY_CORPUS")
-	if path == "" {
-		t.Skip("set KVRELAY_CORPUS")
-	}
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	f := openCorpusFromEnv(t)
 	defer f.Close()
 	var (
 		ix    *Index
@@ -206,7 +207,7 @@ func TestIndexerCorpusReplayStream(t *testing.T) {
 		k.stop(&r)
 	})
 	if err != nil {
-		t.Fatalf("%s: %v", path, err)
+		t.Fatalf("%s: %v", f.Name(), err)
 	}
 	printCorpusResult(t, lookupName(false)+" (streamed)", c.blockOps, ix, r)
 }

@@ -206,6 +206,46 @@ func TestFreedRunReadsEmpty(t *testing.T) {
 	}
 }
 
+// revQueue drives a reverse table as an engine's cache does: keys stored
+// in order, each with its own value, and evicted oldest first, so that the
+// table holds oldest..next-1.
+type revQueue struct {
+	rt           *revTable
+	next, oldest uint64
+}
+
+// store adds the next n keys.
+func (q *revQueue) store(n int) {
+	for range n {
+		q.rt.upsert(q.next, uint32(q.next), 1)
+		q.next++
+	}
+}
+
+// evict removes the n oldest keys.
+func (q *revQueue) evict(n int) {
+	for range n {
+		q.rt.del(q.rt.find(q.oldest))
+		q.oldest++
+	}
+}
+
+// swing stores k keys, then evicts as many.
+func (q *revQueue) swing(k int) {
+	q.store(k)
+	q.evict(k)
+}
+
+// lost is the first key the table should hold and does not find.
+func (q *revQueue) lost() (k uint64, lost bool) {
+	for k := q.oldest; k < q.next; k++ {
+		if q.rt.find(k) < 0 {
+			return k, true
+		}
+	}
+	return 0, false
+}
+
 // TestRevTableShrinksWithHysteresis: a table that grew while a cache
 // overshot gives the room back once the evictions have lasted two windows of
 // changes (then its load stays at or above revMinLoad100 while it is larger
@@ -232,19 +272,11 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	// two windows and 200 cycles behind: a handful of resizes at most, not
 	// one a cycle.
 	resizes, size := 0, len(rt.slots)
-	next := uint64(n + 1)
-	oldest := uint64(3*n/4 + 1)
+	q := revQueue{rt: rt, next: n + 1, oldest: 3*n/4 + 1}
 	changes := 0
 	cycles := 2*revPeakWindow*full/(2*(n/4/20)) + 200
 	for range cycles {
-		for range n / 4 / 20 {
-			rt.upsert(next, uint32(next), 1)
-			next++
-		}
-		for range n / 4 / 20 {
-			rt.del(rt.find(oldest))
-			oldest++
-		}
+		q.swing(n / 4 / 20)
 		if changes += 2 * (n / 4 / 20); changes > 2*revPeakWindow*full {
 			loadOK("cycling, the drain two windows behind")
 		}
@@ -257,10 +289,8 @@ func TestRevTableShrinksWithHysteresis(t *testing.T) {
 	if resizes > 4 {
 		t.Fatalf("%d resizes in %d overshoot cycles", resizes, cycles)
 	}
-	for k := oldest; k < next; k++ {
-		if rt.find(k) < 0 {
-			t.Fatalf("entry %d lost", k)
-		}
+	if k, lost := q.lost(); lost {
+		t.Fatalf("entry %d lost", k)
 	}
 }
 
@@ -274,22 +304,11 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 5))
 	rt := newRevTable(nil)
 	const capacity = 512
-	next, oldest := uint64(1), uint64(1)
-	for range capacity {
-		rt.upsert(next, uint32(next), 1)
-		next++
-	}
+	q := revQueue{rt: rt, next: 1, oldest: 1}
+	q.store(capacity)
 	resizes := rt.resizes
 	for cycle := range 1000 {
-		k := 32 + rng.IntN(129)
-		for range k {
-			rt.upsert(next, uint32(next), 1)
-			next++
-		}
-		for range k {
-			rt.del(rt.find(oldest))
-			oldest++
-		}
+		q.swing(32 + rng.IntN(129))
 		if cycle == 99 {
 			resizes = rt.resizes // the first cycles may still settle the size
 		}
@@ -302,10 +321,8 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 	if limit := (capacity + 160) * 100 / revPeakLoad100 * 5 / 4; len(rt.slots) > limit {
 		t.Fatalf("%d slots for peaks of %d entries, over %d", len(rt.slots), capacity+160, limit)
 	}
-	for k := oldest; k < next; k++ {
-		if rt.find(k) < 0 {
-			t.Fatalf("entry %d lost", k)
-		}
+	if k, lost := q.lost(); lost {
+		t.Fatalf("entry %d lost", k)
 	}
 }
 
@@ -320,22 +337,9 @@ func TestRevTableBigSwingsDoNotResizeEachCycle(t *testing.T) {
 func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
 	rt := newRevTable(nil)
 	const capacity, small, big = 512, 32, 400
-	next, oldest := uint64(1), uint64(1)
-	swing := func(k int) {
-		for range k {
-			rt.upsert(next, uint32(next), 1)
-			next++
-		}
-		for range k {
-			rt.del(rt.find(oldest))
-			oldest++
-		}
-	}
-	for range capacity {
-		rt.upsert(next, uint32(next), 1)
-		next++
-	}
-	swing(big)
+	q := revQueue{rt: rt, next: 1, oldest: 1}
+	q.store(capacity)
+	q.swing(big)
 	gap := 5 * len(rt.slots) // changes between two big requests
 	var settled uint32
 	for round := range 8 {
@@ -343,9 +347,9 @@ func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
 			settled = rt.resizes // the first rounds may still settle the size
 		}
 		for changes := 0; changes < gap; changes += 2 * small {
-			swing(small)
+			q.swing(small)
 		}
-		swing(big)
+		q.swing(big)
 	}
 	if n := rt.resizes - settled; n > 0 {
 		t.Fatalf("%d resizes in 6 rounds of small swings and a big one every %d changes (%d slots)", n, gap, len(rt.slots))
@@ -355,10 +359,8 @@ func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
 	if limit := (capacity + big) * 16 / revMaxLoad16 * 5 / 4; len(rt.slots) > limit {
 		t.Fatalf("%d slots for peaks of %d entries, over %d", len(rt.slots), capacity+big, limit)
 	}
-	for k := oldest; k < next; k++ {
-		if rt.find(k) < 0 {
-			t.Fatalf("entry %d lost", k)
-		}
+	if k, lost := q.lost(); lost {
+		t.Fatalf("entry %d lost", k)
 	}
 	if rt.n != capacity {
 		t.Fatalf("%d entries, want %d", rt.n, capacity)
@@ -372,30 +374,19 @@ func TestRevTablePeakThatComesBackKeepsItsSize(t *testing.T) {
 func TestRevTableShrinkThatRoundsUpIsNotRepeated(t *testing.T) {
 	for _, tc := range []struct{ fill, level int }{{2500, 1500}, {3000, 1500}, {5000, 2900}} {
 		rt := newRevTable(nil)
-		next, oldest := uint64(1), uint64(1)
-		for range tc.fill {
-			rt.upsert(next, uint32(next), 1)
-			next++
-		}
-		for next-oldest > uint64(tc.level) {
-			rt.del(rt.find(oldest))
-			oldest++
-		}
+		q := revQueue{rt: rt, next: 1, oldest: 1}
+		q.store(tc.fill)
+		q.evict(tc.fill - tc.level)
 		settled := rt.resizes
 		const rounds = 20000
 		for range rounds {
-			rt.upsert(next, uint32(next), 1)
-			next++
-			rt.del(rt.find(oldest))
-			oldest++
+			q.swing(1)
 		}
 		if n := rt.resizes - settled; n > 8 {
 			t.Errorf("fill %d, level %d: %d resizes (to %d slots) in %d rounds of one insert and one removal", tc.fill, tc.level, n, len(rt.slots), rounds)
 		}
-		for k := oldest; k < next; k++ {
-			if rt.find(k) < 0 {
-				t.Fatalf("fill %d, level %d: entry %d lost", tc.fill, tc.level, k)
-			}
+		if k, lost := q.lost(); lost {
+			t.Fatalf("fill %d, level %d: entry %d lost", tc.fill, tc.level, k)
 		}
 	}
 }

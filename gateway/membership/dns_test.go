@@ -14,6 +14,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 )
 
 // dnsServer is a real DNS server on loopback (UDP and TCP on one port, as
@@ -153,7 +154,7 @@ func (d *dnsServer) ServeDNS(w dns.ResponseWriter, r *dns.Msg) {
 func TestDNSFollowsARecords(t *testing.T) {
 	srv := startDNS(t)
 	srv.set("engines.test", "127.0.0.1", "127.0.0.2")
-	var logs syncBuffer
+	var logs logbuf.Buffer
 	s, g, _ := newSet(t, Options{MaxWorkers: 100, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	spec, err := ParseDNSSpec("engines.test:50051,model=llama,service=sglang")
 	if err != nil {
@@ -260,22 +261,4 @@ func TestParseDNSSpec(t *testing.T) {
 
 func testutilRejected(s *Set, source string) float64 {
 	return readCounter(s.rejected.WithLabelValues(source))
-}
-
-// syncBuffer is a log sink safe for the watcher's goroutine.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

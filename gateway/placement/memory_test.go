@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/kvrelay/kvrelay/testkit/memstats"
 )
 
 // TestEntryBytesCoversAFullStore: EntryBytes, from which the README
@@ -22,7 +24,7 @@ func TestEntryBytesCoversAFullStore(t *testing.T) {
 	for i := range workers {
 		workers[i] = fmt.Sprint("grpc://10.0.0.", i, ":50061")
 	}
-	before := heapAlloc()
+	before := memstats.Settled().HeapAlloc
 	s := newStore(t, Options{})
 	now := time.Unix(1_000_000, 0)
 	for i := 0; s.Stats().Entries < DefaultMaxEntries; i++ {
@@ -33,18 +35,10 @@ func TestEntryBytesCoversAFullStore(t *testing.T) {
 			s.RecordFrom(fmt.Sprint("replica-", i%16), workers[i%len(workers)], p, 0, now)
 		}
 	}
-	per := float64(heapAlloc()-before) / float64(s.Stats().Entries)
+	per := float64(memstats.Settled().HeapAlloc-before) / float64(s.Stats().Entries)
 	runtime.KeepAlive(s)
 	t.Logf("%d entries: %.1f bytes each (EntryBytes %d)", s.Stats().Entries, per, EntryBytes)
 	if per > EntryBytes {
 		t.Errorf("a full store holds %.1f bytes an entry, over EntryBytes (%d)", per, EntryBytes)
 	}
-}
-
-func heapAlloc() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapAlloc
 }

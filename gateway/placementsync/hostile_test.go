@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +15,8 @@ import (
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
+	"github.com/kvrelay/kvrelay/testkit/memstats"
 )
 
 // Hostile NATS clients against a replica (issue 29): each probe ends held.
@@ -24,7 +25,7 @@ import (
 // subjects in production, and these bounds hold what gets through.
 
 // startLoggedReplica is startReplica with a log to read and options.
-func startLoggedReplica(t testing.TB, url string, workers int, log *safeBuffer, tune func(*Options, *gateway.Gateway)) *replica {
+func startLoggedReplica(t testing.TB, url string, workers int, log *logbuf.Buffer, tune func(*Options, *gateway.Gateway)) *replica {
 	t.Helper()
 	var ws []gateway.Worker
 	for i := range workers {
@@ -71,18 +72,6 @@ func hostileConn(t testing.TB, url string) *nats.Conn {
 	return nc
 }
 
-// heapInUse is the heap's spans in use after collecting garbage twice:
-// the first collection moves sync.Pool's cached buffers (the NATS server
-// and client pool theirs) to the pools' victim caches, the second frees
-// them, so what is left is what someone holds.
-func heapInUse() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapInuse
-}
-
 // TestPlacementFloodIsHeld: a forger sends 300 k one-block placements on a
 // real worker as fast as it can, under one replica id, rotating ids, and
 // with none; the honest replica's placement of a prefix still routes it
@@ -101,12 +90,12 @@ func TestPlacementFloodIsHeld(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			url := runNATS(t).URL()
-			var victimLog safeBuffer
+			var victimLog logbuf.Buffer
 			victim := startLoggedReplica(t, url, 4, &victimLog, func(o *Options, _ *gateway.Gateway) { o.Limits = testLimits })
-			honest := startLoggedReplica(t, url, 4, &safeBuffer{}, nil)
+			honest := startLoggedReplica(t, url, 4, &logbuf.Buffer{}, nil)
 			nc := hostileConn(t, url)
 
-			before := heapInUse()
+			before := memstats.Settled().HeapInuse
 			flood := 300_000
 			if raceOn {
 				flood = 30_000
@@ -159,7 +148,7 @@ func TestPlacementFloodIsHeld(t *testing.T) {
 			// in the queue, about 300 bytes a message, when the heap is
 			// read; that was a failure of 11 MiB once.)
 			eventually(t, "the other replica took the flood", func() bool { return accounted(honest) >= float64(flood) })
-			after := heapInUse()
+			after := memstats.Settled().HeapInuse
 			grown := int64(after) - int64(before)
 			// Both replicas took the flood: the store's entries of both,
 			// 256 B each (twice the 128 B an entry was estimated at when
@@ -199,7 +188,7 @@ func limitedTotal(r *replica, kind string) float64 {
 // flood's end.
 func TestLoadFloodIsHeld(t *testing.T) {
 	url := runNATS(t).URL()
-	var log safeBuffer
+	var log logbuf.Buffer
 	v := startLoggedReplica(t, url, 4, &log, func(o *Options, g *gateway.Gateway) { o.Load, o.Limits = g, testLimits })
 	nc := hostileConn(t, url)
 
@@ -210,7 +199,7 @@ func TestLoadFloodIsHeld(t *testing.T) {
 		vals[i] = MaxLoadCount
 	}
 	names = append(names, "w1")
-	before := heapInUse()
+	before := memstats.Settled().HeapInuse
 	flood := 1000
 	if raceOn {
 		flood = 200
@@ -234,7 +223,7 @@ func TestLoadFloodIsHeld(t *testing.T) {
 		dropped, _ := v.sync.load.sub.Dropped()
 		return limitedTotal(v, "load") > 0 && dropped >= 0
 	})
-	grown := int64(heapInUse()) - int64(before)
+	grown := int64(memstats.Settled().HeapInuse) - int64(before)
 	dropped, _ := v.sync.load.sub.Dropped()
 	t.Logf("load flood of %d snapshots × %d workers in %v; heap %+d KiB; limited %v, dropped by NATS %d",
 		flood, len(names), took.Round(time.Millisecond), grown>>10, limitedTotal(v, "load"), dropped)
@@ -281,7 +270,7 @@ func TestPlacementFloodEvictsOnlyItsOwn(t *testing.T) {
 	if err := s.Flush(waitFor); err != nil {
 		t.Fatal(err)
 	}
-	honest := startLoggedReplica(t, url, 4, &safeBuffer{}, nil)
+	honest := startLoggedReplica(t, url, 4, &logbuf.Buffer{}, nil)
 
 	// The honest replica's placement reaches the victim; the victim makes
 	// its own on another prefix.

@@ -1,12 +1,10 @@
 package placementsync
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +14,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/internal/freeport"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
 
@@ -272,7 +271,7 @@ func TestAsyncErrorsGoToTheLog(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logs safeBuffer
+	var logs logbuf.Buffer
 	s, err := Start(g, Options{URL: url, Registerer: prometheus.NewRegistry(), Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -286,24 +285,6 @@ func TestAsyncErrorsGoToTheLog(t *testing.T) {
 	if !strings.Contains(logs.String(), `"err":"write on a broken pipe"`) {
 		t.Fatalf("the error did not reach the log: %q", logs.String())
 	}
-}
-
-// safeBuffer is a bytes.Buffer a logger and a test may share.
-type safeBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *safeBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *safeBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 func TestRemovalDropsThePlacementsOnTheOtherReplicas(t *testing.T) {

@@ -116,17 +116,27 @@ func TestWrapNil(t *testing.T) {
 	Wrap(nil).Warn("nothing") // must not panic
 }
 
+// floodErrorLog prints n lines flood(0) … flood(n-1) and then other
+// through ErrorLog at warn, and returns the lines it wrote, parsed and as
+// written.
+func floodErrorLog(t *testing.T, n int, flood func(i int) string, other string) ([]map[string]any, string) {
+	t.Helper()
+	var buf bytes.Buffer
+	el := ErrorLog(slog.New(slog.NewJSONHandler(&buf, nil)), slog.LevelWarn)
+	for i := range n {
+		el.Print(flood(i))
+	}
+	el.Print(other)
+	return lines(t, &buf), buf.String()
+}
+
 // TestErrorLogHoldsAFloodOfServerErrors: an http.Server's error lines,
 // each naming another client, share their kind's allowance; another kind
 // has its own.
 func TestErrorLogHoldsAFloodOfServerErrors(t *testing.T) {
-	var buf bytes.Buffer
-	el := ErrorLog(slog.New(slog.NewJSONHandler(&buf, nil)), slog.LevelWarn)
-	for i := range 10_000 {
-		el.Printf("http: TLS handshake error from 10.0.%d.%d:%d: remote error: tls: bad certificate", i/256%256, i%256, 40000+i)
-	}
-	el.Printf("http: URL query contains semicolon, which is no longer a supported separator; parts of the query may be stripped when parsed; see golang.org/issue/25192")
-	got := lines(t, &buf)
+	got, _ := floodErrorLog(t, 10_000, func(i int) string {
+		return fmt.Sprintf("http: TLS handshake error from 10.0.%d.%d:%d: remote error: tls: bad certificate", i/256%256, i%256, 40000+i)
+	}, "http: URL query contains semicolon, which is no longer a supported separator; parts of the query may be stripped when parsed; see golang.org/issue/25192")
 	if len(got) != DefaultBurst+1 {
 		t.Fatalf("%d lines for 10,001 errors, want %d", len(got), DefaultBurst+1)
 	}
@@ -154,15 +164,11 @@ func TestErrorLogHoldsAFloodOfServerErrors(t *testing.T) {
 // allowance of a handler's panic on HTTP/2. (The digit of "http2" cut
 // every such line's kind to "http": one allowance for all of them.)
 func TestErrorLogKindsOfHTTP2Lines(t *testing.T) {
-	var buf bytes.Buffer
-	el := ErrorLog(slog.New(slog.NewJSONHandler(&buf, nil)), slog.LevelWarn)
-	for i := range 1000 {
-		el.Printf("http2: server connection error from 10.0.%d.%d:%d: connection error: PROTOCOL_ERROR", i/256%256, i%256, 40000+i)
-	}
-	el.Printf("http2: panic serving 10.0.0.1:40000: boom\ngoroutine 1 [running]:")
-	got := lines(t, &buf)
+	got, out := floodErrorLog(t, 1000, func(i int) string {
+		return fmt.Sprintf("http2: server connection error from 10.0.%d.%d:%d: connection error: PROTOCOL_ERROR", i/256%256, i%256, 40000+i)
+	}, "http2: panic serving 10.0.0.1:40000: boom\ngoroutine 1 [running]:")
 	if len(got) != DefaultBurst+1 {
-		t.Fatalf("%d lines, want the flood's %d and the panic:\n%s", len(got), DefaultBurst, buf.String())
+		t.Fatalf("%d lines, want the flood's %d and the panic:\n%s", len(got), DefaultBurst, out)
 	}
 	if got[0]["msg"] != "http2: server connection error" || got[DefaultBurst]["msg"] != "http2: panic serving" {
 		t.Errorf("kinds %q and %q, want the connection error's and the panic's", got[0]["msg"], got[DefaultBurst]["msg"])

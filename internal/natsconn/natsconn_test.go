@@ -1,7 +1,6 @@
 package natsconn
 
 import (
-	"bytes"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -10,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,29 +17,12 @@ import (
 	"github.com/nats-io/nkeys"
 	"go.uber.org/goleak"
 
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// logBuf is a slog destination tests read while the client writes.
-type logBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuf) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 func writeFile(t *testing.T, dir, name, content string) string {
 	t.Helper()
@@ -62,7 +43,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 // connect dials with cfg's options after a component's usual ones.
-func connect(t *testing.T, url string, cfg *Config, log *logBuf) *nats.Conn {
+func connect(t *testing.T, url string, cfg *Config, log *logbuf.Buffer) *nats.Conn {
 	t.Helper()
 	opts, err := cfg.Options(slogTo(log))
 	if err != nil {
@@ -144,7 +125,7 @@ func TestAuthenticatedConnections(t *testing.T) {
 		{"server not signed by the CA given", "tls://localhost:" + port(mtlsSrv.URL()), Config{CA: wrongCAFile, Cert: client.Cert, Key: client.Key}, false, "not signed by a CA in --nats-tls-ca"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var log logBuf
+			var log logbuf.Buffer
 			nc := connect(t, tc.url, &tc.cfg, &log)
 			if tc.wantConn {
 				waitFor(t, "connected", nc.IsConnected)
@@ -173,7 +154,7 @@ func TestRotatedPasswordIsUsedAtTheNextAttempt(t *testing.T) {
 		o.Users = []*server.User{{Username: "gw", Password: "new"}}
 	}})
 	pw := writeFile(t, dir, "pw", "old")
-	var log logBuf
+	var log logbuf.Buffer
 	nc := connect(t, srv.URL(), &Config{User: "gw", PasswordFile: pw}, &log)
 	waitFor(t, "the refusal logged", func() bool { return strings.Contains(log.String(), "authorization violation") })
 	writeFile(t, dir, "pw", "new")
@@ -226,7 +207,7 @@ func TestMissingFilesFailAtStart(t *testing.T) {
 
 func port(url string) string { return url[strings.LastIndex(url, ":")+1:] }
 
-func slogTo(w *logBuf) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
+func slogTo(w *logbuf.Buffer) *slog.Logger { return slog.New(slog.NewTextHandler(w, nil)) }
 
 // TestSecretGivenForItsFileIsNotEchoed: an nkey seed given where its
 // file's path goes (--nats-nkey-seed SU…, nats.nkey_seed) is refused

@@ -8,8 +8,29 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
+// redactCase is an input to a redaction and what it must give.
+type redactCase struct{ in, want string }
+
+// checkRedaction runs redact, called name in the messages, over cases:
+// each in gives its want and keeps none of the credentials the cases
+// carry.
+func checkRedaction(t *testing.T, name string, redact func(string) string, cases []redactCase) {
+	t.Helper()
+	for _, tc := range cases {
+		got := redact(tc.in)
+		if got != tc.want {
+			t.Errorf("%s(%q) = %q, want %q", name, tc.in, got, tc.want)
+		}
+		for _, secret := range []string{"s3cret", "tok3n", ":pw@", "p%40ss"} {
+			if strings.Contains(got, secret) {
+				t.Errorf("%s(%q) = %q keeps %q", name, tc.in, got, secret)
+			}
+		}
+	}
+}
+
 func TestRedact(t *testing.T) {
-	for _, tc := range []struct{ in, want string }{
+	checkRedaction(t, "Redact", Redact, []redactCase{
 		{"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
 		{"nats://alice:s3cret@127.0.0.1:4222", "nats://REDACTED@127.0.0.1:4222"},
 		{"nats://tok3n@h:4222,tls://bob:pw@h2:4222", "nats://REDACTED@h:4222,tls://REDACTED@h2:4222"},
@@ -17,17 +38,7 @@ func TestRedact(t *testing.T) {
 		{"no url here, user@example", "no url here, user@example"},
 		{"nats://x@y:p@h:4222", "nats://REDACTED@h:4222"},
 		{"nats://h:4222 and mail bob@example.com", "nats://h:4222 and mail bob@example.com"},
-	} {
-		got := Redact(tc.in)
-		if got != tc.want {
-			t.Errorf("Redact(%q) = %q, want %q", tc.in, got, tc.want)
-		}
-		for _, secret := range []string{"s3cret", "tok3n", ":pw@", "p%40ss"} {
-			if strings.Contains(got, secret) {
-				t.Errorf("Redact(%q) = %q keeps %q", tc.in, got, secret)
-			}
-		}
-	}
+	})
 }
 
 func TestHasCredentials(t *testing.T) {
@@ -64,23 +75,13 @@ func FuzzRedact(f *testing.F) {
 }
 
 func TestRedactURL(t *testing.T) {
-	for _, tc := range []struct{ in, want string }{
+	checkRedaction(t, "RedactURL", RedactURL, []redactCase{
 		{"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
 		{"127.0.0.1:4222,h2:4222", "127.0.0.1:4222,h2:4222"},
 		{"alice:s3cret@127.0.0.1:4222", "REDACTED@127.0.0.1:4222"},
 		{"nats://h:1, tok3n@h:2,nats://bob:pw@h:3", "nats://h:1, REDACTED@h:2,nats://REDACTED@h:3"},
 		{"x@y:p%40ss@h:4222/path@x", "REDACTED@h:4222/path@x"},
-	} {
-		got := RedactURL(tc.in)
-		if got != tc.want {
-			t.Errorf("RedactURL(%q) = %q, want %q", tc.in, got, tc.want)
-		}
-		for _, secret := range []string{"s3cret", "tok3n", ":pw@", "p%40ss"} {
-			if strings.Contains(got, secret) {
-				t.Errorf("RedactURL(%q) = %q keeps %q", tc.in, got, secret)
-			}
-		}
-	}
+	})
 }
 
 // TestRedactError: nats.Connect's error for a URL it cannot parse quotes

@@ -1,36 +1,18 @@
 package webserve
 
 import (
-	"bytes"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testpki"
 )
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // TestServeDefaultsHoldBadClients: a server with neither a
 // ReadHeaderTimeout nor an ErrorLog gets DefaultReadHeaderTimeout and a
@@ -48,7 +30,7 @@ func TestServeDefaultsHoldBadClients(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logs lockedBuffer
+	var logs logbuf.Buffer
 	srv := &http.Server{Handler: http.NotFoundHandler()}
 	done := make(chan error, 1)
 	go func() { done <- Serve(srv, lis, cfg, slog.New(slog.NewTextHandler(&logs, nil))) }()

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
+	"github.com/kvrelay/kvrelay/testkit/memstats"
 )
 
 const (
@@ -102,14 +103,6 @@ func benchFeedNS(r *Record, blocks int, seed uint64, ns benchNamespaces) {
 	}
 }
 
-func heapAlloc() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapAlloc
-}
-
 // BenchmarkRecordMemory builds 1,000,000 live blocks and reports the heap they hold per block
 // (goal ≤128 B at block size 16, the 64 B of tokens included) and the apply cost per block.
 // "churned" then evicts half the blocks (whole stores, leaves first, like an LRU) and stores as
@@ -131,7 +124,7 @@ func BenchmarkRecordMemory(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			var perBlock, nsPerBlock, cpuPerBlock float64
 			for b.Loop() {
-				before := heapAlloc()
+				before := memstats.Settled().HeapAlloc
 				r := New()
 				cpu0 := processCPU()
 				start := time.Now()
@@ -142,7 +135,7 @@ func BenchmarkRecordMemory(b *testing.B) {
 					evictHalf(r)
 					benchFeedNS(r, blocks/2, 5, tc.ns)
 				}
-				after := heapAlloc()
+				after := memstats.Settled().HeapAlloc
 				if got := r.Stats().Blocks; got != blocks {
 					b.Fatalf("%d live blocks", got)
 				}
@@ -180,12 +173,12 @@ func BenchmarkGoMapIndexOverhead(b *testing.B) {
 	const n = 1_000_000
 	var perEntry float64
 	for b.Loop() {
-		before := heapAlloc()
+		before := memstats.Settled().HeapAlloc
 		m := make(map[key]uint32)
 		for i := range n {
 			m[key{hash: int64(uint64(i) * 0x9E3779B97F4A7C15), tier: 1}] = uint32(i)
 		}
-		perEntry = float64(heapAlloc()-before) / n
+		perEntry = float64(memstats.Settled().HeapAlloc-before) / n
 		runtime.KeepAlive(m)
 	}
 	b.ReportMetric(perEntry, "B/entry")

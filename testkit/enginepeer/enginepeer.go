@@ -16,7 +16,6 @@ package enginepeer
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -29,6 +28,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/pyenv"
 )
 
@@ -94,7 +94,7 @@ type Peer struct {
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	lines  chan []byte
-	stderr *lockedBuffer
+	stderr *logbuf.Buffer
 	ranks  []RankEndpoints
 
 	mu     sync.Mutex // serializes commands: one question, one answer
@@ -177,7 +177,7 @@ func start(t testing.TB, opts Options) (*Peer, error) {
 		cmd:    cmd,
 		stdin:  stdin,
 		lines:  make(chan []byte, 64),
-		stderr: &lockedBuffer{},
+		stderr: &logbuf.Buffer{},
 		done:   make(chan struct{}),
 	}
 	cmd.Stderr = p.stderr
@@ -512,23 +512,4 @@ func (p *Peer) Close() error {
 	}
 	p.kill()
 	return nil
-}
-
-// lockedBuffer collects stderr from the exec copier goroutine while tests
-// read it.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
