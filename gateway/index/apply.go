@@ -464,8 +464,18 @@ func (ws *workerState) retain(l loc, held, pruning bool) {
 // release uncounts a reverse entry of ws naming l and reports whether it was
 // the last, so that ws stops holding l.
 func (ws *workerState) release(l loc, pruning bool) (last bool) {
+	// Counts are never kept at 0, so an absent position had one entry. The
+	// common case, no position named twice, takes no map call at all: a
+	// lookup and a delete of an absent key were 2 % of the Mooncake corpus
+	// replay's instructions, on every removed block.
+	if len(ws.refs) == 0 {
+		return true
+	}
 	n := ws.refs[l]
-	if pruning && n <= 1 || !pruning && n == 0 {
+	if n == 0 {
+		return true
+	}
+	if pruning && n <= 1 {
 		delete(ws.refs, l)
 		return true
 	}

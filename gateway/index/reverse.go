@@ -256,12 +256,30 @@ func (t *revTable) del(i int) {
 		if j++; j == n {
 			j = 0
 		}
-		if t.meta[j]&0xff == 0 {
+		md := t.meta[j]
+		if md&0xff == 0 {
 			break
 		}
+		// The entry at j moves back into the hole at i unless its home h
+		// lies cyclically in (i, j], that is unless it is nearer its home
+		// than the hole is (fillsHole, told by distances back from j). It
+		// is copied into the hole either way, and the hole moves to j only
+		// if it moved: the hole's contents are dead until it is filled or
+		// cleared below, so the copy is harmless, and the loop has no
+		// branch on whether the entry moves. That branch follows the data
+		// and was mispredicted about once a deletion (callgrind's branch
+		// simulation: 1.9 mispredictions a deletion, a third of the whole
+		// replay's).
 		h := t.homeOf(mix(t.slots[j].key()))
-		if fillsHole(i, j, h) {
-			t.slots[i], t.meta[i] = t.slots[j], t.meta[j]
+		dh, di := j-h, j-i
+		if dh < 0 {
+			dh += n
+		}
+		if di < 0 {
+			di += n
+		}
+		t.slots[i], t.meta[i] = t.slots[j], md
+		if dh >= di {
 			i = j
 		}
 	}
