@@ -838,7 +838,7 @@ func markInterval(maxAge time.Duration) time.Duration {
 // (an idle engine), so that the stream always holds a message of the
 // sink's to bear its announcements out. The stream's other limits (a
 // message or byte cap) can still push an idle worker's messages out; its
-// next pass or batch stores one again.
+// next marker stores one again.
 func (s *Sink) remark(ctx context.Context) {
 	for {
 		every := time.Duration(s.markEvery.Load())
