@@ -126,6 +126,8 @@ type MemberWatcher struct {
 	full    bool                   // MaxMembers reached, logged
 	changed chan struct{}
 	last    []string // what OnChange was last given
+	// reconnects is the connection's reconnect count at the last look.
+	reconnects uint64
 }
 
 // WatchMembers connects and subscribes to the announcements; Run checks
@@ -348,6 +350,15 @@ func (w *MemberWatcher) current() ([]string, bool) {
 	defer w.mu.Unlock()
 	now := w.now()
 	connected := w.nc.IsConnected()
+	if r := w.nc.Stats().Reconnects; r != w.reconnects {
+		// Reconnected since the last look, its handler perhaps not run
+		// yet: silence from before is this gateway's, not the relays'.
+		w.reconnects = r
+		for t, m := range w.members {
+			m.heard = now
+			w.members[t] = m
+		}
+	}
 	specs := make([]string, 0, len(w.members))
 	for t, m := range w.members {
 		bound := w.opts.LeaveAfter
