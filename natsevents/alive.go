@@ -120,7 +120,7 @@ type aliveTracker struct {
 	silences    *prometheus.CounterVec // by worker token
 	sub         *nats.Subscription
 	// verify, if set, checks an announcement against the worker's stream
-	// (Source.verifyAnnouncement): the reason label of a mismatch, ""
+	// (streamCheck.verify): the reason label of a mismatch, ""
 	// when it holds. Announcements then wait in pending (the newest per
 	// sink) for the verifier (runVerifier); unset, they are taken as
 	// they come (the tracker's unit tests).
@@ -183,6 +183,9 @@ const (
 	mismatchNoMessage    = "no_message"
 	mismatchUnverifiable = "unverifiable"
 	mismatchOverflow     = "overflow"
+	// mismatchMember: the stream's newest message of the worker names
+	// another member (MemberWatcher only).
+	mismatchMember = "member"
 	// mismatchNotYet: the incarnation matches, no sequence is announced
 	// yet; neither taken nor counted.
 	mismatchNotYet = "not_yet"
@@ -334,10 +337,10 @@ func (t *aliveTracker) takeSilence(token string) bool {
 }
 
 // announce publishes the sink's announcement every AliveEvery while a pass
-// is publishing (between passes, and while NATS is down, it says nothing:
-// a pass that cannot start for longer than the gateways' bound is a
-// silent sink). Core NATS, at most once: a lost announcement is covered
-// by the next ones.
+// is publishing, once the stream holds the sink's marker (between passes,
+// and while NATS is down, it says nothing: a pass that cannot start for
+// longer than the gateways' bound is a silent sink). Core NATS, at most
+// once: a lost announcement is covered by the next ones.
 func (s *Sink) announce(ctx context.Context) {
 	t := time.NewTicker(s.opts.AliveEvery)
 	defer t.Stop()
@@ -349,7 +352,9 @@ func (s *Sink) announce(ctx context.Context) {
 		case <-t.C:
 		}
 		pass := s.pass.Load()
-		if pass == 0 || !s.nc.IsConnected() {
+		// Nothing stored yet (the pass's marker not acknowledged): an
+		// announcement the stream cannot bear out would be refused.
+		if pass == 0 || s.lastSeq.Load() == 0 || !s.nc.IsConnected() {
 			continue
 		}
 		msg := &nats.Msg{Subject: subject, Data: encodeAnnouncement(announcement{Incarnation: s.incarnation, Pass: pass, LastSeq: s.lastSeq.Load(), Every: s.opts.AliveEvery})}
@@ -370,14 +375,53 @@ const IncarnationHeader = "Kvrelay-Incarnation"
 
 func incarnationText(inc uint64) string { return strconv.FormatUint(inc, 16) }
 
-// verifyAnnouncement is the aliveTracker's verify: whether the worker's
-// stream bears the announcement out (see runVerifier's comment above).
-func (s *Source) verifyAnnouncement(ctx context.Context, token string, a announcement) (string, error) {
-	stream, err := s.eventsStream(ctx)
+// streamCheck checks sink announcements against the events stream: the
+// Source's liveness tracker and the MemberWatcher (members.go) share it.
+type streamCheck struct {
+	js     jetstream.JetStream
+	name   string // the stream
+	prefix string // its subjects' prefix
+
+	mu     sync.Mutex
+	stream jetstream.Stream // looked up once
+}
+
+func newStreamCheck(js jetstream.JetStream, stream, prefix string) *streamCheck {
+	return &streamCheck{js: js, name: stream, prefix: prefix}
+}
+
+// eventsStream is the events stream's handle, looked up once.
+func (c *streamCheck) eventsStream(ctx context.Context) (jetstream.Stream, error) {
+	c.mu.Lock()
+	st := c.stream
+	c.mu.Unlock()
+	if st != nil {
+		return st, nil
+	}
+	st, err := c.js.Stream(ctx, c.name)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", c.name, err)
+	}
+	c.mu.Lock()
+	c.stream = st
+	c.mu.Unlock()
+	return st, nil
+}
+
+// verify says whether the worker's stream bears the announcement out (see
+// runVerifier's comment above): the reason label of a mismatch, "" when it
+// holds. With member non-nil, the stream's newest message of the worker
+// must also carry that member (MemberHeader): a member announcement is
+// tied to the stream as its incarnation is, so that a replay of a real
+// announcement cannot name another member.
+func (c *streamCheck) verify(ctx context.Context, token string, a announcement, member *string) (string, error) {
+	stream, err := c.eventsStream(ctx)
 	if err != nil {
 		return mismatchUnverifiable, err
 	}
-	newest, err := stream.GetLastMsgForSubject(ctx, workerFilter(s.opts.SubjectPrefix, token))
+	// Every message the sink stores under the worker's token: its batches
+	// and its markers (sinkMarkSubject).
+	newest, err := stream.GetLastMsgForSubject(ctx, c.prefix+"."+token+".>")
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
 		return mismatchNoMessage, errors.New("the stream holds no message of the sink's worker")
 	}
@@ -386,6 +430,11 @@ func (s *Source) verifyAnnouncement(ctx context.Context, token string, a announc
 	}
 	if got, want := newest.Header.Get(IncarnationHeader), incarnationText(a.Incarnation); got != want {
 		return mismatchIncarnation, fmt.Errorf("the stream's newest message of the worker (sequence %d) is of incarnation %q, the announcement %q", newest.Sequence, got, want)
+	}
+	if member != nil {
+		if got := newest.Header.Get(MemberHeader); got != *member {
+			return mismatchMember, fmt.Errorf("the stream's newest message of the worker (sequence %d) names member %q, the announcement %q", newest.Sequence, got, *member)
+		}
 	}
 	if a.LastSeq == 0 {
 		// A sink whose first message is stored but not yet acknowledged
@@ -405,7 +454,7 @@ func (s *Source) verifyAnnouncement(ctx context.Context, token string, a announc
 	if err != nil {
 		return mismatchUnverifiable, fmt.Errorf("the stream's message at sequence %d: %w", a.LastSeq, err)
 	}
-	if !strings.HasPrefix(m.Subject, s.opts.SubjectPrefix+"."+token+".") {
+	if !strings.HasPrefix(m.Subject, c.prefix+"."+token+".") {
 		return mismatchSequence, fmt.Errorf("the stream's message at the announced sequence %d is not the worker's (%s)", a.LastSeq, m.Subject)
 	}
 	return "", nil

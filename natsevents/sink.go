@@ -161,6 +161,10 @@ type Sink struct {
 	incarnation uint64
 	pass        atomic.Uint64
 	lastSeq     atomic.Uint64
+	// storedAt is when the sink last stored a message (unix nanoseconds);
+	// markEvery how long it may store none before it stores a marker
+	// again (markInterval of the stream's age limit).
+	storedAt, markEvery atomic.Int64
 
 	// ranks are the DP ranks relayed so far: their loads are published.
 	ranksMu sync.Mutex
@@ -283,6 +287,12 @@ func (s *Sink) Run(ctx context.Context) error {
 		go func() { defer close(done); s.announce(actx) }()
 		defer func() { cancel(); <-done }()
 	}
+	if s.opts.AliveEvery > 0 {
+		mctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); s.remark(mctx) }()
+		defer func() { cancel(); <-done }()
+	}
 	if s.opts.Loads != nil {
 		lctx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
@@ -340,7 +350,8 @@ func sleep(ctx context.Context, d time.Duration) bool {
 func (s *Sink) ensure(ctx context.Context) (jetstream.ObjectStore, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if _, err := s.js.Stream(ctx, s.opts.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
+	maxAge := s.opts.MaxAge
+	if st, err := s.js.Stream(ctx, s.opts.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
 		_, err = s.js.CreateStream(ctx, jetstream.StreamConfig{
 			Name:        s.opts.Stream,
 			Description: "kvrelay KV-cache event batches, one subject per worker and DP rank",
@@ -356,7 +367,10 @@ func (s *Sink) ensure(ctx context.Context) (jetstream.ObjectStore, error) {
 		}
 	} else if err != nil {
 		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
+	} else {
+		maxAge = st.CachedInfo().Config.MaxAge // an existing stream is used as it is
 	}
+	s.markEvery.Store(int64(markInterval(maxAge)))
 	bucket := BucketFor(s.opts.Stream)
 	obs, err := s.js.ObjectStore(ctx, bucket)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
@@ -409,6 +423,11 @@ func (s *Sink) follow(ctx context.Context) error {
 	acks, err := s.startAcks(fctx)
 	if err != nil {
 		return err
+	}
+	if s.opts.AliveEvery > 0 {
+		if err := s.mark(fctx); err != nil {
+			return err
+		}
 	}
 	sub, err := s.rel.Subscribe(fctx, &kvpb.SubscribeKvEventsRequest{LiveDigests: true})
 	if err != nil {
@@ -522,7 +541,7 @@ func (s *Sink) follow(ctx context.Context) error {
 		msg := nats.NewMsg(rankSubject(s.opts.SubjectPrefix, s.token, b.GetDpRank()))
 		msg.Data = enc
 		// Ties the sink's announcements to its stream (alive.go).
-		msg.Header.Set(IncarnationHeader, incarnationText(s.incarnation))
+		s.stamp(msg)
 		if snap := b.GetSnapshot(); snap != nil {
 			// Chunks carry no message id: a snapshot published again is
 			// a new resync point, harmless to apply again.
@@ -685,8 +704,7 @@ func (s *Sink) awaitAck(ctx context.Context, f jetstream.PubAckFuture, a *ack) {
 	case pa := <-f.Ok():
 		// For a duplicate, the sequence the stream already held it at.
 		a.seq, a.dup = pa.Sequence, pa.Duplicate
-		for cur := s.lastSeq.Load(); pa.Sequence > cur && !s.lastSeq.CompareAndSwap(cur, pa.Sequence); cur = s.lastSeq.Load() {
-		}
+		s.noteSeq(pa.Sequence)
 		if pa.Duplicate {
 			s.m.published.WithLabelValues("duplicate").Inc()
 		} else {
@@ -756,4 +774,86 @@ func (s *Sink) writeSnapshot(ctx context.Context, obs jetstream.ObjectStore, p *
 	s.m.snapshotSeq.Set(float64(seq))
 	s.log.Debug("snapshot written", "stream_sequence", seq, "chunks", len(o.Chunks), "bytes", len(data), "object", s.token+" in "+BucketFor(s.opts.Stream)+" at "+strconv.FormatUint(seq, 10))
 	return true
+}
+
+// noteSeq raises lastSeq, what the announcements say, to seq, a message
+// stored now.
+func (s *Sink) noteSeq(seq uint64) {
+	s.storedAt.Store(time.Now().UnixNano())
+	for cur := s.lastSeq.Load(); seq > cur && !s.lastSeq.CompareAndSwap(cur, seq); cur = s.lastSeq.Load() {
+	}
+}
+
+// stamp gives a message of the sink what ties its announcements to the
+// stream (alive.go): its incarnation, and its member if it announces one.
+func (s *Sink) stamp(msg *nats.Msg) {
+	msg.Header.Set(IncarnationHeader, incarnationText(s.incarnation))
+	if s.opts.Member != "" {
+		msg.Header.Set(MemberHeader, s.opts.Member)
+	}
+}
+
+// sinkMarkSubject is where a worker's sink stores its marker: under the
+// worker's token, so in the stream (<prefix>.>) and among what an
+// announcement is checked against (<prefix>.<token>.>), but not a rank's
+// subject (<prefix>.<token>.*), which the gateways' consumers read.
+func sinkMarkSubject(prefix, token string) string { return prefix + "." + token + ".sink.start" }
+
+// mark stores the pass's marker, an empty message stamped as the batches
+// are, before the pass publishes anything else: an announcing sink whose
+// engine has relayed nothing yet (a fresh start, an idle engine) would
+// otherwise leave nothing on the stream to bear its announcements out, and
+// a gateway would take neither them nor its member. A failure ends the
+// pass (the next one tries again).
+func (s *Sink) mark(ctx context.Context) error {
+	msg := nats.NewMsg(sinkMarkSubject(s.opts.SubjectPrefix, s.token))
+	s.stamp(msg)
+	ctx, cancel := context.WithTimeout(ctx, s.opts.AckTimeout)
+	defer cancel()
+	pa, err := s.js.PublishMsg(ctx, msg)
+	if err != nil {
+		return fmt.Errorf("storing the sink's marker on %s: %w", msg.Subject, err)
+	}
+	s.noteSeq(pa.Sequence)
+	return nil
+}
+
+// maxMarkEvery bounds how long an announcing sink stores nothing: an idle
+// engine's marker must outlive no age limit of the stream, or a gateway
+// started once it aged out could not take the relay's member until its
+// engine works again.
+const maxMarkEvery = 10 * time.Minute
+
+// markInterval is how long a sink may store nothing on a stream whose
+// messages live maxAge (0: for ever): a quarter of it, at most
+// maxMarkEvery.
+func markInterval(maxAge time.Duration) time.Duration {
+	if maxAge <= 0 {
+		return maxMarkEvery
+	}
+	return min(maxMarkEvery, max(maxAge/4, time.Millisecond))
+}
+
+// remark stores a marker whenever a pass has stored nothing for markEvery
+// (an idle engine), so that the stream always holds a message of the
+// sink's to bear its announcements out. The stream's other limits (a
+// message or byte cap) can still push an idle worker's messages out; its
+// next marker stores one again.
+func (s *Sink) remark(ctx context.Context) {
+	for {
+		every := time.Duration(s.markEvery.Load())
+		if every <= 0 {
+			every = maxMarkEvery // no pass has looked at the stream yet
+		}
+		if !sleep(ctx, min(every/4, time.Second)) {
+			return
+		}
+		at := s.storedAt.Load()
+		if s.pass.Load() == 0 || at == 0 || time.Since(time.Unix(0, at)) < every || !s.nc.IsConnected() {
+			continue
+		}
+		if err := s.mark(ctx); err != nil && ctx.Err() == nil {
+			s.log.Warn("the sink's marker not stored; its announcements may not be borne out by the stream", "err", err)
+		}
+	}
 }

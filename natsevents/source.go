@@ -97,9 +97,6 @@ type Source struct {
 	// (request.go).
 	stale   map[string]staleObject
 	repairs *prometheus.CounterVec
-	// stream is the events stream's handle, once looked up (for the
-	// announcements' checks).
-	stream jetstream.Stream
 	// stopVerifier ends the announcements' verifier; verifierDone is
 	// closed when it returned.
 	stopVerifier context.CancelFunc
@@ -185,7 +182,10 @@ func NewSource(opts SourceOptions) (*Source, error) {
 		s.nc.Close()
 		return nil, fmt.Errorf("natsevents: %w", err)
 	}
-	s.alive.verify = s.verifyAnnouncement
+	check := newStreamCheck(s.js, opts.Stream, opts.SubjectPrefix)
+	s.alive.verify = func(ctx context.Context, token string, a announcement) (string, error) {
+		return check.verify(ctx, token, a, nil)
+	}
 	vctx, stop := context.WithCancel(context.Background())
 	s.stopVerifier, s.verifierDone = stop, make(chan struct{})
 	go func() { defer close(s.verifierDone); s.alive.runVerifier(vctx) }()
@@ -206,24 +206,6 @@ func (s *Source) Close() {
 	s.stopVerifier()
 	<-s.verifierDone
 	s.nc.Close()
-}
-
-// eventsStream is the events stream's handle, looked up once.
-func (s *Source) eventsStream(ctx context.Context) (jetstream.Stream, error) {
-	s.mu.Lock()
-	st := s.stream
-	s.mu.Unlock()
-	if st != nil {
-		return st, nil
-	}
-	st, err := s.js.Stream(ctx, s.opts.Stream)
-	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", s.opts.Stream, err)
-	}
-	s.mu.Lock()
-	s.stream = st
-	s.mu.Unlock()
-	return st, nil
 }
 
 func (s *Source) name(w monitor.Worker) string {

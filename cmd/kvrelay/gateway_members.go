@@ -123,7 +123,7 @@ func (m *memberFlags) start(g *gateway.Gateway, static []gateway.Worker, prepare
 			return fail(fmt.Errorf("--workers-from-nats: %w", err))
 		}
 		mw, err := natsevents.WatchMembers(natsevents.MemberOptions{
-			URL: natsURL, SubjectPrefix: natsEventsPrefix, MaxMembers: *m.maxWorkers, Logger: nlog, NATSOptions: auth,
+			URL: natsURL, SubjectPrefix: natsEventsPrefix, MaxMembers: *m.maxWorkers, Logger: nlog, NATSOptions: auth, Registerer: reg,
 			OnChange: func(specs []string) {
 				// One relay announcing nonsense does not keep the others out.
 				ws := make([]gateway.Worker, 0, len(specs))

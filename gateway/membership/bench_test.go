@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrelay/kvrelay/gateway"
 	"github.com/kvrelay/kvrelay/natsevents"
@@ -95,7 +96,20 @@ func BenchmarkMembershipLatency(b *testing.B) {
 	})
 	b.Run("nats", func(b *testing.B) {
 		set, g := benchSet(b)
-		node := testnats.Start(b, testnats.Config{NoJetStream: true})
+		node := testnats.Start(b, testnats.Config{})
+		nc, err := nats.Connect(node.URL())
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx := context.Background()
+		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: natsevents.DefaultStream, Subjects: []string{natsevents.DefaultSubjectPrefix + ".>"}}); err != nil {
+			b.Fatal(err)
+		}
 		mw, err := natsevents.WatchMembers(natsevents.MemberOptions{
 			URL: node.URL(), LeaveAfter: interval,
 			OnChange: func(specs []string) {
@@ -114,37 +128,46 @@ func BenchmarkMembershipLatency(b *testing.B) {
 		defer mw.Close()
 		stop := runBench(mw.Run)
 		defer stop()
-		nc, err := nats.Connect(node.URL())
-		if err != nil {
-			b.Fatal(err)
+		// A relay's sink: its marker stored on the stream (what the
+		// gateway checks the announcements against), then its
+		// announcement every interval; natsevents' wire, published here
+		// so that the figure is the gateway's, not a relay's start-up.
+		type relay struct {
+			spec     string
+			inc, seq uint64
 		}
-		defer nc.Close()
-		// A relay's sink announcing every interval: the announcement's
-		// wire (natsevents' payload and member header), published here so
-		// that the figure is the gateway's, not a relay's start-up.
-		announcing := make(chan string)
+		announcing := make(chan relay)
 		annDone := make(chan struct{})
 		go func() {
 			defer close(annDone)
 			t := time.NewTicker(interval)
 			defer t.Stop()
-			var spec string
+			var r relay
 			for {
 				select {
-				case s, ok := <-announcing:
+				case next, ok := <-announcing:
 					if !ok {
 						return
 					}
-					spec = s
+					r = next
 				case <-t.C:
 				}
-				if spec != "" {
-					_ = nc.PublishMsg(natsevents.MemberAnnouncement("", spec, spec, interval))
+				if r.spec != "" {
+					_ = nc.PublishMsg(natsevents.MemberAnnouncement("", r.spec, r.spec, r.inc, r.seq, interval))
 				}
 			}
 		}()
 		defer func() { close(announcing); <-annDone }()
-		measure(b, g, func(spec string) { announcing <- spec }, func(string) { announcing <- "" })
+		inc := uint64(0)
+		join := func(spec string) {
+			inc++
+			pa, err := js.PublishMsg(ctx, natsevents.MemberMark("", spec, spec, inc))
+			if err != nil {
+				b.Fatal(err)
+			}
+			announcing <- relay{spec: spec, inc: inc, seq: pa.Sequence}
+		}
+		measure(b, g, join, func(string) { announcing <- relay{} })
 	})
 }
 
