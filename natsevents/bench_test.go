@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -138,15 +137,7 @@ func BenchmarkPublishToIndex(b *testing.B) {
 }
 
 func streamState(b *testing.B, url string) jetstream.StreamState {
-	nc, err := nats.Connect(url)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer nc.Close()
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		b.Fatal(err)
-	}
+	_, jsc := jetStreamClient(b, url)
 	st, err := jsc.Stream(context.Background(), DefaultStream)
 	if err != nil {
 		b.Fatal(err)

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -289,4 +291,21 @@ func liveDiff(got, want []index.LiveBlock) string {
 		}
 	}
 	return fmt.Sprintf("rows differing from the engine's, by rank: index side %v, engine side %v", extra, missing)
+}
+
+// jetStreamClient connects a plain client to url, closed when the test
+// ends, and opens JetStream on it: what the tests that read, forge or
+// spoil the stream behind a sink's back each need.
+func jetStreamClient(t testing.TB, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
 }

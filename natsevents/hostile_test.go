@@ -60,15 +60,7 @@ func forgedHash(k uint64) uint64 { return k * forgedMul }
 
 func newForger(t testing.TB, url string) *forger {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js := jetStreamClient(t, url)
 	return &forger{t: t, nc: nc, js: js, base: rand.Uint64() >> 2}
 }
 

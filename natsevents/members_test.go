@@ -152,19 +152,12 @@ func (h *memberHistory) ever(spec string) bool {
 // connection closed when the test ends.
 func eventsStream(t *testing.T, url string) jetstream.Stream {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := jetStreamClient(t, url)
 	var st jetstream.Stream
 	eventually(t, "the events stream", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), patience)
 		defer cancel()
+		var err error
 		st, err = js.Stream(ctx, DefaultStream)
 		return err == nil
 	})

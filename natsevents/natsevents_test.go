@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"google.golang.org/protobuf/proto"
 
@@ -158,14 +157,6 @@ func streamBatches(t *testing.T, url, worker string) []*kvpb.KvEventBatch {
 // the default stream.
 func openDefaultStream(ctx context.Context, t *testing.T, url string) (jetstream.Stream, error) {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, jsc := jetStreamClient(t, url)
 	return jsc.Stream(ctx, DefaultStream)
 }

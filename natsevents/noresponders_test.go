@@ -18,17 +18,9 @@ import (
 // snapshot reads as a gap, until the next periodic snapshot.
 func TestNoRespondersEndsThePass(t *testing.T) {
 	js := startJetStream(t)
-	nc, err := nats.Connect(js.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
 	// The stream exists but not on the sink's subjects, so JetStream does
 	// not answer them: the test does, as the server or JetStream would.
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, jsc := jetStreamClient(t, js.URL())
 	if _, err := jsc.CreateStream(context.Background(), jetstream.StreamConfig{Name: DefaultStream, Subjects: []string{"elsewhere.>"}}); err != nil {
 		t.Fatal(err)
 	}

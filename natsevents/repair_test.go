@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"google.golang.org/protobuf/proto"
 
@@ -25,15 +24,7 @@ func spoilSnapshot(t *testing.T, url, worker string, rank int32) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	jsc, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, jsc := jetStreamClient(t, url)
 	obs, err := jsc.ObjectStore(ctx, BucketFor(DefaultStream))
 	if err != nil {
 		t.Fatal(err)
