@@ -121,17 +121,16 @@ type aliveTracker struct {
 	sub         *nats.Subscription
 	// verify, if set, checks an announcement against the worker's stream
 	// (streamCheck.verify): the reason label of a mismatch, ""
-	// when it holds. Announcements then wait in pending (the newest per
-	// sink) for the verifier (runVerifier); unset, they are taken as
-	// they come (the tracker's unit tests).
+	// when it holds. Announcements then wait in claims for the verifier
+	// (runVerifier); unset, they are taken as they come (the tracker's
+	// unit tests).
 	verify     func(ctx context.Context, token string, a announcement) (reason string, err error)
+	claims     *claimQueue[announcement]
 	mismatched *prometheus.CounterVec // by sink token, reason
 	checked    *prometheus.CounterVec // by sink token: borne out
-	kick       chan struct{}
 
-	mu      sync.Mutex
-	sinks   map[string]*sinkState
-	pending map[string]announcement
+	mu    sync.Mutex
+	sinks map[string]*sinkState
 	// peerLog is log throttled, for what announcements (anyone's who can
 	// publish on the alive subjects) drive.
 	peerLog *slog.Logger
@@ -140,7 +139,7 @@ type aliveTracker struct {
 func newAliveTracker(silentAfter time.Duration, log *slog.Logger) *aliveTracker {
 	return &aliveTracker{
 		silentAfter: silentAfter, now: time.Now, log: log, peerLog: logthrottle.Wrap(log), sinks: map[string]*sinkState{},
-		pending: map[string]announcement{}, kick: make(chan struct{}, 1),
+		claims: newClaimQueue[announcement](),
 		silences: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_events_sink_silent_total",
 			Help: "Times a worker's JetStream sink stopped announcing itself while this replica's NATS connection was up; the worker then follows its gRPC stream until the sink is back with a newer snapshot."},
 			[]string{"worker"}),
@@ -195,33 +194,15 @@ const (
 // nothing of: forged tokens must not make metric series.
 const otherSink = "other"
 
-// runVerifier checks the pending announcements until ctx ends.
+// runVerifier checks the waiting announcements until ctx ends.
 func (t *aliveTracker) runVerifier(ctx context.Context) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.kick:
-		}
-		t.mu.Lock()
-		claims := t.pending
-		t.pending = make(map[string]announcement, len(claims))
-		t.mu.Unlock()
-		for token, a := range claims {
-			vctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			reason, err := t.verify(vctx, token, a)
-			cancel()
-			if ctx.Err() != nil {
-				return
-			}
-			if reason == "" {
-				t.checked.WithLabelValues(token).Inc()
-				t.accept(token, a)
-				continue
-			}
-			if reason == mismatchNotYet {
-				continue
-			}
+	t.claims.run(ctx, t.verify, func(token string, a announcement, reason string, err error) bool {
+		switch reason {
+		case "":
+			t.checked.WithLabelValues(token).Inc()
+			t.accept(token, a)
+		case mismatchNotYet:
+		default:
 			sink := token
 			if reason != mismatchIncarnation && reason != mismatchSequence {
 				sink = otherSink // the stream holds nothing of it, or was not asked
@@ -229,10 +210,8 @@ func (t *aliveTracker) runVerifier(ctx context.Context) {
 			t.mismatched.WithLabelValues(sink, reason).Inc()
 			t.peerLog.Warn("a sink announcement the worker's stream does not bear out; ignored", "sink", token, "reason", reason, "incarnation", a.Incarnation, "last_stream_sequence", a.LastSeq, "err", err)
 		}
-		if !sleep(ctx, verifyEvery) {
-			return
-		}
-	}
+		return true
+	})
 }
 
 // handle takes one announcement from subject <prefix>-alive.<token>.
@@ -247,21 +226,9 @@ func (t *aliveTracker) handle(m *nats.Msg) {
 		t.accept(token, a)
 		return
 	}
-	t.mu.Lock()
-	_, waiting := t.pending[token]
-	full := !waiting && len(t.pending) >= maxPendingClaims
-	if !full {
-		t.pending[token] = a
-	}
-	t.mu.Unlock()
-	if full {
+	if !t.claims.offer(token, a) {
 		t.mismatched.WithLabelValues(otherSink, mismatchOverflow).Inc()
 		t.peerLog.Warn("too many sink announcements waiting to be checked; ignored", "max", maxPendingClaims)
-		return
-	}
-	select {
-	case t.kick <- struct{}{}:
-	default:
 	}
 }
 

@@ -118,11 +118,10 @@ type MemberWatcher struct {
 	now     func() time.Time
 	check   *streamCheck
 	refused *prometheus.CounterVec // by reason: no sink label, forged tokens make no series
-	kick    chan struct{}
+	claims  *claimQueue[memberClaim]
 
 	mu      sync.Mutex
 	members map[string]heardMember // by worker token
-	pending map[string]memberClaim // by worker token, the newest
 	full    bool                   // MaxMembers reached, logged
 	changed chan struct{}
 	last    []string // what OnChange was last given
@@ -147,7 +146,7 @@ func WatchMembers(opts MemberOptions) (*MemberWatcher, error) {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	w := &MemberWatcher{opts: opts, log: opts.Logger, peerLog: logthrottle.Wrap(opts.Logger), now: time.Now,
-		members: map[string]heardMember{}, pending: map[string]memberClaim{}, changed: make(chan struct{}, 1), kick: make(chan struct{}, 1),
+		members: map[string]heardMember{}, claims: newClaimQueue[memberClaim](), changed: make(chan struct{}, 1),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrelay_gateway_members_refused_total",
 			Help: "Member announcements not taken (--workers-from-nats), by reason: incarnation, member, sequence, no_message (the worker's stream does not bear the announcement out: its newest message is of another incarnation or names another member, the announced sequence is not the worker's, the stream holds nothing of the worker), unverifiable (the stream could not be asked), overflow (too many waiting to be checked), undecodable, too_long (a member over 1024 bytes), full (--max-workers members already)."},
 			[]string{"reason"})}
@@ -220,19 +219,9 @@ func (w *MemberWatcher) handle(m *nats.Msg) {
 		}
 		return
 	}
-	_, waiting := w.pending[token]
-	overflow := !waiting && len(w.pending) >= maxPendingClaims
-	if !overflow {
-		w.pending[token] = memberClaim{spec: spec, a: a}
-	}
 	w.mu.Unlock()
-	if overflow {
+	if !w.claims.offer(token, memberClaim{spec: spec, a: a}) {
 		w.refuse(mismatchOverflow, "too many member announcements waiting to be checked; ignored", "max", maxPendingClaims)
-		return
-	}
-	select {
-	case w.kick <- struct{}{}:
-	default:
 	}
 }
 
@@ -245,35 +234,14 @@ func (w *MemberWatcher) refuse(reason, msg string, args ...any) {
 // verify checks the waiting announcements against the stream until ctx
 // ends, in rounds at most every verifyEvery (as a Source's).
 func (w *MemberWatcher) verify(ctx context.Context) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-w.kick:
-		}
-		w.mu.Lock()
-		claims := w.pending
-		w.pending = make(map[string]memberClaim, len(claims))
-		w.mu.Unlock()
-		for token, c := range claims {
-			vctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			reason, err := w.check.verify(vctx, token, c.a, &c.spec)
-			cancel()
-			if ctx.Err() != nil {
-				return
-			}
-			w.settle(token, c, reason, err)
-			if reason == mismatchUnverifiable {
-				// The stream cannot be asked: one look-up per round
-				// while it lasts, however many wait (their relays
-				// announce again).
-				break
-			}
-		}
-		if !sleep(ctx, verifyEvery) {
-			return
-		}
-	}
+	w.claims.run(ctx, func(ctx context.Context, token string, c memberClaim) (string, error) {
+		return w.check.verify(ctx, token, c.a, &c.spec)
+	}, func(token string, c memberClaim, reason string, err error) bool {
+		w.settle(token, c, reason, err)
+		// The stream cannot be asked: one look-up per round while it
+		// lasts, however many wait (their relays announce again).
+		return reason != mismatchUnverifiable
+	})
 }
 
 // settle applies the check of token's claim c.
