@@ -32,8 +32,18 @@ import (
 // FleetScaleResults is the study's measurements, fits and projection.
 type FleetScaleResults struct {
 	Workload FleetWorkload `json:"workload"`
-	// Gateway holds one point per (workers, repetition).
+	// Gateway holds one point per (workers, repetition), at CacheBlocks a
+	// worker.
 	Gateway []GatewayScalePoint `json:"gateway"`
+	// Larger holds the full replica measured closer to the target than the
+	// sweep: Workload.Larger's sizes, one point per repetition.
+	Larger []GatewayScalePoint `json:"larger,omitempty"`
+	// Partition holds one worker group of a partitioned tier measured at
+	// its real size: TargetWorkers/P workers at RealCacheBlocks a worker,
+	// for each P of Workload.Partitions, one point per repetition.
+	Partition []GatewayScalePoint `json:"partition,omitempty"`
+	// Tier is each tier's cost at the target, from the points above.
+	Tier []TierRow `json:"tier,omitempty"`
 	// Fanout holds one point per (gateway subscribers, repetition).
 	Fanout []FanoutScalePoint `json:"fanout"`
 	Fits   []CurveFit         `json:"fits"`
@@ -72,11 +82,26 @@ type FleetWorkload struct {
 	TargetReplicas          int     `json:"target_replicas"`
 	Workers                 []int   `json:"workers"`
 	Subscribers             []int   `json:"subscribers"`
+	// Larger are full-replica sizes past the sweep, as close to the target
+	// as this host holds in memory and minutes.
+	Larger []FleetSize `json:"larger,omitempty"`
+	// Partitions are the worker-group counts of a partitioned tier whose
+	// one group is measured at its real size; PartitionReps its repetitions.
+	Partitions    []int `json:"partitions,omitempty"`
+	PartitionReps int   `json:"partition_reps,omitempty"`
+}
+
+// FleetSize is a replica's workers and each one's cache.
+type FleetSize struct {
+	Workers     int `json:"workers"`
+	CacheBlocks int `json:"cache_blocks"`
 }
 
 // GatewayScalePoint is one gateway replica's index at Workers workers.
 type GatewayScalePoint struct {
 	Workers     int   `json:"workers"`
+	CacheBlocks int   `json:"cache_blocks"`         // each worker's
+	Partitions  int   `json:"partitions,omitempty"` // the tier this group is one of; 0 for a full replica
 	Rep         int   `json:"rep"`
 	Memberships int64 `json:"memberships"` // (worker, block) pairs the index holds
 	HeapBytes   int64 `json:"heap_bytes"`  // live heap of the index after GC
@@ -103,7 +128,43 @@ type GatewayScalePoint struct {
 	// RouteCPUP99us is the thread CPU time's p99: the wall clock's p99 on
 	// a shared host is mostly time spent waiting for a CPU.
 	RouteCPUP99us float64 `json:"route_cpu_p99_us"`
-	Holders       int     `json:"holders"` // workers matching a routed prompt's full shared prefix
+	// The route's thread CPU in its parts, means over the routes (a tier's
+	// cores are rates times means): hashing the request's tokens once, the
+	// index lookup on its prefix hashes (what a worker group answers for
+	// every route of the fleet in a partitioned tier), and the pick over
+	// every worker's load.
+	RouteCPUMeanUs  float64 `json:"route_cpu_mean_us"`
+	HashCPUMeanUs   float64 `json:"hash_cpu_mean_us"`
+	LookupCPUMeanUs float64 `json:"lookup_cpu_mean_us"`
+	LookupCPUP99us  float64 `json:"lookup_cpu_p99_us"`
+	PickCPUMeanUs   float64 `json:"pick_cpu_mean_us"`
+	Holders         int     `json:"holders"` // workers matching a routed prompt's full shared prefix
+}
+
+// TierRow is one gateway tier's cost at the target fleet: Partitions
+// worker groups (1: every replica a full copy), Copies replicas a group.
+// CPU is CPU-seconds per second; the ranges are the measured points'
+// (or, for a full copy, the projection band's) low and high ends.
+type TierRow struct {
+	Partitions int    `json:"partitions"`
+	Copies     int    `json:"copies"` // replicas per worker group (a full-copy tier: its replicas)
+	Replicas   int    `json:"replicas"`
+	Basis      string `json:"basis"` // "measured at the group's real size" or the full copy's band basis
+	// Per replica.
+	EventsCPULow  float64 `json:"events_cpu_s_per_s_low"`
+	EventsCPUHigh float64 `json:"events_cpu_s_per_s_high"`
+	LookupCPU     float64 `json:"lookup_cpu_s_per_s"` // the group's lookups for every route, shared by its copies
+	FrontCPU      float64 `json:"front_cpu_s_per_s"`  // hashing and picking its share of the routes
+	// ReplicaCPULow/High are events + lookups + front; the tier's totals
+	// are Replicas times them and the heaps.
+	ReplicaCPULow   float64 `json:"replica_cpu_s_per_s_low"`
+	ReplicaCPUHigh  float64 `json:"replica_cpu_s_per_s_high"`
+	ReplicaHeapLow  float64 `json:"replica_heap_bytes_low"`
+	ReplicaHeapHigh float64 `json:"replica_heap_bytes_high"`
+	TierCPULow      float64 `json:"tier_cpu_s_per_s_low"`
+	TierCPUHigh     float64 `json:"tier_cpu_s_per_s_high"`
+	TierHeapLow     float64 `json:"tier_heap_bytes_low"`
+	TierHeapHigh    float64 `json:"tier_heap_bytes_high"`
 }
 
 // FanoutScalePoint is one relay's cost per batch per gateway subscriber.
@@ -267,11 +328,21 @@ func fleetWorkload(quick bool) FleetWorkload {
 		// holds in a few minutes a repetition.
 		Workers:     []int{250, 500, 1000, 2000, 4000, 8000, 10_000},
 		Subscribers: []int{1, 2, 4, 8, 16},
+		// The full replica at 10,000 workers and a quarter of a real
+		// cache: 75 M pairs, 3.7x the sweep's largest point and a quarter
+		// of the target's, about 2.5 GiB of index on a 24 GiB host.
+		Larger: []FleetSize{{Workers: 10_000, CacheBlocks: 7_500}},
+		// A group of a 4-, 8- and 16-group tier at its real size: 2,500,
+		// 1,250 and 625 workers at 30,000 blocks (75, 37.5, 18.75 M pairs).
+		Partitions: []int{4, 8, 16}, PartitionReps: 2,
 	}
 	if quick {
 		w.CacheBlocks, w.SharedDocs, w.DocBlocks = 256, 4, 64
 		w.SteadySteps, w.RouteReps, w.Reps = 2, 50, 1
 		w.Workers, w.Subscribers = []int{8, 16, 32}, []int{1, 2}
+		w.RealCacheBlocks, w.TargetWorkers = 512, 64
+		w.Larger = []FleetSize{{Workers: 32, CacheBlocks: 384}}
+		w.Partitions, w.PartitionReps = []int{2, 4}, 1
 	}
 	return w
 }
@@ -289,9 +360,42 @@ func runFleetScale(ctx context.Context, env *environment) (*FleetScaleResults, e
 			if err != nil {
 				return nil, err
 			}
-			env.log.Info("fleetscale: gateway", "workers", w, "rep", rep, "heap_mib", p.HeapBytes>>20,
-				"bytes_per_block", p.BytesPerBlock, "cpu_per_batch_us", p.CPUPerBatchUs, "route_p50_us", p.RouteP50us)
+			logScalePoint(env, "gateway", p)
 			fs.Gateway = append(fs.Gateway, p)
+		}
+	}
+	// Past the sweep: the full replica at larger caches, then one group of
+	// each partitioned tier at its real size. Each point's index is
+	// dropped before the next is built, so the host holds one at a time.
+	for rep := range wl.Reps {
+		for _, sz := range wl.Larger {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			lw := *wl
+			lw.CacheBlocks = sz.CacheBlocks
+			p, err := gatewayScalePoint(&lw, docs, sz.Workers, rep)
+			if err != nil {
+				return nil, err
+			}
+			logScalePoint(env, "gateway, larger cache", p)
+			fs.Larger = append(fs.Larger, p)
+		}
+	}
+	for rep := range wl.PartitionReps {
+		for _, parts := range wl.Partitions {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			pw := *wl
+			pw.CacheBlocks = wl.RealCacheBlocks
+			p, err := gatewayScalePoint(&pw, docs, wl.TargetWorkers/parts, rep)
+			if err != nil {
+				return nil, err
+			}
+			p.Partitions = parts
+			logScalePoint(env, "tier group at its real size", p)
+			fs.Partition = append(fs.Partition, p)
 		}
 	}
 	burst := 2000
@@ -314,6 +418,7 @@ func runFleetScale(ctx context.Context, env *environment) (*FleetScaleResults, e
 	if err := fs.fit(); err != nil {
 		return nil, err
 	}
+	fs.tiers()
 	batch := steadyBatch(wl, docs, 0, rand.New(rand.NewPCG(1, 1)))
 	fs.NATS = natsLoad(wl)
 	fs.JetStream = jetStreamSizing(wl, proto.Size(batch))
@@ -420,8 +525,14 @@ func docBatches(wl *FleetWorkload, docs [][]uint32, d int) []*kvpb.KvEventBatch 
 
 // gatewayScalePoint fills one replica's index with workers' caches, runs
 // the steady stream through it and routes on it.
+func logScalePoint(env *environment, what string, p GatewayScalePoint) {
+	env.log.Info("fleetscale: "+what, "workers", p.Workers, "cache_blocks", p.CacheBlocks, "rep", p.Rep, "heap_mib", p.HeapBytes>>20,
+		"bytes_per_block", p.BytesPerBlock, "cpu_per_batch_us", p.CPUPerBatchUs, "route_p50_us", p.RouteP50us,
+		"lookup_cpu_mean_us", p.LookupCPUMeanUs, "pick_cpu_mean_us", p.PickCPUMeanUs)
+}
+
 func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (GatewayScalePoint, error) {
-	p := GatewayScalePoint{Workers: workers, Rep: rep}
+	p := GatewayScalePoint{Workers: workers, CacheBlocks: wl.CacheBlocks, Rep: rep}
 	rng := rand.New(rand.NewPCG(uint64(workers), uint64(rep)))
 	names := make([]string, workers)
 	tails := make([]tailState, workers)
@@ -511,6 +622,8 @@ func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (Ga
 	question := make([]uint32, 4*wl.BlockSize)
 	routes := make([]time.Duration, 0, wl.RouteReps)
 	cpus := make([]time.Duration, 0, wl.RouteReps)
+	lookups := make([]time.Duration, 0, wl.RouteReps)
+	var hashSum, pickSum time.Duration
 	runtime.GC()
 	runtime.LockOSThread()
 	for i := range wl.RouteReps {
@@ -519,24 +632,43 @@ func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (Ga
 			question[j] = rng.Uint32N(151_936)
 		}
 		tokens := append(slices.Clip(docs[d]), question...)
+		// The three clock reads split the route into what a partitioned
+		// tier does once (hash, pick) and in every group (the lookup).
 		c0 := threadCPU()
 		t0 := time.Now()
-		m := ix.FindMatches(tokens, index.Namespace{})
+		prefix := index.PrefixHashes(tokens, wl.BlockSize, index.Namespace{})
+		c1 := threadCPU()
+		m := ix.FindMatchesHashes(prefix)
+		c2 := threadCPU()
 		if _, err := pk.PickFleet(fleet, picker.Request{}, m); err != nil {
 			runtime.UnlockOSThread()
 			return p, fmt.Errorf("bench: pick: %w", err)
 		}
 		routes = append(routes, time.Since(t0))
-		cpus = append(cpus, threadCPU()-c0)
+		c3 := threadCPU()
+		cpus = append(cpus, c3-c0)
+		lookups = append(lookups, c2-c1)
+		hashSum += c1 - c0
+		pickSum += c3 - c2
 		if i == 0 {
 			p.Holders = len(m.Workers)
 		}
 	}
 	runtime.UnlockOSThread()
+	n := float64(len(cpus))
+	var cpuSum, lookupSum time.Duration
+	for i := range cpus {
+		cpuSum += cpus[i]
+		lookupSum += lookups[i]
+	}
+	p.RouteCPUMeanUs, p.LookupCPUMeanUs = us(cpuSum)/n, us(lookupSum)/n
+	p.HashCPUMeanUs, p.PickCPUMeanUs = us(hashSum)/n, us(pickSum)/n
 	slices.Sort(routes)
 	slices.Sort(cpus)
+	slices.Sort(lookups)
 	p.RouteP50us, p.RouteP99us = us(quantile(routes, 0.5)), us(quantile(routes, 0.99))
 	p.RouteCPUP50us, p.RouteCPUP99us = us(quantile(cpus, 0.5)), us(quantile(cpus, 0.99))
+	p.LookupCPUP99us = us(quantile(lookups, 0.99))
 	runtime.KeepAlive(ix)
 	return p, nil
 }
@@ -550,6 +682,13 @@ func (fs *FleetScaleResults) fit() error {
 		cost = append(cost, xy{float64(p.Memberships), p.CPUPerBatchUs})
 		p50 = append(p50, xy{float64(p.Workers), p.RouteP50us})
 		p99 = append(p99, xy{float64(p.Workers), p.RouteCPUP99us})
+	}
+	// The larger caches carry the heap and the apply cost, whose x is the
+	// pairs, closer to the target; the route's x is the workers, whose
+	// cost does not follow the cache, so they stay out of its fits.
+	for _, p := range fs.Larger {
+		mem = append(mem, xy{float64(p.Memberships), float64(p.HeapBytes)})
+		cost = append(cost, xy{float64(p.Memberships), p.CPUPerBatchUs})
 	}
 	var fan []xy
 	for _, p := range fs.Fanout {

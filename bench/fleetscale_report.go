@@ -48,6 +48,8 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 			spreadOf(p99).format(1, "", 1), spreadOf(rc).format(1, "", 1)+" / "+spreadOf(rc99).format(1, "", 1), spreadOf(holders).format(1, "", 0))
 	}
 	fmt.Fprintln(w)
+	writeFleetPoints(w, "Past the sweep, the full replica at larger caches (closer to the target's pairs):", fs.Larger)
+	writeFleetPoints(w, fmt.Sprintf("One worker group of a partitioned tier at its real size (%d workers split into P groups, %d blocks a worker):", wl.TargetWorkers, wl.RealCacheBlocks), fs.Partition)
 	fmt.Fprintf(w, "Relay fan-out to gateway subscribers (64-block stores with removals, 2 ranks, gRPC on loopback; the subscribers' receiving is in the same process, so the figures bound the relay's cost from above):\n\n")
 	fmt.Fprintf(w, "| gateway subscribers | CPU per batch, all subscribers (µs) | CPU per batch per subscriber (µs) |\n|---:|---:|---:|\n")
 	for _, n := range wl.Subscribers {
@@ -92,6 +94,7 @@ func writeFleetScale(w io.Writer, fs *FleetScaleResults) {
 		"%.0f batches/s to apply at **%.1f CPU-s/s** (%.1f µs a batch); route p50 %.0f µs, CPU p99 %.0f µs. Per relay (%d ranks at the rate, %d subscribers): %.1f µs a batch, %.3f CPU-s/s.\n\n",
 		pr.Workers, pr.Memberships, wl.RealCacheBlocks, pr.Replicas, pr.IndexBytes/(1<<30), pr.EventsPerSecond, pr.CPUPerSecond, pr.CPUPerBatchUs,
 		pr.RouteP50us, pr.RouteCPUP99us, wl.RanksPerRelay, pr.Replicas, pr.RelayCPUPerBatchUs, pr.RelayCPUPerSecond)
+	writeFleetTiers(w, fs)
 	fmt.Fprintf(w, "NATS at %d workers (computed: %.0f requests/s a worker, each placing %d new blocks; %d requests in flight a worker; message sizes from gateway/placementsync's encoders, subject included, protocol framing not):\n\n",
 		wl.TargetWorkers, wl.RequestsPerWorkerPerSec, wl.NewBlocksPerRequest, wl.InFlightPerWorker)
 	fmt.Fprintf(w, "| replicas | placement (B) | placements in / out per s | placement MB/s in / out | load snapshot: workers, messages, bytes | load messages in / out per s | load MB/s in / out |\n|---:|---:|---:|---:|---:|---:|---:|\n")
@@ -139,4 +142,45 @@ func (fs *FleetScaleResults) ChosenFit(figure string) *CurveFit {
 		}
 	}
 	return nil
+}
+
+// writeFleetPoints writes points measured outside the sweep, one row each.
+func writeFleetPoints(w io.Writer, title string, points []GatewayScalePoint) {
+	if len(points) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "%s\n\n", title)
+	fmt.Fprintf(w, "| groups | workers | blocks a worker | (worker, block) pairs | rep | index heap (MiB) | B per pair | CPU per batch (µs) | CPU-s/s at the rate | route CPU p50 / p99 (µs) | lookup CPU mean / p99 (µs) | hash + pick CPU mean (µs) |\n")
+	fmt.Fprintf(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, p := range points {
+		groups := "full"
+		if p.Partitions > 0 {
+			groups = fmt.Sprint(p.Partitions)
+		}
+		fmt.Fprintf(w, "| %s | %d | %d | %d | %d | %.1f | %.1f | %.1f | %.2f | %.1f / %.1f | %.1f / %.1f | %.1f + %.1f |\n",
+			groups, p.Workers, p.CacheBlocks, p.Memberships, p.Rep, float64(p.HeapBytes)/(1<<20), p.BytesPerBlock, p.CPUPerBatchUs,
+			p.CPUPerSecond, p.RouteCPUP50us, p.RouteCPUP99us, p.LookupCPUMeanUs, p.LookupCPUP99us, p.HashCPUMeanUs, p.PickCPUMeanUs)
+	}
+	fmt.Fprintln(w)
+}
+
+// writeFleetTiers writes each tier's cores and memory at the target.
+func writeFleetTiers(w io.Writer, fs *FleetScaleResults) {
+	if len(fs.Tier) == 0 {
+		return
+	}
+	wl := fs.Workload
+	fmt.Fprintf(w, "Gateway tiers at %d workers (%.0f batches/s, %.0f routes/s, %d blocks a worker). A group's events and heap are its point's above, "+
+		"measured at its real size; a full copy's are the projection band. Every group answers every route's lookup, its replicas sharing them; "+
+		"the replica a route reaches hashes it and picks over the whole fleet. Not in these figures: the scatter's NATS messaging and merge, "+
+		"which the built tier's benchmark measures (docs/partitioned-tier.md). CPU in CPU-s/s (cores):\n\n",
+		wl.TargetWorkers, float64(wl.TargetWorkers)*wl.BatchesPerWorkerPerSec, float64(wl.TargetWorkers)*wl.RequestsPerWorkerPerSec, wl.RealCacheBlocks)
+	fmt.Fprintf(w, "| groups × replicas a group | replicas | per replica: events | lookups | hash + pick | **CPU** | **heap (GiB)** | tier: CPU | heap (GiB) | basis |\n")
+	fmt.Fprintf(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	for _, r := range fs.Tier {
+		fmt.Fprintf(w, "| %d × %d | %d | %.2f – %.2f | %.2f | %.2f | **%.2f – %.2f** | **%.2f – %.2f** | %.1f – %.1f | %.1f – %.1f | %s |\n",
+			r.Partitions, r.Copies, r.Replicas, r.EventsCPULow, r.EventsCPUHigh, r.LookupCPU, r.FrontCPU, r.ReplicaCPULow, r.ReplicaCPUHigh,
+			r.ReplicaHeapLow/(1<<30), r.ReplicaHeapHigh/(1<<30), r.TierCPULow, r.TierCPUHigh, r.TierHeapLow/(1<<30), r.TierHeapHigh/(1<<30), r.Basis)
+	}
+	fmt.Fprintln(w)
 }

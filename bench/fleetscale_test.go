@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -60,6 +61,54 @@ func checkFleetScale(tb testing.TB, fs *FleetScaleResults) {
 		if p.Memberships != int64(p.Workers)*int64(wl.CacheBlocks) {
 			tb.Errorf("%d workers: %d (worker, block) pairs, want %d", p.Workers, p.Memberships, p.Workers*wl.CacheBlocks)
 		}
+	}
+	// Past the sweep: each point holds its own size's pairs, and its route
+	// CPU is its parts'.
+	past := append(slices.Clone(fs.Larger), fs.Partition...)
+	if len(fs.Larger) != len(wl.Larger)*wl.Reps || len(fs.Partition) != len(wl.Partitions)*wl.PartitionReps {
+		tb.Fatalf("%d larger and %d group points for %d larger sizes × %d reps and %d tiers × %d reps",
+			len(fs.Larger), len(fs.Partition), len(wl.Larger), wl.Reps, len(wl.Partitions), wl.PartitionReps)
+	}
+	for _, p := range past {
+		want := int64(p.Workers) * int64(p.CacheBlocks)
+		if p.Partitions > 0 && (p.Workers != wl.TargetWorkers/p.Partitions || p.CacheBlocks != wl.RealCacheBlocks) {
+			tb.Errorf("group of %d: %d workers × %d blocks, want %d × %d", p.Partitions, p.Workers, p.CacheBlocks, wl.TargetWorkers/p.Partitions, wl.RealCacheBlocks)
+		}
+		if p.Memberships != want || p.HeapBytes <= 0 || p.CPUPerBatchUs <= 0 || p.LookupCPUMeanUs <= 0 || p.PickCPUMeanUs <= 0 {
+			tb.Errorf("point past the sweep not sane: %+v", p)
+		}
+		if parts := p.HashCPUMeanUs + p.LookupCPUMeanUs + p.PickCPUMeanUs; math.Abs(parts-p.RouteCPUMeanUs) > 1e-6*max(1, p.RouteCPUMeanUs) {
+			tb.Errorf("route CPU mean %.3f µs is not its parts' sum %.3f: %+v", p.RouteCPUMeanUs, parts, p)
+		}
+	}
+	// Tiers: the sums add up, and a group's replica holds less than a full
+	// copy, so a tier of groups holds less than the tier of full copies.
+	var fullTier *TierRow
+	for i, r := range fs.Tier {
+		if r.Replicas != r.Partitions*r.Copies || r.ReplicaCPULow > r.ReplicaCPUHigh || r.ReplicaHeapLow <= 0 ||
+			math.Abs(r.ReplicaCPULow-(r.EventsCPULow+r.LookupCPU+r.FrontCPU)) > 1e-9 ||
+			math.Abs(r.TierCPUHigh-float64(r.Replicas)*r.ReplicaCPUHigh) > 1e-9 || math.Abs(r.TierHeapHigh-float64(r.Replicas)*r.ReplicaHeapHigh) > 1 {
+			tb.Errorf("tier row not sane: %+v", r)
+		}
+		if r.Partitions == 1 && r.Copies == wl.TargetReplicas {
+			fullTier = &fs.Tier[i]
+		}
+	}
+	if fullTier == nil {
+		tb.Fatalf("no tier of %d full copies: %+v", wl.TargetReplicas, fs.Tier)
+	}
+	groups := 0
+	for _, r := range fs.Tier {
+		if r.Partitions > 1 {
+			groups++
+			if r.ReplicaHeapHigh >= fullTier.ReplicaHeapLow || r.TierHeapHigh/float64(r.Copies) >= fullTier.TierHeapLow {
+				tb.Errorf("%d groups × %d: replica heap %.0f, tier %.0f, against a full copy's %.0f and %d copies' %.0f",
+					r.Partitions, r.Copies, r.ReplicaHeapHigh, r.TierHeapHigh, fullTier.ReplicaHeapLow, wl.TargetReplicas, fullTier.TierHeapLow)
+			}
+		}
+	}
+	if groups == 0 {
+		tb.Errorf("no partitioned tier priced: %+v", fs.Tier)
 	}
 	// Grows with the fleet: memory, the event rate to apply, the holders of
 	// a shared prompt (one document in SharedDocs per worker).
