@@ -329,18 +329,19 @@ func fleetWorkload(quick bool) FleetWorkload {
 		Workers:     []int{250, 500, 1000, 2000, 4000, 8000, 10_000},
 		Subscribers: []int{1, 2, 4, 8, 16},
 		// The full replica at 10,000 workers and a quarter of a real
-		// cache: 75 M pairs, 3.7x the sweep's largest point and a quarter
-		// of the target's, about 2.5 GiB of index on a 24 GiB host.
-		Larger: []FleetSize{{Workers: 10_000, CacheBlocks: 7_500}},
+		// cache: 74.9 M pairs, 3.7x the sweep's largest point and a
+		// quarter of the target's, about 2.5 GiB of index on a 24 GiB host.
+		Larger: []FleetSize{{Workers: 10_000, CacheBlocks: 7_488}},
 		// A group of a 4-, 8- and 16-group tier at its real size: 2,500,
-		// 1,250 and 625 workers at 30,000 blocks (75, 37.5, 18.75 M pairs).
+		// 1,250 and 625 workers at 30,000 blocks (29,952 held: whole
+		// stores past the document), 74.9, 37.4 and 18.7 M pairs.
 		Partitions: []int{4, 8, 16}, PartitionReps: 2,
 	}
 	if quick {
 		w.CacheBlocks, w.SharedDocs, w.DocBlocks = 256, 4, 64
 		w.SteadySteps, w.RouteReps, w.Reps = 2, 50, 1
 		w.Workers, w.Subscribers = []int{8, 16, 32}, []int{1, 2}
-		w.RealCacheBlocks, w.TargetWorkers = 512, 64
+		w.RealCacheBlocks, w.TargetWorkers = 500, 64
 		w.Larger = []FleetSize{{Workers: 32, CacheBlocks: 384}}
 		w.Partitions, w.PartitionReps = []int{2, 4}, 1
 	}
@@ -532,7 +533,10 @@ func logScalePoint(env *environment, what string, p GatewayScalePoint) {
 }
 
 func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (GatewayScalePoint, error) {
-	p := GatewayScalePoint{Workers: workers, CacheBlocks: wl.CacheBlocks, Rep: rep}
+	// A worker holds its document and whole stores: the cache a size that
+	// is not a whole number of stores past the document rounds down.
+	held := wl.DocBlocks + (wl.CacheBlocks-wl.DocBlocks)/wl.StoreBlocks*wl.StoreBlocks
+	p := GatewayScalePoint{Workers: workers, CacheBlocks: held, Rep: rep}
 	rng := rand.New(rand.NewPCG(uint64(workers), uint64(rep)))
 	names := make([]string, workers)
 	tails := make([]tailState, workers)
@@ -596,7 +600,7 @@ func gatewayScalePoint(wl *FleetWorkload, docs [][]uint32, workers, rep int) (Ga
 	pending = nil
 	st := ix.Stats()
 	p.Memberships = int64(st.Memberships)
-	if want := int64(workers) * int64(wl.CacheBlocks); p.Memberships != want {
+	if want := int64(workers) * int64(held); p.Memberships != want {
 		return p, fmt.Errorf("bench: fleetscale: %d workers' index holds %d (worker, block) pairs, want %d", workers, p.Memberships, want)
 	}
 	p.HeapBytes = heapInUse() - before
