@@ -134,7 +134,9 @@ def show(side):
     p50 = st.median(j['p50_ns'] for k, j in runs.items() if k[1] == side) / 1000
     p99 = st.median(j['p99_ns'] for k, j in runs.items() if k[1] == side) / 1000
     return f'{st.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f}) M block ops/CPU-s, lookup p50 {p50:.2f} us, p99 {p99:.2f} us'
-q = st.quantiles(ratios, n=4)
+if not ratios:
+    sys.exit('no pairs: every round needs a base and a new run with the same pad')
+q = st.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
 print(f'base: {show("base")}')
 print(f'new:  {show("new")}')
 print(f'new / base, {len(ratios)} pairs: median {st.median(ratios):.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, '
