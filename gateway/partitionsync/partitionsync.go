@@ -334,6 +334,7 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 	local()
 	answers := make([]gateway.PartitionAnswer, 0, asked)
 	var timer *time.Timer
+	noResponders := 0
 	for got := 0; got < asked; {
 		var msg *nats.Msg
 		select {
@@ -356,6 +357,7 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 			// one is not said; the others' answers may still come, so only
 			// the count of expected answers drops.
 			asked--
+			noResponders++
 			continue
 		}
 		var a gateway.PartitionAnswer
@@ -386,9 +388,12 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 		}
 		if s != 2 || !t.answered(answers, p) {
 			t.missingBy[p].Inc()
-			if sendErr != nil && s == 0 {
+			switch {
+			case sendErr != nil && s == 0:
 				t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
-			} else {
+			case noResponders > 0:
+				t.peer.Warn("partition missing from the route: no replica of it subscribed, or no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
+			default:
 				t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
 			}
 		}
