@@ -270,6 +270,9 @@ type Gateway struct {
 	scatter    atomic.Pointer[Scatterer]
 	remote     map[string]Worker
 	remoteDown map[remoteKey]map[string]bool
+	// partOf caches each worker's PartitionOf (merges check every
+	// answered overlap against it); under g.mu.
+	partOf map[string]int
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -321,6 +324,7 @@ func New(cfg Config) (*Gateway, error) {
 		draining:     map[string]chan struct{}{},
 		remote:       map[string]Worker{},
 		remoteDown:   map[remoteKey]map[string]bool{},
+		partOf:       map[string]int{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
@@ -370,7 +374,8 @@ func (g *Gateway) AddWorker(w Worker) error {
 			m.places, _ = placement.New(g.cfg.Placements) // validated by New
 		}
 	}
-	if g.owns(w.ID) {
+	part := PartitionOf(w.ID, g.cfg.Partitions)
+	if part == g.cfg.Partition {
 		if err := g.mon.Add(w, m.ix); err != nil {
 			return fmt.Errorf("gateway: %w", err)
 		}
@@ -395,6 +400,9 @@ func (g *Gateway) AddWorker(w Worker) error {
 	m.fleet.Add(w.ID)
 	g.reachDirty.Store(true) // a worker that is alone reachable takes over from unreachable ones
 	g.workerOf[w.ID] = w.Model
+	if g.partitioned() {
+		g.partOf[w.ID] = part
+	}
 	return nil
 }
 
@@ -427,6 +435,7 @@ func (g *Gateway) RemoveWorker(id string) error {
 	g.endDrainLocked(id)
 	_, remote := g.remote[id]
 	delete(g.remote, id)
+	delete(g.partOf, id)
 	g.mu.Unlock()
 	if !remote {
 		if err := g.mon.Remove(id); err != nil {
@@ -717,7 +726,7 @@ func (g *Gateway) Workers() []WorkerStatus {
 	for _, w := range g.remote {
 		// Another partition applies its events: its stream state, index
 		// blocks and engine load are on that partition's replicas.
-		p := PartitionOf(w.ID, g.cfg.Partitions)
+		p := g.partOf[w.ID]
 		out = append(out, WorkerStatus{
 			WorkerStatus: monitor.WorkerStatus{ID: w.ID, Addr: w.Addr, Service: w.Service, Model: w.Model, State: StateRemote},
 			Inflight:     g.inflightLocked(w.ID), Reported: g.inflight[w.ID], Routed: g.routed[w.ID], PeerRouted: g.peerRouted[w.ID],

@@ -144,9 +144,16 @@ func (g *Gateway) Partition() (own, count int) {
 // partitioned reports whether routes scatter.
 func (g *Gateway) partitioned() bool { return g.cfg.Partitions > 1 }
 
-// owns reports whether this replica applies worker id's events.
+// owns reports whether this replica applies worker id's events; for a
+// worker of the gateway, g.mu is held.
 func (g *Gateway) owns(id string) bool {
-	return !g.partitioned() || PartitionOf(id, g.cfg.Partitions) == g.cfg.Partition
+	if !g.partitioned() {
+		return true
+	}
+	if p, ok := g.partOf[id]; ok {
+		return p == g.cfg.Partition
+	}
+	return PartitionOf(id, g.cfg.Partitions) == g.cfg.Partition
 }
 
 // SetScatterer makes routes ask s for the other partitions' overlaps; nil
@@ -184,11 +191,15 @@ func (g *Gateway) AnswerPartition(q PartitionQuery, dst *PartitionAnswer) error 
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if q.Loads {
-		for _, w := range m.list {
-			if !g.owns(w) {
+		// Only this partition's workers have load records here (their
+		// streams and polls are this replica's): O(its workers), not the
+		// model's.
+		now := g.now()
+		for w := range g.engine {
+			if !m.workers[w] || !g.owns(w) {
 				continue
 			}
-			if s, ok := g.engineSignalLocked(w, g.now()); ok {
+			if s, ok := g.engineSignalLocked(w, now); ok {
 				dst.Signals = append(dst.Signals, WorkerSignal{Worker: w, EngineSignal: s})
 			}
 		}
@@ -227,7 +238,7 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 			// Only the answering partition's workers of this model, with an
 			// overlap the request can have: a partition that is behind on
 			// membership, or a forged answer, steers nothing else.
-			if x.Blocks > 0 && x.Blocks <= len(q.Prefix) && m.workers[x.Worker] && PartitionOf(x.Worker, g.cfg.Partitions) == a.Partition {
+			if x.Blocks > 0 && x.Blocks <= len(q.Prefix) && m.workers[x.Worker] && g.partOf[x.Worker] == a.Partition {
 				dst.Workers = append(dst.Workers, x)
 			}
 		}
@@ -265,7 +276,7 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 	for _, a := range s.answers {
 		var down map[string]bool
 		for _, w := range a.Unreachable {
-			if m.workers[w] && PartitionOf(w, g.cfg.Partitions) == a.Partition {
+			if m.workers[w] && g.partOf[w] == a.Partition {
 				if down == nil {
 					down = make(map[string]bool, len(a.Unreachable))
 				}
@@ -292,7 +303,7 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 	}
 	for _, a := range s.answers {
 		for _, x := range a.Signals {
-			if m.workers[x.Worker] && PartitionOf(x.Worker, g.cfg.Partitions) == a.Partition {
+			if m.workers[x.Worker] && g.partOf[x.Worker] == a.Partition {
 				if engine == nil {
 					engine = make(map[string]picker.EngineSignal)
 				}
@@ -322,12 +333,12 @@ func sameSet(a, b map[string]bool) bool {
 }
 
 // remoteUnreachableLocked reports whether another partition last said w is
-// unreachable; g.reachMu is held.
+// unreachable; g.mu and g.reachMu are held.
 func (g *Gateway) remoteUnreachableLocked(model, w string) bool {
 	if !g.partitioned() || len(g.remoteDown) == 0 {
 		return false
 	}
-	return g.remoteDown[remoteKey{partition: PartitionOf(w, g.cfg.Partitions), model: model}][w]
+	return g.remoteDown[remoteKey{partition: g.partOf[w], model: model}][w]
 }
 
 // adoptBlockSize takes a block size another partition's workers revealed
