@@ -22,6 +22,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/sim"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
 	"github.com/kvrelay/kvrelay/testkit/logbuf"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 	"github.com/kvrelay/kvrelay/testkit/testrelay"
@@ -591,4 +592,75 @@ func workerStatus(r *replica, id string) gateway.WorkerStatus {
 		}
 	}
 	return gateway.WorkerStatus{}
+}
+
+// TestTierCarriesBlockSizeAndReachability: what a full replica learns
+// from a worker's stream besides its blocks reaches the other partitions
+// in the answers. A replica whose own worker never stored a block learns
+// another partition's block size (32, not the default 16) and hashes its
+// routes with it; a worker whose relay cannot be reached is left out of
+// the routes of every partition, as of a full replica's.
+func TestTierCarriesBlockSizeAndReachability(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	var engines [2]*kvstream.Engine
+	for engines[0] == nil || engines[1] == nil {
+		e := kvstream.Start(t)
+		if p := gateway.PartitionOf("grpc://"+e.Addr, 2); engines[p] == nil {
+			engines[p] = e
+		}
+	}
+	// A dead worker in partition 1: nothing listens on a low loopback port.
+	dead := ""
+	for port := 1; dead == ""; port++ {
+		if id := fmt.Sprintf("grpc://127.0.0.1:%d", port); gateway.PartitionOf(id, 2) == 1 {
+			dead = id
+		}
+	}
+	ids := []string{"grpc://" + engines[0].Addr, "grpc://" + engines[1].Addr, dead}
+	full := startReplica(t, "", "", ids, 1, 0, 0)
+	tier := startTier(t, ns.URL(), "bs", ids, 2, 10*time.Second)
+	unreachable := func(r *replica) bool { return workerStatus(r, dead).State == "backoff" }
+	eventually(t, "the dead worker in backoff on the full replica and partition 1", func() bool { return unreachable(full) && unreachable(tier[1]) })
+
+	prompt := kvstream.SeqTokens(11, 4*32)
+	// Each batch goes to one of the worker's two subscribers (partition
+	// 1's replica and the full one); the same batch again is a duplicate
+	// to the one that has it.
+	eventually(t, "partition 1's worker indexed", func() bool {
+		select {
+		case engines[1].Batches <- kvstream.StoreTokens(1, 32, prompt):
+		default:
+		}
+		return workerStatus(tier[1], ids[1]).IndexBlocks == 4 && workerStatus(full, ids[1]).IndexBlocks == 4
+	})
+	d, err := tier[0].gw.Route(gateway.RouteRequest{TokenIDs: prompt})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.BlockSize != 32 || d.Worker != ids[1] || d.MatchedBlocks[ids[1]] != 4 || d.Reason != picker.ReasonHit {
+		t.Fatalf("partition 0's route: %+v; want block size 32, %s with 4 blocks, event_hit", d, ids[1])
+	}
+
+	// The dead worker is the least loaded: a replica that did not know it
+	// is unreachable would send every no-overlap request there.
+	for i := range 20 {
+		loads := map[string]int{ids[0]: 3 + i%2, ids[1]: 4 - i%2, dead: 0}
+		for _, r := range append([]*replica{full}, tier...) {
+			if err := r.gw.ReportLoads(loads); err != nil {
+				t.Fatal(err)
+			}
+		}
+		req := gateway.RouteRequest{TokenIDs: kvstream.SeqTokens(100_000+1000*i, 64)}
+		want, err := full.gw.Route(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := tier[0].gw.Route(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Worker == dead || got.Worker != want.Worker {
+			t.Fatalf("no-overlap request %d: partition 0 chose %s, the full replica %s (dead: %s)", i, got.Worker, want.Worker, dead)
+		}
+	}
 }
