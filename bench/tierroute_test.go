@@ -35,9 +35,11 @@ import (
 //
 // Reported per tier: the CPU and heap the tier's gateways took to apply
 // the fill (process CPU and heap in use, measured around each tier's build
-// alone), and the route's wall time on the tier's first replica, p50 and
-// p99, the routes of the three tiers interleaved request by request; every
-// partitioned decision is checked equal to the unpartitioned one's.
+// alone); the route's wall time on the tier's first replica, p50 and p99,
+// the routes of the three tiers interleaved request by request, every
+// partitioned decision checked equal to the unpartitioned one's; and the
+// process CPU per route (the routing replica, the partitions answering and
+// the NATS server together), each tier's routes run again alone.
 //
 //	go test -run '^$' -bench '^BenchmarkTierRoute$' -benchtime=1x ./bench/
 //
@@ -86,8 +88,21 @@ func BenchmarkTierRoute(b *testing.B) {
 			}
 		}
 	}
+	// The CPU a route costs the whole process (the routing replica, the
+	// partitions answering, the NATS server), each tier's routes alone.
+	cpus := make([]time.Duration, len(counts))
+	for i, t := range tiers {
+		c0 := processCPU()
+		for _, tokens := range reqs {
+			if _, err := t[0].Route(gateway.RouteRequest{TokenIDs: tokens}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		cpus[i] = (processCPU() - c0) / time.Duration(len(reqs))
+	}
 	for i, parts := range counts {
 		b.Run(fmt.Sprintf("partitions=%d", parts), func(b *testing.B) {
+			b.ReportMetric(us(cpus[i]), "route-cpu-all-us")
 			w := slices.Sorted(slices.Values(walls[i]))
 			b.ReportMetric(us(quantile(w, 0.5)), "route-p50-us")
 			b.ReportMetric(us(quantile(w, 0.99)), "route-p99-us")
