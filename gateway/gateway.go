@@ -380,9 +380,16 @@ func (g *Gateway) AddWorker(w Worker) error {
 			return fmt.Errorf("gateway: %w", err)
 		}
 	} else {
-		// Another partition applies its events; it is routed all the same.
+		// Another partition applies its events; it is routed all the same,
+		// and refused as its partition's replicas refuse it.
 		if w.Addr == "" {
-			return errors.New("gateway: worker has no address")
+			return errors.New("gateway: monitor: worker has no address")
+		}
+		if w.Service == "" {
+			w.Service = monitor.ServiceVLLM
+		}
+		if _, err := monitor.ParseService(string(w.Service)); err != nil {
+			return fmt.Errorf("gateway: monitor: worker %s: %w", w.Addr, err)
 		}
 		g.remote[w.ID] = w
 	}

@@ -74,3 +74,41 @@ func TestPartitionConfig(t *testing.T) {
 		t.Errorf("Partition() = %d, %d", own, parts)
 	}
 }
+
+// TestPartitionedMembership: every replica of a tier takes and refuses the
+// same workers, whichever partition owns them, and lists all of them.
+func TestPartitionedMembership(t *testing.T) {
+	ids := []string{"grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1", "grpc://e:1", "grpc://f:1"}
+	for own := range 3 {
+		g, err := New(Config{Partitions: 3, Partition: own})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, id := range ids {
+			if err := g.AddWorker(Worker{ID: id, Addr: id[len("grpc://"):]}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, bad := range []Worker{{ID: "grpc://x:1", Addr: "x:1", Service: "nope"}, {ID: "grpc://y:1"}, {ID: "grpc://a:1", Addr: "a:1"}} {
+			if err := g.AddWorker(bad); err == nil {
+				t.Errorf("partition %d took %+v", own, bad)
+			}
+		}
+		sts := g.Workers()
+		if len(sts) != len(ids) {
+			t.Fatalf("partition %d lists %d workers, want %d", own, len(sts), len(ids))
+		}
+		for i, st := range sts {
+			mine := PartitionOf(st.ID, 3) == own
+			if st.ID != ids[i] || mine != (st.State != StateRemote) || mine != (st.Partition == nil) || st.Service != "vllm" {
+				t.Errorf("partition %d: %+v (its partition %d)", own, st, PartitionOf(st.ID, 3))
+			}
+		}
+		if err := g.RemoveWorker(ids[0]); err != nil {
+			t.Fatal(err)
+		}
+		if len(g.Workers()) != len(ids)-1 {
+			t.Errorf("partition %d: a removed worker is still listed", own)
+		}
+	}
+}
