@@ -389,7 +389,9 @@ func TestTierPartitionKilledMidRun(t *testing.T) {
 	fleet, ids := startFleet(t, 12)
 	rng := rand.New(rand.NewPCG(31, 4))
 	docs := makeDocs(rng, 5)
-	const deadline = 300 * time.Millisecond
+	// Long enough that a loaded host never makes a live partition miss
+	// it (the missing counts below are exact), short enough to wait out.
+	const deadline = 2 * time.Second
 	full := startReplica(t, "", "", ids, 1, 0, 0)
 	tier := startTier(t, ns.URL(), "kill", ids, 4, deadline)
 	twin := startReplica(t, ns.URL(), "kill", ids, 4, 1, deadline)
@@ -476,7 +478,8 @@ func TestTierPartitionKilledMidRun(t *testing.T) {
 		t.Fatal(err)
 	}
 	before = missing(t, front)
-	for i := range 5 {
+	const hungRoutes = 3
+	for i := range hungRoutes {
 		start := time.Now()
 		if _, err := front.gw.Route(gateway.RouteRequest{TokenIDs: prompt(rng, docs)}); err != nil {
 			t.Fatal(err)
@@ -486,8 +489,8 @@ func TestTierPartitionKilledMidRun(t *testing.T) {
 			t.Errorf("hung partition 2, route %d: took %v, want the deadline %v (and at most a second more on a loaded host)", i, took, deadline)
 		}
 	}
-	if m := missing(t, front) - before; m != 5 {
-		t.Errorf("hung partition 2: %v missing over 5 routes", m)
+	if m := missing(t, front) - before; m != hungRoutes {
+		t.Errorf("hung partition 2: %v missing over %d routes", m, hungRoutes)
 	}
 	hung.Close()
 	if !strings.Contains(logs.String(), "partition=2") || !strings.Contains(logs.String(), "partition missing from the route") {
