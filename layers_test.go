@@ -73,6 +73,8 @@ const layers = `
 	gateway/picker, gateway/placement, gateway/monitor, engines/load < gateway;
 	gateway < gateway/membership;
 	internal/natslog, internal/natsconn, internal/logthrottle < gateway/placementsync;
+	# The partitioned tier's scatter: the gateway's query and answer over NATS.
+	gateway, internal/natslog, internal/natsconn, internal/logthrottle < gateway/partitionsync;
 	gateway/picker, gateway/placement, sim/prefixcache, sim/workload < sim/fleetsim;
 
 	# NATS bridges the relay's stream and the gateway's monitor.
@@ -88,7 +90,7 @@ const layers = `
 	# Programs built on the packages: benchmarks, the demo, the binaries.
 	relay/server, gateway, gateway/placementsync, sim/fleetsim < bench < bench/charts;
 	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
-	bench, demo, relayd, gateway/httpapi, gateway/placementsync,
+	bench, demo, relayd, gateway/httpapi, gateway/placementsync, gateway/partitionsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
 	internal/reload, internal/webserve, gateway/membership, internal/natsconn < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;

@@ -99,6 +99,12 @@ type Config struct {
 	// records is asked with GetLoads (0: DefaultLoadPollInterval; floored
 	// at MinLoadPollInterval; negative: never).
 	LoadPollInterval time.Duration
+	// Partitions > 1 makes this replica one of a partitioned tier's
+	// (partition.go): it subscribes only to the workers PartitionOf
+	// assigns to Partition (0..Partitions-1) and asks the other partitions
+	// for the rest through the Scatterer set with SetScatterer. 0 or 1:
+	// unpartitioned, every worker subscribed.
+	Partitions, Partition int
 	// Registerer receives all kvrelay_gateway_* metrics; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -172,7 +178,14 @@ type WorkerStatus struct {
 	EngineRanks []EngineLoad `json:"engine_ranks,omitempty"`
 	// Draining: no new request goes to it (DrainWorker).
 	Draining bool `json:"draining,omitempty"`
+	// Partition is, in a partitioned tier, the partition applying the
+	// worker's events when it is not this replica's (State StateRemote).
+	Partition *int `json:"partition,omitempty"`
 }
+
+// StateRemote is the state of a worker whose events another partition of
+// the tier applies.
+const StateRemote monitor.State = "remote"
 
 // Errors Route and ReportLoad return.
 var (
@@ -194,6 +207,9 @@ type model struct {
 	fleet   *picker.Fleet
 	places  *placement.Store // nil when placements are off
 	started bool             // its index's Run is going
+	// learnedBlock is the largest block size learned for the model, from
+	// this replica's workers or (partitioned) another partition's answer.
+	learnedBlock atomic.Int64
 }
 
 func (m *model) relist() {
@@ -247,6 +263,16 @@ type Gateway struct {
 	// draining holds the draining workers (drain.go), each with the
 	// channel closed when its tracked requests are all done.
 	draining map[string]chan struct{}
+	// Partitioned (partition.go): scatter asks the other partitions;
+	// remote holds the workers whose events another partition applies
+	// (not in the monitor); remoteDown, under reachMu, the workers each
+	// partition last reported unreachable, per model.
+	scatter    atomic.Pointer[Scatterer]
+	remote     map[string]Worker
+	remoteDown map[remoteKey]map[string]bool
+	// partOf caches each worker's PartitionOf (merges check every
+	// answered overlap against it); under g.mu.
+	partOf map[string]int
 }
 
 // New builds a Gateway with cfg's workers; nothing connects until Run.
@@ -265,6 +291,9 @@ func New(cfg Config) (*Gateway, error) {
 	}
 	if cfg.ReportedLoadTTL == 0 {
 		cfg.ReportedLoadTTL = DefaultReportedLoadTTL
+	}
+	if err := checkPartitions(cfg.Partitions, cfg.Partition); err != nil {
+		return nil, err
 	}
 	p, err := picker.New(cfg.Picker)
 	if err != nil {
@@ -293,6 +322,9 @@ func New(cfg Config) (*Gateway, error) {
 		now:          time.Now,
 		unreachable:  map[string]bool{},
 		draining:     map[string]chan struct{}{},
+		remote:       map[string]Worker{},
+		remoteDown:   map[remoteKey]map[string]bool{},
+		partOf:       map[string]int{},
 	}
 	mopts := cfg.Monitor
 	mopts.Registerer = cfg.Registerer
@@ -342,8 +374,24 @@ func (g *Gateway) AddWorker(w Worker) error {
 			m.places, _ = placement.New(g.cfg.Placements) // validated by New
 		}
 	}
-	if err := g.mon.Add(w, m.ix); err != nil {
-		return fmt.Errorf("gateway: %w", err)
+	part := PartitionOf(w.ID, g.cfg.Partitions)
+	if part == g.cfg.Partition {
+		if err := g.mon.Add(w, m.ix); err != nil {
+			return fmt.Errorf("gateway: %w", err)
+		}
+	} else {
+		// Another partition applies its events; it is routed all the same,
+		// and refused as its partition's replicas refuse it.
+		if w.Addr == "" {
+			return errors.New("gateway: monitor: worker has no address")
+		}
+		if w.Service == "" {
+			w.Service = monitor.ServiceVLLM
+		}
+		if _, err := monitor.ParseService(string(w.Service)); err != nil {
+			return fmt.Errorf("gateway: monitor: worker %s: %w", w.Addr, err)
+		}
+		g.remote[w.ID] = w
 	}
 	if fresh {
 		g.models[w.Model] = m
@@ -359,6 +407,9 @@ func (g *Gateway) AddWorker(w Worker) error {
 	m.fleet.Add(w.ID)
 	g.reachDirty.Store(true) // a worker that is alone reachable takes over from unreachable ones
 	g.workerOf[w.ID] = w.Model
+	if g.partitioned() {
+		g.partOf[w.ID] = part
+	}
 	return nil
 }
 
@@ -389,9 +440,14 @@ func (g *Gateway) RemoveWorker(id string) error {
 		}
 	}
 	g.endDrainLocked(id)
+	_, remote := g.remote[id]
+	delete(g.remote, id)
+	delete(g.partOf, id)
 	g.mu.Unlock()
-	if err := g.mon.Remove(id); err != nil {
-		return fmt.Errorf("gateway: %w", err)
+	if !remote {
+		if err := g.mon.Remove(id); err != nil {
+			return fmt.Errorf("gateway: %w", err)
+		}
 	}
 	m.ix.RemoveWorker(id)
 	if m.places != nil {
@@ -483,11 +539,25 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	// answers with).
 	matches := getMatches()
 	defer putMatches(matches)
+	var remote scattered // partitioned: the other partitions' answers
 	switch {
 	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
 		prefix = textPrefixHashes(req.Text, ns)
 		matches.RequestBlocks = len(prefix)
 		blockSize = TextBlockBytes
+	case g.partitioned():
+		q := PartitionQuery{Model: name, Loads: g.picker.UsesEngineLoad()}
+		q.Prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
+		remote = g.partitionLookup(m, q, matches)
+		// Another partition's workers revealed a larger block size than
+		// this replica knew (its own workers silent, or none of the model):
+		// a full replica would have hashed with it; so, once, does this.
+		if g.adoptBlockSize(m, remote.learnedBlockSize()) {
+			blockSize = m.ix.BlockSize()
+			q.Prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
+			remote = g.partitionLookup(m, q, matches)
+		}
+		prefix = q.Prefix
 	case m.places != nil:
 		// The placements are keyed by the same prefix hashes, so the
 		// request is hashed once, in full, for both.
@@ -508,6 +578,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	if g.picker.UsesEngineLoad() {
 		engine = g.engineSignalsLocked(m.list, g.now())
 	}
+	engine = remote.applyLocked(g, m, engine, g.picker.UsesEngineLoad())
 	combined := *matches
 	if m.places != nil {
 		r := m.places.Extend(prefix, *matches, g.now())
@@ -659,7 +730,21 @@ func (g *Gateway) Workers() []WorkerStatus {
 		}
 		out = append(out, ws)
 	}
+	for _, w := range g.remote {
+		// Another partition applies its events: its stream state, index
+		// blocks and engine load are on that partition's replicas.
+		p := g.partOf[w.ID]
+		out = append(out, WorkerStatus{
+			WorkerStatus: monitor.WorkerStatus{ID: w.ID, Addr: w.Addr, Service: w.Service, Model: w.Model, State: StateRemote},
+			Inflight:     g.inflightLocked(w.ID), Reported: g.inflight[w.ID], Routed: g.routed[w.ID], PeerRouted: g.peerRouted[w.ID],
+			Partition: &p,
+		})
+		_, out[len(out)-1].Draining = g.draining[w.ID]
+	}
 	g.mu.Unlock()
+	if g.partitioned() {
+		sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	}
 	return out
 }
 
@@ -707,14 +792,15 @@ func (g *Gateway) syncFleetsLocked() {
 	defer g.reachMu.Unlock()
 	for _, m := range g.models {
 		reachable := 0
+		down := func(w string) bool { return g.unreachable[w] || g.remoteUnreachableLocked(m.name, w) }
 		for _, w := range m.list {
-			if _, drained := g.draining[w]; !drained && !g.unreachable[w] {
+			if _, drained := g.draining[w]; !drained && !down(w) {
 				reachable++
 			}
 		}
 		for _, w := range m.list {
 			_, drained := g.draining[w]
-			in := !drained && (reachable == 0 || !g.unreachable[w])
+			in := !drained && (reachable == 0 || !down(w))
 			switch {
 			case in && !m.fleet.Has(w):
 				m.fleet.Add(w)
@@ -731,6 +817,6 @@ func (g *Gateway) onBlockSize(name string, n int) {
 	m := g.models[name]
 	g.mu.Unlock()
 	if m != nil {
-		m.ix.SetBlockSize(n)
+		g.learnBlockSize(m, n)
 	}
 }

@@ -127,41 +127,9 @@ func (g *Gateway) recordLoad(worker string, rank int32, l *kvpb.EngineLoad, sour
 func (g *Gateway) engineSignalsLocked(eligible []string, now time.Time) map[string]picker.EngineSignal {
 	var out map[string]picker.EngineSignal
 	for _, w := range eligible {
-		ranks := g.engine[w]
-		if len(ranks) == 0 {
+		s, ok := g.engineSignalLocked(w, now)
+		if !ok {
 			continue
-		}
-		var s picker.EngineSignal
-		uncached, pending, hasPending := 0, 0, false
-		fresh := false
-		for _, r := range ranks {
-			if now.Sub(r.At) > engineLoadMaxAge {
-				continue
-			}
-			fresh = true
-			if !s.HasTokenUsage || r.TokenUsage > s.TokenUsage {
-				s.TokenUsage, s.HasTokenUsage = r.TokenUsage, true
-			}
-			if r.WaitingUncachedTokens != nil {
-				uncached += int(*r.WaitingUncachedTokens)
-				s.HasBacklog = true
-			}
-			if r.PrefillPendingTokens != nil {
-				pending += int(*r.PrefillPendingTokens)
-				hasPending = true
-			}
-		}
-		if !fresh {
-			continue
-		}
-		// SMG decays by waiting uncached tokens; an engine that reports only
-		// the prompt tokens awaiting prefill gives an upper bound of the same
-		// backlog (cached tokens included), better than none.
-		switch {
-		case s.HasBacklog:
-			s.Backlog = uncached
-		case hasPending:
-			s.Backlog, s.HasBacklog = pending, true
 		}
 		if out == nil {
 			out = make(map[string]picker.EngineSignal)
@@ -169,6 +137,48 @@ func (g *Gateway) engineSignalsLocked(eligible []string, now time.Time) map[stri
 		out[w] = s
 	}
 	return out
+}
+
+// engineSignalLocked sums w's fresh rank records into what the picker
+// reads; false when it has none. g.mu is held.
+func (g *Gateway) engineSignalLocked(w string, now time.Time) (picker.EngineSignal, bool) {
+	ranks := g.engine[w]
+	if len(ranks) == 0 {
+		return picker.EngineSignal{}, false
+	}
+	var s picker.EngineSignal
+	uncached, pending, hasPending := 0, 0, false
+	fresh := false
+	for _, r := range ranks {
+		if now.Sub(r.At) > engineLoadMaxAge {
+			continue
+		}
+		fresh = true
+		if !s.HasTokenUsage || r.TokenUsage > s.TokenUsage {
+			s.TokenUsage, s.HasTokenUsage = r.TokenUsage, true
+		}
+		if r.WaitingUncachedTokens != nil {
+			uncached += int(*r.WaitingUncachedTokens)
+			s.HasBacklog = true
+		}
+		if r.PrefillPendingTokens != nil {
+			pending += int(*r.PrefillPendingTokens)
+			hasPending = true
+		}
+	}
+	if !fresh {
+		return picker.EngineSignal{}, false
+	}
+	// SMG decays by waiting uncached tokens; an engine that reports only
+	// the prompt tokens awaiting prefill gives an upper bound of the same
+	// backlog (cached tokens included), better than none.
+	switch {
+	case s.HasBacklog:
+		s.Backlog = uncached
+	case hasPending:
+		s.Backlog, s.HasBacklog = pending, true
+	}
+	return s, true
 }
 
 // inflightLocked is the worker's in-flight count as the picker sees it.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -19,6 +21,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/membership"
 	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/gateway/partitionsync"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
 	"github.com/kvrelay/kvrelay/gateway/placementsync"
@@ -75,6 +78,10 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	natsShareLoad := fs.Bool("nats-share-load", true, "with --nats, also share each replica's tracked in-flight counts (requests routed with \"track\": true and not done) and add the other replicas' to its own; false shares placements only, and the replicas that did not route to a prefix's holder then see it idle")
 	natsSubject := fs.String("nats-subject-prefix", placementsync.DefaultSubjectPrefix, "NATS subject prefix of the placements (one subject per model under it); replicas sharing placements use the same")
 	natsEvents := addGatewayNATSEventsFlags(fs)
+	partitions := fs.Int("partitions", 0, "with --nats: the tier is split into this many partitions (2.."+fmt.Sprint(gateway.MaxPartitions)+"): each replica subscribes only to the workers rendezvous hashing gives its --partition and asks the other partitions for the rest over NATS, with the same answer as a full replica; 0 or 1: every replica subscribes to every worker (docs/partitioned-tier.md)")
+	partition := fs.Int("partition", 0, "with --partitions: this replica's partition, 0..partitions-1 (run k replicas of each for availability)")
+	partitionDeadline := fs.Duration("partition-deadline", partitionsync.DefaultDeadline, "with --partitions: how long a route waits for the other partitions; a partition later than this is left out of that route (its workers at zero overlap) and counted in kvrelay_gateway_scatter_missing_total")
+	partitionSubject := fs.String("partition-subject-prefix", partitionsync.DefaultSubjectPrefix, "with --partitions: NATS subject prefix of the tier's lookups (<prefix>.lookup.<partition>); one tier, one prefix (a tier with another --partitions needs its own)")
 	memberSrc := addMemberFlags(fs)
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
 	natsAuth := natsconn.AddFlags(fs)
@@ -153,6 +160,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
 		return fail("%v", err)
 	}
+	if err := checkPartitionFlags(fs, *natsURL, *partitions, *partition, *partitionDeadline, *partitionSubject); err != nil {
+		return fail("%v", err)
+	}
 	if err := natsEvents.check(*natsURL); err != nil {
 		return fail("%v", err)
 	}
@@ -216,8 +226,9 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		InflightTimeout: *inflightTimeout, ReportedLoadTTL: *reportedTTL, LoadPollInterval: *loadPoll,
 		Placements:   placement.Options{Weight: *placementWeight, TTL: *placementTTL, MaxEntries: *placementMax},
 		NoPlacements: *placementWeight == 0,
-		Registerer:   reg,
-		Logger:       log,
+		Partitions:   *partitions, Partition: *partition,
+		Registerer: reg,
+		Logger:     log,
 	})
 	if err != nil {
 		// The flags above are checked; what is left is the worker list
@@ -265,6 +276,29 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		defer share.Close()
 		g.SetPlacementPublisher(share)
 	}
+	if *partitions > 1 {
+		// The tier's lookups: answered for this partition, asked of the
+		// others by every route. Like the placements, it does not wait for
+		// the server; until it is reached, routes see this partition only.
+		host, _ := os.Hostname()
+		tierLog := log.With("component", "partitionsync")
+		auth, err := natsAuthOptions(*natsURL, natsAuth, tierLog)
+		if err != nil {
+			ln.Close()
+			return fail("%v", err)
+		}
+		tier, err := partitionsync.Start(g, partitionsync.Options{
+			URL: *natsURL, Name: fmt.Sprintf("kvrelay-gateway@%s/partition-%d", host, *partition), SubjectPrefix: *partitionSubject,
+			Deadline: *partitionDeadline, Registerer: reg, Logger: tierLog, NATSOptions: auth,
+		})
+		if err != nil {
+			ln.Close()
+			return fail("--partitions: %v", err)
+		}
+		defer tier.Close()
+		g.SetScatterer(tier)
+		log.Info("partitioned tier", "partition", *partition, "partitions", *partitions, "subjects", partitionsync.LookupSubject(*partitionSubject, *partition))
+	}
 	exposure.WarnIfExposed(log, "gateway", *listen, *webConfig != "")
 	hupCtx, hupCancel := context.WithCancel(ctx)
 	hupDone := reload.OnHangup(hupCtx, log, reloaders)
@@ -301,4 +335,31 @@ func nameWorkers(in []gateway.Worker) ([]gateway.Worker, error) {
 		out[i] = w
 	}
 	return out, nil
+}
+
+// checkPartitionFlags refuses a partitioned tier's flags that make no
+// sense, naming the flag.
+func checkPartitionFlags(fs *flag.FlagSet, natsURL string, parts, own int, deadline time.Duration, prefix string) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	switch {
+	case parts < 0 || parts > gateway.MaxPartitions:
+		return fmt.Errorf("--partitions must be 0..%d, got %d", gateway.MaxPartitions, parts)
+	case parts <= 1:
+		for _, name := range []string{"partition", "partition-deadline", "partition-subject-prefix"} {
+			if set[name] {
+				return fmt.Errorf("--%s needs --partitions (2 or more)", name)
+			}
+		}
+		return nil
+	case natsURL == "":
+		return errors.New("--partitions needs --nats: the partitions answer each other's lookups over it")
+	case own < 0 || own >= parts:
+		return fmt.Errorf("--partition must be 0..%d (--partitions %d), got %d", parts-1, parts, own)
+	case deadline <= 0:
+		return fmt.Errorf("--partition-deadline must be positive, got %v", deadline)
+	case prefix == "" || strings.ContainsAny(prefix, " *>") || strings.HasPrefix(prefix, ".") || strings.HasSuffix(prefix, "."):
+		return fmt.Errorf("--partition-subject-prefix must be dot-separated subject tokens without wildcards, got %q", prefix)
+	}
+	return nil
 }

@@ -184,6 +184,7 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 		{"gateway", "kvrelay.events.engine-a.0"},
 		{"gateway", "kvrelay.events-alive.engine-a"},
 		{"gateway", "$JS.API.STREAM.PURGE.KVRELAY_EVENTS"},
+		{"relay-a", "kvrelay.tier.lookup.0"},
 	} {
 		nc, errs, err := dial(tc.role, true, true)
 		if err != nil {
@@ -204,6 +205,30 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		nc.Close()
+	}
+	// A partitioned tier's lookup (--partitions): one gateway answers its
+	// partition's subject in its queue group, another asks and is answered.
+	{
+		answerer, errs, err := dial("gateway", true, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := answerer.QueueSubscribe("kvrelay.tier.lookup.3", "kvrelay-tier-3", func(m *nats.Msg) { _ = m.Respond([]byte("answer")) }); err != nil {
+			t.Fatal(err)
+		}
+		if err := answerer.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		asker, askErrs, err := dial("gateway", true, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		reply, err := asker.Request("kvrelay.tier.lookup.3", []byte("query"), 10*time.Second)
+		if err != nil || string(reply.Data) != "answer" {
+			t.Errorf("a gateway's lookup to another partition: %v (errors: answerer %v, asker %v)", err, errs.errs, askErrs.errs)
+		}
+		answerer.Close()
+		asker.Close()
 	}
 	// And through JetStream: relay A's forged batch for B is not stored.
 	nc, _, err := dial("relay-a", true, true)

@@ -1,0 +1,421 @@
+// Package partitionsync connects the replicas of a partitioned gateway
+// tier over NATS (`kvrelay gateway --nats URL --partitions P --partition
+// p`; issue 31.3, docs/partitioned-tier.md).
+//
+// Each replica of partition p answers lookups on <prefix>.lookup.<p>
+// (default prefix kvrelay.tier) in the queue group kvrelay-tier-<p>, so
+// the k replicas of one partition share the questions and one answers
+// each. A route on any replica scatters the request's prefix hashes to
+// every other partition with a reply subject of its own, looks its own
+// partition up meanwhile, and waits for the answers until its deadline
+// (Options.Deadline); what it merges is gateway.Gateway's business
+// (package gateway, partition.go). A partition that does not answer in
+// time, or that NATS reports has no responder, is counted in
+// kvrelay_gateway_scatter_missing_total{partition} and logged (a few
+// lines a minute), and the route goes on without it.
+//
+// The wire form is versioned and bounded (wire.go); a query or answer that
+// breaks a bound is refused with a clear error and counted, never
+// allocated from.
+package partitionsync
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
+	"github.com/kvrelay/kvrelay/internal/natsconn"
+	"github.com/kvrelay/kvrelay/internal/natslog"
+)
+
+// Defaults.
+const (
+	DefaultSubjectPrefix = "kvrelay.tier"
+	// DefaultDeadline is how long a route waits for the other partitions.
+	// On a quiet host a scatter to 16 partitions takes under a millisecond
+	// at p99 (docs/partitioned-tier.md); the deadline bounds the tail when a
+	// partition's replicas are slow or gone.
+	DefaultDeadline = 50 * time.Millisecond
+	// DefaultResponders is how many lookups one replica answers at once.
+	DefaultResponders = 2
+	// PendingMsgs and PendingBytes bound the queries a responder holds
+	// unread; past them NATS drops them (the asker counts them missing).
+	PendingMsgs  = 4096
+	PendingBytes = 64 << 20
+)
+
+// Target answers this replica's partition's lookups (a *gateway.Gateway).
+type Target interface {
+	AnswerPartition(q gateway.PartitionQuery, dst *gateway.PartitionAnswer) error
+	Partition() (own, count int)
+}
+
+// Options configures a Tier.
+type Options struct {
+	// URL is the NATS server list (nats://host:4222, comma-separated).
+	URL string
+	// Name names the connection on the server.
+	Name string
+	// SubjectPrefix replaces DefaultSubjectPrefix, to keep tiers that share
+	// a NATS server apart.
+	SubjectPrefix string
+	// Deadline is how long Scatter waits for the answers (0: DefaultDeadline).
+	Deadline time.Duration
+	// Responders is how many lookups this replica answers at once (0:
+	// DefaultResponders).
+	Responders int
+	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
+	ReconnectWait time.Duration
+	// Registerer receives kvrelay_gateway_scatter_seconds,
+	// kvrelay_gateway_scatter_missing_total and
+	// kvrelay_gateway_partition_lookups_total; nil = unregistered.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+	// NATSOptions are added to the connection's options (TLS, credentials).
+	NATSOptions []nats.Option
+}
+
+// Tier is one replica's side of the tier: its partition's responder and
+// the scatter its routes use (gateway.Scatterer). Safe for concurrent use.
+type Tier struct {
+	opts       Options
+	target     Target
+	own, parts int
+	nc         *nats.Conn
+	subs       []*nats.Subscription
+	replySub   *nats.Subscription
+	inbox      string
+	log, peer  *slog.Logger
+	subjects   []string // per partition
+	seconds    prometheus.Histogram
+	missing    *prometheus.CounterVec // partition
+	missingBy  []prometheus.Counter   // per partition
+	lookups    *prometheus.CounterVec // result
+	regd       []prometheus.Collector
+	next       atomic.Uint64
+	mu         sync.Mutex
+	calls      map[uint64]chan *nats.Msg
+	queryBufs  sync.Pool
+	closeOnce  sync.Once
+}
+
+// Start connects to opts.URL and answers target's partition. It does not
+// wait for the server: while NATS is unreachable every other partition is
+// missing from the routes, and the client reconnects on its own. Close
+// ends it.
+func Start(target Target, opts Options) (*Tier, error) {
+	if target == nil {
+		return nil, errors.New("partitionsync: nil target")
+	}
+	own, parts := target.Partition()
+	if parts < 2 {
+		return nil, fmt.Errorf("partitionsync: the gateway is not partitioned (%d partition)", parts)
+	}
+	if strings.TrimSpace(opts.URL) == "" {
+		return nil, errors.New("partitionsync: empty NATS URL")
+	}
+	if opts.SubjectPrefix == "" {
+		opts.SubjectPrefix = DefaultSubjectPrefix
+	}
+	if strings.ContainsAny(opts.SubjectPrefix, " *>") || strings.HasPrefix(opts.SubjectPrefix, ".") || strings.HasSuffix(opts.SubjectPrefix, ".") {
+		return nil, fmt.Errorf("partitionsync: subject prefix %q: want dot-separated tokens without wildcards", opts.SubjectPrefix)
+	}
+	if opts.Deadline < 0 {
+		return nil, fmt.Errorf("partitionsync: deadline must be ≥ 0, got %v", opts.Deadline)
+	}
+	if opts.Deadline == 0 {
+		opts.Deadline = DefaultDeadline
+	}
+	if opts.Responders <= 0 {
+		opts.Responders = DefaultResponders
+	}
+	if opts.ReconnectWait <= 0 {
+		opts.ReconnectWait = time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	t := &Tier{
+		opts: opts, target: target, own: own, parts: parts,
+		log: opts.Logger, peer: logthrottle.Wrap(opts.Logger),
+		calls: map[uint64]chan *nats.Msg{},
+		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrelay_gateway_scatter_seconds",
+			Help:    "Wall time of a partitioned route's scatter: from sending the query to the other partitions until the last answer (or the deadline), the replica's own lookup included.",
+			Buckets: []float64{50e-6, 100e-6, 200e-6, 400e-6, 700e-6, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 128e-3, 256e-3, 1},
+		}),
+		missing: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_scatter_missing_total",
+			Help: "Partitions a route went on without, by partition: no answer within the deadline, no responder (its replicas are all gone), NATS unreachable, or an answer refused. Its workers were at zero overlap for that route.",
+		}, []string{"partition"}),
+		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_lookups_total",
+			Help: "Lookups this replica answered for the other partitions, by result: answered, unknown_model, refused (a malformed query).",
+		}, []string{"result"}),
+	}
+	for p := range parts {
+		t.subjects = append(t.subjects, LookupSubject(opts.SubjectPrefix, p))
+		t.missingBy = append(t.missingBy, t.missing.WithLabelValues(strconv.Itoa(p)))
+	}
+	for _, r := range []string{"answered", "unknown_model", "refused"} {
+		t.lookups.WithLabelValues(r)
+	}
+	t.queryBufs.New = func() any { return new([]byte) }
+	nopts := []nats.Option{
+		// No buffering while disconnected: a query that cannot go is a
+		// missing partition now, not an answer later.
+		nats.ReconnectBufSize(-1),
+		nats.ConnectHandler(func(*nats.Conn) {
+			t.log.Info("nats connected: scattering to the partitions", "partition", own, "partitions", parts)
+		}),
+		nats.ReconnectHandler(func(*nats.Conn) { t.log.Info("nats reconnected: scattering to the partitions again") }),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			t.log.Warn("nats disconnected: routes see only this partition's workers until it reconnects", "err", natslog.RedactError(err))
+		}),
+	}
+	nc, err := natsconn.Connect(opts.URL, opts.Name, opts.ReconnectWait, t.log, append(nopts, opts.NATSOptions...)...)
+	if err != nil {
+		return nil, fmt.Errorf("partitionsync: %w", err)
+	}
+	t.nc = nc
+	t.inbox = nc.NewRespInbox()
+	t.inbox = t.inbox[:strings.LastIndexByte(t.inbox, '.')]
+	if t.replySub, err = nc.Subscribe(t.inbox+".*", t.reply); err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.inbox, err)
+	}
+	_ = t.replySub.SetPendingLimits(-1, PendingBytes)
+	for range opts.Responders {
+		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(own), t.answerer())
+		if err != nil {
+			nc.Close()
+			return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.subjects[own], err)
+		}
+		_ = sub.SetPendingLimits(PendingMsgs, PendingBytes)
+		t.subs = append(t.subs, sub)
+	}
+	if opts.Registerer != nil {
+		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups} {
+			if err := opts.Registerer.Register(c); err != nil {
+				t.Close()
+				return nil, fmt.Errorf("partitionsync: %w", err)
+			}
+			t.regd = append(t.regd, c)
+		}
+	}
+	return t, nil
+}
+
+// LookupSubject is partition p's lookup subject under prefix.
+func LookupSubject(prefix string, p int) string { return prefix + ".lookup." + strconv.Itoa(p) }
+
+// QueueGroup is partition p's queue group: its replicas share the lookups.
+func QueueGroup(p int) string { return "kvrelay-tier-" + strconv.Itoa(p) }
+
+// Close unsubscribes, closes the connection and unregisters the metrics.
+func (t *Tier) Close() {
+	t.closeOnce.Do(func() {
+		t.nc.Close()
+		for _, c := range t.regd {
+			t.opts.Registerer.Unregister(c)
+		}
+	})
+}
+
+// Connected reports whether the NATS connection is up.
+func (t *Tier) Connected() bool { return t.nc.IsConnected() }
+
+// Ready reports whether this replica's responders and reply inbox are
+// known to the server (a round trip to it), so that it can answer and be
+// answered.
+func (t *Tier) Ready() bool { return t.nc.FlushTimeout(time.Second) == nil }
+
+// answerer is one responder's handler, with its own buffers (a
+// subscription's handler runs one message at a time).
+func (t *Tier) answerer() nats.MsgHandler {
+	var (
+		q   gateway.PartitionQuery
+		a   gateway.PartitionAnswer
+		out []byte
+	)
+	return func(msg *nats.Msg) {
+		if msg.Reply == "" {
+			return
+		}
+		status := byte(statusAnswered)
+		if err := decodeQuery(msg.Data, &q); err != nil {
+			status = statusRefused
+			t.lookups.WithLabelValues("refused").Inc()
+			t.peer.Warn("partition lookup refused", "err", err, "bytes", len(msg.Data))
+			a.Reset()
+			a.Partition = t.own
+		} else if err := t.target.AnswerPartition(q, &a); err != nil {
+			status = statusRefused
+			result := "refused"
+			if errors.Is(err, gateway.ErrUnknownModel) {
+				status, result = statusUnknownModel, "unknown_model"
+			}
+			t.lookups.WithLabelValues(result).Inc()
+			t.peer.Warn("partition lookup not answered", "err", err)
+			a.Reset()
+			a.Partition = t.own
+		} else {
+			t.lookups.WithLabelValues("answered").Inc()
+		}
+		out = appendAnswer(out[:0], status, &a)
+		if err := msg.Respond(out); err != nil {
+			t.peer.Warn("partition lookup answer not sent", "err", natslog.RedactError(err))
+		}
+		// Names of this route's workers: not kept past the answer.
+		clear(q.Prefix)
+		a.Reset()
+	}
+}
+
+// reply hands an answer to the Scatter waiting for it.
+func (t *Tier) reply(msg *nats.Msg) {
+	i := strings.LastIndexByte(msg.Subject, '.')
+	id, err := strconv.ParseUint(msg.Subject[i+1:], 36, 64)
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	ch := t.calls[id]
+	t.mu.Unlock()
+	if ch == nil {
+		return // late: its route went on without it
+	}
+	select {
+	case ch <- msg:
+	default: // more answers than partitions: forged or duplicated
+	}
+}
+
+// Scatter sends q to every other partition, runs local, and returns the
+// answers that came by the deadline (gateway.Scatterer).
+func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.PartitionAnswer {
+	start := time.Now()
+	if len(q.Prefix) > MaxHashes {
+		q.Prefix = q.Prefix[:MaxHashes]
+	}
+	bp := t.queryBufs.Get().(*[]byte)
+	*bp = appendQuery((*bp)[:0], q)
+	id := t.next.Add(1)
+	ch := make(chan *nats.Msg, t.parts)
+	t.mu.Lock()
+	t.calls[id] = ch
+	t.mu.Unlock()
+	reply := t.inbox + "." + strconv.FormatUint(id, 36)
+	state := make([]byte, t.parts) // 0 not asked, 1 asked, 2 answered
+	asked := 0
+	var sendErr error
+	for p := range t.parts {
+		if p == t.own {
+			continue
+		}
+		if err := t.nc.PublishRequest(t.subjects[p], reply, *bp); err != nil {
+			sendErr = err
+			continue
+		}
+		state[p] = 1
+		asked++
+	}
+	t.queryBufs.Put(bp)
+	local()
+	answers := make([]gateway.PartitionAnswer, 0, asked)
+	var timer *time.Timer
+	noResponders := 0
+	for got := 0; got < asked; {
+		var msg *nats.Msg
+		select {
+		case msg = <-ch:
+		default:
+			if timer == nil {
+				timer = time.NewTimer(t.opts.Deadline - time.Since(start))
+				defer timer.Stop()
+			}
+			select {
+			case msg = <-ch:
+			case <-timer.C:
+			}
+		}
+		if msg == nil {
+			break // the deadline
+		}
+		if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
+			// No responders: the partition has no replica subscribed. Which
+			// one is not said; the others' answers may still come, so only
+			// the count of expected answers drops.
+			asked--
+			noResponders++
+			continue
+		}
+		var a gateway.PartitionAnswer
+		status, err := decodeAnswer(msg.Data, &a)
+		switch {
+		case err != nil:
+			t.peer.Warn("partition answer refused", "err", err, "bytes", len(msg.Data))
+			continue
+		case a.Partition >= t.parts || state[a.Partition] != 1:
+			t.peer.Warn("partition answer refused: not from a partition asked", "partition", a.Partition)
+			continue
+		}
+		state[a.Partition] = 2
+		got++
+		if status != statusAnswered {
+			t.peer.Warn("partition did not answer the lookup", "partition", a.Partition, "status", statusName(status), "model", q.Model)
+			continue
+		}
+		answers = append(answers, a)
+	}
+	t.mu.Lock()
+	delete(t.calls, id)
+	t.mu.Unlock()
+	t.seconds.Observe(time.Since(start).Seconds())
+	for p, s := range state {
+		if p == t.own {
+			continue
+		}
+		if s != 2 || !t.answered(answers, p) {
+			t.missingBy[p].Inc()
+			switch {
+			case sendErr != nil && s == 0:
+				t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
+			case noResponders > 0:
+				t.peer.Warn("partition missing from the route: no replica of it subscribed, or no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
+			default:
+				t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
+			}
+		}
+	}
+	return answers
+}
+
+func (t *Tier) answered(answers []gateway.PartitionAnswer, p int) bool {
+	for i := range answers {
+		if answers[i].Partition == p {
+			return true
+		}
+	}
+	return false
+}
+
+func statusName(s byte) string {
+	switch s {
+	case statusUnknownModel:
+		return "unknown_model"
+	case statusRefused:
+		return "refused"
+	}
+	return "answered"
+}
