@@ -70,7 +70,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	loadSource := fs.String("load-source", "auto", "where each batch's engine load comes from: auto (--engine-metrics-url when given, else the --upstream servicer's GetLoads), getloads, http or off")
 	loadInterval := fs.Duration("load-interval", 0, "how often the load source is read (0: 250ms)")
 	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
-	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: empty for Go's default (GOMAXPROCS, else the CPUs), N, or adaptive: one while the process uses under half a core, the default count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-05-relay-pacing-quiet.md)")
+	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: empty for Go's default (GOMAXPROCS, else the CPUs), N, or adaptive: one while the process uses under half a core and its goroutines do not queue, the default count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-05-relay-pacing-quiet.md)")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
 	if code, stop := parseFlags(fs, args, stdout, stderr); stop {

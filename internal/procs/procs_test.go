@@ -88,3 +88,53 @@ func TestAdaptiveOneProcWaits(t *testing.T) {
 		t.Errorf("Max 1: OnChange called %v, GOMAXPROCS %d (was %d); want nothing changed", called, runtime.GOMAXPROCS(0), before)
 	}
 }
+
+// TestAdaptiveLateGoroutinesRaise: at one P, goroutines that wait to run
+// raise the count even when the CPU threshold is out of reach (a process
+// whose one thread does not get the CPU its backlog needs).
+func TestAdaptiveLateGoroutinesRaise(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(before)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	a := Adaptive{Max: 2, Up: 1000, Every: 100 * time.Millisecond, DownAfter: time.Hour,
+		Late: time.Millisecond, LateShare: 0.05}
+	var wg sync.WaitGroup
+	wg.Go(func() { a.Run(ctx) })
+	done := make(chan struct{})
+	var work sync.WaitGroup
+	defer func() {
+		close(done)
+		work.Wait()
+		cancel()
+		wg.Wait()
+	}()
+	waitProcs(t, 1, "at start")
+	// A backlog at one P: 32 goroutines in a ring pass 16 tokens on, each
+	// working about 100 µs per token, so a readied goroutine waits behind
+	// the others' work for a millisecond or more. The channels hold every
+	// token, so a send never blocks.
+	const n = 32
+	ring := make([]chan struct{}, n)
+	for i := range ring {
+		ring[i] = make(chan struct{}, n)
+	}
+	for i := range n {
+		work.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				case <-ring[i]:
+				}
+				for start := time.Now(); time.Since(start) < 100*time.Microsecond; {
+				}
+				ring[(i+1)%n] <- struct{}{}
+			}
+		})
+	}
+	for i := 0; i < n; i += 2 {
+		ring[i] <- struct{}{}
+	}
+	waitProcs(t, 2, "with goroutines waiting to run")
+}
