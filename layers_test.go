@@ -34,7 +34,7 @@ const layers = `
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
 	internal/natslog, internal/tlsconfig, internal/freeport, internal/logthrottle,
-	internal/exposure, internal/reload, internal/sdnotify,
+	internal/exposure, internal/reload, internal/sdnotify, internal/procs,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
 
@@ -92,7 +92,7 @@ const layers = `
 	relay/server, gateway, gateway/membership, sim, internal/freeport < demo;
 	bench, demo, relayd, gateway/httpapi, gateway/placementsync, gateway/partitionsync,
 	natsevents, internal/buildinfo, internal/tlsconfig, internal/exposure,
-	internal/reload, internal/webserve, gateway/membership, internal/natsconn < cmd/kvrelay;
+	internal/reload, internal/webserve, gateway/membership, internal/natsconn, internal/procs < cmd/kvrelay;
 	bench/charts < cmd/kvrelay-plot;
 `
 

@@ -62,6 +62,13 @@ func (f zmqFeed) Recv(ctx context.Context) (Message, error) {
 func (f zmqFeed) Connected() bool { return f.s.Connected() }
 func (f zmqFeed) Close() error    { return f.s.Close() }
 
+func (f zmqFeed) Ready() <-chan struct{}       { return f.s.Ready() }
+func (f zmqFeed) ConnChanged() <-chan struct{} { return f.s.ConnChanged() }
+func (f zmqFeed) TryRecv() (Message, bool) {
+	m, ok := f.s.TryRecv()
+	return Message{Seq: m.Seq, Payload: m.Payload}, ok
+}
+
 type zmqReplayer struct{ r *zmqsource.Replayer }
 
 func (z zmqReplayer) Replay(ctx context.Context, from uint64) ([]Message, bool, error) {

@@ -344,13 +344,35 @@ func (r *Relay) Ready() bool {
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
+// directFeed is a Feed the rank loop waits on itself: Ready is signalled
+// when TryRecv may have a batch, ConnChanged when Connected may have
+// changed. The zmq feed is one. Other feeds get a goroutine blocked in Recv
+// and a 100 ms poll of Connected; a direct feed saves that goroutine's
+// hand-off on every batch and the poll's 10 wake-ups a second per rank.
+type directFeed interface {
+	Feed
+	Ready() <-chan struct{}
+	TryRecv() (Message, bool)
+	ConnChanged() <-chan struct{}
+}
+
 // runRank is one rank's state machine: prime, then admit live batches,
 // filling gaps from the replay before anything later is relayed.
 func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
-	msgs := make(chan Message)
-	var reader sync.WaitGroup
-	reader.Go(func() { r.read(ctx, rk, feed, msgs) })
-	defer reader.Wait()
+	var (
+		msgs   chan Message
+		ready  <-chan struct{}
+		connC  <-chan struct{}
+		direct directFeed
+	)
+	if d, ok := feed.(directFeed); ok {
+		direct, ready = d, d.Ready()
+	} else {
+		msgs = make(chan Message)
+		var reader sync.WaitGroup
+		reader.Go(func() { r.read(ctx, rk, feed, msgs) })
+		defer reader.Wait()
+	}
 
 	var primeC <-chan struct{}
 	var retry *time.Timer
@@ -368,48 +390,100 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 	primeWait := r.cfg.PrimeRetry
 
 	// The catch-up replay runs a while after the feed connects, and when
-	// the rank has been quiet for IdleProbe (see catchUp).
+	// the rank has been quiet for IdleProbe (see catchUp). A direct feed
+	// says when its connection changes, and a timer is set to the next of
+	// those two deadlines; any other feed's connection is polled.
 	var (
 		tick       <-chan time.Time
+		wake       *time.Timer
 		connected  bool
 		catchUpAt  time.Time
 		lastActive = time.Now()
 	)
 	if rk.replay != nil && (r.cfg.CatchUpDelay > 0 || r.cfg.IdleProbe > 0) {
-		t := time.NewTicker(catchUpTick)
-		defer t.Stop()
-		tick = t.C
+		if direct != nil {
+			wake = time.NewTimer(time.Hour)
+			wake.Stop()
+			defer wake.Stop()
+			tick, connC = wake.C, direct.ConnChanged()
+		} else {
+			t := time.NewTicker(catchUpTick)
+			defer t.Stop()
+			tick = t.C
+		}
+	}
+	// check runs the catch-up replay when it is due.
+	check := func(now time.Time) {
+		up := feed.Connected()
+		if up && !connected && r.cfg.CatchUpDelay > 0 {
+			catchUpAt = now.Add(r.cfg.CatchUpDelay)
+		}
+		connected = up
+		due := !catchUpAt.IsZero() && !now.Before(catchUpAt)
+		idle := r.cfg.IdleProbe > 0 && now.Sub(lastActive) >= r.cfg.IdleProbe
+		if !up || primeC != nil || !(due || idle) {
+			return
+		}
+		catchUpAt = time.Time{}
+		lastActive = now
+		if !rk.hasCursor {
+			// Nothing relayed yet: the start replay may have answered
+			// before the engine's first batch, which the live stream
+			// then missed. Ask from 0 again.
+			primeC = closedChan
+			return
+		}
+		if r.catchUp(ctx, rk) && ctx.Err() == nil {
+			primeC = closedChan
+		}
+		// A replay that did not answer took up to ReplayTimeout; the
+		// quiet time counts from its end, not its start.
+		lastActive = time.Now()
+	}
+	// arm sets the direct feed's timer to the next deadline of check. A
+	// batch moves the idle deadline later without re-arming: the timer
+	// then fires early, finds nothing due and is set again, once per
+	// IdleProbe while batches flow.
+	arm := func() {
+		if wake == nil {
+			return
+		}
+		var at time.Time
+		if connected && primeC == nil {
+			at = catchUpAt
+			if r.cfg.IdleProbe > 0 {
+				if t := lastActive.Add(r.cfg.IdleProbe); at.IsZero() || t.Before(at) {
+					at = t
+				}
+			}
+		}
+		if at.IsZero() {
+			wake.Stop()
+			return
+		}
+		wake.Reset(time.Until(at))
+	}
+	live := func(m Message) {
+		// A live batch ends priming: admission replays what it
+		// missed (a late join) by itself.
+		lastActive = time.Now()
+		primeC = nil
+		if retry != nil {
+			retry.Stop()
+		}
+		r.admitLive(ctx, rk, m)
+		rk.lastLive, rk.hasLastLive = m.Seq, true
 	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case now := <-tick:
-			up := feed.Connected()
-			if up && !connected && r.cfg.CatchUpDelay > 0 {
-				catchUpAt = now.Add(r.cfg.CatchUpDelay)
-			}
-			connected = up
-			due := !catchUpAt.IsZero() && !now.Before(catchUpAt)
-			idle := r.cfg.IdleProbe > 0 && now.Sub(lastActive) >= r.cfg.IdleProbe
-			if !up || primeC != nil || !(due || idle) {
-				continue
-			}
-			catchUpAt = time.Time{}
-			lastActive = now
-			if !rk.hasCursor {
-				// Nothing relayed yet: the start replay may have answered
-				// before the engine's first batch, which the live stream
-				// then missed. Ask from 0 again.
-				primeC = closedChan
-				continue
-			}
-			if r.catchUp(ctx, rk) && ctx.Err() == nil {
-				primeC = closedChan
-			}
-			// A replay that did not answer took up to ReplayTimeout; the
-			// quiet time counts from its end, not its start.
-			lastActive = time.Now()
+			check(now)
+			arm()
+		case <-connC:
+			check(time.Now())
+			arm()
 		case <-primeC:
 			primeC = nil
 			primed := r.prime(ctx, rk)
@@ -427,6 +501,7 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 					}
 				})
 			}
+			arm()
 		case <-retryC:
 			if !rk.hasCursor && rk.replay != nil {
 				primeC = closedChan
@@ -435,16 +510,15 @@ func (r *Relay) runRank(ctx context.Context, rk *rankState, feed Feed) {
 			if !rk.hasCursor && rk.replay != nil {
 				primeC = closedChan
 			}
-		case m := <-msgs:
-			// A live batch ends priming: admission replays what it
-			// missed (a late join) by itself.
-			lastActive = time.Now()
-			primeC = nil
-			if retry != nil {
-				retry.Stop()
+		case <-ready:
+			// One batch per signal: the queue keeps the signal up while
+			// more are queued, so the other cases still get their turn.
+			if m, ok := direct.TryRecv(); ok {
+				latencyprobe.Mark(latencyprobe.Received, rk.rank, m.Seq)
+				live(m)
 			}
-			r.admitLive(ctx, rk, m)
-			rk.lastLive, rk.hasLastLive = m.Seq, true
+		case m := <-msgs:
+			live(m)
 		}
 	}
 }

@@ -7,8 +7,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
+	"runtime"
+	"strconv"
 	"time"
 
+	"github.com/kvrelay/kvrelay/internal/procs"
 	"github.com/kvrelay/kvrelay/internal/tlsconfig"
 	"github.com/kvrelay/kvrelay/internal/webserve"
 	"github.com/kvrelay/kvrelay/relay/zmqsource"
@@ -66,6 +70,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	loadSource := fs.String("load-source", "auto", "where each batch's engine load comes from: auto (--engine-metrics-url when given, else the --upstream servicer's GetLoads), getloads, http or off")
 	loadInterval := fs.Duration("load-interval", 0, "how often the load source is read (0: 250ms)")
 	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
+	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: empty for Go's default (GOMAXPROCS, else the CPUs), N, or adaptive: one while the process uses under half a core and its goroutines do not queue, the default count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-05-relay-pacing-quiet.md)")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
 	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
@@ -201,6 +206,12 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
 		return 2
 	}
+	stopProcs, err := startProcs(ctx, *gomaxprocs, log)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrelay serve: %v\n", err)
+		return 2
+	}
+	defer stopProcs()
 	err = relayd.Run(ctx, relayd.Options{
 		Relays: relays, MetricsListen: file.MetricsListen, WebConfigFile: file.WebConfigFile,
 		EngineLimits: relayd.EngineLimits(lim), ServerLimits: limits.Limits, RecordMaxEntries: limits.RecordMaxEntries,
@@ -227,6 +238,32 @@ func (l engineLimits) check() error {
 		return fmt.Errorf("--replay-max-time %v: want a positive duration", l.ReplayMaxTime)
 	}
 	return nil
+}
+
+// startProcs applies --gomaxprocs: a count now, or the adaptive controller
+// until the returned stop is called.
+func startProcs(ctx context.Context, value string, log *slog.Logger) (stop func(), err error) {
+	switch value {
+	case "":
+		return func() {}, nil
+	case "adaptive":
+		ctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		a := procs.Adaptive{OnChange: func(n int, cpu float64) {
+			log.Info("gomaxprocs changed", "procs", n, "cpu_per_second", math.Round(cpu*1000)/1000)
+		}}
+		go func() {
+			defer close(done)
+			a.Run(ctx)
+		}()
+		return func() { cancel(); <-done }, nil
+	}
+	n, err := strconv.Atoi(value)
+	if err != nil || n < 1 {
+		return nil, fmt.Errorf("--gomaxprocs %q: want empty, a count of at least 1, or adaptive", value)
+	}
+	runtime.GOMAXPROCS(n)
+	return func() {}, nil
 }
 
 // durationKey is a duration flag as its config key: "" for 0 (the default).

@@ -55,6 +55,8 @@ func TestServeBadFlagsNameTheFlag(t *testing.T) {
 		{"zero streams per conn", []string{"--engine", "vllm", "--kv-events-config", enabled, "--max-streams-per-conn", "0"}, "--max-streams-per-conn"},
 		{"no stall timeout", []string{"--engine", "vllm", "--kv-events-config", enabled, "--subscriber-stall-timeout", "0s"}, "--subscriber-stall-timeout"},
 		{"send cap under 4 MiB", []string{"--engine", "vllm", "--kv-events-config", enabled, "--max-send-msg-bytes", "1000"}, "--max-send-msg-bytes"},
+		{"bad gomaxprocs", []string{"--engine", "vllm", "--kv-events-config", enabled, "--gomaxprocs", "some"}, `--gomaxprocs "some"`},
+		{"zero gomaxprocs", []string{"--engine", "vllm", "--kv-events-config", enabled, "--gomaxprocs", "0"}, "--gomaxprocs"},
 		{"zero record cap", []string{"--engine", "vllm", "--kv-events-config", enabled, "--record-max-entries", "0"}, "--record-max-entries"},
 		{"config and flags", []string{"--config", write("a.json", `{"relays": []}`), "--engine", "vllm"}, "--engine cannot be combined"},
 		{"config unknown field", []string{"--config", write("b.json", `{"relays": [{"engine": "vllm", "kv_events_config": {}, "listen": ":1", "colour": "red"}]}`)}, "colour"},

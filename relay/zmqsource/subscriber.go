@@ -116,12 +116,15 @@ type Subscriber struct {
 
 	queue     *queue
 	connected atomic.Bool
-	received  atomic.Uint64
-	short     atomic.Uint64
-	badSeq    atomic.Uint64
-	dropped   atomic.Uint64
-	oversized atomic.Uint64
-	reconns   atomic.Uint64
+	// connChanged is signalled (capacity 1) whenever connected changes, so
+	// a consumer can wait for it instead of polling Connected.
+	connChanged chan struct{}
+	received    atomic.Uint64
+	short       atomic.Uint64
+	badSeq      atomic.Uint64
+	dropped     atomic.Uint64
+	oversized   atomic.Uint64
+	reconns     atomic.Uint64
 }
 
 // NewSubscriber starts connecting in the background and returns at once; an
@@ -164,6 +167,8 @@ func NewSubscriber(opts SubscriberOptions) *Subscriber {
 		done:   make(chan struct{}),
 		closed: make(chan struct{}),
 		queue:  newQueue(opts.RcvHWM, opts.QueueBytes),
+
+		connChanged: make(chan struct{}, 1),
 	}
 	go s.run()
 	return s
@@ -191,8 +196,38 @@ func (s *Subscriber) Recv(ctx context.Context) (Message, error) {
 	}
 }
 
+// TryRecv returns the oldest queued message without waiting; ok is false
+// when none is queued or the Subscriber is closed. With Ready it lets a
+// consumer wait for messages in its own select, without a goroutine
+// blocked in Recv and a hand-off per message.
+func (s *Subscriber) TryRecv() (m Message, ok bool) {
+	select {
+	case <-s.closed:
+		return Message{}, false
+	default:
+	}
+	return s.queue.pop()
+}
+
+// Ready is signalled when a message may be queued: after a push, and after
+// a TryRecv or Recv that left messages behind. A receive from it is a hint;
+// TryRecv may still find nothing (another consumer took the message).
+func (s *Subscriber) Ready() <-chan struct{} { return s.queue.ready }
+
 // Connected reports whether a connection to the engine is up.
 func (s *Subscriber) Connected() bool { return s.connected.Load() }
+
+// ConnChanged is signalled (it holds at most one signal) after Connected
+// changed; read Connected for the state.
+func (s *Subscriber) ConnChanged() <-chan struct{} { return s.connChanged }
+
+func (s *Subscriber) setConnected(up bool) {
+	s.connected.Store(up)
+	select {
+	case s.connChanged <- struct{}{}:
+	default:
+	}
+}
 
 // Stats returns the counters so far.
 func (s *Subscriber) Stats() SubscriberStats {
@@ -254,9 +289,9 @@ func (s *Subscriber) run() {
 			s.log.Info("engine publisher reachable again", "after", time.Since(downSince).Round(time.Second))
 		}
 		s.log.Info("zmq subscriber connected", "topic", s.opts.Topic, "connection", connections)
-		s.connected.Store(true)
+		s.setConnected(true)
 		err = s.read(sock)
-		s.connected.Store(false)
+		s.setConnected(false)
 		closeAndDrain(sock)
 		cancelSock()
 		if s.ctx.Err() != nil {

@@ -415,3 +415,74 @@ func BenchmarkSubscriberThroughput(b *testing.B) {
 		})
 	}
 }
+
+// TestSubscriberDirectWait covers the consumer that waits in its own select
+// (the relay's rank loop): Ready and TryRecv deliver every message in order
+// without Recv, and ConnChanged is signalled when the connection comes up
+// and when an engine restart takes it down.
+func TestSubscriberDirectWait(t *testing.T) {
+	p := enginepeer.Start(t, enginepeer.Options{Engine: enginepeer.SGLang, NoReplay: true})
+	s := newTestSubscriber(t, p.PubEndpoint(0), "", 0)
+	// connChange waits for one signal and reports the state after it.
+	connChange := func(what string) bool {
+		t.Helper()
+		select {
+		case <-s.ConnChanged():
+			return s.Connected()
+		case <-time.After(20 * time.Second):
+			t.Fatalf("no ConnChanged signal %s (connected=%v)", what, s.Connected())
+			return false
+		}
+	}
+	for !connChange("for the first connection") {
+	}
+	first := attach(t, p, 0, s)
+	var published uint64
+	for i := 0; i < 5; i++ {
+		pub, err := p.Publish(0, probe())
+		if err != nil {
+			t.Fatal(err)
+		}
+		published = pub.Seq
+	}
+	want := first.Seq + 1
+	deadline := time.After(30 * time.Second)
+	for want <= published {
+		select {
+		case <-s.Ready():
+		case <-deadline:
+			t.Fatalf("Ready: batches up to %d did not arrive (next wanted %d, stats %+v)", published, want, s.Stats())
+		}
+		for {
+			m, ok := s.TryRecv()
+			if !ok {
+				break
+			}
+			if m.Seq != want {
+				t.Fatalf("TryRecv seq %d, want %d", m.Seq, want)
+			}
+			want++
+		}
+	}
+	if m, ok := s.TryRecv(); ok {
+		t.Fatalf("TryRecv on an empty queue returned seq %d", m.Seq)
+	}
+
+	// The restart closes the connection: a signal with Connected false
+	// (the redial may already be done when it is read, then Connected is
+	// true again and the reconnect count says what happened).
+	if err := p.Restart(0); err != nil {
+		t.Fatal(err)
+	}
+	for connChange("after the engine restarted") && s.Stats().Reconnects == 0 {
+	}
+	waitFor(t, "the connection back", 10*time.Second, s.Connected)
+
+	if _, err := p.Publish(0, probe()); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close()
+	if m, ok := s.TryRecv(); ok {
+		t.Fatalf("TryRecv after Close returned seq %d", m.Seq)
+	}
+}

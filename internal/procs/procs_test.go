@@ -1,0 +1,140 @@
+package procs
+
+import (
+	"context"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestAdaptiveFollowsLoad runs the controller on this process: one P while
+// idle, Max once a goroutine burns CPU, one again after it stops, and Max
+// restored when the controller ends.
+func TestAdaptiveFollowsLoad(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(before)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var changes []int
+	var mu sync.Mutex
+	a := Adaptive{
+		Max: 2,
+		// A spinning goroutine gets well over a tenth of a core even on a
+		// loaded 2-core host; the idle test process uses far less.
+		Up: 0.1, Down: 0.05,
+		Every: 20 * time.Millisecond, DownAfter: 100 * time.Millisecond,
+		OnChange: func(n int, _ float64) {
+			mu.Lock()
+			changes = append(changes, n)
+			mu.Unlock()
+		},
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() { a.Run(ctx) })
+	defer func() {
+		cancel()
+		wg.Wait()
+		if got := runtime.GOMAXPROCS(0); got != 2 {
+			t.Errorf("GOMAXPROCS after Run = %d, want Max 2 restored", got)
+		}
+	}()
+
+	waitProcs(t, 1, "at start, idle")
+
+	var stop atomic.Bool
+	var burner sync.WaitGroup
+	burner.Go(func() {
+		x := 0
+		for !stop.Load() {
+			for i := 0; i < 1000; i++ {
+				x += i
+			}
+		}
+		_ = x
+	})
+	waitProcs(t, 2, "while a goroutine burns CPU")
+	stop.Store(true)
+	burner.Wait()
+	waitProcs(t, 1, "after the burner stopped")
+
+	mu.Lock()
+	defer mu.Unlock()
+	if len(changes) < 3 || changes[0] != 1 || changes[1] != 2 || changes[len(changes)-1] != 1 {
+		t.Errorf("OnChange saw %v, want 1, 2, …, 1", changes)
+	}
+}
+
+func waitProcs(t *testing.T, want int, when string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for runtime.GOMAXPROCS(0) != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: GOMAXPROCS = %d, want %d", when, runtime.GOMAXPROCS(0), want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestAdaptiveOneProcWaits(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(before)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	called := false
+	Adaptive{Max: 1, Every: time.Millisecond, OnChange: func(int, float64) { called = true }}.Run(ctx)
+	if called || runtime.GOMAXPROCS(0) != before {
+		t.Errorf("Max 1: OnChange called %v, GOMAXPROCS %d (was %d); want nothing changed", called, runtime.GOMAXPROCS(0), before)
+	}
+}
+
+// TestAdaptiveLateGoroutinesRaise: at one P, goroutines that wait to run
+// raise the count even when the CPU threshold is out of reach (a process
+// whose one thread does not get the CPU its backlog needs).
+func TestAdaptiveLateGoroutinesRaise(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(before)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	a := Adaptive{Max: 2, Up: 1000, Every: 100 * time.Millisecond, DownAfter: time.Hour,
+		Late: time.Millisecond, LateShare: 0.05}
+	var wg sync.WaitGroup
+	wg.Go(func() { a.Run(ctx) })
+	done := make(chan struct{})
+	var work sync.WaitGroup
+	defer func() {
+		close(done)
+		work.Wait()
+		cancel()
+		wg.Wait()
+	}()
+	waitProcs(t, 1, "at start")
+	// A backlog at one P: 32 goroutines in a ring pass 16 tokens on, each
+	// working about 100 µs per token, so a readied goroutine waits behind
+	// the others' work for a millisecond or more. The channels hold every
+	// token, so a send never blocks.
+	const n = 32
+	ring := make([]chan struct{}, n)
+	for i := range ring {
+		ring[i] = make(chan struct{}, n)
+	}
+	for i := range n {
+		work.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				case <-ring[i]:
+				}
+				for start := time.Now(); time.Since(start) < 100*time.Microsecond; {
+				}
+				ring[(i+1)%n] <- struct{}{}
+			}
+		})
+	}
+	for i := 0; i < n; i += 2 {
+		ring[i] <- struct{}{}
+	}
+	waitProcs(t, 2, "with goroutines waiting to run")
+}
