@@ -209,6 +209,9 @@ type model struct {
 	started bool             // its index's Run is going
 	// learnedBlock is the largest block size learned for the model, from
 	// this replica's workers or (partitioned) another partition's answer.
+	// It is written under blockMu together with the index's block size, so
+	// that two learners cannot leave the index at the smaller one.
+	blockMu      sync.Mutex
 	learnedBlock atomic.Int64
 }
 

@@ -355,16 +355,15 @@ func (g *Gateway) adoptBlockSize(m *model, n int) bool {
 }
 
 // learnBlockSize sets the model's index block size to n if it is the
-// largest learned so far.
+// largest learned so far. The comparison and both writes are one step
+// under m.blockMu: with a compare-and-swap alone, a learner of 16 could
+// set the index after a learner of 32 had, leaving it at 16.
 func (g *Gateway) learnBlockSize(m *model, n int) {
-	for {
-		cur := m.learnedBlock.Load()
-		if int64(n) <= cur {
-			return
-		}
-		if m.learnedBlock.CompareAndSwap(cur, int64(n)) {
-			m.ix.SetBlockSize(n)
-			return
-		}
+	m.blockMu.Lock()
+	defer m.blockMu.Unlock()
+	if int64(n) <= m.learnedBlock.Load() {
+		return
 	}
+	m.learnedBlock.Store(int64(n))
+	m.ix.SetBlockSize(n)
 }
