@@ -244,15 +244,24 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 		}
 	}
 	g.mu.Unlock()
+	// A worker listed twice (a partition answering twice, or one answer
+	// naming it twice) keeps its deepest overlap, as a full index has one
+	// per worker: sorted by name, deepest first, the first of each name is
+	// the one kept; then back to index.Matches' order (deepest first, then
+	// by name). Two sorts rather than a set, so a route allocates nothing.
+	slices.SortFunc(dst.Workers, func(a, b index.Match) int {
+		if c := strings.Compare(a.Worker, b.Worker); c != 0 {
+			return c
+		}
+		return b.Blocks - a.Blocks
+	})
+	dst.Workers = slices.CompactFunc(dst.Workers, func(a, b index.Match) bool { return a.Worker == b.Worker })
 	slices.SortFunc(dst.Workers, func(a, b index.Match) int {
 		if a.Blocks != b.Blocks {
 			return b.Blocks - a.Blocks
 		}
 		return strings.Compare(a.Worker, b.Worker)
 	})
-	// Duplicates can only come from a partition answering twice; keep the
-	// first (the deepest).
-	dst.Workers = slices.CompactFunc(dst.Workers, func(a, b index.Match) bool { return a.Worker == b.Worker })
 	return scattered{answers: answers}
 }
 

@@ -86,3 +86,39 @@ func TestLearnBlockSizeConcurrent(t *testing.T) {
 		t.Errorf("%d of %d rounds: index block size not the largest learned", bad, rounds)
 	}
 }
+
+// TestPartitionMergeKeepsDeepestDuplicate: an answer naming a worker twice
+// with another worker's overlap sorting between ({b:4},{c:2},{b:1}) merges
+// to one overlap per worker, the deepest, as a full index answers. Before
+// the fix only adjacent duplicates were removed, and the picker kept b's
+// shallower overlap.
+func TestPartitionMergeKeepsDeepestDuplicate(t *testing.T) {
+	a := idsIn(t, "a", 0, 2, 1)[0]
+	p1 := idsIn(t, "b", 1, 2, 2)
+	b, c := p1[0], p1[1]
+	g, err := New(Config{Workers: workersOf("", a, b, c), Partitions: 2, Partition: 0, NoPlacements: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, answers := range [][]PartitionAnswer{
+		{{Partition: 1, Matches: []index.Match{{Worker: b, Blocks: 4}, {Worker: c, Blocks: 2}, {Worker: b, Blocks: 1}}}},
+		{{Partition: 1, Matches: []index.Match{{Worker: b, Blocks: 1}, {Worker: c, Blocks: 2}, {Worker: b, Blocks: 4}}}},
+		{{Partition: 1, Matches: []index.Match{{Worker: b, Blocks: 1}, {Worker: c, Blocks: 2}}}, {Partition: 1, Matches: []index.Match{{Worker: b, Blocks: 4}}}},
+	} {
+		g.SetScatterer(&fakeScatter{answer: func(PartitionQuery) []PartitionAnswer { return answers }})
+		m := g.models[DefaultModel]
+		got := new(index.Matches)
+		g.partitionLookup(m, PartitionQuery{Model: DefaultModel, Prefix: make([]uint64, 4)}, got)
+		want := []index.Match{{Worker: b, Blocks: 4}, {Worker: c, Blocks: 2}}
+		if fmt.Sprint(got.Workers) != fmt.Sprint(want) {
+			t.Errorf("answers %v merged to %v, want %v", answers, got.Workers, want)
+		}
+		d, err := g.Route(RouteRequest{TokenIDs: make([]uint32, 64)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker != b || d.MatchedBlocks[b] != 4 {
+			t.Errorf("answers %v: chose %s with matched %v, want %s at 4", answers, d.Worker, d.MatchedBlocks, b)
+		}
+	}
+}
