@@ -60,6 +60,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 )
 
 // DefaultModel is the model of a worker or request that names none.
@@ -228,6 +229,7 @@ func (m *model) relist() {
 type Gateway struct {
 	cfg     Config
 	log     *slog.Logger
+	peerLog *slog.Logger // log, throttled: lines a peer's answers can drive
 	mon     *monitor.Monitor
 	picker  *picker.Picker
 	metrics *gatewayMetrics
@@ -311,6 +313,7 @@ func New(cfg Config) (*Gateway, error) {
 	g := &Gateway{
 		cfg:          cfg,
 		log:          cfg.Logger,
+		peerLog:      logthrottle.Wrap(cfg.Logger),
 		picker:       p,
 		models:       map[string]*model{},
 		workerOf:     map[string]string{},

@@ -15,6 +15,10 @@ type gatewayMetrics struct {
 	routeSeconds    prometheus.Histogram
 	inflightExpired prometheus.Counter
 	loadPolls       loadPollMetrics
+	// Partitioned: answers the merge refused, and block sizes other
+	// partitions' answers offered (adopted or refused, by why).
+	answersDropped prometheus.Counter
+	blockSizes     *prometheus.CounterVec // model, outcome
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
@@ -33,11 +37,19 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 			Help: "Tracked requests that stopped counting as in flight because nobody completed them within the timeout.",
 		}),
 		loadPolls: newLoadPollMetrics(),
+		answersDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_answers_dropped_total",
+			Help: "Partitioned: answers a route dropped because they claimed this replica's own partition or one outside the tier.",
+		}),
+		blockSizes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_block_sizes_total",
+			Help: "Partitioned: larger block sizes other partitions' answers offered for a model, by outcome: adopted; not_assigned (the answering partition owns none of the model's workers here); too_large (above the largest block size any engine uses).",
+		}, []string{"model", "outcome"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, indexCollector{g}} {
+	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, m.answersDropped, m.blockSizes, indexCollector{g}} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("gateway metrics: %w", err)
 		}

@@ -228,7 +228,7 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 	local := func() { m.ix.FindMatchesHashesInto(dst, q.Prefix) }
 	var answers []PartitionAnswer
 	if s := g.scatter.Load(); s != nil {
-		answers = (*s).Scatter(q, local)
+		answers = g.otherPartitions((*s).Scatter(q, local))
 	} else {
 		local()
 	}
@@ -263,6 +263,31 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 		return strings.Compare(a.Worker, b.Worker)
 	})
 	return scattered{answers: answers}
+}
+
+// otherPartitions returns answers without those that claim this
+// replica's own partition or one outside the tier: the merge trusts an
+// answer's partition to say whose workers it may speak for, and this
+// replica's own workers are known here first-hand. Each dropped answer is
+// counted and logged (throttled). answers is not modified; a copy is made
+// only when one is dropped.
+func (g *Gateway) otherPartitions(answers []PartitionAnswer) []PartitionAnswer {
+	for i, a := range answers {
+		if a.Partition != g.cfg.Partition && a.Partition >= 0 && a.Partition < g.cfg.Partitions {
+			continue
+		}
+		kept := slices.Clone(answers[:i])
+		for _, b := range answers[i:] {
+			if b.Partition != g.cfg.Partition && b.Partition >= 0 && b.Partition < g.cfg.Partitions {
+				kept = append(kept, b)
+				continue
+			}
+			g.metrics.answersDropped.Inc()
+			g.peerLog.Warn("gateway: dropped a partition answer that claims a partition not another's", "partition", b.Partition, "own", g.cfg.Partition, "partitions", g.cfg.Partitions)
+		}
+		return kept
+	}
+	return answers
 }
 
 // learnedBlockSize is the largest block size any answer reports.

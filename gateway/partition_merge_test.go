@@ -5,6 +5,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvrelay/kvrelay/gateway/index"
 )
 
@@ -119,6 +122,47 @@ func TestPartitionMergeKeepsDeepestDuplicate(t *testing.T) {
 		}
 		if d.Worker != b || d.MatchedBlocks[b] != 4 {
 			t.Errorf("answers %v: chose %s with matched %v, want %s at 4", answers, d.Worker, d.MatchedBlocks, b)
+		}
+	}
+}
+
+// TestPartitionMergeDropsOwnAndOutOfRange: answers claiming this replica's
+// own partition, or one outside the tier, are dropped whole (and counted):
+// their overlaps are not merged, and their unreachable workers do not
+// leave the fleet. Before the fix an answer claiming partition 0 could
+// give partition 0's own worker a forged overlap, or take it out of the
+// fleet by calling it unreachable.
+func TestPartitionMergeDropsOwnAndOutOfRange(t *testing.T) {
+	own := idsIn(t, "a", 0, 2, 2)
+	a, a2 := own[0], own[1]
+	b := idsIn(t, "b", 1, 2, 1)[0]
+	bad := []PartitionAnswer{
+		{Partition: 0, Matches: []index.Match{{Worker: a2, Blocks: 3}}, Unreachable: []string{a}},
+		{Partition: 2, Matches: []index.Match{{Worker: a2, Blocks: 3}}, Unreachable: []string{a}},
+		{Partition: -1, Matches: []index.Match{{Worker: a2, Blocks: 3}}, Unreachable: []string{a}},
+	}
+	for _, x := range bad {
+		g, err := New(Config{Workers: workersOf("", a, a2, b), Partitions: 2, Partition: 0, NoPlacements: true, Registerer: prometheus.NewRegistry()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		answers := []PartitionAnswer{{Partition: 1, Matches: []index.Match{{Worker: b, Blocks: 1}}}, x}
+		g.SetScatterer(&fakeScatter{answer: func(PartitionQuery) []PartitionAnswer { return answers }})
+		d, err := g.Route(RouteRequest{TokenIDs: make([]uint32, 64)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.MatchedBlocks[a2] != 0 || d.Worker != b || d.MatchedBlocks[b] != 1 {
+			t.Errorf("answer claiming partition %d: chose %s, matched %v; want %s at 1, %s unmatched", x.Partition, d.Worker, d.MatchedBlocks, b, a2)
+		}
+		g.mu.Lock()
+		inFleet := g.models[DefaultModel].fleet.Has(a)
+		g.mu.Unlock()
+		if !inFleet {
+			t.Errorf("answer claiming partition %d took own worker %s out of the fleet", x.Partition, a)
+		}
+		if n := testutil.ToFloat64(g.metrics.answersDropped); n != 1 {
+			t.Errorf("answer claiming partition %d: kvrelay_gateway_partition_answers_dropped_total = %v, want 1", x.Partition, n)
 		}
 	}
 }
