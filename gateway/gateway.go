@@ -214,6 +214,10 @@ type model struct {
 	// that two learners cannot leave the index at the smaller one.
 	blockMu      sync.Mutex
 	learnedBlock atomic.Int64
+	// parts counts the model's workers per partition (partitioned only;
+	// under g.mu): a block size is adopted only from a partition that owns
+	// one of them.
+	parts map[int]int
 }
 
 func (m *model) relist() {
@@ -415,6 +419,10 @@ func (g *Gateway) AddWorker(w Worker) error {
 	g.workerOf[w.ID] = w.Model
 	if g.partitioned() {
 		g.partOf[w.ID] = part
+		if m.parts == nil {
+			m.parts = map[int]int{}
+		}
+		m.parts[part]++
 	}
 	return nil
 }
@@ -448,6 +456,11 @@ func (g *Gateway) RemoveWorker(id string) error {
 	g.endDrainLocked(id)
 	_, remote := g.remote[id]
 	delete(g.remote, id)
+	if part, ok := g.partOf[id]; ok {
+		if m.parts[part]--; m.parts[part] <= 0 {
+			delete(m.parts, part)
+		}
+	}
 	delete(g.partOf, id)
 	g.mu.Unlock()
 	if !remote {
@@ -558,7 +571,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		// Another partition's workers revealed a larger block size than
 		// this replica knew (its own workers silent, or none of the model):
 		// a full replica would have hashed with it; so, once, does this.
-		if g.adoptBlockSize(m, remote.learnedBlockSize()) {
+		if g.adoptBlockSize(m, remote) {
 			blockSize = m.ix.BlockSize()
 			q.Prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
 			remote = g.partitionLookup(m, q, matches)

@@ -290,15 +290,6 @@ func (g *Gateway) otherPartitions(answers []PartitionAnswer) []PartitionAnswer {
 	return answers
 }
 
-// learnedBlockSize is the largest block size any answer reports.
-func (s scattered) learnedBlockSize() int {
-	n := 0
-	for _, a := range s.answers {
-		n = max(n, a.BlockSize)
-	}
-	return n
-}
-
 // applyLocked records the answers' reachability and merges their engine
 // signals into engine (returned, allocated if nil and needed); g.mu is
 // held.
@@ -375,17 +366,58 @@ func (g *Gateway) remoteUnreachableLocked(model, w string) bool {
 	return g.remoteDown[remoteKey{partition: g.partOf[w], model: model}][w]
 }
 
-// adoptBlockSize takes a block size another partition's workers revealed
-// for the model, if larger than any learned here (the rule the monitor
-// applies among its own workers); it reports whether the model's block
-// size changed.
-func (g *Gateway) adoptBlockSize(m *model, n int) bool {
-	if n <= 0 {
+// MaxAdoptedBlockSize bounds a block size taken from another partition's
+// answer. Engines page KV at up to a few hundred tokens (vLLM raises its
+// page to about a thousand for some hybrid models); a larger size from an
+// answer is taken for a forged or broken one, since adopting it would
+// hash every request shorter than it to no blocks, for good (sizes only
+// grow). A size this replica's own workers reveal is not bounded.
+const MaxAdoptedBlockSize = 4096
+
+// adoptBlockSize takes the largest block size the answers report for the
+// model, if larger than any learned here (the rule the monitor applies
+// among its own workers), from an answer whose partition owns at least
+// one of the model's workers in this replica's membership and at most
+// MaxAdoptedBlockSize; each larger size offered is counted by outcome and
+// logged (throttled: the answers are a peer's). It reports whether the
+// model's block size changed.
+func (g *Gateway) adoptBlockSize(m *model, s scattered) bool {
+	cur := int(m.learnedBlock.Load())
+	larger := false
+	for _, a := range s.answers {
+		larger = larger || a.BlockSize > cur
+	}
+	if !larger {
+		return false // the common case: nothing to check under g.mu
+	}
+	n := 0
+	g.mu.Lock()
+	for _, a := range s.answers {
+		switch {
+		case a.BlockSize <= cur:
+			continue
+		case m.parts[a.Partition] == 0:
+			g.metrics.blockSizes.WithLabelValues(m.name, "not_assigned").Inc()
+			g.peerLog.Warn("gateway: refused a block size from a partition that owns no worker of the model", "model", m.name, "partition", a.Partition, "block_size", a.BlockSize)
+		case a.BlockSize > MaxAdoptedBlockSize:
+			g.metrics.blockSizes.WithLabelValues(m.name, "too_large").Inc()
+			g.peerLog.Warn("gateway: refused a block size above the largest adopted", "model", m.name, "partition", a.Partition, "block_size", a.BlockSize, "max", MaxAdoptedBlockSize)
+		default:
+			n = max(n, a.BlockSize)
+		}
+	}
+	g.mu.Unlock()
+	if n == 0 {
 		return false
 	}
 	before := m.ix.BlockSize()
 	g.learnBlockSize(m, n)
-	return m.ix.BlockSize() != before
+	if m.ix.BlockSize() == before {
+		return false
+	}
+	g.metrics.blockSizes.WithLabelValues(m.name, "adopted").Inc()
+	g.peerLog.Info("gateway: adopted another partition's block size", "model", m.name, "block_size", n, "was", before)
+	return true
 }
 
 // learnBlockSize sets the model's index block size to n if it is the

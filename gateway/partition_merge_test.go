@@ -166,3 +166,80 @@ func TestPartitionMergeDropsOwnAndOutOfRange(t *testing.T) {
 		}
 	}
 }
+
+// TestPartitionBlockSizeAdoption: another partition's block size is
+// adopted only from a partition owning a worker of the model here, and
+// only up to MaxAdoptedBlockSize; each offer is counted by outcome. Before
+// the fix one answer of 1 Mi tokens set the model's block size for good,
+// from any partition.
+func TestPartitionBlockSizeAdoption(t *testing.T) {
+	a := idsIn(t, "a", 0, 2, 1)[0]
+	b := idsIn(t, "b", 1, 2, 1)[0]
+	tokens := make([]uint32, 4096)
+	route := func(g *Gateway, answers ...PartitionAnswer) Decision {
+		t.Helper()
+		g.SetScatterer(&fakeScatter{answer: func(PartitionQuery) []PartitionAnswer { return answers }})
+		d, err := g.Route(RouteRequest{TokenIDs: tokens})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	count := func(g *Gateway, outcome string) float64 {
+		return testutil.ToFloat64(g.metrics.blockSizes.WithLabelValues(DefaultModel, outcome))
+	}
+
+	// Partition 1 owns b: a poisoned size is refused, a sane one adopted.
+	g, err := New(Config{Workers: workersOf("", a, b), Partitions: 2, Partition: 0, NoPlacements: true, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	def := g.models[DefaultModel].ix.BlockSize()
+	for _, n := range []int{1 << 20, MaxAdoptedBlockSize + 1} {
+		if d := route(g, PartitionAnswer{Partition: 1, BlockSize: n}); d.BlockSize != def {
+			t.Errorf("an answer of block size %d: routes hash at %d, want the default %d", n, d.BlockSize, def)
+		}
+	}
+	if n := count(g, "too_large"); n != 2 {
+		t.Errorf("too_large = %v, want 2", n)
+	}
+	if d := route(g, PartitionAnswer{Partition: 1, BlockSize: 32}); d.BlockSize != 32 || d.RequestBlocks != len(tokens)/32 {
+		t.Errorf("partition 1 (owns %s) says 32: route hashed at %d into %d blocks", b, d.BlockSize, d.RequestBlocks)
+	}
+	if d := route(g, PartitionAnswer{Partition: 1, BlockSize: MaxAdoptedBlockSize}); d.BlockSize != MaxAdoptedBlockSize {
+		t.Errorf("partition 1 says %d, the bound: route hashed at %d", MaxAdoptedBlockSize, d.BlockSize)
+	}
+	if n := count(g, "adopted"); n != 2 {
+		t.Errorf("adopted = %v, want 2", n)
+	}
+
+	// Partition 1 owns no worker of the model here (b is another model's):
+	// its size is refused.
+	g, err = New(Config{Workers: append(workersOf("", a), workersOf("other", b)...), Partitions: 2, Partition: 0, NoPlacements: true, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := route(g, PartitionAnswer{Partition: 1, BlockSize: 32}); d.BlockSize != def {
+		t.Errorf("partition 1 owns no worker of the model, says 32: route hashed at %d, want %d", d.BlockSize, def)
+	}
+	if n := count(g, "not_assigned"); n != 1 {
+		t.Errorf("not_assigned = %v, want 1", n)
+	}
+	// Once it owns one, the same answer is adopted; and when that worker
+	// leaves, a larger size from it is refused again.
+	if err := g.AddWorker(workersOf("", idsIn(t, "c", 1, 2, 1)...)[0]); err != nil {
+		t.Fatal(err)
+	}
+	if d := route(g, PartitionAnswer{Partition: 1, BlockSize: 32}); d.BlockSize != 32 {
+		t.Errorf("partition 1 now owns a worker of the model, says 32: route hashed at %d", d.BlockSize)
+	}
+	if err := g.RemoveWorker(idsIn(t, "c", 1, 2, 1)[0]); err != nil {
+		t.Fatal(err)
+	}
+	if d := route(g, PartitionAnswer{Partition: 1, BlockSize: 64}); d.BlockSize != 32 {
+		t.Errorf("partition 1's worker of the model removed, it says 64: route hashed at %d, want 32", d.BlockSize)
+	}
+	if n := count(g, "not_assigned"); n != 2 {
+		t.Errorf("not_assigned = %v, want 2", n)
+	}
+}
