@@ -561,6 +561,14 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	var remote scattered // partitioned: the other partitions' answers
 	switch {
 	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
+		if g.partitioned() {
+			// The index has nothing to say about text, but the other
+			// partitions' answers carry what a full replica learns from
+			// their workers' streams: engine signals and reachability. A
+			// query with no hashes asks for only those.
+			remote = g.partitionLookup(m, PartitionQuery{Model: name, Loads: g.picker.UsesEngineLoad()}, matches)
+			g.adoptBlockSize(m, remote)
+		}
 		prefix = textPrefixHashes(req.Text, ns)
 		matches.RequestBlocks = len(prefix)
 		blockSize = TextBlockBytes

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 
@@ -9,6 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/picker"
+	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
 // fakeScatter answers a partitioned route's queries from answer, so the
@@ -241,5 +244,72 @@ func TestPartitionBlockSizeAdoption(t *testing.T) {
 	}
 	if n := count(g, "not_assigned"); n != 2 {
 		t.Errorf("not_assigned = %v, want 2", n)
+	}
+}
+
+// TestPartitionedTextRouteScatters: a text route (placements on) on a
+// partitioned replica asks the other partitions with a hash-less query,
+// so the picker sees their workers' engine signals and reachability and
+// decides as a full replica does. Before the fix the text branch never
+// scattered: partition 1's worker b, at 95% KV usage, took the request by
+// its placement where a full replica spills it.
+func TestPartitionedTextRouteScatters(t *testing.T) {
+	a := idsIn(t, "a", 0, 2, 1)[0]
+	b := idsIn(t, "b", 1, 2, 1)[0]
+	pc := picker.Config{OverloadTokenUsage: 0.9}
+	full, err := New(Config{Workers: workersOf("", a, b), Picker: pc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	part, err := New(Config{Workers: workersOf("", a, b), Picker: pc, Partitions: 2, Partition: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs := &fakeScatter{answer: func(PartitionQuery) []PartitionAnswer {
+		return []PartitionAnswer{{Partition: 1, Signals: []WorkerSignal{{Worker: b, EngineSignal: picker.EngineSignal{TokenUsage: 0.95, HasTokenUsage: true}}}}}
+	}}
+	part.SetScatterer(fs)
+	full.recordLoad(a, 0, &kvpb.EngineLoad{TokenUsage: 0.1}, LoadPushed)
+	full.recordLoad(b, 0, &kvpb.EngineLoad{TokenUsage: 0.95}, LoadPushed)
+	part.recordLoad(a, 0, &kvpb.EngineLoad{TokenUsage: 0.1}, LoadPushed)
+	text := strings.Repeat("a shared system prompt, long enough for a few text blocks. ", 4)
+	hs := textPrefixHashes(text, index.Namespace{})
+	for _, g := range []*Gateway{full, part} {
+		if err := g.ApplyPlacement(DefaultModel, "peer", b, hs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := full.Route(RouteRequest{Text: text})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := part.Route(RouteRequest{Text: text})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Worker != want.Worker || got.Reason != want.Reason {
+		t.Errorf("text route: full replica %s (%s), partitioned %s (%s)", want.Worker, want.Reason, got.Worker, got.Reason)
+	}
+	if want.Worker != a {
+		t.Errorf("full replica chose %s (%s): the test means b to be over the threshold", want.Worker, want.Reason)
+	}
+	calls, q := fs.count()
+	if calls != 1 || len(q.Prefix) != 0 || !q.Loads {
+		t.Errorf("text route scattered %d times, last query %d hashes, loads %v; want once, no hashes, loads", calls, len(q.Prefix), q.Loads)
+	}
+
+	// Reachability: partition 1 reports b unreachable, so b leaves the
+	// fleet, as a full replica leaves a worker whose stream is down.
+	fs.answer = func(PartitionQuery) []PartitionAnswer {
+		return []PartitionAnswer{{Partition: 1, Unreachable: []string{b}}}
+	}
+	if _, err := part.Route(RouteRequest{Text: text}); err != nil {
+		t.Fatal(err)
+	}
+	part.mu.Lock()
+	inFleet := part.models[DefaultModel].fleet.Has(b)
+	part.mu.Unlock()
+	if inFleet {
+		t.Errorf("partition 1 reported %s unreachable on a text route; it is still in the fleet", b)
 	}
 }
