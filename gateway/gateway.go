@@ -460,6 +460,17 @@ func (g *Gateway) RemoveWorker(id string) error {
 		if m.parts[part]--; m.parts[part] <= 0 {
 			delete(m.parts, part)
 		}
+		// Forget that its partition called it unreachable: added again, it
+		// starts reachable, as an own worker does.
+		g.reachMu.Lock()
+		key := remoteKey{partition: part, model: name}
+		if down := g.remoteDown[key]; down[id] {
+			delete(down, id)
+			if len(down) == 0 {
+				delete(g.remoteDown, key)
+			}
+		}
+		g.reachMu.Unlock()
 	}
 	delete(g.partOf, id)
 	g.mu.Unlock()

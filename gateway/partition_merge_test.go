@@ -313,3 +313,49 @@ func TestPartitionedTextRouteScatters(t *testing.T) {
 		t.Errorf("partition 1 reported %s unreachable on a text route; it is still in the fleet", b)
 	}
 }
+
+// TestRemoveWorkerForgetsRemoteDown: a worker another partition reported
+// unreachable, removed and added again, starts reachable (back in the
+// fleet) until its partition says otherwise. Before the fix the old report
+// outlived the worker and kept it out of the fleet.
+func TestRemoveWorkerForgetsRemoteDown(t *testing.T) {
+	a := idsIn(t, "a", 0, 2, 1)[0]
+	b := idsIn(t, "b", 1, 2, 1)[0]
+	g, err := New(Config{Workers: workersOf("", a, b), Partitions: 2, Partition: 0, NoPlacements: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inFleet := func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.models[DefaultModel].fleet.Has(b)
+	}
+	g.SetScatterer(&fakeScatter{answer: func(PartitionQuery) []PartitionAnswer {
+		return []PartitionAnswer{{Partition: 1, Unreachable: []string{b}}}
+	}})
+	if _, err := g.Route(RouteRequest{TokenIDs: make([]uint32, 64)}); err != nil {
+		t.Fatal(err)
+	}
+	if inFleet() {
+		t.Fatalf("partition 1 reported %s unreachable; it is still in the fleet", b)
+	}
+	if err := g.RemoveWorker(b); err != nil {
+		t.Fatal(err)
+	}
+	g.reachMu.Lock()
+	left := len(g.remoteDown)
+	g.reachMu.Unlock()
+	if left != 0 {
+		t.Errorf("after removing %s, %d partitions' unreachable sets remain", b, left)
+	}
+	if err := g.AddWorker(workersOf("", b)[0]); err != nil {
+		t.Fatal(err)
+	}
+	g.SetScatterer(nil) // partition 1 silent: its last report stands
+	if _, err := g.Route(RouteRequest{TokenIDs: make([]uint32, 64)}); err != nil {
+		t.Fatal(err)
+	}
+	if !inFleet() {
+		t.Errorf("%s removed and added again is kept out of the fleet by a report about its former self", b)
+	}
+}
