@@ -83,7 +83,7 @@ var (
 	placementsEndedDesc = prometheus.NewDesc("kvrelay_gateway_placements_ended_total",
 		"Placements that ended, by how: confirmed (the index then held the block), expired (TTL), evicted (entry cap), removed (worker removed).", []string{"model", "how"}, nil)
 	blockSizeDesc = prometheus.NewDesc("kvrelay_gateway_block_size",
-		"Block size (tokens) learned from the model's KV events; absent until one is seen.", []string{"model"}, nil)
+		"Block size (tokens) learned from the model's KV events, or (partitioned) adopted from another partition's answer; absent until one is seen.", []string{"model"}, nil)
 )
 
 func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -106,8 +106,10 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
 	ixs := make(map[string]*index.Index, len(g.models))
 	places := make(map[string]*placement.Store, len(g.models))
+	learned := make(map[string]int, len(g.models))
 	for name, m := range g.models {
 		ixs[name] = m.ix
+		learned[name] = int(m.learnedBlock.Load())
 		if m.places != nil {
 			places[name] = m.places
 		}
@@ -141,7 +143,9 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(cacheHitRateDesc, prometheus.GaugeValue, h.rate, h.model, h.worker, h.rank)
 	}
 	for name := range ixs {
-		if n := g.mon.BlockSize(name); n > 0 {
+		// The largest learned here: the own workers' (the monitor's) or,
+		// partitioned, one adopted from another partition.
+		if n := max(g.mon.BlockSize(name), learned[name]); n > 0 {
 			ch <- prometheus.MustNewConstMetric(blockSizeDesc, prometheus.GaugeValue, float64(n), name)
 		}
 	}

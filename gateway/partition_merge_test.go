@@ -193,7 +193,8 @@ func TestPartitionBlockSizeAdoption(t *testing.T) {
 	}
 
 	// Partition 1 owns b: a poisoned size is refused, a sane one adopted.
-	g, err := New(Config{Workers: workersOf("", a, b), Partitions: 2, Partition: 0, NoPlacements: true, Registerer: prometheus.NewRegistry()})
+	reg := prometheus.NewRegistry()
+	g, err := New(Config{Workers: workersOf("", a, b), Partitions: 2, Partition: 0, NoPlacements: true, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,6 +215,14 @@ func TestPartitionBlockSizeAdoption(t *testing.T) {
 	}
 	if n := count(g, "adopted"); n != 2 {
 		t.Errorf("adopted = %v, want 2", n)
+	}
+	want := fmt.Sprintf(`
+# HELP kvrelay_gateway_block_size Block size (tokens) learned from the model's KV events, or (partitioned) adopted from another partition's answer; absent until one is seen.
+# TYPE kvrelay_gateway_block_size gauge
+kvrelay_gateway_block_size{model=%q} %d
+`, DefaultModel, MaxAdoptedBlockSize)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvrelay_gateway_block_size"); err != nil {
+		t.Errorf("an adopted block size is not on kvrelay_gateway_block_size: %v", err)
 	}
 
 	// Partition 1 owns no worker of the model here (b is another model's):
