@@ -70,7 +70,7 @@ const layers = `
 	proto/kvdec < gateway/monitor;
 	# The gateway polls GetLoads where a worker pushes no load, with the
 	# relay's own mapping of each engine's answer (a leaf on the protos).
-	gateway/picker, gateway/placement, gateway/monitor, engines/load < gateway;
+	gateway/picker, gateway/placement, gateway/monitor, engines/load, internal/logthrottle < gateway;
 	gateway < gateway/membership;
 	internal/natslog, internal/natsconn, internal/logthrottle < gateway/placementsync;
 	# The partitioned tier's scatter: the gateway's query and answer over NATS.

@@ -60,6 +60,7 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/gateway/placement"
+	"github.com/kvrelay/kvrelay/internal/logthrottle"
 )
 
 // DefaultModel is the model of a worker or request that names none.
@@ -209,7 +210,14 @@ type model struct {
 	started bool             // its index's Run is going
 	// learnedBlock is the largest block size learned for the model, from
 	// this replica's workers or (partitioned) another partition's answer.
+	// It is written under blockMu together with the index's block size, so
+	// that two learners cannot leave the index at the smaller one.
+	blockMu      sync.Mutex
 	learnedBlock atomic.Int64
+	// parts counts the model's workers per partition (partitioned only;
+	// under g.mu): a block size is adopted only from a partition that owns
+	// one of them.
+	parts map[int]int
 }
 
 func (m *model) relist() {
@@ -225,6 +233,7 @@ func (m *model) relist() {
 type Gateway struct {
 	cfg     Config
 	log     *slog.Logger
+	peerLog *slog.Logger // log, throttled: lines a peer's answers can drive
 	mon     *monitor.Monitor
 	picker  *picker.Picker
 	metrics *gatewayMetrics
@@ -308,6 +317,7 @@ func New(cfg Config) (*Gateway, error) {
 	g := &Gateway{
 		cfg:          cfg,
 		log:          cfg.Logger,
+		peerLog:      logthrottle.Wrap(cfg.Logger),
 		picker:       p,
 		models:       map[string]*model{},
 		workerOf:     map[string]string{},
@@ -409,6 +419,10 @@ func (g *Gateway) AddWorker(w Worker) error {
 	g.workerOf[w.ID] = w.Model
 	if g.partitioned() {
 		g.partOf[w.ID] = part
+		if m.parts == nil {
+			m.parts = map[int]int{}
+		}
+		m.parts[part]++
 	}
 	return nil
 }
@@ -442,6 +456,22 @@ func (g *Gateway) RemoveWorker(id string) error {
 	g.endDrainLocked(id)
 	_, remote := g.remote[id]
 	delete(g.remote, id)
+	if part, ok := g.partOf[id]; ok {
+		if m.parts[part]--; m.parts[part] <= 0 {
+			delete(m.parts, part)
+		}
+		// Forget that its partition called it unreachable: added again, it
+		// starts reachable, as an own worker does.
+		g.reachMu.Lock()
+		key := remoteKey{partition: part, model: name}
+		if down := g.remoteDown[key]; down[id] {
+			delete(down, id)
+			if len(down) == 0 {
+				delete(g.remoteDown, key)
+			}
+		}
+		g.reachMu.Unlock()
+	}
 	delete(g.partOf, id)
 	g.mu.Unlock()
 	if !remote {
@@ -542,6 +572,14 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 	var remote scattered // partitioned: the other partitions' answers
 	switch {
 	case len(req.TokenIDs) == 0 && req.Text != "" && m.places != nil:
+		if g.partitioned() {
+			// The index has nothing to say about text, but the other
+			// partitions' answers carry what a full replica learns from
+			// their workers' streams: engine signals and reachability. A
+			// query with no hashes asks for only those.
+			remote = g.partitionLookup(m, PartitionQuery{Model: name, Loads: g.picker.UsesEngineLoad()}, matches)
+			g.adoptBlockSize(m, remote)
+		}
 		prefix = textPrefixHashes(req.Text, ns)
 		matches.RequestBlocks = len(prefix)
 		blockSize = TextBlockBytes
@@ -552,7 +590,7 @@ func (g *Gateway) Route(req RouteRequest) (Decision, error) {
 		// Another partition's workers revealed a larger block size than
 		// this replica knew (its own workers silent, or none of the model):
 		// a full replica would have hashed with it; so, once, does this.
-		if g.adoptBlockSize(m, remote.learnedBlockSize()) {
+		if g.adoptBlockSize(m, remote) {
 			blockSize = m.ix.BlockSize()
 			q.Prefix = index.PrefixHashes(req.TokenIDs, blockSize, ns)
 			remote = g.partitionLookup(m, q, matches)

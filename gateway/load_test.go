@@ -227,7 +227,7 @@ func TestEngineGauges(t *testing.T) {
 	waitLoad(t, g, "A", func(l EngineLoad) bool { return l.Rank == 1 && l.RunningRequests == 3 })
 	eventually(t, "block size learned", func() bool { return workerStatus(t, g, "A").BlockSize == 32 })
 	want := `
-# HELP kvrelay_gateway_block_size Block size (tokens) learned from the model's KV events; absent until one is seen.
+# HELP kvrelay_gateway_block_size Block size (tokens) learned from the model's KV events, or (partitioned) adopted from another partition's answer; absent until one is seen.
 # TYPE kvrelay_gateway_block_size gauge
 kvrelay_gateway_block_size{model="llama"} 32
 # HELP kvrelay_gateway_engine_cache_hit_rate The engine's own prefix-cache hit rate, from its last load record that carried one.

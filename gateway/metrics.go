@@ -15,6 +15,10 @@ type gatewayMetrics struct {
 	routeSeconds    prometheus.Histogram
 	inflightExpired prometheus.Counter
 	loadPolls       loadPollMetrics
+	// Partitioned: answers the merge refused, and block sizes other
+	// partitions' answers offered (adopted or refused, by why).
+	answersDropped prometheus.Counter
+	blockSizes     *prometheus.CounterVec // model, outcome
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
@@ -33,11 +37,19 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 			Help: "Tracked requests that stopped counting as in flight because nobody completed them within the timeout.",
 		}),
 		loadPolls: newLoadPollMetrics(),
+		answersDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_answers_dropped_total",
+			Help: "Partitioned: answers a route dropped because they claimed this replica's own partition or one outside the tier.",
+		}),
+		blockSizes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_block_sizes_total",
+			Help: "Partitioned: larger block sizes other partitions' answers offered for a model, by outcome: adopted; not_assigned (the answering partition owns none of the model's workers here); too_large (above the largest block size any engine uses).",
+		}, []string{"model", "outcome"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, indexCollector{g}} {
+	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, m.answersDropped, m.blockSizes, indexCollector{g}} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("gateway metrics: %w", err)
 		}
@@ -71,7 +83,7 @@ var (
 	placementsEndedDesc = prometheus.NewDesc("kvrelay_gateway_placements_ended_total",
 		"Placements that ended, by how: confirmed (the index then held the block), expired (TTL), evicted (entry cap), removed (worker removed).", []string{"model", "how"}, nil)
 	blockSizeDesc = prometheus.NewDesc("kvrelay_gateway_block_size",
-		"Block size (tokens) learned from the model's KV events; absent until one is seen.", []string{"model"}, nil)
+		"Block size (tokens) learned from the model's KV events, or (partitioned) adopted from another partition's answer; absent until one is seen.", []string{"model"}, nil)
 )
 
 func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -94,8 +106,10 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
 	ixs := make(map[string]*index.Index, len(g.models))
 	places := make(map[string]*placement.Store, len(g.models))
+	learned := make(map[string]int, len(g.models))
 	for name, m := range g.models {
 		ixs[name] = m.ix
+		learned[name] = int(m.learnedBlock.Load())
 		if m.places != nil {
 			places[name] = m.places
 		}
@@ -129,7 +143,9 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(cacheHitRateDesc, prometheus.GaugeValue, h.rate, h.model, h.worker, h.rank)
 	}
 	for name := range ixs {
-		if n := g.mon.BlockSize(name); n > 0 {
+		// The largest learned here: the own workers' (the monitor's) or,
+		// partitioned, one adopted from another partition.
+		if n := max(g.mon.BlockSize(name), learned[name]); n > 0 {
 			ch <- prometheus.MustNewConstMetric(blockSizeDesc, prometheus.GaugeValue, float64(n), name)
 		}
 	}

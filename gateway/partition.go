@@ -228,7 +228,7 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 	local := func() { m.ix.FindMatchesHashesInto(dst, q.Prefix) }
 	var answers []PartitionAnswer
 	if s := g.scatter.Load(); s != nil {
-		answers = (*s).Scatter(q, local)
+		answers = g.otherPartitions((*s).Scatter(q, local))
 	} else {
 		local()
 	}
@@ -244,25 +244,50 @@ func (g *Gateway) partitionLookup(m *model, q PartitionQuery, dst *index.Matches
 		}
 	}
 	g.mu.Unlock()
+	// A worker listed twice (a partition answering twice, or one answer
+	// naming it twice) keeps its deepest overlap, as a full index has one
+	// per worker: sorted by name, deepest first, the first of each name is
+	// the one kept; then back to index.Matches' order (deepest first, then
+	// by name). Two sorts rather than a set, so a route allocates nothing.
+	slices.SortFunc(dst.Workers, func(a, b index.Match) int {
+		if c := strings.Compare(a.Worker, b.Worker); c != 0 {
+			return c
+		}
+		return b.Blocks - a.Blocks
+	})
+	dst.Workers = slices.CompactFunc(dst.Workers, func(a, b index.Match) bool { return a.Worker == b.Worker })
 	slices.SortFunc(dst.Workers, func(a, b index.Match) int {
 		if a.Blocks != b.Blocks {
 			return b.Blocks - a.Blocks
 		}
 		return strings.Compare(a.Worker, b.Worker)
 	})
-	// Duplicates can only come from a partition answering twice; keep the
-	// first (the deepest).
-	dst.Workers = slices.CompactFunc(dst.Workers, func(a, b index.Match) bool { return a.Worker == b.Worker })
 	return scattered{answers: answers}
 }
 
-// learnedBlockSize is the largest block size any answer reports.
-func (s scattered) learnedBlockSize() int {
-	n := 0
-	for _, a := range s.answers {
-		n = max(n, a.BlockSize)
+// otherPartitions returns answers without those that claim this
+// replica's own partition or one outside the tier: the merge trusts an
+// answer's partition to say whose workers it may speak for, and this
+// replica's own workers are known here first-hand. Each dropped answer is
+// counted and logged (throttled). answers is not modified; a copy is made
+// only when one is dropped.
+func (g *Gateway) otherPartitions(answers []PartitionAnswer) []PartitionAnswer {
+	for i, a := range answers {
+		if a.Partition != g.cfg.Partition && a.Partition >= 0 && a.Partition < g.cfg.Partitions {
+			continue
+		}
+		kept := slices.Clone(answers[:i])
+		for _, b := range answers[i:] {
+			if b.Partition != g.cfg.Partition && b.Partition >= 0 && b.Partition < g.cfg.Partitions {
+				kept = append(kept, b)
+				continue
+			}
+			g.metrics.answersDropped.Inc()
+			g.peerLog.Warn("gateway: dropped a partition answer that claims a partition not another's", "partition", b.Partition, "own", g.cfg.Partition, "partitions", g.cfg.Partitions)
+		}
+		return kept
 	}
-	return n
+	return answers
 }
 
 // applyLocked records the answers' reachability and merges their engine
@@ -341,30 +366,70 @@ func (g *Gateway) remoteUnreachableLocked(model, w string) bool {
 	return g.remoteDown[remoteKey{partition: g.partOf[w], model: model}][w]
 }
 
-// adoptBlockSize takes a block size another partition's workers revealed
-// for the model, if larger than any learned here (the rule the monitor
-// applies among its own workers); it reports whether the model's block
-// size changed.
-func (g *Gateway) adoptBlockSize(m *model, n int) bool {
-	if n <= 0 {
+// MaxAdoptedBlockSize bounds a block size taken from another partition's
+// answer. Engines page KV at up to a few hundred tokens (vLLM raises its
+// page to about a thousand for some hybrid models); a larger size from an
+// answer is taken for a forged or broken one, since adopting it would
+// hash every request shorter than it to no blocks, for good (sizes only
+// grow). A size this replica's own workers reveal is not bounded.
+const MaxAdoptedBlockSize = 4096
+
+// adoptBlockSize takes the largest block size the answers report for the
+// model, if larger than any learned here (the rule the monitor applies
+// among its own workers), from an answer whose partition owns at least
+// one of the model's workers in this replica's membership and at most
+// MaxAdoptedBlockSize; each larger size offered is counted by outcome and
+// logged (throttled: the answers are a peer's). It reports whether the
+// model's block size changed.
+func (g *Gateway) adoptBlockSize(m *model, s scattered) bool {
+	cur := int(m.learnedBlock.Load())
+	larger := false
+	for _, a := range s.answers {
+		larger = larger || a.BlockSize > cur
+	}
+	if !larger {
+		return false // the common case: nothing to check under g.mu
+	}
+	n := 0
+	g.mu.Lock()
+	for _, a := range s.answers {
+		switch {
+		case a.BlockSize <= cur:
+			continue
+		case m.parts[a.Partition] == 0:
+			g.metrics.blockSizes.WithLabelValues(m.name, "not_assigned").Inc()
+			g.peerLog.Warn("gateway: refused a block size from a partition that owns no worker of the model", "model", m.name, "partition", a.Partition, "block_size", a.BlockSize)
+		case a.BlockSize > MaxAdoptedBlockSize:
+			g.metrics.blockSizes.WithLabelValues(m.name, "too_large").Inc()
+			g.peerLog.Warn("gateway: refused a block size above the largest adopted", "model", m.name, "partition", a.Partition, "block_size", a.BlockSize, "max", MaxAdoptedBlockSize)
+		default:
+			n = max(n, a.BlockSize)
+		}
+	}
+	g.mu.Unlock()
+	if n == 0 {
 		return false
 	}
 	before := m.ix.BlockSize()
 	g.learnBlockSize(m, n)
-	return m.ix.BlockSize() != before
+	if m.ix.BlockSize() == before {
+		return false
+	}
+	g.metrics.blockSizes.WithLabelValues(m.name, "adopted").Inc()
+	g.peerLog.Info("gateway: adopted another partition's block size", "model", m.name, "block_size", n, "was", before)
+	return true
 }
 
 // learnBlockSize sets the model's index block size to n if it is the
-// largest learned so far.
+// largest learned so far. The comparison and both writes are one step
+// under m.blockMu: with a compare-and-swap alone, a learner of 16 could
+// set the index after a learner of 32 had, leaving it at 16.
 func (g *Gateway) learnBlockSize(m *model, n int) {
-	for {
-		cur := m.learnedBlock.Load()
-		if int64(n) <= cur {
-			return
-		}
-		if m.learnedBlock.CompareAndSwap(cur, int64(n)) {
-			m.ix.SetBlockSize(n)
-			return
-		}
+	m.blockMu.Lock()
+	defer m.blockMu.Unlock()
+	if int64(n) <= m.learnedBlock.Load() {
+		return
 	}
+	m.learnedBlock.Store(int64(n))
+	m.ix.SetBlockSize(n)
 }

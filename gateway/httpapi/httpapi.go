@@ -306,15 +306,23 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	// Readiness: every model that has workers has one whose stream is
-	// open, so its routing rests on a live index.
+	// open, so its routing rests on a live index. On a partitioned replica
+	// only its own partition's workers stream here (the others show
+	// gateway.StateRemote): a model is ready when one of its own workers
+	// streams, or when it has none of its own (the other partitions' replicas
+	// answer for those, and say their readiness themselves).
 	handleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		streaming := map[string]bool{}
+		type state struct{ own, streaming bool }
+		models := map[string]state{}
 		for _, ws := range g.Workers() {
-			streaming[ws.Model] = streaming[ws.Model] || ws.State == monitor.StateStreaming
+			st := models[ws.Model]
+			st.own = st.own || ws.State != gateway.StateRemote
+			st.streaming = st.streaming || ws.State == monitor.StateStreaming
+			models[ws.Model] = st
 		}
 		waiting := []string{}
-		for m, ok := range streaming {
-			if !ok {
+		for m, st := range models {
+			if st.own && !st.streaming {
 				waiting = append(waiting, m)
 			}
 		}
