@@ -2,10 +2,12 @@
 // tier over NATS (`kvrelay gateway --nats URL --partitions P --partition
 // p`; issue 31.3, docs/partitioned-tier.md).
 //
-// Each replica of partition p answers lookups on <prefix>.lookup.<p>
-// (default prefix kvrelay.tier) in the queue group kvrelay-tier-<p>, so
-// the k replicas of one partition share the questions and one answers
-// each. A route on any replica scatters the request's prefix hashes to
+// Each replica of partition p of a P-partition tier answers lookups on
+// <prefix>.lookup.<P>.<p> (default prefix kvrelay.tier) in the queue group
+// kvrelay-tier-<P>-<p>, so the k replicas of one partition share the
+// questions and one answers each, and replicas of another P (a tier being
+// replaced) never take them. Queries and answers carry P as well; a
+// mismatch is refused and counted. A route on any replica scatters the request's prefix hashes to
 // every other partition with a reply subject of its own, looks its own
 // partition up meanwhile, and waits for the answers until its deadline
 // (Options.Deadline); what it merges is gateway.Gateway's business
@@ -77,8 +79,9 @@ type Options struct {
 	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
 	ReconnectWait time.Duration
 	// Registerer receives kvrelay_gateway_scatter_seconds,
-	// kvrelay_gateway_scatter_missing_total and
-	// kvrelay_gateway_partition_lookups_total; nil = unregistered.
+	// kvrelay_gateway_scatter_missing_total,
+	// kvrelay_gateway_partition_lookups_total and
+	// kvrelay_gateway_partition_answers_refused_total; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
 	// NATSOptions are added to the connection's options (TLS, credentials).
@@ -101,6 +104,7 @@ type Tier struct {
 	missing    *prometheus.CounterVec // partition
 	missingBy  []prometheus.Counter   // per partition
 	lookups    *prometheus.CounterVec // result
+	refused    *prometheus.CounterVec // reason
 	regd       []prometheus.Collector
 	next       atomic.Uint64
 	mu         sync.Mutex
@@ -160,15 +164,22 @@ func Start(target Target, opts Options) (*Tier, error) {
 		}, []string{"partition"}),
 		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_partition_lookups_total",
-			Help: "Lookups this replica answered for the other partitions, by result: answered, unknown_model, refused (a malformed query).",
+			Help: "Lookups this replica answered for the other partitions, by result: answered, unknown_model, refused (a malformed query), partition_count (asked by a tier of another partition count).",
 		}, []string{"result"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_answers_refused_total",
+			Help: "Answers to this replica's lookups it refused, by reason: malformed, partition_count (from a tier of another partition count), not_asked (from a partition not asked, or answered twice). The partition is then missing from that route.",
+		}, []string{"reason"}),
 	}
 	for p := range parts {
-		t.subjects = append(t.subjects, LookupSubject(opts.SubjectPrefix, p))
+		t.subjects = append(t.subjects, LookupSubject(opts.SubjectPrefix, parts, p))
 		t.missingBy = append(t.missingBy, t.missing.WithLabelValues(strconv.Itoa(p)))
 	}
-	for _, r := range []string{"answered", "unknown_model", "refused"} {
+	for _, r := range []string{"answered", "unknown_model", "refused", "partition_count"} {
 		t.lookups.WithLabelValues(r)
+	}
+	for _, r := range refusedReasons {
+		t.refused.WithLabelValues(r)
 	}
 	t.queryBufs.New = func() any { return new([]byte) }
 	nopts := []nats.Option{
@@ -196,7 +207,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 	}
 	_ = t.replySub.SetPendingLimits(-1, PendingBytes)
 	for range opts.Responders {
-		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(own), t.answerer())
+		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(parts, own), t.answerer())
 		if err != nil {
 			nc.Close()
 			return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.subjects[own], err)
@@ -205,7 +216,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 		t.subs = append(t.subs, sub)
 	}
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups} {
+		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups, t.refused} {
 			if err := opts.Registerer.Register(c); err != nil {
 				t.Close()
 				return nil, fmt.Errorf("partitionsync: %w", err)
@@ -216,11 +227,20 @@ func Start(target Target, opts Options) (*Tier, error) {
 	return t, nil
 }
 
-// LookupSubject is partition p's lookup subject under prefix.
-func LookupSubject(prefix string, p int) string { return prefix + ".lookup." + strconv.Itoa(p) }
+// LookupSubject is partition p's lookup subject under prefix in a tier of
+// parts partitions.
+func LookupSubject(prefix string, parts, p int) string {
+	return prefix + ".lookup." + strconv.Itoa(parts) + "." + strconv.Itoa(p)
+}
 
-// QueueGroup is partition p's queue group: its replicas share the lookups.
-func QueueGroup(p int) string { return "kvrelay-tier-" + strconv.Itoa(p) }
+// QueueGroup is partition p's queue group in a tier of parts partitions:
+// its replicas share the lookups.
+func QueueGroup(parts, p int) string {
+	return "kvrelay-tier-" + strconv.Itoa(parts) + "-" + strconv.Itoa(p)
+}
+
+// The reasons of kvrelay_gateway_partition_answers_refused_total.
+var refusedReasons = []string{"malformed", "partition_count", "not_asked"}
 
 // Close unsubscribes, closes the connection and unregisters the metrics.
 func (t *Tier) Close() {
@@ -253,10 +273,18 @@ func (t *Tier) answerer() nats.MsgHandler {
 			return
 		}
 		status := byte(statusAnswered)
-		if err := decodeQuery(msg.Data, &q); err != nil {
+		if parts, err := decodeQuery(msg.Data, &q); err != nil {
 			status = statusRefused
 			t.lookups.WithLabelValues("refused").Inc()
 			t.peer.Warn("partition lookup refused", "err", err, "bytes", len(msg.Data))
+			a.Reset()
+			a.Partition = t.own
+		} else if parts != t.parts {
+			// Only a misconfigured server routes it here (the subject
+			// carries P); the asker refuses the answer's count too.
+			status = statusRefused
+			t.lookups.WithLabelValues("partition_count").Inc()
+			t.peer.Warn("partition lookup refused: asked by a tier of another partition count", "asker_partitions", parts, "partitions", t.parts)
 			a.Reset()
 			a.Partition = t.own
 		} else if err := t.target.AnswerPartition(q, &a); err != nil {
@@ -272,7 +300,7 @@ func (t *Tier) answerer() nats.MsgHandler {
 		} else {
 			t.lookups.WithLabelValues("answered").Inc()
 		}
-		out = appendAnswer(out[:0], status, &a)
+		out = appendAnswer(out[:0], t.parts, status, &a)
 		if err := msg.Respond(out); err != nil {
 			t.peer.Warn("partition lookup answer not sent", "err", natslog.RedactError(err))
 		}
@@ -309,7 +337,7 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 		q.Prefix = q.Prefix[:MaxHashes]
 	}
 	bp := t.queryBufs.Get().(*[]byte)
-	*bp = appendQuery((*bp)[:0], q)
+	*bp = appendQuery((*bp)[:0], t.parts, q)
 	id := t.next.Add(1)
 	ch := make(chan *nats.Msg, t.parts)
 	t.mu.Lock()
@@ -361,12 +389,18 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 			continue
 		}
 		var a gateway.PartitionAnswer
-		status, err := decodeAnswer(msg.Data, &a)
+		status, parts, err := decodeAnswer(msg.Data, &a)
 		switch {
 		case err != nil:
+			t.refused.WithLabelValues("malformed").Inc()
 			t.peer.Warn("partition answer refused", "err", err, "bytes", len(msg.Data))
 			continue
+		case parts != t.parts:
+			t.refused.WithLabelValues("partition_count").Inc()
+			t.peer.Warn("partition answer refused: from a tier of another partition count", "answer_partitions", parts, "partitions", t.parts)
+			continue
 		case a.Partition >= t.parts || state[a.Partition] != 1:
+			t.refused.WithLabelValues("not_asked").Inc()
 			t.peer.Warn("partition answer refused: not from a partition asked", "partition", a.Partition)
 			continue
 		}

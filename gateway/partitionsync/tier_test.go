@@ -316,15 +316,17 @@ func startTier(t *testing.T, url, prefix string, ids []string, parts int, deadli
 // streams); request by request, on shared-document traffic with evictions
 // and client-reported loads, the tier's replicas route exactly as the full
 // one does: same worker, reason and overlaps. A 16-partition tier (more
-// partitions than some have workers) does too.
+// partitions than some have workers) does too, on the same subject prefix
+// as the 4-partition one (replacing a tier's P): neither takes the other's
+// lookups.
 func TestTierAnswersAsAFullReplica(t *testing.T) {
 	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
 	fleet, ids := startFleet(t, 12)
 	rng := rand.New(rand.NewPCG(31, 3))
 	docs := makeDocs(rng, 5)
 	full := startReplica(t, "", "", ids, 1, 0, 0)
-	tier4 := startTier(t, ns.URL(), "t4", ids, 4, 10*time.Second)
-	tier16 := startTier(t, ns.URL(), "t16", ids, 16, 10*time.Second)
+	tier4 := startTier(t, ns.URL(), "shared", ids, 4, 10*time.Second)
+	tier16 := startTier(t, ns.URL(), "shared", ids, 16, 10*time.Second)
 	for _, w := range fleet {
 		w.serve(t, rng, docs, 14)
 	}
@@ -361,6 +363,82 @@ func missing(t *testing.T, r *replica) float64 {
 		}
 	}
 	return sum
+}
+
+// counter is r's counter name{label=value} (0 when absent).
+func counter(t *testing.T, r *replica, name, label, value string) float64 {
+	t.Helper()
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label && l.GetValue() == value {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+// TestTierRefusesAnotherPartitionCount: a peer of another partition count
+// (a misconfigured or forged one, on this tier's subjects) is refused both
+// ways and counted: its answer is refused
+// (kvrelay_gateway_partition_answers_refused_total{reason="partition_count"})
+// and its partition missing from the route; its query is answered
+// "refused" and counted
+// (kvrelay_gateway_partition_lookups_total{result="partition_count"}).
+func TestTierRefusesAnotherPartitionCount(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	_, ids := startFleet(t, 4)
+	r := startReplica(t, ns.URL(), "forge", ids, 2, 0, 5*time.Second)
+	peer, err := nats.Connect(ns.URL(), nats.Name("forged partition 1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer peer.Close()
+	// Partition 1 of a 2-partition tier answering as one of 3.
+	if _, err := peer.QueueSubscribe(partitionsync.LookupSubject("forge", 2, 1), partitionsync.QueueGroup(2, 1), func(m *nats.Msg) {
+		_ = m.Respond(partitionsync.AppendAnswer(nil, 3, partitionsync.StatusAnswered, &gateway.PartitionAnswer{Partition: 1}))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := peer.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var tokens []uint32
+	for i := range 64 {
+		tokens = append(tokens, uint32(i))
+	}
+	if _, err := r.gw.Route(gateway.RouteRequest{TokenIDs: tokens}); err != nil {
+		t.Fatal(err)
+	}
+	if n := counter(t, r, "kvrelay_gateway_partition_answers_refused_total", "reason", "partition_count"); n != 1 {
+		t.Errorf("an answer of 3 partitions to a 2-partition tier: %v refused as partition_count, want 1", n)
+	}
+	if n := missing(t, r); n != 1 {
+		t.Errorf("an answer of 3 partitions to a 2-partition tier: %v missing, want 1", n)
+	}
+
+	// A query of 3 partitions on partition 0's subject.
+	msg, err := peer.Request(partitionsync.LookupSubject("forge", 2, 0), partitionsync.AppendQuery(nil, 3, gateway.PartitionQuery{Model: "any"}), patience)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a gateway.PartitionAnswer
+	st, parts, err := partitionsync.DecodeAnswer(msg.Data, &a)
+	if err != nil || st != partitionsync.StatusRefused || parts != 2 || a.Partition != 0 {
+		t.Errorf("a query of 3 partitions: answered status %d, partition %d of %d (%v); want refused, partition 0 of 2", st, a.Partition, parts, err)
+	}
+	if n := counter(t, r, "kvrelay_gateway_partition_lookups_total", "result", "partition_count"); n != 1 {
+		t.Errorf("a query of 3 partitions: %v lookups counted partition_count, want 1", n)
+	}
 }
 
 // withoutPartition is m less the workers of partition p.
@@ -471,7 +549,7 @@ func TestTierPartitionKilledMidRun(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := hung.QueueSubscribe(partitionsync.LookupSubject("kill", 2), partitionsync.QueueGroup(2), func(*nats.Msg) {}); err != nil {
+	if _, err := hung.QueueSubscribe(partitionsync.LookupSubject("kill", 4, 2), partitionsync.QueueGroup(4, 2), func(*nats.Msg) {}); err != nil {
 		t.Fatal(err)
 	}
 	if err := hung.Flush(); err != nil {

@@ -10,22 +10,27 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 )
 
-// The wire form, version 1. Every count and length a peer declares is
+// The wire form, version 2. Every count and length a peer declares is
 // checked against the bytes that remain (and a stated maximum) before it
-// is used; nothing is allocated from a declared size.
+// is used; nothing is allocated from a declared size. Version 2 added the
+// partition count P to both messages: replicas of different P must never
+// take each other's lookups (the subject and queue group carry P too, and
+// a mismatch is refused and counted).
 //
-// A query (to <prefix>.lookup.<partition>):
+// A query (to <prefix>.lookup.<P>.<partition>):
 //
-//	byte     version (1)
+//	byte     version (2)
 //	byte     flags: bit 0 asks for engine load signals
+//	uvarint  the asker's partition count P (2..gateway.MaxPartitions)
 //	uvarint  model length (≤ MaxModelBytes), the model's bytes
 //	uvarint  hash count (≤ MaxHashes), then that many 8-byte
 //	         little-endian prefix hashes, filling the rest exactly
 //
 // An answer (to the query's reply subject):
 //
-//	byte     version (1)
-//	uvarint  the answering partition (< gateway.MaxPartitions)
+//	byte     version (2)
+//	uvarint  the answerer's partition count P (2..gateway.MaxPartitions)
+//	uvarint  the answering partition (< P)
 //	byte     status: 0 answered, 1 unknown model, 2 query refused
 //	uvarint  the model's learned block size (0: none; ≤ MaxBlockSize)
 //	uvarint  overlaps; each: name, uvarint blocks (1..MaxHashes)
@@ -37,7 +42,7 @@ import (
 //
 // a name being a uvarint length (1..MaxNameBytes) and its bytes.
 const (
-	Version = 1
+	Version = 2
 	// MaxHashes bounds a query's prefix hashes: a 1 Mi-token request
 	// (the gateway's default --max-request-tokens) at block size 16,
 	// 512 KiB on the wire (NATS's default max_payload is 1 MiB). A longer
@@ -73,13 +78,15 @@ var (
 	ErrTooLarge  = errors.New("partitionsync: over a bound")
 )
 
-// appendQuery encodes q; q.Prefix must hold at most MaxHashes hashes.
-func appendQuery(b []byte, q gateway.PartitionQuery) []byte {
+// appendQuery encodes q from a tier of parts partitions; q.Prefix must
+// hold at most MaxHashes hashes.
+func appendQuery(b []byte, parts int, q gateway.PartitionQuery) []byte {
 	var flags byte
 	if q.Loads {
 		flags |= flagLoads
 	}
 	b = append(b, Version, flags)
+	b = binary.AppendUvarint(b, uint64(parts))
 	b = binary.AppendUvarint(b, uint64(len(q.Model)))
 	b = append(b, q.Model...)
 	b = binary.AppendUvarint(b, uint64(len(q.Prefix)))
@@ -152,32 +159,45 @@ func (r *reader) bytes(what string, least, most int) []byte {
 	return v
 }
 
-// decodeQuery decodes a query into q, its prefix into q.Prefix's room.
-func decodeQuery(b []byte, q *gateway.PartitionQuery) error {
+// partitions reads a partition count P (2..gateway.MaxPartitions).
+func (r *reader) partitions() int {
+	n := r.uvarint("partition count", gateway.MaxPartitions)
+	if r.err == nil && n < 2 {
+		r.fail(ErrMalformed, fmt.Sprintf("partition count %d", n))
+	}
+	return int(n)
+}
+
+// decodeQuery decodes a query into q, its prefix into q.Prefix's room,
+// and returns the asker's partition count.
+func decodeQuery(b []byte, q *gateway.PartitionQuery) (parts int, err error) {
 	r := reader{b: b}
 	if v := r.byte("version"); r.err == nil && v != Version {
-		return fmt.Errorf("%w: %d", ErrVersion, v)
+		return 0, fmt.Errorf("%w: %d", ErrVersion, v)
 	}
 	flags := r.byte("flags")
+	parts = r.partitions()
 	model := r.bytes("model", 0, MaxModelBytes)
 	n := r.uvarint("hash count", MaxHashes)
 	if r.err != nil {
-		return r.err
+		return 0, r.err
 	}
 	if uint64(len(r.b)) != n*8 {
-		return fmt.Errorf("%w: %d hashes declared, %d bytes follow", ErrMalformed, n, len(r.b))
+		return 0, fmt.Errorf("%w: %d hashes declared, %d bytes follow", ErrMalformed, n, len(r.b))
 	}
 	q.Model, q.Loads = string(model), flags&flagLoads != 0
 	q.Prefix = q.Prefix[:0]
 	for i := 0; i < len(r.b); i += 8 {
 		q.Prefix = append(q.Prefix, binary.LittleEndian.Uint64(r.b[i:]))
 	}
-	return nil
+	return parts, nil
 }
 
-// appendAnswer encodes a partition's answer with status.
-func appendAnswer(b []byte, status byte, a *gateway.PartitionAnswer) []byte {
+// appendAnswer encodes a partition's answer with status, from a tier of
+// parts partitions.
+func appendAnswer(b []byte, parts int, status byte, a *gateway.PartitionAnswer) []byte {
 	b = append(b, Version)
+	b = binary.AppendUvarint(b, uint64(parts))
 	b = binary.AppendUvarint(b, uint64(a.Partition))
 	b = append(b, status)
 	b = binary.AppendUvarint(b, uint64(min(max(a.BlockSize, 0), MaxBlockSize)))
@@ -217,15 +237,16 @@ func appendName(b []byte, s string) []byte {
 }
 
 // decodeAnswer decodes an answer into dst (reset first) and returns its
-// status.
-func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
+// status and the answerer's partition count.
+func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (status byte, parts int, err error) {
 	dst.Reset()
 	r := reader{b: b}
 	if v := r.byte("version"); r.err == nil && v != Version {
-		return 0, fmt.Errorf("%w: %d", ErrVersion, v)
+		return 0, 0, fmt.Errorf("%w: %d", ErrVersion, v)
 	}
-	dst.Partition = int(r.uvarint("partition", gateway.MaxPartitions-1))
-	status := r.byte("status")
+	parts = r.partitions()
+	dst.Partition = int(r.uvarint("partition", uint64(max(parts, 1)-1)))
+	status = r.byte("status")
 	if r.err == nil && status > statusRefused {
 		r.fail(ErrMalformed, fmt.Sprintf("status %d", status))
 	}
@@ -238,14 +259,14 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
 			r.fail(ErrMalformed, "an overlap of 0 blocks")
 		}
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		dst.Matches = append(dst.Matches, index.Match{Worker: string(name), Blocks: int(blocks)})
 	}
 	for range r.count("unreachable", 2) {
 		name := r.bytes("worker", 1, MaxNameBytes)
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		dst.Unreachable = append(dst.Unreachable, string(name))
 	}
@@ -272,16 +293,16 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
 			s.Backlog, s.HasBacklog = int(r.uvarint("backlog", MaxBacklog)), true
 		}
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		s.Worker = string(name)
 		dst.Signals = append(dst.Signals, s)
 	}
 	if r.err != nil {
-		return 0, r.err
+		return 0, 0, r.err
 	}
 	if len(r.b) != 0 {
-		return 0, fmt.Errorf("%w: %d bytes after the answer", ErrMalformed, len(r.b))
+		return 0, 0, fmt.Errorf("%w: %d bytes after the answer", ErrMalformed, len(r.b))
 	}
-	return status, nil
+	return status, parts, nil
 }
