@@ -37,10 +37,11 @@ import (
 //	uvarint  unreachable workers; each: name
 //	uvarint  engine signals; each: name, byte flags (bit 0 token usage,
 //	         bit 1 backlog), then the token usage as a little-endian
-//	         float64 (finite, ≥ 0) if bit 0, the backlog as a uvarint
+//	         float64 (in [0, 1]) if bit 0, the backlog as a uvarint
 //	         (≤ MaxBacklog) if bit 1
 //
-// a name being a uvarint length (1..MaxNameBytes) and its bytes.
+// a name being a uvarint length (1..MaxNameBytes) and its bytes. No list
+// names a worker twice (a merge would keep either entry).
 const (
 	Version = 2
 	// MaxHashes bounds a query's prefix hashes: a 1 Mi-token request
@@ -222,7 +223,13 @@ func appendAnswer(b []byte, parts int, status byte, a *gateway.PartitionAnswer) 
 		}
 		b = append(b, flags)
 		if s.HasTokenUsage {
-			b = binary.LittleEndian.AppendUint64(b, math.Float64bits(s.TokenUsage))
+			// An engine reporting past [0, 1] must not cost the whole
+			// answer (the decoder refuses it); NaN goes out as 1.
+			u := s.TokenUsage
+			if !(u <= 1) {
+				u = 1
+			}
+			b = binary.LittleEndian.AppendUint64(b, math.Float64bits(max(u, 0)))
 		}
 		if s.HasBacklog {
 			b = binary.AppendUvarint(b, uint64(min(max(s.Backlog, 0), MaxBacklog)))
@@ -283,7 +290,7 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (status byte, parts in
 			} else {
 				u := math.Float64frombits(binary.LittleEndian.Uint64(r.b))
 				r.b = r.b[8:]
-				if math.IsNaN(u) || math.IsInf(u, 0) || u < 0 {
+				if !(u >= 0 && u <= 1) { // NaN and ±Inf too
 					r.fail(ErrMalformed, fmt.Sprintf("token usage %v", u))
 				}
 				s.TokenUsage, s.HasTokenUsage = u, true
@@ -301,8 +308,41 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (status byte, parts in
 	if r.err != nil {
 		return 0, 0, r.err
 	}
+	if w, ok := repeated(dst.Matches, func(m *index.Match) string { return m.Worker }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q overlaps twice", ErrMalformed, w)
+	}
+	if w, ok := repeated(dst.Unreachable, func(w *string) string { return *w }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q unreachable twice", ErrMalformed, w)
+	}
+	if w, ok := repeated(dst.Signals, func(s *gateway.WorkerSignal) string { return s.Worker }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q signalled twice", ErrMalformed, w)
+	}
 	if len(r.b) != 0 {
 		return 0, 0, fmt.Errorf("%w: %d bytes after the answer", ErrMalformed, len(r.b))
 	}
 	return status, parts, nil
+}
+
+// repeated returns a name that two of xs carry. The lists come from a
+// decoded message, so their length is bounded by its bytes.
+func repeated[T any](xs []T, name func(*T) string) (string, bool) {
+	if len(xs) <= 16 {
+		for i := range xs {
+			for j := range i {
+				if n := name(&xs[i]); n == name(&xs[j]) {
+					return n, true
+				}
+			}
+		}
+		return "", false
+	}
+	seen := make(map[string]struct{}, len(xs))
+	for i := range xs {
+		n := name(&xs[i])
+		if _, ok := seen[n]; ok {
+			return n, true
+		}
+		seen[n] = struct{}{}
+	}
+	return "", false
 }

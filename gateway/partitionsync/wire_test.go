@@ -3,9 +3,11 @@ package partitionsync
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvrelay/kvrelay/gateway"
@@ -81,9 +83,17 @@ func TestWireRefusesWhatBreaksABound(t *testing.T) {
 	if _, _, err := decodeAnswer(append(slices.Clip(good), 0), &a); !errors.Is(err, ErrMalformed) {
 		t.Errorf("trailing bytes: %v", err)
 	}
-	nan := gateway.PartitionAnswer{Signals: []gateway.WorkerSignal{{Worker: "w", EngineSignal: picker.EngineSignal{TokenUsage: math.NaN(), HasTokenUsage: true}}}}
-	if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &nan), &a); !errors.Is(err, ErrMalformed) {
-		t.Errorf("a NaN token usage: %v", err)
+	for _, u := range []float64{math.NaN(), math.Inf(1), -0.25, 1.5} {
+		// One signal of worker "w": P 4, partition 0, answered, block size
+		// 0, no overlap, no unreachable worker, one signal.
+		b := []byte{Version, 4, 0, statusAnswered, 0, 0, 0, 1, 1, 'w', sigTokenUsage}
+		b = binary.LittleEndian.AppendUint64(b, math.Float64bits(u))
+		if _, _, err := decodeAnswer(b, &a); !errors.Is(err, ErrMalformed) {
+			t.Errorf("a token usage of %v: %v", u, err)
+		}
+		if _, _, err := decodeAnswer(b[:len(b)-8], &a); err == nil {
+			t.Error("a token usage without its bytes decoded")
+		}
 	}
 	zero := gateway.PartitionAnswer{Matches: []index.Match{{Worker: "w", Blocks: 0}}}
 	if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &zero), &a); !errors.Is(err, ErrMalformed) {
@@ -100,6 +110,57 @@ func TestWireRefusesWhatBreaksABound(t *testing.T) {
 		b := binary.AppendUvarint([]byte{Version}, parts)
 		if _, _, err := decodeAnswer(append(b, 0, 0, 0, 0, 0, 0), &a); err == nil {
 			t.Errorf("an answer of %d partitions decoded", parts)
+		}
+	}
+}
+
+// TestWireRefusesAWorkerNamedTwice: an answer naming a worker twice in its
+// overlaps ({b:4},{c:2},{b:1}: not adjacent once sorted, so a merge kept
+// both), its unreachable workers or its signals is refused, whatever the
+// list's length; the same worker in two lists is fine.
+func TestWireRefusesAWorkerNamedTwice(t *testing.T) {
+	var a gateway.PartitionAnswer
+	dup := gateway.PartitionAnswer{Partition: 1, Matches: []index.Match{{Worker: "b", Blocks: 4}, {Worker: "c", Blocks: 2}, {Worker: "b", Blocks: 1}}}
+	if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &dup), &a); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), `worker "b" overlaps twice`) {
+		t.Errorf("b overlapping twice: %v", err)
+	}
+	var long gateway.PartitionAnswer // past the quadratic check's 16
+	for i := range 40 {
+		long.Matches = append(long.Matches, index.Match{Worker: fmt.Sprintf("w%d", i), Blocks: 1})
+		long.Unreachable = append(long.Unreachable, fmt.Sprintf("w%d", i))
+		long.Signals = append(long.Signals, gateway.WorkerSignal{Worker: fmt.Sprintf("w%d", i)})
+	}
+	if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &long), &a); err != nil {
+		t.Fatalf("40 distinct workers, each in every list: %v", err)
+	}
+	for _, tc := range []struct {
+		what string
+		edit func(*gateway.PartitionAnswer)
+	}{
+		{"overlaps twice", func(a *gateway.PartitionAnswer) { a.Matches[37].Worker = "w3" }},
+		{"unreachable twice", func(a *gateway.PartitionAnswer) { a.Unreachable[39] = "w0" }},
+		{"signalled twice", func(a *gateway.PartitionAnswer) { a.Signals[20].Worker = "w21" }},
+		{"signalled twice", func(a *gateway.PartitionAnswer) { a.Signals = a.Signals[:3]; a.Signals[2].Worker = "w1" }},
+	} {
+		b := gateway.PartitionAnswer{Partition: 1}
+		b.Matches = slices.Clone(long.Matches)
+		b.Unreachable = slices.Clone(long.Unreachable)
+		b.Signals = slices.Clone(long.Signals)
+		tc.edit(&b)
+		if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &b), &a); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), tc.what) {
+			t.Errorf("a worker %s: %v", tc.what, err)
+		}
+	}
+}
+
+// TestWireClampsTokenUsage: an own engine's usage past [0, 1] goes out
+// clamped, so the answer is not refused for it.
+func TestWireClampsTokenUsage(t *testing.T) {
+	for _, u := range []float64{1.25, math.Inf(1), math.NaN(), -0.5} {
+		s := gateway.PartitionAnswer{Signals: []gateway.WorkerSignal{{Worker: "w", EngineSignal: picker.EngineSignal{TokenUsage: u, HasTokenUsage: true}}}}
+		var a gateway.PartitionAnswer
+		if _, _, err := decodeAnswer(appendAnswer(nil, 4, statusAnswered, &s), &a); err != nil || a.Signals[0].TokenUsage < 0 || a.Signals[0].TokenUsage > 1 {
+			t.Errorf("usage %v: %+v, %v", u, a.Signals, err)
 		}
 	}
 }
@@ -142,10 +203,32 @@ func FuzzPartitionAnswer(f *testing.F) {
 		if parts < 2 || parts > gateway.MaxPartitions || a.Partition < 0 || a.Partition >= parts {
 			t.Fatalf("partition %d of %d decoded", a.Partition, parts)
 		}
+		for what, names := range map[string][]string{
+			"overlaps":    namesOf(a.Matches, func(m index.Match) string { return m.Worker }),
+			"unreachable": a.Unreachable,
+			"signals":     namesOf(a.Signals, func(s gateway.WorkerSignal) string { return s.Worker }),
+		} {
+			if len(names) != len(slices.Compact(slices.Sorted(slices.Values(names)))) {
+				t.Fatalf("%s name a worker twice: %q", what, names)
+			}
+		}
+		for _, s := range a.Signals {
+			if s.HasTokenUsage && !(s.TokenUsage >= 0 && s.TokenUsage <= 1) {
+				t.Fatalf("token usage %v decoded", s.TokenUsage)
+			}
+		}
 		var a2 gateway.PartitionAnswer
 		st2, parts2, err := decodeAnswer(appendAnswer(nil, parts, st, &a), &a2)
 		if err != nil || st2 != st || parts2 != parts || !reflect.DeepEqual(a, a2) {
 			t.Fatalf("re-encoded answer does not decode to itself: %v", err)
 		}
 	})
+}
+
+func namesOf[T any](xs []T, name func(T) string) []string {
+	out := make([]string, len(xs))
+	for i, x := range xs {
+		out[i] = name(x)
+	}
+	return out
 }
