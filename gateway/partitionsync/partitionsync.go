@@ -108,7 +108,7 @@ type Tier struct {
 	regd       []prometheus.Collector
 	next       atomic.Uint64
 	mu         sync.Mutex
-	calls      map[uint64]chan *nats.Msg
+	calls      map[uint64]chan reply
 	queryBufs  sync.Pool
 	closeOnce  sync.Once
 }
@@ -152,7 +152,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 	t := &Tier{
 		opts: opts, target: target, own: own, parts: parts,
 		log: opts.Logger, peer: logthrottle.Wrap(opts.Logger),
-		calls: map[uint64]chan *nats.Msg{},
+		calls: map[uint64]chan reply{},
 		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_scatter_seconds",
 			Help:    "Wall time of a partitioned route's scatter: from sending the query to the other partitions until the last answer (or the deadline), the replica's own lookup included.",
@@ -168,7 +168,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 		}, []string{"result"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_partition_answers_refused_total",
-			Help: "Answers to this replica's lookups it refused, by reason: malformed, partition_count (from a tier of another partition count), not_asked (from a partition not asked, or answered twice). The partition is then missing from that route.",
+			Help: "Answers to this replica's lookups it refused, by reason: malformed, partition_count (from a tier of another partition count), not_asked (to a partition not asked, or answered twice), reply_subject (claiming another partition than the one its reply subject asked). The partition is then missing from that route.",
 		}, []string{"reason"}),
 	}
 	for p := range parts {
@@ -199,9 +199,9 @@ func Start(target Target, opts Options) (*Tier, error) {
 		return nil, fmt.Errorf("partitionsync: %w", err)
 	}
 	t.nc = nc
-	t.inbox = nc.NewRespInbox()
-	t.inbox = t.inbox[:strings.LastIndexByte(t.inbox, '.')]
-	if t.replySub, err = nc.Subscribe(t.inbox+".*", t.reply); err != nil {
+	// Answers come to <inbox>.<route id>.<partition asked>.
+	t.inbox = nc.NewInbox()
+	if t.replySub, err = nc.Subscribe(t.inbox+".*.*", t.reply); err != nil {
 		nc.Close()
 		return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.inbox, err)
 	}
@@ -240,7 +240,7 @@ func QueueGroup(parts, p int) string {
 }
 
 // The reasons of kvrelay_gateway_partition_answers_refused_total.
-var refusedReasons = []string{"malformed", "partition_count", "not_asked"}
+var refusedReasons = []string{"malformed", "partition_count", "not_asked", "reply_subject"}
 
 // Close unsubscribes, closes the connection and unregisters the metrics.
 func (t *Tier) Close() {
@@ -310,11 +310,31 @@ func (t *Tier) answerer() nats.MsgHandler {
 	}
 }
 
+// reply is an answer (or NATS's no-responder status) to the query sent to
+// partition p.
+type reply struct {
+	p   int
+	msg *nats.Msg
+}
+
 // reply hands an answer to the Scatter waiting for it.
 func (t *Tier) reply(msg *nats.Msg) {
-	i := strings.LastIndexByte(msg.Subject, '.')
-	id, err := strconv.ParseUint(msg.Subject[i+1:], 36, 64)
+	// <inbox>.<route id, base 36>.<partition, base 10>
+	rest, ps, ok := cutLast(msg.Subject)
+	if !ok {
+		return
+	}
+	_, ids, ok := cutLast(rest)
+	if !ok {
+		return
+	}
+	id, err := strconv.ParseUint(ids, 36, 64)
 	if err != nil {
+		return
+	}
+	p, err := strconv.Atoi(ps)
+	if err != nil || p < 0 || p >= t.parts {
+		t.refused.WithLabelValues("not_asked").Inc()
 		return
 	}
 	t.mu.Lock()
@@ -324,13 +344,36 @@ func (t *Tier) reply(msg *nats.Msg) {
 		return // late: its route went on without it
 	}
 	select {
-	case ch <- msg:
+	case ch <- reply{p, msg}:
 	default: // more answers than partitions: forged or duplicated
+		t.refused.WithLabelValues("not_asked").Inc()
 	}
 }
 
+// cutLast splits s at its last dot.
+func cutLast(s string) (before, after string, ok bool) {
+	i := strings.LastIndexByte(s, '.')
+	if i < 0 {
+		return "", "", false
+	}
+	return s[:i], s[i+1:], true
+}
+
+// A partition's state in one Scatter.
+const (
+	notSent     = iota // the query could not be sent
+	waiting            // asked, no answer yet
+	answered           // answered, and the answer taken
+	noResponder        // NATS said no replica of it is subscribed
+	refusedAns         // its answer was refused (counted by reason)
+	declined           // it answered that it could not look up
+)
+
 // Scatter sends q to every other partition, runs local, and returns the
-// answers that came by the deadline (gateway.Scatterer).
+// answers that came by the deadline (gateway.Scatterer). Each partition
+// is asked with its own reply subject, <inbox>.<id>.<p>, and an answer
+// must declare the partition its subject asked: a replica of partition q
+// cannot pass its answer off as another partition's.
 func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.PartitionAnswer {
 	start := time.Now()
 	if len(q.Prefix) > MaxHashes {
@@ -339,77 +382,80 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 	bp := t.queryBufs.Get().(*[]byte)
 	*bp = appendQuery((*bp)[:0], t.parts, q)
 	id := t.next.Add(1)
-	ch := make(chan *nats.Msg, t.parts)
+	ch := make(chan reply, t.parts)
 	t.mu.Lock()
 	t.calls[id] = ch
 	t.mu.Unlock()
-	reply := t.inbox + "." + strconv.FormatUint(id, 36)
-	state := make([]byte, t.parts) // 0 not asked, 1 asked, 2 answered
-	asked := 0
+	replyPrefix := t.inbox + "." + strconv.FormatUint(id, 36) + "."
+	state := make([]byte, t.parts)
+	pending := 0
 	var sendErr error
 	for p := range t.parts {
 		if p == t.own {
 			continue
 		}
-		if err := t.nc.PublishRequest(t.subjects[p], reply, *bp); err != nil {
+		if err := t.nc.PublishRequest(t.subjects[p], replyPrefix+strconv.Itoa(p), *bp); err != nil {
 			sendErr = err
 			continue
 		}
-		state[p] = 1
-		asked++
+		state[p] = waiting
+		pending++
 	}
 	t.queryBufs.Put(bp)
 	local()
-	answers := make([]gateway.PartitionAnswer, 0, asked)
+	answers := make([]gateway.PartitionAnswer, 0, pending)
 	var timer *time.Timer
-	noResponders := 0
-	for got := 0; got < asked; {
-		var msg *nats.Msg
+	for pending > 0 {
+		var r reply
 		select {
-		case msg = <-ch:
+		case r = <-ch:
 		default:
 			if timer == nil {
 				timer = time.NewTimer(t.opts.Deadline - time.Since(start))
 				defer timer.Stop()
 			}
 			select {
-			case msg = <-ch:
+			case r = <-ch:
 			case <-timer.C:
 			}
 		}
-		if msg == nil {
+		if r.msg == nil {
 			break // the deadline
 		}
+		p, msg := r.p, r.msg
+		if state[p] != waiting {
+			t.refused.WithLabelValues("not_asked").Inc()
+			t.peer.Warn("partition answer refused: to a partition not asked, or answered already", "partition", p)
+			continue
+		}
+		pending--
 		if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
-			// No responders: the partition has no replica subscribed. Which
-			// one is not said; the others' answers may still come, so only
-			// the count of expected answers drops.
-			asked--
-			noResponders++
+			state[p] = noResponder
 			continue
 		}
 		var a gateway.PartitionAnswer
 		status, parts, err := decodeAnswer(msg.Data, &a)
+		state[p] = refusedAns
 		switch {
 		case err != nil:
 			t.refused.WithLabelValues("malformed").Inc()
-			t.peer.Warn("partition answer refused", "err", err, "bytes", len(msg.Data))
+			t.peer.Warn("partition answer refused", "partition", p, "err", err, "bytes", len(msg.Data))
 			continue
 		case parts != t.parts:
 			t.refused.WithLabelValues("partition_count").Inc()
-			t.peer.Warn("partition answer refused: from a tier of another partition count", "answer_partitions", parts, "partitions", t.parts)
+			t.peer.Warn("partition answer refused: from a tier of another partition count", "partition", p, "answer_partitions", parts, "partitions", t.parts)
 			continue
-		case a.Partition >= t.parts || state[a.Partition] != 1:
-			t.refused.WithLabelValues("not_asked").Inc()
-			t.peer.Warn("partition answer refused: not from a partition asked", "partition", a.Partition)
+		case a.Partition != p:
+			t.refused.WithLabelValues("reply_subject").Inc()
+			t.peer.Warn("partition answer refused: it claims another partition than the one asked", "partition", p, "claimed", a.Partition)
 			continue
 		}
-		state[a.Partition] = 2
-		got++
 		if status != statusAnswered {
-			t.peer.Warn("partition did not answer the lookup", "partition", a.Partition, "status", statusName(status), "model", q.Model)
+			state[p] = declined
+			t.peer.Warn("partition did not answer the lookup", "partition", p, "status", statusName(status), "model", q.Model)
 			continue
 		}
+		state[p] = answered
 		answers = append(answers, a)
 	}
 	t.mu.Lock()
@@ -417,31 +463,21 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 	t.mu.Unlock()
 	t.seconds.Observe(time.Since(start).Seconds())
 	for p, s := range state {
-		if p == t.own {
+		if p == t.own || s == answered {
 			continue
 		}
-		if s != 2 || !t.answered(answers, p) {
-			t.missingBy[p].Inc()
-			switch {
-			case sendErr != nil && s == 0:
-				t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
-			case noResponders > 0:
-				t.peer.Warn("partition missing from the route: no replica of it subscribed, or no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
-			default:
-				t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
-			}
+		t.missingBy[p].Inc()
+		switch s {
+		case notSent:
+			t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
+		case noResponder:
+			t.peer.Warn("partition missing from the route: no replica of it subscribed", "partition", p)
+		case waiting:
+			t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
+		default: // refused or declined, logged above
 		}
 	}
 	return answers
-}
-
-func (t *Tier) answered(answers []gateway.PartitionAnswer, p int) bool {
-	for i := range answers {
-		if answers[i].Partition == p {
-			return true
-		}
-	}
-	return false
 }
 
 func statusName(s byte) string {

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/index"
 	"github.com/kvrelay/kvrelay/gateway/partitionsync"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -438,6 +440,65 @@ func TestTierRefusesAnotherPartitionCount(t *testing.T) {
 	}
 	if n := counter(t, r, "kvrelay_gateway_partition_lookups_total", "result", "partition_count"); n != 1 {
 		t.Errorf("a query of 3 partitions: %v lookups counted partition_count, want 1", n)
+	}
+}
+
+// TestTierRefusesAnAnswerForAnotherPartition: each partition is asked on
+// its own reply subject, so a replica of partition 1 (forged, or confused)
+// answering as partition 2 is refused and counted
+// (kvrelay_gateway_partition_answers_refused_total{reason="reply_subject"}),
+// and both are missing from the route: 1 refused, 2 with no replica
+// subscribed. Both are known at once, so the route does not wait for the
+// deadline.
+func TestTierRefusesAnAnswerForAnotherPartition(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	_, ids := startFleet(t, 6)
+	// A worker of partition 2, whatever ports the fleet got (remote to
+	// this replica: it never dials it).
+	var w2 string
+	for i := 1; w2 == ""; i++ {
+		if id := fmt.Sprintf("grpc://127.0.0.1:%d", i); gateway.PartitionOf(id, 3) == 2 {
+			w2 = id
+		}
+	}
+	const deadline = 20 * time.Second
+	r := startReplica(t, ns.URL(), "claim", append(ids, w2), 3, 0, deadline)
+	peer, err := nats.Connect(ns.URL(), nats.Name("partition 1 claiming 2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer peer.Close()
+	if _, err := peer.QueueSubscribe(partitionsync.LookupSubject("claim", 3, 1), partitionsync.QueueGroup(3, 1), func(m *nats.Msg) {
+		a := gateway.PartitionAnswer{Partition: 2, Matches: []index.Match{{Worker: w2, Blocks: 1}}}
+		_ = m.Respond(partitionsync.AppendAnswer(nil, 3, partitionsync.StatusAnswered, &a))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := peer.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var tokens []uint32
+	for i := range 64 {
+		tokens = append(tokens, uint32(i))
+	}
+	start := time.Now()
+	got, err := r.gw.Route(gateway.RouteRequest{TokenIDs: tokens})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > deadline/2 {
+		t.Errorf("the route took %v: it waited for partitions already refused or without a responder (deadline %v)", took, deadline)
+	}
+	if got.MatchedBlocks[w2] != 0 {
+		t.Errorf("partition 1's answer as partition 2 was merged: %s at %d blocks", w2, got.MatchedBlocks[w2])
+	}
+	if n := counter(t, r, "kvrelay_gateway_partition_answers_refused_total", "reason", "reply_subject"); n != 1 {
+		t.Errorf("%v answers refused as reply_subject, want 1", n)
+	}
+	for p := 1; p <= 2; p++ {
+		if n := counter(t, r, "kvrelay_gateway_scatter_missing_total", "partition", strconv.Itoa(p)); n != 1 {
+			t.Errorf("partition %d: missing %v times, want once", p, n)
+		}
 	}
 }
 
