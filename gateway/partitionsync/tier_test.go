@@ -597,10 +597,11 @@ func TestTierPartitionKilledMidRun(t *testing.T) {
 	if m := missing(t, front) - before; m != routes {
 		t.Fatalf("partition 2 down: %v missing over %d routes, want one each", m, routes)
 	}
-	// The scatter waits at most the deadline; the route's own work and a
-	// loaded host's scheduling come on top.
-	if slowest > deadline+time.Second {
-		t.Errorf("partition 2 down (no responder): the slowest route took %v, the deadline is %v", slowest, deadline)
+	// NATS says "no responders" at once, so no route waits for the
+	// deadline: a quarter of it leaves a loaded host's scheduling room and
+	// still tells "at once" from "waited".
+	if slowest > deadline/4 {
+		t.Errorf("partition 2 down (no responder): the slowest route took %v, want under a quarter of the deadline %v", slowest, deadline)
 	}
 	t.Logf("partition 2 down: slowest of %d routes %v (no responder)", routes, slowest)
 
