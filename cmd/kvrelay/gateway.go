@@ -81,7 +81,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	partitions := fs.Int("partitions", 0, "with --nats: the tier is split into this many partitions (2.."+fmt.Sprint(gateway.MaxPartitions)+"): each replica subscribes only to the workers rendezvous hashing gives its --partition and asks the other partitions for the rest over NATS, with the same answer as a full replica; 0 or 1: every replica subscribes to every worker (docs/partitioned-tier.md)")
 	partition := fs.Int("partition", 0, "with --partitions: this replica's partition, 0..partitions-1 (run k replicas of each for availability)")
 	partitionDeadline := fs.Duration("partition-deadline", partitionsync.DefaultDeadline, "with --partitions: how long a route waits for the other partitions; a partition later than this is left out of that route (its workers at zero overlap) and counted in kvrelay_gateway_scatter_missing_total")
-	partitionSubject := fs.String("partition-subject-prefix", partitionsync.DefaultSubjectPrefix, "with --partitions: NATS subject prefix of the tier's lookups (<prefix>.lookup.<partition>); one tier, one prefix (a tier with another --partitions needs its own)")
+	partitionSubject := fs.String("partition-subject-prefix", partitionsync.DefaultSubjectPrefix, "with --partitions: NATS subject prefix of the tier's lookups (<prefix>.lookup.<partitions>.<partition>); tiers of different --partitions may share a prefix (they never take each other's lookups)")
 	memberSrc := addMemberFlags(fs)
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
 	natsAuth := natsconn.AddFlags(fs)
@@ -297,7 +297,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 		}
 		defer tier.Close()
 		g.SetScatterer(tier)
-		log.Info("partitioned tier", "partition", *partition, "partitions", *partitions, "subjects", partitionsync.LookupSubject(*partitionSubject, *partition))
+		log.Info("partitioned tier", "partition", *partition, "partitions", *partitions, "subjects", partitionsync.LookupSubject(*partitionSubject, *partitions, *partition))
 	}
 	exposure.WarnIfExposed(log, "gateway", *listen, *webConfig != "")
 	hupCtx, hupCancel := context.WithCancel(ctx)

@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
+	"github.com/kvrelay/kvrelay/gateway/partitionsync"
 	"github.com/kvrelay/kvrelay/internal/freeport"
 	"github.com/kvrelay/kvrelay/sim"
 	"github.com/kvrelay/kvrelay/testkit/apiclient"
@@ -184,7 +185,8 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 		{"gateway", "kvrelay.events.engine-a.0"},
 		{"gateway", "kvrelay.events-alive.engine-a"},
 		{"gateway", "$JS.API.STREAM.PURGE.KVRELAY_EVENTS"},
-		{"relay-a", "kvrelay.tier.lookup.0"},
+		{"relay-a", "kvrelay.tier.lookup.4.0"},
+		{"relay-a", "kvrelay.tier.blue.lookup.4.0"},
 	} {
 		nc, errs, err := dial(tc.role, true, true)
 		if err != nil {
@@ -207,13 +209,16 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 		nc.Close()
 	}
 	// A partitioned tier's lookup (--partitions): one gateway answers its
-	// partition's subject in its queue group, another asks and is answered.
-	{
+	// partition's subject in its queue group, another asks and is answered,
+	// on the default --partition-subject-prefix and on another one below it
+	// (a tier of another P started beside the old one, docs/partitioned-tier.md).
+	for _, prefix := range []string{partitionsync.DefaultSubjectPrefix, "kvrelay.tier.blue"} {
 		answerer, errs, err := dial("gateway", true, true)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := answerer.QueueSubscribe("kvrelay.tier.lookup.3", "kvrelay-tier-3", func(m *nats.Msg) { _ = m.Respond([]byte("answer")) }); err != nil {
+		subject := partitionsync.LookupSubject(prefix, 16, 3)
+		if _, err := answerer.QueueSubscribe(subject, partitionsync.QueueGroup(16, 3), func(m *nats.Msg) { _ = m.Respond([]byte("answer")) }); err != nil {
 			t.Fatal(err)
 		}
 		if err := answerer.Flush(); err != nil {
@@ -223,9 +228,9 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		reply, err := asker.Request("kvrelay.tier.lookup.3", []byte("query"), 10*time.Second)
+		reply, err := asker.Request(subject, []byte("query"), 10*time.Second)
 		if err != nil || string(reply.Data) != "answer" {
-			t.Errorf("a gateway's lookup to another partition: %v (errors: answerer %v, asker %v)", err, errs.errs, askErrs.errs)
+			t.Errorf("a gateway's lookup to another partition on %s: %v (errors: answerer %v, asker %v)", subject, err, errs.errs, askErrs.errs)
 		}
 		answerer.Close()
 		asker.Close()

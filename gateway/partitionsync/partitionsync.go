@@ -2,10 +2,12 @@
 // tier over NATS (`kvrelay gateway --nats URL --partitions P --partition
 // p`; issue 31.3, docs/partitioned-tier.md).
 //
-// Each replica of partition p answers lookups on <prefix>.lookup.<p>
-// (default prefix kvrelay.tier) in the queue group kvrelay-tier-<p>, so
-// the k replicas of one partition share the questions and one answers
-// each. A route on any replica scatters the request's prefix hashes to
+// Each replica of partition p of a P-partition tier answers lookups on
+// <prefix>.lookup.<P>.<p> (default prefix kvrelay.tier) in the queue group
+// kvrelay-tier-<P>-<p>, so the k replicas of one partition share the
+// questions and one answers each, and replicas of another P (a tier being
+// replaced) never take them. Queries and answers carry P as well; a
+// mismatch is refused and counted. A route on any replica scatters the request's prefix hashes to
 // every other partition with a reply subject of its own, looks its own
 // partition up meanwhile, and waits for the answers until its deadline
 // (Options.Deadline); what it merges is gateway.Gateway's business
@@ -77,8 +79,9 @@ type Options struct {
 	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
 	ReconnectWait time.Duration
 	// Registerer receives kvrelay_gateway_scatter_seconds,
-	// kvrelay_gateway_scatter_missing_total and
-	// kvrelay_gateway_partition_lookups_total; nil = unregistered.
+	// kvrelay_gateway_scatter_missing_total,
+	// kvrelay_gateway_partition_lookups_total and
+	// kvrelay_gateway_partition_answers_refused_total; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
 	// NATSOptions are added to the connection's options (TLS, credentials).
@@ -101,10 +104,11 @@ type Tier struct {
 	missing    *prometheus.CounterVec // partition
 	missingBy  []prometheus.Counter   // per partition
 	lookups    *prometheus.CounterVec // result
+	refused    *prometheus.CounterVec // reason
 	regd       []prometheus.Collector
 	next       atomic.Uint64
 	mu         sync.Mutex
-	calls      map[uint64]chan *nats.Msg
+	calls      map[uint64]chan reply
 	queryBufs  sync.Pool
 	closeOnce  sync.Once
 }
@@ -148,7 +152,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 	t := &Tier{
 		opts: opts, target: target, own: own, parts: parts,
 		log: opts.Logger, peer: logthrottle.Wrap(opts.Logger),
-		calls: map[uint64]chan *nats.Msg{},
+		calls: map[uint64]chan reply{},
 		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_scatter_seconds",
 			Help:    "Wall time of a partitioned route's scatter: from sending the query to the other partitions until the last answer (or the deadline), the replica's own lookup included.",
@@ -160,15 +164,22 @@ func Start(target Target, opts Options) (*Tier, error) {
 		}, []string{"partition"}),
 		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_partition_lookups_total",
-			Help: "Lookups this replica answered for the other partitions, by result: answered, unknown_model, refused (a malformed query).",
+			Help: "Lookups this replica answered for the other partitions, by result: answered, unknown_model, refused (a malformed query), partition_count (asked by a tier of another partition count).",
 		}, []string{"result"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_answers_refused_total",
+			Help: "Answers to this replica's lookups it refused, by reason: malformed, partition_count (from a tier of another partition count), not_asked (to a partition not asked, or answered twice), reply_subject (claiming another partition than the one its reply subject asked). The partition is then missing from that route.",
+		}, []string{"reason"}),
 	}
 	for p := range parts {
-		t.subjects = append(t.subjects, LookupSubject(opts.SubjectPrefix, p))
+		t.subjects = append(t.subjects, LookupSubject(opts.SubjectPrefix, parts, p))
 		t.missingBy = append(t.missingBy, t.missing.WithLabelValues(strconv.Itoa(p)))
 	}
-	for _, r := range []string{"answered", "unknown_model", "refused"} {
+	for _, r := range []string{"answered", "unknown_model", "refused", "partition_count"} {
 		t.lookups.WithLabelValues(r)
+	}
+	for _, r := range refusedReasons {
+		t.refused.WithLabelValues(r)
 	}
 	t.queryBufs.New = func() any { return new([]byte) }
 	nopts := []nats.Option{
@@ -188,15 +199,15 @@ func Start(target Target, opts Options) (*Tier, error) {
 		return nil, fmt.Errorf("partitionsync: %w", err)
 	}
 	t.nc = nc
-	t.inbox = nc.NewRespInbox()
-	t.inbox = t.inbox[:strings.LastIndexByte(t.inbox, '.')]
-	if t.replySub, err = nc.Subscribe(t.inbox+".*", t.reply); err != nil {
+	// Answers come to <inbox>.<route id>.<partition asked>.
+	t.inbox = nc.NewInbox()
+	if t.replySub, err = nc.Subscribe(t.inbox+".*.*", t.reply); err != nil {
 		nc.Close()
 		return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.inbox, err)
 	}
 	_ = t.replySub.SetPendingLimits(-1, PendingBytes)
 	for range opts.Responders {
-		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(own), t.answerer())
+		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(parts, own), t.answerer())
 		if err != nil {
 			nc.Close()
 			return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.subjects[own], err)
@@ -205,7 +216,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 		t.subs = append(t.subs, sub)
 	}
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups} {
+		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups, t.refused} {
 			if err := opts.Registerer.Register(c); err != nil {
 				t.Close()
 				return nil, fmt.Errorf("partitionsync: %w", err)
@@ -216,11 +227,20 @@ func Start(target Target, opts Options) (*Tier, error) {
 	return t, nil
 }
 
-// LookupSubject is partition p's lookup subject under prefix.
-func LookupSubject(prefix string, p int) string { return prefix + ".lookup." + strconv.Itoa(p) }
+// LookupSubject is partition p's lookup subject under prefix in a tier of
+// parts partitions.
+func LookupSubject(prefix string, parts, p int) string {
+	return prefix + ".lookup." + strconv.Itoa(parts) + "." + strconv.Itoa(p)
+}
 
-// QueueGroup is partition p's queue group: its replicas share the lookups.
-func QueueGroup(p int) string { return "kvrelay-tier-" + strconv.Itoa(p) }
+// QueueGroup is partition p's queue group in a tier of parts partitions:
+// its replicas share the lookups.
+func QueueGroup(parts, p int) string {
+	return "kvrelay-tier-" + strconv.Itoa(parts) + "-" + strconv.Itoa(p)
+}
+
+// The reasons of kvrelay_gateway_partition_answers_refused_total.
+var refusedReasons = []string{"malformed", "partition_count", "not_asked", "reply_subject"}
 
 // Close unsubscribes, closes the connection and unregisters the metrics.
 func (t *Tier) Close() {
@@ -253,10 +273,18 @@ func (t *Tier) answerer() nats.MsgHandler {
 			return
 		}
 		status := byte(statusAnswered)
-		if err := decodeQuery(msg.Data, &q); err != nil {
+		if parts, err := decodeQuery(msg.Data, &q); err != nil {
 			status = statusRefused
 			t.lookups.WithLabelValues("refused").Inc()
 			t.peer.Warn("partition lookup refused", "err", err, "bytes", len(msg.Data))
+			a.Reset()
+			a.Partition = t.own
+		} else if parts != t.parts {
+			// Only a misconfigured server routes it here (the subject
+			// carries P); the asker refuses the answer's count too.
+			status = statusRefused
+			t.lookups.WithLabelValues("partition_count").Inc()
+			t.peer.Warn("partition lookup refused: asked by a tier of another partition count", "asker_partitions", parts, "partitions", t.parts)
 			a.Reset()
 			a.Partition = t.own
 		} else if err := t.target.AnswerPartition(q, &a); err != nil {
@@ -272,7 +300,7 @@ func (t *Tier) answerer() nats.MsgHandler {
 		} else {
 			t.lookups.WithLabelValues("answered").Inc()
 		}
-		out = appendAnswer(out[:0], status, &a)
+		out = appendAnswer(out[:0], t.parts, status, &a)
 		if err := msg.Respond(out); err != nil {
 			t.peer.Warn("partition lookup answer not sent", "err", natslog.RedactError(err))
 		}
@@ -282,11 +310,31 @@ func (t *Tier) answerer() nats.MsgHandler {
 	}
 }
 
+// reply is an answer (or NATS's no-responder status) to the query sent to
+// partition p.
+type reply struct {
+	p   int
+	msg *nats.Msg
+}
+
 // reply hands an answer to the Scatter waiting for it.
 func (t *Tier) reply(msg *nats.Msg) {
-	i := strings.LastIndexByte(msg.Subject, '.')
-	id, err := strconv.ParseUint(msg.Subject[i+1:], 36, 64)
+	// <inbox>.<route id, base 36>.<partition, base 10>
+	rest, ps, ok := cutLast(msg.Subject)
+	if !ok {
+		return
+	}
+	_, ids, ok := cutLast(rest)
+	if !ok {
+		return
+	}
+	id, err := strconv.ParseUint(ids, 36, 64)
 	if err != nil {
+		return
+	}
+	p, err := strconv.Atoi(ps)
+	if err != nil || p < 0 || p >= t.parts {
+		t.refused.WithLabelValues("not_asked").Inc()
 		return
 	}
 	t.mu.Lock()
@@ -296,86 +344,118 @@ func (t *Tier) reply(msg *nats.Msg) {
 		return // late: its route went on without it
 	}
 	select {
-	case ch <- msg:
+	case ch <- reply{p, msg}:
 	default: // more answers than partitions: forged or duplicated
+		t.refused.WithLabelValues("not_asked").Inc()
 	}
 }
 
+// cutLast splits s at its last dot.
+func cutLast(s string) (before, after string, ok bool) {
+	i := strings.LastIndexByte(s, '.')
+	if i < 0 {
+		return "", "", false
+	}
+	return s[:i], s[i+1:], true
+}
+
+// A partition's state in one Scatter.
+const (
+	notSent     = iota // the query could not be sent
+	waiting            // asked, no answer yet
+	answered           // answered, and the answer taken
+	noResponder        // NATS said no replica of it is subscribed
+	refusedAns         // its answer was refused (counted by reason)
+	declined           // it answered that it could not look up
+)
+
 // Scatter sends q to every other partition, runs local, and returns the
-// answers that came by the deadline (gateway.Scatterer).
+// answers that came by the deadline (gateway.Scatterer). Each partition
+// is asked with its own reply subject, <inbox>.<id>.<p>, and an answer
+// must declare the partition its subject asked: a replica of partition q
+// cannot pass its answer off as another partition's.
 func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.PartitionAnswer {
 	start := time.Now()
 	if len(q.Prefix) > MaxHashes {
 		q.Prefix = q.Prefix[:MaxHashes]
 	}
 	bp := t.queryBufs.Get().(*[]byte)
-	*bp = appendQuery((*bp)[:0], q)
+	*bp = appendQuery((*bp)[:0], t.parts, q)
 	id := t.next.Add(1)
-	ch := make(chan *nats.Msg, t.parts)
+	ch := make(chan reply, t.parts)
 	t.mu.Lock()
 	t.calls[id] = ch
 	t.mu.Unlock()
-	reply := t.inbox + "." + strconv.FormatUint(id, 36)
-	state := make([]byte, t.parts) // 0 not asked, 1 asked, 2 answered
-	asked := 0
+	replyPrefix := t.inbox + "." + strconv.FormatUint(id, 36) + "."
+	state := make([]byte, t.parts)
+	pending := 0
 	var sendErr error
 	for p := range t.parts {
 		if p == t.own {
 			continue
 		}
-		if err := t.nc.PublishRequest(t.subjects[p], reply, *bp); err != nil {
+		if err := t.nc.PublishRequest(t.subjects[p], replyPrefix+strconv.Itoa(p), *bp); err != nil {
 			sendErr = err
 			continue
 		}
-		state[p] = 1
-		asked++
+		state[p] = waiting
+		pending++
 	}
 	t.queryBufs.Put(bp)
 	local()
-	answers := make([]gateway.PartitionAnswer, 0, asked)
+	answers := make([]gateway.PartitionAnswer, 0, pending)
 	var timer *time.Timer
-	noResponders := 0
-	for got := 0; got < asked; {
-		var msg *nats.Msg
+	for pending > 0 {
+		var r reply
 		select {
-		case msg = <-ch:
+		case r = <-ch:
 		default:
 			if timer == nil {
 				timer = time.NewTimer(t.opts.Deadline - time.Since(start))
 				defer timer.Stop()
 			}
 			select {
-			case msg = <-ch:
+			case r = <-ch:
 			case <-timer.C:
 			}
 		}
-		if msg == nil {
+		if r.msg == nil {
 			break // the deadline
 		}
+		p, msg := r.p, r.msg
+		if state[p] != waiting {
+			t.refused.WithLabelValues("not_asked").Inc()
+			t.peer.Warn("partition answer refused: to a partition not asked, or answered already", "partition", p)
+			continue
+		}
+		pending--
 		if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
-			// No responders: the partition has no replica subscribed. Which
-			// one is not said; the others' answers may still come, so only
-			// the count of expected answers drops.
-			asked--
-			noResponders++
+			state[p] = noResponder
 			continue
 		}
 		var a gateway.PartitionAnswer
-		status, err := decodeAnswer(msg.Data, &a)
+		status, parts, err := decodeAnswer(msg.Data, &a)
+		state[p] = refusedAns
 		switch {
 		case err != nil:
-			t.peer.Warn("partition answer refused", "err", err, "bytes", len(msg.Data))
+			t.refused.WithLabelValues("malformed").Inc()
+			t.peer.Warn("partition answer refused", "partition", p, "err", err, "bytes", len(msg.Data))
 			continue
-		case a.Partition >= t.parts || state[a.Partition] != 1:
-			t.peer.Warn("partition answer refused: not from a partition asked", "partition", a.Partition)
+		case parts != t.parts:
+			t.refused.WithLabelValues("partition_count").Inc()
+			t.peer.Warn("partition answer refused: from a tier of another partition count", "partition", p, "answer_partitions", parts, "partitions", t.parts)
+			continue
+		case a.Partition != p:
+			t.refused.WithLabelValues("reply_subject").Inc()
+			t.peer.Warn("partition answer refused: it claims another partition than the one asked", "partition", p, "claimed", a.Partition)
 			continue
 		}
-		state[a.Partition] = 2
-		got++
 		if status != statusAnswered {
-			t.peer.Warn("partition did not answer the lookup", "partition", a.Partition, "status", statusName(status), "model", q.Model)
+			state[p] = declined
+			t.peer.Warn("partition did not answer the lookup", "partition", p, "status", statusName(status), "model", q.Model)
 			continue
 		}
+		state[p] = answered
 		answers = append(answers, a)
 	}
 	t.mu.Lock()
@@ -383,31 +463,21 @@ func (t *Tier) Scatter(q gateway.PartitionQuery, local func()) []gateway.Partiti
 	t.mu.Unlock()
 	t.seconds.Observe(time.Since(start).Seconds())
 	for p, s := range state {
-		if p == t.own {
+		if p == t.own || s == answered {
 			continue
 		}
-		if s != 2 || !t.answered(answers, p) {
-			t.missingBy[p].Inc()
-			switch {
-			case sendErr != nil && s == 0:
-				t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
-			case noResponders > 0:
-				t.peer.Warn("partition missing from the route: no replica of it subscribed, or no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
-			default:
-				t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
-			}
+		t.missingBy[p].Inc()
+		switch s {
+		case notSent:
+			t.peer.Warn("partition missing from the route: the query was not sent", "partition", p, "err", natslog.RedactError(sendErr))
+		case noResponder:
+			t.peer.Warn("partition missing from the route: no replica of it subscribed", "partition", p)
+		case waiting:
+			t.peer.Warn("partition missing from the route: no answer within the deadline", "partition", p, "deadline", t.opts.Deadline)
+		default: // refused or declined, logged above
 		}
 	}
 	return answers
-}
-
-func (t *Tier) answered(answers []gateway.PartitionAnswer, p int) bool {
-	for i := range answers {
-		if answers[i].Partition == p {
-			return true
-		}
-	}
-	return false
 }
 
 func statusName(s byte) string {

@@ -10,34 +10,40 @@ import (
 	"github.com/kvrelay/kvrelay/gateway/index"
 )
 
-// The wire form, version 1. Every count and length a peer declares is
+// The wire form, version 2. Every count and length a peer declares is
 // checked against the bytes that remain (and a stated maximum) before it
-// is used; nothing is allocated from a declared size.
+// is used; nothing is allocated from a declared size. Version 2 added the
+// partition count P to both messages: replicas of different P must never
+// take each other's lookups (the subject and queue group carry P too, and
+// a mismatch is refused and counted).
 //
-// A query (to <prefix>.lookup.<partition>):
+// A query (to <prefix>.lookup.<P>.<partition>):
 //
-//	byte     version (1)
+//	byte     version (2)
 //	byte     flags: bit 0 asks for engine load signals
+//	uvarint  the asker's partition count P (2..gateway.MaxPartitions)
 //	uvarint  model length (≤ MaxModelBytes), the model's bytes
 //	uvarint  hash count (≤ MaxHashes), then that many 8-byte
 //	         little-endian prefix hashes, filling the rest exactly
 //
 // An answer (to the query's reply subject):
 //
-//	byte     version (1)
-//	uvarint  the answering partition (< gateway.MaxPartitions)
+//	byte     version (2)
+//	uvarint  the answerer's partition count P (2..gateway.MaxPartitions)
+//	uvarint  the answering partition (< P)
 //	byte     status: 0 answered, 1 unknown model, 2 query refused
 //	uvarint  the model's learned block size (0: none; ≤ MaxBlockSize)
 //	uvarint  overlaps; each: name, uvarint blocks (1..MaxHashes)
 //	uvarint  unreachable workers; each: name
 //	uvarint  engine signals; each: name, byte flags (bit 0 token usage,
 //	         bit 1 backlog), then the token usage as a little-endian
-//	         float64 (finite, ≥ 0) if bit 0, the backlog as a uvarint
+//	         float64 (in [0, 1]) if bit 0, the backlog as a uvarint
 //	         (≤ MaxBacklog) if bit 1
 //
-// a name being a uvarint length (1..MaxNameBytes) and its bytes.
+// a name being a uvarint length (1..MaxNameBytes) and its bytes. No list
+// names a worker twice (a merge would keep either entry).
 const (
-	Version = 1
+	Version = 2
 	// MaxHashes bounds a query's prefix hashes: a 1 Mi-token request
 	// (the gateway's default --max-request-tokens) at block size 16,
 	// 512 KiB on the wire (NATS's default max_payload is 1 MiB). A longer
@@ -73,13 +79,15 @@ var (
 	ErrTooLarge  = errors.New("partitionsync: over a bound")
 )
 
-// appendQuery encodes q; q.Prefix must hold at most MaxHashes hashes.
-func appendQuery(b []byte, q gateway.PartitionQuery) []byte {
+// appendQuery encodes q from a tier of parts partitions; q.Prefix must
+// hold at most MaxHashes hashes.
+func appendQuery(b []byte, parts int, q gateway.PartitionQuery) []byte {
 	var flags byte
 	if q.Loads {
 		flags |= flagLoads
 	}
 	b = append(b, Version, flags)
+	b = binary.AppendUvarint(b, uint64(parts))
 	b = binary.AppendUvarint(b, uint64(len(q.Model)))
 	b = append(b, q.Model...)
 	b = binary.AppendUvarint(b, uint64(len(q.Prefix)))
@@ -152,32 +160,45 @@ func (r *reader) bytes(what string, least, most int) []byte {
 	return v
 }
 
-// decodeQuery decodes a query into q, its prefix into q.Prefix's room.
-func decodeQuery(b []byte, q *gateway.PartitionQuery) error {
+// partitions reads a partition count P (2..gateway.MaxPartitions).
+func (r *reader) partitions() int {
+	n := r.uvarint("partition count", gateway.MaxPartitions)
+	if r.err == nil && n < 2 {
+		r.fail(ErrMalformed, fmt.Sprintf("partition count %d", n))
+	}
+	return int(n)
+}
+
+// decodeQuery decodes a query into q, its prefix into q.Prefix's room,
+// and returns the asker's partition count.
+func decodeQuery(b []byte, q *gateway.PartitionQuery) (parts int, err error) {
 	r := reader{b: b}
 	if v := r.byte("version"); r.err == nil && v != Version {
-		return fmt.Errorf("%w: %d", ErrVersion, v)
+		return 0, fmt.Errorf("%w: %d", ErrVersion, v)
 	}
 	flags := r.byte("flags")
+	parts = r.partitions()
 	model := r.bytes("model", 0, MaxModelBytes)
 	n := r.uvarint("hash count", MaxHashes)
 	if r.err != nil {
-		return r.err
+		return 0, r.err
 	}
 	if uint64(len(r.b)) != n*8 {
-		return fmt.Errorf("%w: %d hashes declared, %d bytes follow", ErrMalformed, n, len(r.b))
+		return 0, fmt.Errorf("%w: %d hashes declared, %d bytes follow", ErrMalformed, n, len(r.b))
 	}
 	q.Model, q.Loads = string(model), flags&flagLoads != 0
 	q.Prefix = q.Prefix[:0]
 	for i := 0; i < len(r.b); i += 8 {
 		q.Prefix = append(q.Prefix, binary.LittleEndian.Uint64(r.b[i:]))
 	}
-	return nil
+	return parts, nil
 }
 
-// appendAnswer encodes a partition's answer with status.
-func appendAnswer(b []byte, status byte, a *gateway.PartitionAnswer) []byte {
+// appendAnswer encodes a partition's answer with status, from a tier of
+// parts partitions.
+func appendAnswer(b []byte, parts int, status byte, a *gateway.PartitionAnswer) []byte {
 	b = append(b, Version)
+	b = binary.AppendUvarint(b, uint64(parts))
 	b = binary.AppendUvarint(b, uint64(a.Partition))
 	b = append(b, status)
 	b = binary.AppendUvarint(b, uint64(min(max(a.BlockSize, 0), MaxBlockSize)))
@@ -202,7 +223,13 @@ func appendAnswer(b []byte, status byte, a *gateway.PartitionAnswer) []byte {
 		}
 		b = append(b, flags)
 		if s.HasTokenUsage {
-			b = binary.LittleEndian.AppendUint64(b, math.Float64bits(s.TokenUsage))
+			// An engine reporting past [0, 1] must not cost the whole
+			// answer (the decoder refuses it); NaN goes out as 1.
+			u := s.TokenUsage
+			if !(u <= 1) {
+				u = 1
+			}
+			b = binary.LittleEndian.AppendUint64(b, math.Float64bits(max(u, 0)))
 		}
 		if s.HasBacklog {
 			b = binary.AppendUvarint(b, uint64(min(max(s.Backlog, 0), MaxBacklog)))
@@ -217,15 +244,16 @@ func appendName(b []byte, s string) []byte {
 }
 
 // decodeAnswer decodes an answer into dst (reset first) and returns its
-// status.
-func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
+// status and the answerer's partition count.
+func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (status byte, parts int, err error) {
 	dst.Reset()
 	r := reader{b: b}
 	if v := r.byte("version"); r.err == nil && v != Version {
-		return 0, fmt.Errorf("%w: %d", ErrVersion, v)
+		return 0, 0, fmt.Errorf("%w: %d", ErrVersion, v)
 	}
-	dst.Partition = int(r.uvarint("partition", gateway.MaxPartitions-1))
-	status := r.byte("status")
+	parts = r.partitions()
+	dst.Partition = int(r.uvarint("partition", uint64(max(parts, 1)-1)))
+	status = r.byte("status")
 	if r.err == nil && status > statusRefused {
 		r.fail(ErrMalformed, fmt.Sprintf("status %d", status))
 	}
@@ -238,14 +266,14 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
 			r.fail(ErrMalformed, "an overlap of 0 blocks")
 		}
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		dst.Matches = append(dst.Matches, index.Match{Worker: string(name), Blocks: int(blocks)})
 	}
 	for range r.count("unreachable", 2) {
 		name := r.bytes("worker", 1, MaxNameBytes)
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		dst.Unreachable = append(dst.Unreachable, string(name))
 	}
@@ -262,7 +290,7 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
 			} else {
 				u := math.Float64frombits(binary.LittleEndian.Uint64(r.b))
 				r.b = r.b[8:]
-				if math.IsNaN(u) || math.IsInf(u, 0) || u < 0 {
+				if !(u >= 0 && u <= 1) { // NaN and ±Inf too
 					r.fail(ErrMalformed, fmt.Sprintf("token usage %v", u))
 				}
 				s.TokenUsage, s.HasTokenUsage = u, true
@@ -272,16 +300,49 @@ func decodeAnswer(b []byte, dst *gateway.PartitionAnswer) (byte, error) {
 			s.Backlog, s.HasBacklog = int(r.uvarint("backlog", MaxBacklog)), true
 		}
 		if r.err != nil {
-			return 0, r.err
+			return 0, 0, r.err
 		}
 		s.Worker = string(name)
 		dst.Signals = append(dst.Signals, s)
 	}
 	if r.err != nil {
-		return 0, r.err
+		return 0, 0, r.err
+	}
+	if w, ok := repeated(dst.Matches, func(m *index.Match) string { return m.Worker }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q overlaps twice", ErrMalformed, w)
+	}
+	if w, ok := repeated(dst.Unreachable, func(w *string) string { return *w }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q unreachable twice", ErrMalformed, w)
+	}
+	if w, ok := repeated(dst.Signals, func(s *gateway.WorkerSignal) string { return s.Worker }); ok {
+		return 0, 0, fmt.Errorf("%w: worker %q signalled twice", ErrMalformed, w)
 	}
 	if len(r.b) != 0 {
-		return 0, fmt.Errorf("%w: %d bytes after the answer", ErrMalformed, len(r.b))
+		return 0, 0, fmt.Errorf("%w: %d bytes after the answer", ErrMalformed, len(r.b))
 	}
-	return status, nil
+	return status, parts, nil
+}
+
+// repeated returns a name that two of xs carry. The lists come from a
+// decoded message, so their length is bounded by its bytes.
+func repeated[T any](xs []T, name func(*T) string) (string, bool) {
+	if len(xs) <= 16 {
+		for i := range xs {
+			for j := range i {
+				if n := name(&xs[i]); n == name(&xs[j]) {
+					return n, true
+				}
+			}
+		}
+		return "", false
+	}
+	seen := make(map[string]struct{}, len(xs))
+	for i := range xs {
+		n := name(&xs[i])
+		if _, ok := seen[n]; ok {
+			return n, true
+		}
+		seen[n] = struct{}{}
+	}
+	return "", false
 }
