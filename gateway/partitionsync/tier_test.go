@@ -145,15 +145,21 @@ type replica struct {
 
 func startReplica(t *testing.T, natsURL, prefix string, ids []string, parts, own int, deadline time.Duration) *replica {
 	t.Helper()
+	return startReplicaWith(t, natsURL, prefix, ids, parts, own, deadline, gateway.Config{Picker: pickerConfig, NoPlacements: true})
+}
+
+// startReplicaWith starts a replica of ids over base (its picker and
+// placements); the workers, the partition and the registry are filled in.
+func startReplicaWith(t *testing.T, natsURL, prefix string, ids []string, parts, own int, deadline time.Duration, base gateway.Config) *replica {
+	t.Helper()
 	ws := make([]gateway.Worker, len(ids))
 	for i, id := range ids {
 		ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
 	}
 	reg := prometheus.NewRegistry()
-	gw, err := gateway.New(gateway.Config{
-		Workers: ws, Picker: pickerConfig, NoPlacements: true, LoadPollInterval: -1,
-		Partitions: parts, Partition: own, Registerer: reg,
-	})
+	base.Workers, base.LoadPollInterval = ws, -1
+	base.Partitions, base.Partition, base.Registerer = parts, own, reg
+	gw, err := gateway.New(base)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,7 +1,6 @@
 package partitionsync_test
 
 import (
-	"context"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -9,10 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvrelay/kvrelay/gateway"
-	"github.com/kvrelay/kvrelay/gateway/partitionsync"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 	"github.com/kvrelay/kvrelay/testkit/testnats"
 )
@@ -50,34 +46,7 @@ func textHashes(t *testing.T, ids []string, text string) []uint64 {
 // rest on them).
 func startPlacementReplica(t *testing.T, natsURL, prefix string, ids []string, parts, own int) *replica {
 	t.Helper()
-	ws := make([]gateway.Worker, len(ids))
-	for i, id := range ids {
-		ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
-	}
-	reg := prometheus.NewRegistry()
-	gw, err := gateway.New(gateway.Config{
-		Workers: ws, Picker: textPickerConfig, LoadPollInterval: -1,
-		Partitions: parts, Partition: own, Registerer: reg,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &replica{name: "full", gw: gw, reg: reg, done: make(chan struct{})}
-	if parts > 1 {
-		r.name = fmt.Sprintf("partition %d/%d", own, parts)
-		if r.tier, err = partitionsync.Start(gw, partitionsync.Options{
-			URL: natsURL, Name: r.name, SubjectPrefix: prefix, Deadline: 10 * time.Second, Registerer: reg,
-		}); err != nil {
-			t.Fatal(err)
-		}
-		gw.SetScatterer(r.tier)
-		eventually(t, r.name+" connected", r.tier.Ready)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	r.cancel = cancel
-	go func() { defer close(r.done); _ = gw.Run(ctx) }()
-	t.Cleanup(r.stop)
-	return r
+	return startReplicaWith(t, natsURL, prefix, ids, parts, own, 10*time.Second, gateway.Config{Picker: textPickerConfig})
 }
 
 // TestTierTextRoutesAsAFullReplica: with placements on, text requests
