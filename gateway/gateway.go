@@ -392,16 +392,11 @@ func (g *Gateway) AddWorker(w Worker) error {
 	} else {
 		// Another partition applies its events; it is routed all the same,
 		// and refused as its partition's replicas refuse it.
-		if w.Addr == "" {
-			return errors.New("gateway: monitor: worker has no address")
+		checked, err := monitor.CheckWorker(w)
+		if err != nil {
+			return fmt.Errorf("gateway: %w", err)
 		}
-		if w.Service == "" {
-			w.Service = monitor.ServiceVLLM
-		}
-		if _, err := monitor.ParseService(string(w.Service)); err != nil {
-			return fmt.Errorf("gateway: monitor: worker %s: %w", w.Addr, err)
-		}
-		g.remote[w.ID] = w
+		g.remote[w.ID] = checked
 	}
 	if fresh {
 		g.models[w.Model] = m

@@ -289,23 +289,35 @@ func New(opts Options) (*Monitor, error) {
 	}, nil
 }
 
+// CheckWorker refuses a worker Add would refuse for what it is (no
+// address, an unknown service) and fills in the default service. A
+// partitioned gateway checks the workers another partition subscribes to
+// with it, so that every replica accepts and refuses the same workers.
+func CheckWorker(w Worker) (Worker, error) {
+	if w.Addr == "" {
+		return w, errors.New("monitor: worker has no address")
+	}
+	if w.Service == "" {
+		w.Service = ServiceVLLM
+	}
+	if _, err := ParseService(string(w.Service)); err != nil {
+		return w, fmt.Errorf("monitor: worker %s: %w", w.Addr, err)
+	}
+	return w, nil
+}
+
 // ErrDuplicateWorker is returned by Add for an ID already present.
 var ErrDuplicateWorker = errors.New("worker already added")
 
 // Add registers a worker whose admitted batches go to sink. Before Run it
 // only records the worker; during Run it starts subscribing at once.
 func (m *Monitor) Add(w Worker, sink Sink) error {
-	if w.Addr == "" {
-		return errors.New("monitor: worker has no address")
+	w, err := CheckWorker(w)
+	if err != nil {
+		return err
 	}
 	if sink == nil {
 		return errors.New("monitor: worker has no sink")
-	}
-	if w.Service == "" {
-		w.Service = ServiceVLLM
-	}
-	if _, err := ParseService(string(w.Service)); err != nil {
-		return fmt.Errorf("monitor: worker %s: %w", w.Addr, err)
 	}
 	if w.ID == "" {
 		w.ID = w.Addr
