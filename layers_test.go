@@ -34,7 +34,7 @@ const layers = `
 	# helpers, the simulator's pure models, build tools.
 	proto/kvpb, internal/buildinfo, internal/latencyprobe, internal/livedigest,
 	internal/natslog, internal/tlsconfig, internal/freeport, internal/logthrottle,
-	internal/exposure, internal/reload, internal/sdnotify, internal/procs,
+	internal/exposure, internal/reload, internal/sdnotify, internal/procs, internal/quietio,
 	sim/prefixcache, sim/workload, gateway/index/tracegen, engines/discover,
 	proto, proto/generate, deploy, deploy/image;
 
@@ -60,10 +60,10 @@ const layers = `
 	# The relay: sockets and the live-block record, then admission and
 	# fan-out, then the gRPC server.
 	internal/livedigest, proto/kvpb < relay/record;
-	relay/zmqsource;
+	internal/quietio < relay/zmqsource;
 	engines/vllm, engines/sglang, engines/tokenspeed, internal/latencyprobe,
 	relay/record, relay/zmqsource < relay;
-	relay, engines/load, internal/logthrottle < relay/server;
+	relay, engines/load, internal/logthrottle, internal/quietio < relay/server;
 
 	# The gateway module: the index, the policies on it, the stream monitor.
 	internal/livedigest, proto/kvpb < gateway/index < gateway/picker, gateway/placement;

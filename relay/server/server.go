@@ -36,6 +36,7 @@ import (
 	"github.com/kvrelay/kvrelay/engines/load"
 	"github.com/kvrelay/kvrelay/internal/latencyprobe"
 	"github.com/kvrelay/kvrelay/internal/logthrottle"
+	"github.com/kvrelay/kvrelay/internal/quietio"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 	"github.com/kvrelay/kvrelay/relay"
 )
@@ -233,7 +234,7 @@ func New(opts Options) (*Server, error) {
 		// ping per 5 minutes) would answer it with GOAWAY too_many_pings.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 500 * time.Millisecond, PermitWithoutStream: true}),
 		// Find gateways that vanished without closing their connection.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: keepaliveTimeout}),
 		// One engine batch may exceed gRPC's 4 MiB default, and it is never
 		// split.
 		grpc.MaxSendMsgSize(limits.MaxSendMsgBytes),
@@ -310,6 +311,11 @@ func (s *Server) register(svc *Service) error {
 	return nil
 }
 
+// keepaliveTimeout is how long a ping may go unanswered before the
+// connection is closed; it is also the connections' TCP_USER_TIMEOUT, as
+// gRPC sets it.
+const keepaliveTimeout = 5 * time.Second
+
 // Serve accepts connections on lis until Stop. It also keeps the health
 // service in step with the relays' readiness.
 func (s *Server) Serve(lis net.Listener) error {
@@ -317,7 +323,10 @@ func (s *Server) Serve(lis net.Listener) error {
 		s.watched.Store(true)
 		go s.watchHealth()
 	})
-	err := s.grpc.Serve(lis)
+	// A stream's writes are raw socket calls (see package quietio): at an
+	// engine's pacing each batch's write would otherwise wake the runtime's
+	// monitor thread.
+	err := s.grpc.Serve(quietio.Listener(lis, keepaliveTimeout))
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}

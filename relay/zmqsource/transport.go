@@ -11,6 +11,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
+
+	"github.com/kvrelay/kvrelay/internal/quietio"
 )
 
 // zmq4 reads every frame header and body with its own io.ReadFull on the raw
@@ -81,6 +83,10 @@ func (t guardedTransport) Dial(ctx context.Context, d transport.Dialer, addr str
 	if err != nil {
 		return nil, err
 	}
+	// Reads and writes are raw socket calls (see package quietio): at an
+	// engine's pacing each batch's read would otherwise wake the runtime's
+	// monitor thread.
+	c = quietio.Wrap(c)
 	// The limits come with the socket's context (see connLimits); every
 	// connection is guarded, with the default when the socket set none.
 	gc := &guardedConn{Conn: c, guard: newZMTPGuard(t.scheme+"://"+addr, connLimitsFrom(ctx))}
