@@ -218,13 +218,20 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
-	for j, blk := range s.Blocks {
+	for j := 0; j < len(s.Blocks); j++ {
 		if j%settleEvery == settleEvery-1 {
 			lk.settle()
 		}
 		if slots[j].slot < 0 {
 			continue
 		}
+		if chained && !slots[j].found {
+			if k := ix.extendRun(&lk, ws, rt, s.Blocks, content, slots, j, &prev, &prevLoc, stamp, moved); k > j {
+				j = k - 1
+				continue
+			}
+		}
+		blk := s.Blocks[j]
 		p := content[j]
 		if chained {
 			p = ChainHash(prev, p)
@@ -257,6 +264,67 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		chained = true
 		prev, prevLoc = p, l
 	}
+}
+
+// extendRun files the store's blocks from j on, while each is new to the
+// rank and continues the run of the block before it (prevLoc, whose run is
+// the writer's cached one, locked and changing): the next position of that
+// run when it holds the block's prefix hash, or a position appended at the
+// run's end (no run can be headed by it there: see place). These are place's first two
+// cases and addRef's counted case, the same reads and writes in the same
+// order, done in one loop for the event's consecutive blocks instead of a
+// dispatch per block (the run's lookup through the lock bookkeeping, the
+// position's packing and unpacking, the holder's run found again). It stops
+// at the first block that needs anything else (a branch, a full run, a
+// head, a block the rank held, a settle point after j) and returns the
+// index of that block; prev and prevLoc then describe the last block filed.
+func (ix *Index) extendRun(lk *shardLocks, ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, slots []evSlot, j int, prev *uint64, prevLoc *loc, stamp uint32, moved bool) int {
+	a, idx := prevLoc.shard(), prevLoc.run()
+	r := lk.cached(a, idx)
+	if r == nil {
+		return j
+	}
+	sh := &ix.shards[a]
+	o := prevLoc.off() + 1
+	p := *prev
+	m := j
+fill:
+	for ; m < len(slots); m, o = m+1, o+1 {
+		if m > j && m%settleEvery == settleEvery-1 {
+			break
+		}
+		es := slots[m]
+		if es.slot < 0 || es.found {
+			break
+		}
+		h := ChainHash(p, content[m])
+		b := r.body.Load()
+		switch n := int(r.n); {
+		case o < n:
+			if b.hash(o) != h {
+				break fill
+			}
+		case o == n && o < maxRunLen: // no head can be p: see place
+			sh.appendPosFor(r, h, len(slots)-m)
+			b = r.body.Load()
+		default:
+			break fill
+		}
+		i := int(es.slot)
+		if moved {
+			i = rt.find(uint64(blocks[m].BlockHash))
+		}
+		l := makeLoc(a, idx, o)
+		rt.slots[i].pos = packLoc(l, ix.shardBits)
+		r.refs++
+		held := sh.addHolder(b, o, ws.id, stamp)
+		ws.retain(l, held, ix.pruning)
+		p = h
+	}
+	if m > j {
+		*prev, *prevLoc = p, makeLoc(a, idx, o-1)
+	}
+	return m
 }
 
 // leaveOut ends a store whose block blocks[0] could not be filed: its run
@@ -367,7 +435,15 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 	// read of p's shard tells: a head p made while prev sat where it sits
 	// now would have been made under a's lock, which we hold, and prev
 	// cannot move while our reverse entry names it.
-	if atEnd() && ix.noHead(lk, ps, p) {
+	// Appending to prev's run at its end needs no look at the heads: a run
+	// headed by p would have been started from prev's position while prev's
+	// run went on past it or was full (place's last case), and that run, its
+	// parent, lives as long as it does (run.parent); prev's position has not
+	// moved since, and a live run never shrinks, so prev would not be at its
+	// run's end now. (A parent-less store's first block heads a run under its
+	// bare content hash; p equalling one is a 64-bit collision, which a
+	// parent-less store is not checked against in the other direction either.)
+	if atEnd() {
 		return appendHere()
 	}
 	if !lk.need(a, ps) && next() {
@@ -379,7 +455,13 @@ func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room in
 	if atEnd() {
 		return appendHere()
 	}
-	return ix.startRun(lk, ps, p, room)
+	l, ok := ix.startRun(lk, ps, p, room)
+	if ok {
+		// Both shards are held (need above): the new run's parent is prev's run.
+		ix.shards[ps].runAt(l.run()).parent = packLoc(makeLoc(a, prev.run(), 0), ix.shardBits)
+		r.kids++
+	}
+	return l, ok
 }
 
 // headLoc is the position of p when p heads a run of shard ps (ps locked).
@@ -501,11 +583,32 @@ func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
 		lk.writeRunAt(s, l.run(), r)
 		sh.removeHolder(r.body.Load(), l.off(), ws.id)
 	}
-	if r.refs--; r.refs == 0 {
+	if r.refs--; r.refs == 0 && r.kids == 0 {
+		ix.freeRunChain(lk, s, l.run(), r)
+	}
+}
+
+// freeRunChain frees run idx of shard s (held), which no reverse entry
+// names and which has no live kids, then its parent if that was the
+// parent's last kid and no reverse entry names the parent, and so on up.
+// The parent cannot go meanwhile: it counts this run until the decrement.
+func (ix *Index) freeRunChain(lk *shardLocks, s int, idx uint32, r *run) {
+	for {
+		parent := r.parent
 		lk.write(s)
-		lk.writeRunAt(s, l.run(), r)
-		sh.freeRun(l.run(), ix.shardBits)
-		lk.forget(s, l.run())
+		lk.writeRunAt(s, idx, r)
+		ix.shards[s].freeRun(idx, ix.shardBits)
+		lk.forget(s, idx)
+		if parent == noPos {
+			return
+		}
+		pl := unpackLoc(parent, ix.shardBits)
+		s, idx = pl.shard(), pl.run()
+		lk.need(s, -1)
+		r = ix.shards[s].runAt(idx)
+		if r.kids--; r.kids != 0 || r.refs != 0 {
+			return
+		}
 	}
 }
 

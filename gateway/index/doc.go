@@ -48,7 +48,9 @@
 // written only by that worker's Apply, which resolves parents and removals
 // and counts physical copies (a removal takes one copy; the worker holds the
 // prefix while any copy on any indexed tier is left). A run counts the
-// reverse entries that name it and is freed when none is left. The 32-bit
+// reverse entries that name it and the runs branched off it, and is freed
+// when neither is left: a branch's parent run outlives it, so a block
+// appended at a run's end needs no look at the heads. The 32-bit
 // position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
 // all); a block that would need a run beyond it is not indexed and counted
 // (WorkerCounters.UnindexedBlocks; the gateway exports it as

@@ -108,6 +108,14 @@ type run struct {
 	n    uint32 // positions in use; written with store32, read atomically
 	refs int32  // reverse entries naming a position of this run; guarded by the shard's mu
 	body atomic.Pointer[runBody]
+	// parent is, for a run started as the continuation of a position of
+	// another run (a branch, or a full run), that run (packLoc of its
+	// position 0), else noPos; kids counts the live runs whose parent this
+	// run is. A run is freed only when no reverse entry names it and it has
+	// no live kids, so a run's parent outlives it. Guarded by the run's
+	// shard's mu; readers never look at them.
+	parent uint32
+	kids   int32
 	// The run's head (the heads table's key) is its position 0's prefix
 	// hash, body.hash(0): not kept twice.
 }
@@ -120,7 +128,7 @@ type run struct {
 // (One slice for all, holders packed two to a word, saved 24 bytes more a
 // run but cost 9 % more instructions in the corpus replay: every holder
 // change became a read-modify-write of a shared word.)
-const runOverhead = 24 + 48
+const runOverhead = 32 + 48
 
 // runBody is a run's arrays for size positions: their prefix hashes, and
 // their holder words (see above) followed, only in an index that prunes,
@@ -389,7 +397,7 @@ func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) (uint32, b
 			s.dir.Store(nd)
 		}
 	}
-	r := &run{}
+	r := &run{parent: noPos}
 	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
 	s.bytes += bodyBytes(b)
 	b.setHash(0, p)
