@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 )
 
@@ -165,6 +166,49 @@ func (g *Gateway) SetScatterer(s Scatterer) {
 		return
 	}
 	g.scatter.Store(&s)
+}
+
+// CatchingUp lists, sorted, this replica's workers (on a partitioned
+// replica: its own partition's) whose index is not whole yet: their
+// stream has not delivered their state once (monitor's
+// WorkerStatus.CaughtUp) and they are not known to be out of reach
+// (backoff: their relay could not be reached; disabled: their events are
+// off) or removed. A replica answering from such an index would leave
+// those workers' blocks out (partitionsync holds a restarted replica's
+// answers back until this is empty).
+func (g *Gateway) CatchingUp() []string {
+	var out []string
+	for _, st := range g.mon.Workers() {
+		switch {
+		case st.CaughtUp:
+		case st.State == monitor.StateBackoff, st.State == monitor.StateDisabled, st.State == monitor.StateStopped:
+		default:
+			out = append(out, st.ID)
+		}
+	}
+	return out
+}
+
+// PartitionAnswerer is a Scatterer that also answers this replica's
+// partition's lookups (partitionsync.Tier), and says whether it does yet.
+type PartitionAnswerer interface {
+	Answering() bool
+}
+
+// AnsweringPartition reports whether this replica answers its partition's
+// lookups: false while its Scatterer (a PartitionAnswerer) holds them
+// back until the replica's own workers' indexes are whole. True when
+// unpartitioned, or when the Scatterer does not say.
+func (g *Gateway) AnsweringPartition() bool {
+	if !g.partitioned() {
+		return true
+	}
+	s := g.scatter.Load()
+	if s == nil {
+		return true
+	}
+	a, ok := (*s).(PartitionAnswerer)
+	return !ok || a.Answering()
 }
 
 // AnswerPartition answers another replica's query for this replica's

@@ -1,0 +1,279 @@
+package partitionsync_test
+
+import (
+	"fmt"
+	"log/slog"
+	"maps"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrelay/kvrelay/gateway"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
+	"github.com/kvrelay/kvrelay/gateway/partitionsync"
+	"github.com/kvrelay/kvrelay/testkit/kvstream"
+	"github.com/kvrelay/kvrelay/testkit/logbuf"
+	"github.com/kvrelay/kvrelay/testkit/testnats"
+	"github.com/kvrelay/kvrelay/testkit/testrelay"
+)
+
+// engineIn starts kvstream engines until one is in partition p of parts
+// (the others serve unused until the test ends).
+func engineIn(t *testing.T, p, parts int) *kvstream.Engine {
+	t.Helper()
+	for {
+		if e := kvstream.Start(t); gateway.PartitionOf("grpc://"+e.Addr, parts) == p {
+			return e
+		}
+	}
+}
+
+// deadIn is a worker of partition p of parts that nothing listens for (a
+// low loopback port): its replica finds it unreachable.
+func deadIn(p, parts int) string {
+	for port := 1; ; port++ {
+		if id := fmt.Sprintf("grpc://127.0.0.1:%d", port); gateway.PartitionOf(id, parts) == p {
+			return id
+		}
+	}
+}
+
+// holds reports whether r holds every worker of fleet as its engine does
+// (blocks and engine load), whether or not it answers.
+func holds(r *replica, fleet []*fleetWorker) func() bool {
+	return func() bool {
+		for _, w := range fleet {
+			st := workerStatus(r, w.id)
+			if st.IndexBlocks != len(testrelay.EngineLive(w.eng)) || st.EngineLoad == nil {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// gauge is r's gauge name (0 when absent).
+func gauge(t *testing.T, r *replica, name string) float64 {
+	t.Helper()
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	return 0
+}
+
+// routeBoth routes req on full and on r and fails unless both decide
+// alike; it returns the full replica's decision.
+func routeBoth(t *testing.T, full, r *replica, req gateway.RouteRequest, what string) gateway.Decision {
+	t.Helper()
+	want, err := full.gw.Route(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := r.gw.Route(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Worker != want.Worker || got.Reason != want.Reason || got.RequestBlocks != want.RequestBlocks || got.BlockSize != want.BlockSize || !maps.Equal(got.MatchedBlocks, want.MatchedBlocks) {
+		t.Fatalf("%s on %s: %s (%s, matched %v); the full replica: %s (%s, matched %v)",
+			what, r.name, got.Worker, got.Reason, got.MatchedBlocks, want.Worker, want.Reason, want.MatchedBlocks)
+	}
+	return want
+}
+
+// TestTierRestartedReplicaAnswersOnlyWhenWhole: partition 1 of 2 runs two
+// replicas, a and b; one of its workers (held) is a stream the test
+// feeds by hand and holds the prompt most routes below hit. b is
+// restarted: the new b subscribes again, gets its relay workers' state
+// (snapshots), but nothing from held yet. While held has not delivered
+// its state, the new b does not answer partition 1's lookups (it is not
+// in the queue group: kvrelay_gateway_partition_answering 0, no lookup
+// answered), so every route of partition 0's replica still equals the
+// full replica's, held's overlaps included; before the fix b joined at
+// once and answered about half of them without held's blocks. Once held
+// delivers, b answers (counted caught_up), and the routes stay exact.
+func TestTierRestartedReplicaAnswersOnlyWhenWhole(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	fleet, ids := startFleet(t, 6)
+	held := engineIn(t, 1, 2)
+	heldID := "grpc://" + held.Addr
+	ids = append(ids, heldID)
+	rng := rand.New(rand.NewPCG(31, 7))
+	docs := makeDocs(rng, 4)
+	// held's own document, 12 blocks no other worker holds.
+	heldDoc := randomTokens(rng, 12*16)
+	const deadline = 10 * time.Second
+	full := startReplica(t, "", "", ids, 1, 0, 0)
+	r0 := startReplica(t, ns.URL(), "restart", ids, 2, 0, deadline)
+	a := startReplica(t, ns.URL(), "restart", ids, 2, 1, deadline)
+	b := startReplica(t, ns.URL(), "restart", ids, 2, 1, deadline)
+	for _, w := range fleet {
+		w.serve(t, rng, docs, 10)
+	}
+	// Each batch goes to one of held's subscribers; the same batch again is
+	// a duplicate to those that have it.
+	feedHeld := func(rs ...*replica) func() bool {
+		return func() bool {
+			select {
+			case held.Batches <- kvstream.StoreTokens(1, 16, heldDoc):
+			default:
+			}
+			for _, r := range rs {
+				if workerStatus(r, heldID).IndexBlocks != 12 {
+					return false
+				}
+			}
+			return true
+		}
+	}
+	eventually(t, "held's document on the full replica and both of partition 1's", feedHeld(full, a, b))
+	eventually(t, "the fleet settled", settled(full, []*replica{r0, a}, fleet))
+	eventually(t, "… and on b", settled(full, []*replica{b}, onlyPartition(fleet, 1, 2)))
+
+	// b restarts.
+	b.stop()
+	eventually(t, "the old b gone from the server", func() bool { return ns.ClientsNamed("partition 1/2") == 1 })
+	b = startReplica(t, ns.URL(), "restart", ids, 2, 1, deadline)
+	b.name = "partition 1/2 (restarted)"
+	eventually(t, "the new b holds its relay workers", holds(b, onlyPartition(fleet, 1, 2)))
+	eventually(t, "the new b streams from held", func() bool { return workerStatus(b, heldID).State == monitor.StateStreaming })
+	if got := b.gw.CatchingUp(); !slices.Equal(got, []string{heldID}) {
+		t.Fatalf("the new b: catching up %v, want only held %s", got, heldID)
+	}
+	if b.tier.Answering() || gauge(t, b, "kvrelay_gateway_partition_answering") != 0 {
+		t.Fatal("the new b answers partition 1 while held's state has not arrived")
+	}
+
+	// Routes on partition 0 while held is held back: partition 1's answers
+	// must all be a's, so each decision is the full replica's.
+	route := func(n int, what string) (onHeld int) {
+		for i := range n {
+			sameLoads(t, rng, ids, full, r0)
+			toks := prompt(rng, docs)
+			if i%2 == 0 {
+				toks = append(slices.Clone(heldDoc[:16*(4+rng.IntN(9))]), randomTokens(rng, 20)...)
+			}
+			if d := routeBoth(t, full, r0, gateway.RouteRequest{TokenIDs: toks}, fmt.Sprintf("%s, request %d", what, i)); d.Worker == heldID && d.MatchedBlocks[heldID] > 0 {
+				onHeld++
+			}
+		}
+		return onHeld
+	}
+	const routes = 60
+	if n := route(routes, "held back"); n < routes/4 {
+		t.Fatalf("only %d of %d routes went to held on its overlap: the check is too weak", n, routes)
+	}
+	if n := missing(t, r0); n != 0 {
+		t.Fatalf("partition 0's replica missed %v partitions while a answered", n)
+	}
+	if n := counter(t, b, "kvrelay_gateway_partition_lookups_total", "result", "answered"); n != 0 || b.tier.Answering() {
+		t.Fatalf("the new b answered %v lookups while catching up", n)
+	}
+
+	// held delivers: b is whole, and answers.
+	eventually(t, "held's document on the new b", feedHeld(b))
+	eventually(t, "the new b answering", b.tier.Answering)
+	if gauge(t, b, "kvrelay_gateway_partition_answering") != 1 || counter(t, b, "kvrelay_gateway_partition_joins_total", "how", "caught_up") != 1 ||
+		counter(t, b, "kvrelay_gateway_partition_joins_total", "how", "timed_out") != 0 {
+		t.Fatal("the new b's join metrics: want answering 1, one caught_up join")
+	}
+	if n := route(routes, "caught up"); n < routes/4 {
+		t.Fatalf("only %d of %d routes went to held on its overlap", n, routes)
+	}
+	if n := counter(t, b, "kvrelay_gateway_partition_lookups_total", "result", "answered"); n == 0 {
+		t.Fatal("the new b answered none of partition 1's lookups once whole")
+	}
+	if n := missing(t, r0); n != 0 {
+		t.Fatalf("partition 0's replica missed %v partitions", n)
+	}
+}
+
+// TestTierJoinsAfterTheWait: a replica whose own workers are a relay (it
+// delivers a snapshot), a dead address (unreachable: nothing to wait
+// for) and a stream that is open but never delivers anything (silent)
+// holds its answers back for the join wait and no less, then answers
+// anyway, counted timed_out and logged with the silent worker's name
+// (not the others'); lookups are answered from then on. A replica whose
+// own workers are a relay and a dead address answers as soon as the relay
+// delivered, with a join wait far off (caught_up).
+func TestTierJoinsAfterTheWait(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	var relays [2]*fleetWorker
+	for i := 0; relays[0] == nil || relays[1] == nil; i++ {
+		w := startWorker(t, i)
+		if p := gateway.PartitionOf(w.id, 2); relays[p] == nil {
+			relays[p] = w
+		}
+	}
+	silent := "grpc://" + engineIn(t, 0, 2).Addr
+	ids := []string{relays[0].id, relays[1].id, silent, deadIn(0, 2), deadIn(1, 2)}
+	rng := rand.New(rand.NewPCG(31, 8))
+	docs := makeDocs(rng, 2)
+	for _, w := range relays {
+		w.serve(t, rng, docs, 6)
+	}
+	const wait = 2 * time.Second
+	var logs logbuf.Buffer
+	start := time.Now()
+	p0 := startReplicaOpts(t, ids, 2, 0, gateway.Config{Picker: pickerConfig, NoPlacements: true}, partitionsync.Options{
+		URL: ns.URL(), SubjectPrefix: "wait", Deadline: 10 * time.Second, JoinWait: wait,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	p1 := startReplicaOpts(t, ids, 2, 1, gateway.Config{Picker: pickerConfig, NoPlacements: true}, partitionsync.Options{
+		URL: ns.URL(), SubjectPrefix: "wait", Deadline: 10 * time.Second, JoinWait: time.Hour,
+	})
+
+	// Partition 1: its relay delivers, its dead worker is unreachable.
+	eventually(t, "partition 1 answering, its dead worker unreachable and its relay whole", p1.tier.Answering)
+	if counter(t, p1, "kvrelay_gateway_partition_joins_total", "how", "caught_up") != 1 {
+		t.Error("partition 1 did not join as caught_up")
+	}
+
+	// Partition 0: only the silent worker holds it back.
+	eventually(t, "partition 0 waiting for its silent worker alone", func() bool {
+		return p0.tier.Answering() || slices.Equal(p0.gw.CatchingUp(), []string{silent})
+	})
+	var joined time.Duration
+	eventually(t, "partition 0 answering after the wait", func() bool {
+		joined = time.Since(start)
+		return p0.tier.Answering()
+	})
+	if joined < wait {
+		t.Fatalf("partition 0 answered %v after its start, before its join wait %v passed", joined, wait)
+	}
+	if got := p0.gw.CatchingUp(); !slices.Equal(got, []string{silent}) {
+		t.Errorf("partition 0 catching up %v after the wait, want the silent worker alone", got)
+	}
+	if counter(t, p0, "kvrelay_gateway_partition_joins_total", "how", "timed_out") != 1 || counter(t, p0, "kvrelay_gateway_partition_joins_total", "how", "caught_up") != 0 ||
+		gauge(t, p0, "kvrelay_gateway_partition_answering") != 1 {
+		t.Error("partition 0's join metrics: want one timed_out join, answering 1")
+	}
+	line := ""
+	for _, l := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(l, "answering the partition's lookups although") {
+			line = l
+		}
+	}
+	if !strings.Contains(line, silent) || !strings.Contains(line, "catching_up=1") || strings.Contains(line, relays[0].id) || strings.Contains(line, ids[3]) {
+		t.Errorf("the timed-out join's log line does not name the silent worker alone: %q", line)
+	}
+	// Partition 0 answers partition 1's routes now: nothing is missing.
+	for range 10 {
+		if _, err := p1.gw.Route(gateway.RouteRequest{TokenIDs: prompt(rng, docs)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := missing(t, p1); n != 0 {
+		t.Errorf("partition 1's routes missed partition 0 %v times after it joined", n)
+	}
+	if n := counter(t, p0, "kvrelay_gateway_partition_lookups_total", "result", "answered"); n != 10 {
+		t.Errorf("partition 0 answered %v lookups, want 10", n)
+	}
+}
