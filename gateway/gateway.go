@@ -821,6 +821,7 @@ func (g *Gateway) onState(worker string, st monitor.State) {
 // worker is never in it. A worker put back
 // takes its current in-flight count with it.
 func (g *Gateway) syncFleetsLocked() {
+	g.metrics.fleetSyncsAll.Inc()
 	g.reachMu.Lock()
 	defer g.reachMu.Unlock()
 	for _, m := range g.models {
