@@ -197,12 +197,15 @@ func TestTierRestartedReplicaAnswersOnlyWhenWhole(t *testing.T) {
 
 // TestTierJoinsAfterTheWait: a replica whose own workers are a relay (it
 // delivers a snapshot), a dead address (unreachable: nothing to wait
-// for) and a stream that is open but never delivers anything (silent)
-// holds its answers back for the join wait and no less, then answers
-// anyway, counted timed_out and logged with the silent worker's name
-// (not the others'); lookups are answered from then on. A replica whose
-// own workers are a relay and a dead address answers as soon as the relay
-// delivered, with a join wait far off (caught_up).
+// for) and a stream that is open but never delivers anything (silent),
+// while another replica answers its partition, holds its answers back for
+// the join wait and no less, then answers anyway, counted timed_out and
+// logged with the silent worker's name (not the others'); it answers
+// lookups from then on. A replica whose own workers are a relay and a
+// dead address answers as soon as the relay delivered, with a join wait
+// far off (caught_up). A replica with the silent worker and no other
+// replica of its partition answers at once (alone): a partial answer
+// leaves out fewer workers than none.
 func TestTierJoinsAfterTheWait(t *testing.T) {
 	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
 	var relays [2]*fleetWorker
@@ -219,16 +222,25 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 	for _, w := range relays {
 		w.serve(t, rng, docs, 6)
 	}
+	base := gateway.Config{Picker: pickerConfig, NoPlacements: true}
+	opts := func(prefix string, wait time.Duration, log *logbuf.Buffer) partitionsync.Options {
+		o := partitionsync.Options{URL: ns.URL(), SubjectPrefix: prefix, Deadline: 10 * time.Second, JoinWait: wait}
+		if log != nil {
+			o.Logger = slog.New(slog.NewTextHandler(log, nil))
+		}
+		return o
+	}
+	// A replica of each partition that answers at once: the others hold
+	// back while it does.
+	twins := []*replica{startReplicaOpts(t, ids, 2, 0, base, opts("wait", -1, nil)), startReplicaOpts(t, ids, 2, 1, base, opts("wait", -1, nil))}
+	for _, r := range twins {
+		eventually(t, r.name+" (twin) answering", r.tier.Answering)
+	}
 	const wait = 2 * time.Second
 	var logs logbuf.Buffer
 	start := time.Now()
-	p0 := startReplicaOpts(t, ids, 2, 0, gateway.Config{Picker: pickerConfig, NoPlacements: true}, partitionsync.Options{
-		URL: ns.URL(), SubjectPrefix: "wait", Deadline: 10 * time.Second, JoinWait: wait,
-		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
-	})
-	p1 := startReplicaOpts(t, ids, 2, 1, gateway.Config{Picker: pickerConfig, NoPlacements: true}, partitionsync.Options{
-		URL: ns.URL(), SubjectPrefix: "wait", Deadline: 10 * time.Second, JoinWait: time.Hour,
-	})
+	p0 := startReplicaOpts(t, ids, 2, 0, base, opts("wait", wait, &logs))
+	p1 := startReplicaOpts(t, ids, 2, 1, base, opts("wait", time.Hour, nil))
 
 	// Partition 1: its relay delivers, its dead worker is unreachable.
 	eventually(t, "partition 1 answering, its dead worker unreachable and its relay whole", p1.tier.Answering)
@@ -252,7 +264,7 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 		t.Errorf("partition 0 catching up %v after the wait, want the silent worker alone", got)
 	}
 	if counter(t, p0, "kvrelay_gateway_partition_joins_total", "how", "timed_out") != 1 || counter(t, p0, "kvrelay_gateway_partition_joins_total", "how", "caught_up") != 0 ||
-		gauge(t, p0, "kvrelay_gateway_partition_answering") != 1 {
+		counter(t, p0, "kvrelay_gateway_partition_joins_total", "how", "alone") != 0 || gauge(t, p0, "kvrelay_gateway_partition_answering") != 1 {
 		t.Error("partition 0's join metrics: want one timed_out join, answering 1")
 	}
 	line := ""
@@ -264,16 +276,29 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 	if !strings.Contains(line, silent) || !strings.Contains(line, "catching_up=1") || strings.Contains(line, relays[0].id) || strings.Contains(line, ids[3]) {
 		t.Errorf("the timed-out join's log line does not name the silent worker alone: %q", line)
 	}
-	// Partition 0 answers partition 1's routes now: nothing is missing.
-	for range 10 {
+	// Partition 0's replicas answer partition 1's routes: this one too.
+	const routes = 40
+	for range routes {
 		if _, err := p1.gw.Route(gateway.RouteRequest{TokenIDs: prompt(rng, docs)}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if n := missing(t, p1); n != 0 {
-		t.Errorf("partition 1's routes missed partition 0 %v times after it joined", n)
+		t.Errorf("partition 1's routes missed partition 0 %v times", n)
 	}
-	if n := counter(t, p0, "kvrelay_gateway_partition_lookups_total", "result", "answered"); n != 10 {
-		t.Errorf("partition 0 answered %v lookups, want 10", n)
+	if n := counter(t, p0, "kvrelay_gateway_partition_lookups_total", "result", "answered"); n == 0 {
+		t.Errorf("partition 0's replica answered none of %d lookups after it joined", routes)
+	}
+
+	// Alone in its partition (a tier of its own), with the silent worker:
+	// it answers at once.
+	lone := startReplicaOpts(t, ids, 2, 0, base, opts("alone", time.Hour, nil))
+	eventually(t, "the lone replica answering", lone.tier.Answering)
+	if counter(t, lone, "kvrelay_gateway_partition_joins_total", "how", "alone") != 1 {
+		t.Error("the lone replica did not join as alone")
+	}
+	if got := lone.gw.CatchingUp(); !slices.Contains(got, silent) {
+		t.Errorf("the lone replica: catching up %v, want the silent worker among them", got)
 	}
 }
+

@@ -157,12 +157,15 @@ func startReplicaWith(t *testing.T, natsURL, prefix string, ids []string, parts,
 
 // startReplicaOpts is startReplicaWith with the tier's options (URL,
 // prefix, deadline, join wait, logger; its name and registry are filled
-// in).
+// in). base.Workers, when set, replaces the workers made from ids.
 func startReplicaOpts(t *testing.T, ids []string, parts, own int, base gateway.Config, topts partitionsync.Options) *replica {
 	t.Helper()
-	ws := make([]gateway.Worker, len(ids))
-	for i, id := range ids {
-		ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
+	ws := base.Workers
+	if ws == nil {
+		ws = make([]gateway.Worker, len(ids))
+		for i, id := range ids {
+			ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
+		}
 	}
 	reg := prometheus.NewRegistry()
 	base.Workers, base.LoadPollInterval = ws, -1
