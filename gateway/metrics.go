@@ -21,8 +21,9 @@ type gatewayMetrics struct {
 	blockSizes     *prometheus.CounterVec // model, outcome
 	// fleetSyncs counts the walks that bring the fleets in line with
 	// reachability, draining and membership, by scope.
-	fleetSyncs    *prometheus.CounterVec // scope
-	fleetSyncsAll prometheus.Counter
+	fleetSyncs                     *prometheus.CounterVec // scope
+	fleetSyncsAll, fleetSyncsModel prometheus.Counter
+	fleetSyncsWorkers              prometheus.Counter
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
@@ -51,10 +52,12 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 		}, []string{"model", "outcome"}),
 		fleetSyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_fleet_syncs_total",
-			Help: "Times the routing fleets were brought in line with the workers' reachability, draining and membership, by scope: all (every model's workers walked, under the gateway's lock).",
+			Help: "Times the routing fleets were brought in line with the workers' reachability, draining and membership, by scope: all (every model's workers walked, under the gateway's lock: a worker's own stream state, draining or membership changed); model (one model's workers: another partition's answer made none of them reachable, or one again); workers (only the workers another partition's answer said the opposite of its last answer about). Partitioned replicas of one partition that disagree on a worker show as a steady rate of workers syncs.",
 		}, []string{"scope"}),
 	}
 	m.fleetSyncsAll = m.fleetSyncs.WithLabelValues("all")
+	m.fleetSyncsModel = m.fleetSyncs.WithLabelValues("model")
+	m.fleetSyncsWorkers = m.fleetSyncs.WithLabelValues("workers")
 	if reg == nil {
 		return m, nil
 	}

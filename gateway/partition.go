@@ -342,6 +342,14 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		return engine
 	}
 	g.reachMu.Lock()
+	// The workers whose mark an answer changed, and how many more of the
+	// model are reachable for it: the fleet follows them alone, not every
+	// model's every worker. Two replicas of one partition that disagree
+	// on a worker flip it at every other answer, and a walk of the whole
+	// fleet under g.mu at each cost O(models × workers) a route
+	// (BenchmarkRouteReachabilityFlap).
+	var flipped []string
+	delta := 0
 	for _, a := range s.answers {
 		var down map[string]bool
 		for _, w := range a.Unreachable {
@@ -354,16 +362,36 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		}
 		key := remoteKey{partition: a.Partition, model: m.name}
 		old := g.remoteDown[key]
-		if !sameSet(old, down) {
-			if down == nil {
-				delete(g.remoteDown, key)
-			} else {
-				g.remoteDown[key] = down
+		if sameSet(old, down) {
+			continue
+		}
+		for w := range old {
+			if !down[w] {
+				flipped = append(flipped, w)
+				delta += g.reachDeltaLocked(w)
 			}
-			g.reachDirty.Store(true)
+		}
+		for w := range down {
+			if !old[w] {
+				flipped = append(flipped, w)
+				delta -= g.reachDeltaLocked(w)
+			}
+		}
+		if down == nil {
+			delete(g.remoteDown, key)
+		} else {
+			g.remoteDown[key] = down
 		}
 	}
+	if len(flipped) > 0 && !g.reachDirty.Load() {
+		// Nothing else changed since the last sync (its changes set
+		// reachDirty under reachMu, and every swap of it back is followed
+		// by a sync under g.mu, held here), so m.reachable is exact.
+		g.flipLocked(m, flipped, delta)
+	}
 	g.reachMu.Unlock()
+	// Anything else pending (a stream's state, a drain, membership): the
+	// whole sync, which covers the flips too.
 	if g.reachDirty.Swap(false) {
 		g.syncFleetsLocked()
 	}
@@ -381,6 +409,37 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		}
 	}
 	return engine
+}
+
+// reachDeltaLocked is how much a model's reachable count moves when w's
+// remote mark goes from down to up: 1 when that changes whether w counts
+// as reachable (it is not draining, and this replica does not find it
+// unreachable itself), 0 otherwise; the caller negates it for a mark
+// going from up to down. g.mu and g.reachMu are held.
+func (g *Gateway) reachDeltaLocked(w string) int {
+	if _, drained := g.draining[w]; drained || g.unreachable[w] {
+		return 0
+	}
+	return 1
+}
+
+// flipLocked makes m's fleet follow the workers whose remote mark changed
+// (flipped; m.reachable moves by delta): each alone, unless the model went
+// from no reachable worker to some, or back, which moves every worker of
+// it (the "none reachable: route to all" rule); g.mu and g.reachMu are
+// held.
+func (g *Gateway) flipLocked(m *model, flipped []string, delta int) {
+	before := m.reachable
+	m.reachable += delta
+	if (before == 0) != (m.reachable == 0) {
+		g.metrics.fleetSyncsModel.Inc()
+		g.syncModelLocked(m)
+		return
+	}
+	g.metrics.fleetSyncsWorkers.Inc()
+	for _, w := range flipped {
+		g.placeLocked(m, w)
+	}
 }
 
 // remoteKey names one partition's unreachable workers of one model.

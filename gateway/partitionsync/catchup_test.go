@@ -302,3 +302,71 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 	}
 }
 
+// TestTierDisagreeingReplicasFlipOnlyTheWorker: partition 1's two
+// replicas disagree on one worker (a reaches its relay; b is given a dead
+// address for it, so finds it unreachable), and partition 0's routes get
+// either's answer, so the worker's mark flips from one route to the next.
+// Each flip moves that worker alone in the asker's fleets
+// (kvrelay_gateway_fleet_syncs_total{scope="workers"}); none walks every
+// model's every worker ({scope="all"} stays put), which before the fix
+// each flip did under the gateway's lock.
+func TestTierDisagreeingReplicasFlipOnlyTheWorker(t *testing.T) {
+	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
+	var fleet []*fleetWorker
+	var ids []string
+	victim := ""
+	for i := 0; victim == "" || len(fleet) < 4; i++ {
+		w := startWorker(t, i)
+		fleet, ids = append(fleet, w), append(ids, w.id)
+		if victim == "" && gateway.PartitionOf(w.id, 2) == 1 {
+			victim = w.id
+		}
+	}
+	rng := rand.New(rand.NewPCG(31, 9))
+	docs := makeDocs(rng, 3)
+	for _, w := range fleet {
+		w.serve(t, rng, docs, 6)
+	}
+	const deadline = 10 * time.Second
+	r0 := startReplica(t, ns.URL(), "flap", ids, 2, 0, deadline)
+	a := startReplica(t, ns.URL(), "flap", ids, 2, 1, deadline)
+	var misled []gateway.Worker
+	for _, id := range ids {
+		w := gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
+		if id == victim {
+			w.Addr = deadIn(1, 2)[len("grpc://"):]
+		}
+		misled = append(misled, w)
+	}
+	b := startReplicaOpts(t, ids, 2, 1, gateway.Config{Picker: pickerConfig, NoPlacements: true, Workers: misled},
+		partitionsync.Options{URL: ns.URL(), SubjectPrefix: "flap", Deadline: deadline})
+	b.name = "partition 1/2 (misled)"
+	eventually(t, "a streams from the worker, b finds it unreachable", func() bool {
+		return workerStatus(a, victim).State == monitor.StateStreaming && workerStatus(b, victim).State == monitor.StateBackoff
+	})
+	eventually(t, "every replica answering", func() bool { return r0.tier.Answering() && a.tier.Answering() && b.tier.Answering() })
+	// A first route settles what is pending (the fleets' first sync).
+	if _, err := r0.gw.Route(gateway.RouteRequest{TokenIDs: prompt(rng, docs)}); err != nil {
+		t.Fatal(err)
+	}
+	all := counter(t, r0, "kvrelay_gateway_fleet_syncs_total", "scope", "all")
+	flips := counter(t, r0, "kvrelay_gateway_fleet_syncs_total", "scope", "workers")
+	const routes = 60
+	for range routes {
+		if _, err := r0.gw.Route(gateway.RouteRequest{TokenIDs: prompt(rng, docs)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flips = counter(t, r0, "kvrelay_gateway_fleet_syncs_total", "scope", "workers") - flips
+	if n := counter(t, r0, "kvrelay_gateway_fleet_syncs_total", "scope", "all") - all; n != 0 {
+		t.Errorf("%v syncs of every worker over %d routes (%v flips of the one worker): a flip walks the whole fleet", n, routes, flips)
+	}
+	if flips == 0 {
+		t.Fatalf("no flip over %d routes: partition 1's answers never disagreed (a answered %v lookups, b %v)", routes,
+			counter(t, a, "kvrelay_gateway_partition_lookups_total", "result", "answered"), counter(t, b, "kvrelay_gateway_partition_lookups_total", "result", "answered"))
+	}
+	if n := missing(t, r0); n != 0 {
+		t.Errorf("%v partitions missing", n)
+	}
+	t.Logf("%d routes: %v flips of the worker, each applied alone", routes, flips)
+}
