@@ -172,15 +172,19 @@ func (g *Gateway) SetScatterer(s Scatterer) {
 // replica: its own partition's) whose index is not whole yet: their
 // stream has not delivered their state once (monitor's
 // WorkerStatus.CaughtUp) and they are not known to be out of reach
-// (backoff: their relay could not be reached; disabled: their events are
-// off) or removed. A replica answering from such an index would leave
-// those workers' blocks out (partitionsync holds a restarted replica's
-// answers back until this is empty).
+// (unreachable: their last subscribe attempt failed, a mark the retries
+// keep until one streams; disabled: their events are off) or removed. A
+// replica answering from such an index would leave those workers' blocks
+// out (partitionsync holds a restarted replica's answers back until this
+// is empty).
 func (g *Gateway) CatchingUp() []string {
 	var out []string
-	for _, st := range g.mon.Workers() {
+	sts := g.mon.Workers()
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	for _, st := range sts {
 		switch {
-		case st.CaughtUp:
+		case st.CaughtUp, g.unreachable[st.ID]:
 		case st.State == monitor.StateBackoff, st.State == monitor.StateDisabled, st.State == monitor.StateStopped:
 		default:
 			out = append(out, st.ID)

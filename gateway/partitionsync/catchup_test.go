@@ -5,8 +5,10 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
+	"net"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,6 +39,49 @@ func deadIn(p, parts int) string {
 		if id := fmt.Sprintf("grpc://127.0.0.1:%d", port); gateway.PartitionOf(id, parts) == p {
 			return id
 		}
+	}
+}
+
+// muteIn is a worker of partition p of parts whose address accepts TCP
+// connections and never sends a byte (a hung relay); the listener closes
+// when the test ends.
+func muteIn(t *testing.T, p, parts int) string {
+	t.Helper()
+	for {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := "grpc://" + lis.Addr().String()
+		if gateway.PartitionOf(id, parts) != p {
+			lis.Close()
+			continue
+		}
+		var mu sync.Mutex
+		var conns []net.Conn
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			for {
+				c, err := lis.Accept()
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+			}
+		}()
+		t.Cleanup(func() {
+			lis.Close()
+			<-done
+			mu.Lock()
+			defer mu.Unlock()
+			for _, c := range conns {
+				c.Close()
+			}
+		})
+		return id
 	}
 }
 
@@ -201,9 +246,12 @@ func TestTierRestartedReplicaAnswersOnlyWhenWhole(t *testing.T) {
 // while another replica answers its partition, holds its answers back for
 // the join wait and no less, then answers anyway, counted timed_out and
 // logged with the silent worker's name (not the others'); it answers
-// lookups from then on. A replica whose own workers are a relay and a
-// dead address answers as soon as the relay delivered, with a join wait
-// far off (caught_up). A replica with the silent worker and no other
+// lookups from then on. A replica whose own workers are a relay, a dead
+// address and a mute one (it accepts connections and never answers: each
+// subscribe attempt waits out its deadline, so the worker is connecting
+// most of the time, and unreachable from its first failure on) answers as
+// soon as the relay delivered and the mute worker's first attempt failed,
+// with a join wait far off (caught_up). A replica with the silent worker and no other
 // replica of its partition answers at once (alone): a partial answer
 // leaves out fewer workers than none.
 func TestTierJoinsAfterTheWait(t *testing.T) {
@@ -216,7 +264,7 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 		}
 	}
 	silent := "grpc://" + engineIn(t, 0, 2).Addr
-	ids := []string{relays[0].id, relays[1].id, silent, deadIn(0, 2), deadIn(1, 2)}
+	ids := []string{relays[0].id, relays[1].id, silent, deadIn(0, 2), deadIn(1, 2), muteIn(t, 1, 2)}
 	rng := rand.New(rand.NewPCG(31, 8))
 	docs := makeDocs(rng, 2)
 	for _, w := range relays {
@@ -242,8 +290,9 @@ func TestTierJoinsAfterTheWait(t *testing.T) {
 	p0 := startReplicaOpts(t, ids, 2, 0, base, opts("wait", wait, &logs))
 	p1 := startReplicaOpts(t, ids, 2, 1, base, opts("wait", time.Hour, nil))
 
-	// Partition 1: its relay delivers, its dead worker is unreachable.
-	eventually(t, "partition 1 answering, its dead worker unreachable and its relay whole", p1.tier.Answering)
+	// Partition 1: its relay delivers, its dead and mute workers are
+	// unreachable.
+	eventually(t, "partition 1 answering, its dead and mute workers unreachable and its relay whole", p1.tier.Answering)
 	if counter(t, p1, "kvrelay_gateway_partition_joins_total", "how", "caught_up") != 1 {
 		t.Error("partition 1 did not join as caught_up")
 	}
