@@ -422,9 +422,17 @@ func (t *Tier) join(target CatchingUp, start time.Time) {
 	}
 }
 
+// A Tier is the gateway's Scatterer and tells it whether it answers
+// (/readyz reads it through gateway.Gateway.AnsweringPartition).
+var (
+	_ gateway.Scatterer         = (*Tier)(nil)
+	_ gateway.PartitionAnswerer = (*Tier)(nil)
+)
+
 // Answering reports whether this replica answers its partition's lookups
 // (gateway.PartitionAnswerer): false until its own workers' indexes are
-// whole or Options.JoinWait has passed.
+// whole, no other replica answers the partition, or Options.JoinWait has
+// passed.
 func (t *Tier) Answering() bool { return t.joined.Load() }
 
 // Close unsubscribes, closes the connection and unregisters the metrics.
