@@ -211,7 +211,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 		}),
 		joins: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrelay_gateway_partition_joins_total",
-			Help: "Times this replica began answering its partition's lookups, by how: caught_up (every own worker's stream delivered its state once, or is out of reach), alone (workers still catching up, but no other replica answers the partition) or timed_out (the join wait passed with workers still catching up; they are logged).",
+			Help: "Times this replica began answering its partition's lookups, by how: caught_up (every own worker's stream delivered its state once, or is out of reach), alone (workers still catching up, but no other replica answers the partition), timed_out (the join wait passed with workers still catching up; they are logged) or no_wait (the join wait is off: --partition-join-wait 0).",
 		}, []string{"how"}),
 		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_scatter_seconds",
@@ -241,7 +241,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 	for _, r := range refusedReasons {
 		t.refused.WithLabelValues(r)
 	}
-	for _, h := range []string{"caught_up", "alone", "timed_out"} {
+	for _, h := range []string{"caught_up", "alone", "timed_out", "no_wait"} {
 		t.joins.WithLabelValues(h)
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
@@ -276,7 +276,7 @@ func Start(target Target, opts Options) (*Tier, error) {
 			nc.Close()
 			return nil, err
 		}
-		t.joins.WithLabelValues("caught_up").Inc()
+		t.joins.WithLabelValues("no_wait").Inc()
 		close(t.joinDone)
 	} else {
 		go t.join(catching, time.Now())
