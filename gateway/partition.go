@@ -388,9 +388,10 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		}
 	}
 	if len(flipped) > 0 && !g.reachDirty.Load() {
-		// Nothing else changed since the last sync (its changes set
-		// reachDirty under reachMu, and every swap of it back is followed
-		// by a sync under g.mu, held here), so m.reachable is exact.
+		// Nothing else changed since the last sync, so m.reachable is
+		// exact: a stream's state sets reachDirty under reachMu, a drain
+		// or a membership change under g.mu, both held here, and every
+		// swap of it back to false is followed by a sync under g.mu.
 		g.flipLocked(m, flipped, delta)
 	}
 	g.reachMu.Unlock()
