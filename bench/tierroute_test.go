@@ -126,6 +126,7 @@ func startRouteTier(tb testing.TB, f *tierFleet, url string, parts int) []*gatew
 		fill[n] = f.fill[w]
 	}
 	var out []*gateway.Gateway
+	var answerers []*partitionsync.Tier
 	for p := range parts {
 		cfg := gateway.Config{
 			Workers: ws, Index: index.Options{BlockSize: f.wl.BlockSize}, NoPlacements: true, LoadPollInterval: -1,
@@ -154,6 +155,7 @@ func startRouteTier(tb testing.TB, f *tierFleet, url string, parts int) []*gatew
 			for !t.Ready() {
 				time.Sleep(time.Millisecond)
 			}
+			answerers = append(answerers, t)
 		}
 		out = append(out, g)
 	}
@@ -172,6 +174,16 @@ func startRouteTier(tb testing.TB, f *tierFleet, url string, parts int) []*gatew
 			if time.Now().After(deadline) {
 				tb.Fatalf("%d partitions: the fill was not applied in 10 minutes", parts)
 			}
+		}
+	}
+	// Each partition answers once its workers' state is in (their first
+	// batch here).
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if !slices.ContainsFunc(answerers, func(t *partitionsync.Tier) bool { return !t.Answering() }) {
+			break
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("%d partitions: not every partition answering a minute after its fill", parts)
 		}
 	}
 	return out

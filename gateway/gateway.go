@@ -205,9 +205,13 @@ type model struct {
 	list    []string // workers, sorted; rebuilt on change so Route copies a slice
 	// fleet holds the workers' in-flight counts for the picker, updated
 	// whenever one changes, so a route does not walk every worker.
-	fleet   *picker.Fleet
-	places  *placement.Store // nil when placements are off
-	started bool             // its index's Run is going
+	fleet *picker.Fleet
+	// reachable counts the workers of list neither draining nor down, as
+	// of the last sync of the fleet (under g.mu); a flip another
+	// partition's answer makes moves it by one (partition.go).
+	reachable int
+	places    *placement.Store // nil when placements are off
+	started   bool             // its index's Run is going
 	// learnedBlock is the largest block size learned for the model, from
 	// this replica's workers or (partitioned) another partition's answer.
 	// It is written under blockMu together with the index's block size, so
@@ -821,27 +825,46 @@ func (g *Gateway) onState(worker string, st monitor.State) {
 // worker is never in it. A worker put back
 // takes its current in-flight count with it.
 func (g *Gateway) syncFleetsLocked() {
+	g.metrics.fleetSyncsAll.Inc()
 	g.reachMu.Lock()
 	defer g.reachMu.Unlock()
 	for _, m := range g.models {
-		reachable := 0
-		down := func(w string) bool { return g.unreachable[w] || g.remoteUnreachableLocked(m.name, w) }
-		for _, w := range m.list {
-			if _, drained := g.draining[w]; !drained && !down(w) {
-				reachable++
-			}
+		g.syncModelLocked(m)
+	}
+}
+
+// syncModelLocked is syncFleetsLocked for one model; g.mu and g.reachMu
+// are held.
+func (g *Gateway) syncModelLocked(m *model) {
+	m.reachable = 0
+	for _, w := range m.list {
+		if _, drained := g.draining[w]; !drained && !g.downLocked(m.name, w) {
+			m.reachable++
 		}
-		for _, w := range m.list {
-			_, drained := g.draining[w]
-			in := !drained && (reachable == 0 || !down(w))
-			switch {
-			case in && !m.fleet.Has(w):
-				m.fleet.Add(w)
-				m.fleet.Set(w, g.inflightLocked(w))
-			case !in && m.fleet.Has(w):
-				m.fleet.Remove(w)
-			}
-		}
+	}
+	for _, w := range m.list {
+		g.placeLocked(m, w)
+	}
+}
+
+// downLocked reports whether w, of model, is unreachable, from this
+// replica or (partitioned) by its partition's last answer; g.mu and
+// g.reachMu are held.
+func (g *Gateway) downLocked(model, w string) bool {
+	return g.unreachable[w] || g.remoteUnreachableLocked(model, w)
+}
+
+// placeLocked puts w in m's fleet or takes it out, as m.reachable and its
+// own state say; g.mu and g.reachMu are held.
+func (g *Gateway) placeLocked(m *model, w string) {
+	_, drained := g.draining[w]
+	in := !drained && (m.reachable == 0 || !g.downLocked(m.name, w))
+	switch {
+	case in && !m.fleet.Has(w):
+		m.fleet.Add(w)
+		m.fleet.Set(w, g.inflightLocked(w))
+	case !in && m.fleet.Has(w):
+		m.fleet.Remove(w)
 	}
 }
 

@@ -19,6 +19,11 @@ type gatewayMetrics struct {
 	// partitions' answers offered (adopted or refused, by why).
 	answersDropped prometheus.Counter
 	blockSizes     *prometheus.CounterVec // model, outcome
+	// fleetSyncs counts the walks that bring the fleets in line with
+	// reachability, draining and membership, by scope.
+	fleetSyncs                     *prometheus.CounterVec // scope
+	fleetSyncsAll, fleetSyncsModel prometheus.Counter
+	fleetSyncsWorkers              prometheus.Counter
 }
 
 func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, error) {
@@ -45,11 +50,18 @@ func newGatewayMetrics(reg prometheus.Registerer, g *Gateway) (*gatewayMetrics, 
 			Name: "kvrelay_gateway_partition_block_sizes_total",
 			Help: "Partitioned: larger block sizes other partitions' answers offered for a model, by outcome: adopted; not_assigned (the answering partition owns none of the model's workers here); too_large (above the largest block size any engine uses).",
 		}, []string{"model", "outcome"}),
+		fleetSyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_fleet_syncs_total",
+			Help: "Times the routing fleets were brought in line with the workers' reachability, draining and membership, by scope: all (every model's workers walked, under the gateway's lock: a worker's own stream state, draining or membership changed); model (one model's workers: another partition's answer made none of them reachable, or one again); workers (only the workers another partition's answer said the opposite of its last answer about). Partitioned replicas of one partition that disagree on a worker show as a steady rate of workers syncs.",
+		}, []string{"scope"}),
 	}
+	m.fleetSyncsAll = m.fleetSyncs.WithLabelValues("all")
+	m.fleetSyncsModel = m.fleetSyncs.WithLabelValues("model")
+	m.fleetSyncsWorkers = m.fleetSyncs.WithLabelValues("workers")
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, m.answersDropped, m.blockSizes, indexCollector{g}} {
+	for _, c := range []prometheus.Collector{m.routes, m.routeSeconds, m.inflightExpired, m.loadPolls.polls, m.loadPolls.failures, m.answersDropped, m.blockSizes, m.fleetSyncs, indexCollector{g}} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("gateway metrics: %w", err)
 		}

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/kvrelay/kvrelay/gateway/index"
+	"github.com/kvrelay/kvrelay/gateway/monitor"
 	"github.com/kvrelay/kvrelay/gateway/picker"
 )
 
@@ -167,6 +168,53 @@ func (g *Gateway) SetScatterer(s Scatterer) {
 	g.scatter.Store(&s)
 }
 
+// CatchingUp lists, sorted, this replica's workers (on a partitioned
+// replica: its own partition's) whose index is not whole yet: their
+// stream has not delivered their state once (monitor's
+// WorkerStatus.CaughtUp) and they are not known to be out of reach
+// (unreachable: their last subscribe attempt failed, a mark the retries
+// keep until one streams; disabled: their events are off) or removed. A
+// replica answering from such an index would leave those workers' blocks
+// out (partitionsync holds a restarted replica's answers back until this
+// is empty).
+func (g *Gateway) CatchingUp() []string {
+	var out []string
+	sts := g.mon.Workers()
+	g.reachMu.Lock()
+	defer g.reachMu.Unlock()
+	for _, st := range sts {
+		switch {
+		case st.CaughtUp, g.unreachable[st.ID]:
+		case st.State == monitor.StateBackoff, st.State == monitor.StateDisabled, st.State == monitor.StateStopped:
+		default:
+			out = append(out, st.ID)
+		}
+	}
+	return out
+}
+
+// PartitionAnswerer is a Scatterer that also answers this replica's
+// partition's lookups (partitionsync.Tier), and says whether it does yet.
+type PartitionAnswerer interface {
+	Answering() bool
+}
+
+// AnsweringPartition reports whether this replica answers its partition's
+// lookups: false while its Scatterer (a PartitionAnswerer) holds them
+// back until the replica's own workers' indexes are whole. True when
+// unpartitioned, or when the Scatterer does not say.
+func (g *Gateway) AnsweringPartition() bool {
+	if !g.partitioned() {
+		return true
+	}
+	s := g.scatter.Load()
+	if s == nil {
+		return true
+	}
+	a, ok := (*s).(PartitionAnswerer)
+	return !ok || a.Answering()
+}
+
 // AnswerPartition answers another replica's query for this replica's
 // partition: its own workers' overlaps with q.Prefix, their reachability,
 // the model's learned block size and, if asked, their engine signals.
@@ -298,6 +346,14 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		return engine
 	}
 	g.reachMu.Lock()
+	// The workers whose mark an answer changed, and how many more of the
+	// model are reachable for it: the fleet follows them alone, not every
+	// model's every worker. Two replicas of one partition that disagree
+	// on a worker flip it at every other answer, and a walk of the whole
+	// fleet under g.mu at each cost O(models × workers) a route
+	// (BenchmarkRouteReachabilityFlap).
+	var flipped []string
+	delta := 0
 	for _, a := range s.answers {
 		var down map[string]bool
 		for _, w := range a.Unreachable {
@@ -310,16 +366,37 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		}
 		key := remoteKey{partition: a.Partition, model: m.name}
 		old := g.remoteDown[key]
-		if !sameSet(old, down) {
-			if down == nil {
-				delete(g.remoteDown, key)
-			} else {
-				g.remoteDown[key] = down
+		if sameSet(old, down) {
+			continue
+		}
+		for w := range old {
+			if !down[w] {
+				flipped = append(flipped, w)
+				delta += g.reachDeltaLocked(w)
 			}
-			g.reachDirty.Store(true)
+		}
+		for w := range down {
+			if !old[w] {
+				flipped = append(flipped, w)
+				delta -= g.reachDeltaLocked(w)
+			}
+		}
+		if down == nil {
+			delete(g.remoteDown, key)
+		} else {
+			g.remoteDown[key] = down
 		}
 	}
+	if len(flipped) > 0 && !g.reachDirty.Load() {
+		// Nothing else changed since the last sync, so m.reachable is
+		// exact: a stream's state sets reachDirty under reachMu, a drain
+		// or a membership change under g.mu, both held here, and every
+		// swap of it back to false is followed by a sync under g.mu.
+		g.flipLocked(m, flipped, delta)
+	}
 	g.reachMu.Unlock()
+	// Anything else pending (a stream's state, a drain, membership): the
+	// whole sync, which covers the flips too.
 	if g.reachDirty.Swap(false) {
 		g.syncFleetsLocked()
 	}
@@ -337,6 +414,37 @@ func (s scattered) applyLocked(g *Gateway, m *model, engine map[string]picker.En
 		}
 	}
 	return engine
+}
+
+// reachDeltaLocked is how much a model's reachable count moves when w's
+// remote mark goes from down to up: 1 when that changes whether w counts
+// as reachable (it is not draining, and this replica does not find it
+// unreachable itself), 0 otherwise; the caller negates it for a mark
+// going from up to down. g.mu and g.reachMu are held.
+func (g *Gateway) reachDeltaLocked(w string) int {
+	if _, drained := g.draining[w]; drained || g.unreachable[w] {
+		return 0
+	}
+	return 1
+}
+
+// flipLocked makes m's fleet follow the workers whose remote mark changed
+// (flipped; m.reachable moves by delta): each alone, unless the model went
+// from no reachable worker to some, or back, which moves every worker of
+// it (the "none reachable: route to all" rule); g.mu and g.reachMu are
+// held.
+func (g *Gateway) flipLocked(m *model, flipped []string, delta int) {
+	before := m.reachable
+	m.reachable += delta
+	if (before == 0) != (m.reachable == 0) {
+		g.metrics.fleetSyncsModel.Inc()
+		g.syncModelLocked(m)
+		return
+	}
+	g.metrics.fleetSyncsWorkers.Inc()
+	for _, w := range flipped {
+		g.placeLocked(m, w)
+	}
 }
 
 // remoteKey names one partition's unreachable workers of one model.

@@ -81,6 +81,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	partitions := fs.Int("partitions", 0, "with --nats: the tier is split into this many partitions (2.."+fmt.Sprint(gateway.MaxPartitions)+"): each replica subscribes only to the workers rendezvous hashing gives its --partition and asks the other partitions for the rest over NATS, with the same answer as a full replica; 0 or 1: every replica subscribes to every worker (docs/partitioned-tier.md)")
 	partition := fs.Int("partition", 0, "with --partitions: this replica's partition, 0..partitions-1 (run k replicas of each for availability)")
 	partitionDeadline := fs.Duration("partition-deadline", partitionsync.DefaultDeadline, "with --partitions: how long a route waits for the other partitions; a partition later than this is left out of that route (its workers at zero overlap) and counted in kvrelay_gateway_scatter_missing_total")
+	partitionJoinWait := fs.Duration("partition-join-wait", partitionsync.DefaultJoinWait, "with --partitions: while another replica answers its partition, a started replica answers the partition's lookups (and /readyz says ready) only once each of its own workers has delivered its state (snapshot or first batch) or is unreachable, or after this, whichever comes first (counted in kvrelay_gateway_partition_joins_total{how=\"timed_out\"}); alone, it answers at once; 0 always answers at once")
 	partitionSubject := fs.String("partition-subject-prefix", partitionsync.DefaultSubjectPrefix, "with --partitions: NATS subject prefix of the tier's lookups (<prefix>.lookup.<partitions>.<partition>); tiers of different --partitions may share a prefix (they never take each other's lookups)")
 	memberSrc := addMemberFlags(fs)
 	loadPoll := fs.Duration("load-poll-interval", gateway.DefaultLoadPollInterval, "ask a worker whose stream pushes no engine load for it with GetLoads this often (floor 1s, as SMG's gateway); negative: never")
@@ -160,7 +161,7 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 	if err := checkNATSAuth(*natsURL, natsAuth); err != nil {
 		return fail("%v", err)
 	}
-	if err := checkPartitionFlags(fs, *natsURL, *partitions, *partition, *partitionDeadline, *partitionSubject); err != nil {
+	if err := checkPartitionFlags(fs, *natsURL, *partitions, *partition, *partitionDeadline, *partitionJoinWait, *partitionSubject); err != nil {
 		return fail("%v", err)
 	}
 	if err := natsEvents.check(*natsURL); err != nil {
@@ -287,9 +288,13 @@ func runGateway(ctx context.Context, args []string, _ io.Reader, stdout, stderr 
 			ln.Close()
 			return fail("%v", err)
 		}
+		joinWait := *partitionJoinWait
+		if joinWait == 0 {
+			joinWait = -1 // partitionsync: at once
+		}
 		tier, err := partitionsync.Start(g, partitionsync.Options{
 			URL: *natsURL, Name: fmt.Sprintf("kvrelay-gateway@%s/partition-%d", host, *partition), SubjectPrefix: *partitionSubject,
-			Deadline: *partitionDeadline, Registerer: reg, Logger: tierLog, NATSOptions: auth,
+			Deadline: *partitionDeadline, JoinWait: joinWait, Registerer: reg, Logger: tierLog, NATSOptions: auth,
 		})
 		if err != nil {
 			ln.Close()
@@ -339,14 +344,14 @@ func nameWorkers(in []gateway.Worker) ([]gateway.Worker, error) {
 
 // checkPartitionFlags refuses a partitioned tier's flags that make no
 // sense, naming the flag.
-func checkPartitionFlags(fs *flag.FlagSet, natsURL string, parts, own int, deadline time.Duration, prefix string) error {
+func checkPartitionFlags(fs *flag.FlagSet, natsURL string, parts, own int, deadline, joinWait time.Duration, prefix string) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	switch {
 	case parts < 0 || parts > gateway.MaxPartitions:
 		return fmt.Errorf("--partitions must be 0..%d, got %d", gateway.MaxPartitions, parts)
 	case parts <= 1:
-		for _, name := range []string{"partition", "partition-deadline", "partition-subject-prefix"} {
+		for _, name := range []string{"partition", "partition-deadline", "partition-join-wait", "partition-subject-prefix"} {
 			if set[name] {
 				return fmt.Errorf("--%s needs --partitions (2 or more)", name)
 			}
@@ -358,6 +363,8 @@ func checkPartitionFlags(fs *flag.FlagSet, natsURL string, parts, own int, deadl
 		return fmt.Errorf("--partition must be 0..%d (--partitions %d), got %d", parts-1, parts, own)
 	case deadline <= 0:
 		return fmt.Errorf("--partition-deadline must be positive, got %v", deadline)
+	case joinWait < 0:
+		return fmt.Errorf("--partition-join-wait must be ≥ 0, got %v", joinWait)
 	case prefix == "" || strings.ContainsAny(prefix, " *>") || strings.HasPrefix(prefix, ".") || strings.HasSuffix(prefix, "."):
 		return fmt.Errorf("--partition-subject-prefix must be dot-separated subject tokens without wildcards, got %q", prefix)
 	}

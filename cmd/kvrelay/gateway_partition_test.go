@@ -16,6 +16,11 @@ import (
 // to its partition's worker; the other lists it as remote. A prompt cached
 // on a worker reaches the index of its partition's replica only, and the
 // other replica's route still finds it (event_hit), through the scatter.
+// A replica answers its partition (and /readyz says ready) only once it
+// has joined its partition's queue group, which the route waits for: here
+// at once, each being its partition's only replica ("alone"; with another
+// replica answering it would wait for its worker's state, which package
+// partitionsync's tests check).
 func TestGatewayPartitionedCommand(t *testing.T) {
 	verifyNoLeaks(t)
 	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
@@ -32,7 +37,7 @@ func TestGatewayPartitionedCommand(t *testing.T) {
 	for p := range 2 {
 		addrs[p], _ = startGatewayCmd(t, "--worker", "grpc://"+engines[0].Addr+",model=m", "--worker", "grpc://"+engines[1].Addr+",model=m",
 			"--nats", ns.URL(), "--partitions", "2", "--partition", []string{"0", "1"}[p], "--partition-deadline", "10s",
-			"--placement-weight", "0")
+			"--partition-join-wait", "10m", "--placement-weight", "0")
 	}
 	// Each replica subscribes to its own worker only (kvstream counts the
 	// subscribe requests it gets).
@@ -48,9 +53,17 @@ func TestGatewayPartitionedCommand(t *testing.T) {
 		t.Fatalf("partition 0's replica does not list partition 1's worker as remote: %s", workers)
 	}
 
+	// Its worker streams but has sent nothing; alone in its partition,
+	// partition 1's replica answers all the same.
+	deadline := time.Now().Add(30 * time.Second)
+	for r := ""; !strings.Contains(r, `"status":"ready"`); r = apiclient.Get(t, "http://"+addrs[1]+"/readyz") {
+		if time.Now().After(deadline) {
+			t.Fatalf("partition 1's replica, alone in its partition, never ready: %s", r)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	prompt := kvstream.SeqTokens(7, 48)
 	engines[1].Batches <- kvstream.StoreTokens(1, 16, prompt)
-	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(apiclient.Get(t, "http://"+addrs[1]+"/v1/workers"), `"index_blocks":3`) {
 		if time.Now().After(deadline) {
 			t.Fatal("partition 1's worker's blocks never indexed")
@@ -71,6 +84,10 @@ func TestGatewayPartitionedCommand(t *testing.T) {
 	m := apiclient.Get(t, "http://"+addrs[0]+"/metrics")
 	if !strings.Contains(m, "kvrelay_gateway_scatter_seconds_count 1") || !strings.Contains(m, `kvrelay_gateway_scatter_missing_total{partition="1"} 0`) {
 		t.Errorf("partition 0's scatter metrics:\n%s", grepLines(m, "scatter"))
+	}
+	m = apiclient.Get(t, "http://"+addrs[1]+"/metrics")
+	if !strings.Contains(m, "kvrelay_gateway_partition_answering 1") || !strings.Contains(m, `kvrelay_gateway_partition_joins_total{how="alone"} 1`) {
+		t.Errorf("partition 1's join metrics:\n%s", grepLines(m, "partition_"))
 	}
 }
 

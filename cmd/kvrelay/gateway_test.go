@@ -89,6 +89,8 @@ func TestGatewayBadFlags(t *testing.T) {
 		{[]string{"--worker", "grpc://a:1", "--partition", "1"}, "--partition needs --partitions"},
 		{[]string{"--worker", "grpc://a:1", "--partitions", "4", "--nats", "nats://127.0.0.1:1", "--partition-deadline", "0s"}, "--partition-deadline"},
 		{[]string{"--worker", "grpc://a:1", "--partitions", "4", "--nats", "nats://127.0.0.1:1", "--partition-subject-prefix", "a.>"}, "--partition-subject-prefix"},
+		{[]string{"--worker", "grpc://a:1", "--partitions", "4", "--nats", "nats://127.0.0.1:1", "--partition-join-wait", "-1s"}, "--partition-join-wait must be ≥ 0"},
+		{[]string{"--worker", "grpc://a:1", "--partition-join-wait", "1s"}, "--partition-join-wait needs --partitions"},
 		{[]string{"--worker", "grpc://a:1", "--log-level", "loud"}, "--log-level"},
 		{[]string{"--worker", "grpc://a:1", "--listen", "nonsense"}, "--listen"},
 		{[]string{"--worker", "grpc://a:1", "extra"}, "unexpected argument"},

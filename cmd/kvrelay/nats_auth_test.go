@@ -211,13 +211,16 @@ func TestFleetOnConfinedNATS(t *testing.T) {
 	// A partitioned tier's lookup (--partitions): one gateway answers its
 	// partition's subject in its queue group, another asks and is answered,
 	// on the default --partition-subject-prefix and on another one below it
-	// (a tier of another P started beside the old one, docs/partitioned-tier.md).
-	for _, prefix := range []string{partitionsync.DefaultSubjectPrefix, "kvrelay.tier.blue"} {
+	// (a tier of another P started beside the old one, docs/partitioned-tier.md);
+	// and its presence subject, which a replica holding back asks.
+	for _, subject := range []string{
+		partitionsync.LookupSubject(partitionsync.DefaultSubjectPrefix, 16, 3), partitionsync.LookupSubject("kvrelay.tier.blue", 16, 3),
+		partitionsync.PresenceSubject(partitionsync.DefaultSubjectPrefix, 16, 3),
+	} {
 		answerer, errs, err := dial("gateway", true, true)
 		if err != nil {
 			t.Fatal(err)
 		}
-		subject := partitionsync.LookupSubject(prefix, 16, 3)
 		if _, err := answerer.QueueSubscribe(subject, partitionsync.QueueGroup(16, 3), func(m *nats.Msg) { _ = m.Respond([]byte("answer")) }); err != nil {
 			t.Fatal(err)
 		}

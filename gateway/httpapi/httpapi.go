@@ -161,6 +161,9 @@ type loadRequest struct {
 	Loads map[string]*int `json:"loads"`
 }
 
+// maxListedCatchingUp bounds the workers /readyz names as catching up.
+const maxListedCatchingUp = 20
+
 // NewHandler is the gateway's HTTP API: /v1/route, /v1/done, /v1/load,
 // /v1/workers, /healthz, /readyz and /metrics (reg's), and what extra
 // adds to the same mux (behind the same listener and its protection).
@@ -310,7 +313,11 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 	// only its own partition's workers stream here (the others show
 	// gateway.StateRemote): a model is ready when one of its own workers
 	// streams, or when it has none of its own (the other partitions' replicas
-	// answer for those, and say their readiness themselves).
+	// answer for those, and say their readiness themselves). A partitioned
+	// replica is ready, besides, only once it answers its partition's
+	// lookups (gateway.Gateway.AnsweringPartition): a restarted one holds
+	// them back until its own workers' indexes are whole, and its own
+	// routes would rest on the same partial index meanwhile.
 	handleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
 		type state struct{ own, streaming bool }
 		models := map[string]state{}
@@ -327,6 +334,15 @@ func NewHandler(g *gateway.Gateway, reg *prometheus.Registry, log *slog.Logger, 
 			}
 		}
 		sort.Strings(waiting)
+		if !g.AnsweringPartition() {
+			behind := g.CatchingUp()
+			writeJSON(w, http.StatusServiceUnavailable, map[string]any{
+				"status": "not ready", "models_without_a_stream": waiting,
+				"partition_answering": false, "workers_catching_up": len(behind),
+				"catching_up": append([]string{}, behind[:min(len(behind), maxListedCatchingUp)]...),
+			})
+			return
+		}
 		if len(waiting) > 0 {
 			writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "models_without_a_stream": waiting})
 			return

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -81,4 +82,39 @@ func TestReadyzPartitioned(t *testing.T) {
 	if code, waiting := readyz(); code != http.StatusOK {
 		t.Fatalf("/readyz %d waiting for %v with every model's own workers streaming or none of its own", code, waiting)
 	}
+
+	// A tier connection that does not answer the partition yet (a
+	// restarted replica holding back while its workers' state arrives):
+	// not ready, naming the own worker still catching up (own[0] streams
+	// but has delivered nothing).
+	tier := &holdingTier{}
+	g.SetScatterer(tier)
+	resp, err := http.Get(url + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var body struct {
+		Answering  *bool    `json:"partition_answering"`
+		CatchingUp []string `json:"catching_up"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&body)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != http.StatusServiceUnavailable || body.Answering == nil || *body.Answering || !slices.Equal(body.CatchingUp, []string{own[0]}) {
+		t.Fatalf("/readyz while the partition is not answered: %d %+v (%v); want 503, partition_answering false, catching up %s", resp.StatusCode, body, err, own[0])
+	}
+	tier.answering.Store(true)
+	if code, waiting := readyz(); code != http.StatusOK {
+		t.Fatalf("/readyz %d waiting for %v once the partition is answered", code, waiting)
+	}
 }
+
+// holdingTier is a tier connection that says whether it answers the
+// partition (gateway.PartitionAnswerer) and asks no other partition.
+type holdingTier struct{ answering atomic.Bool }
+
+func (h *holdingTier) Scatter(_ gateway.PartitionQuery, local func()) []gateway.PartitionAnswer {
+	local()
+	return nil
+}
+
+func (h *holdingTier) Answering() bool { return h.answering.Load() }

@@ -257,6 +257,13 @@ type WorkerStatus struct {
 	Snapshot bool `json:"snapshot_in_progress"`
 	// BlockSize is the block size this worker's events revealed, 0 if none yet.
 	BlockSize int `json:"block_size"`
+	// CaughtUp: a subscription has delivered the worker's state once since
+	// it was added: a whole snapshot applied, a batch applied outside a
+	// snapshot (a relay serving its history from sequence 0, or live
+	// batches), or a load-only record (a relay sends those only when it has
+	// nothing else queued for the stream). It stays set through later
+	// reconnects.
+	CaughtUp bool `json:"caught_up"`
 }
 
 // Monitor runs one subscription goroutine per worker.

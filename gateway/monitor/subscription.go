@@ -75,7 +75,10 @@ type subscription struct {
 	// digestResync: the outcomeResync handle returned last is checkDigest's;
 	// owned by the goroutine.
 	digestResync bool
-	hot          hotMetrics
+	// marked: caughtUp is set already (so a batch does not take mu for
+	// it); owned by the goroutine.
+	marked bool
+	hot    hotMetrics
 
 	mu            sync.Mutex // guards the fields below, read by status()
 	cur           cursors
@@ -86,6 +89,7 @@ type subscription struct {
 	applied       uint64
 	blockSize     int
 	degradedRanks int
+	caughtUp      bool // WorkerStatus.CaughtUp
 }
 
 // hotMetrics are the series every batch touches, resolved once: a label
@@ -126,7 +130,7 @@ func (s *subscription) status() WorkerStatus {
 	st := WorkerStatus{
 		ID: s.w.ID, Addr: s.w.Addr, Service: s.w.Service, Model: s.w.Model,
 		State: s.state, LastError: s.lastErr, Subscriptions: s.subscriptions,
-		BatchesApplied: s.applied, Snapshot: s.snap != nil, BlockSize: s.blockSize,
+		BatchesApplied: s.applied, Snapshot: s.snap != nil, BlockSize: s.blockSize, CaughtUp: s.caughtUp,
 		Ranks: make([]RankStatus, 0, len(s.cur.ranks)),
 	}
 	for r, rc := range s.cur.ranks {
@@ -473,6 +477,10 @@ func (s *subscription) handle(b *kvpb.KvEventBatch) outcome {
 		}
 		if l.GetLoadOnly() {
 			s.hot.loadOnly.Inc()
+			// A relay sends a load-only record only when nothing else is
+			// queued for this stream: what it had, snapshot or history,
+			// was applied before this.
+			s.markCaughtUp()
 			return outcomeRetry
 		}
 	}
@@ -512,6 +520,7 @@ func (s *subscription) handle(b *kvpb.KvEventBatch) outcome {
 	}
 	s.liveApplied++
 	s.observeLag(b, s.apply(b, s.hot.applied))
+	s.markCaughtUp()
 	return s.checkDigest(b, rank)
 }
 
@@ -567,7 +576,8 @@ func (s *subscription) handleSnapshot(b *kvpb.KvEventBatch, rank int32, snap *kv
 	}
 	s.cur.resyncTo(rank, b.GetSequenceNumber(), snap.GetUnknownBefore() > 0)
 	s.snap.applied++
-	if s.snap.applied >= s.snap.count {
+	last := s.snap.applied >= s.snap.count
+	if last {
 		s.snap = nil
 	}
 	s.mu.Unlock()
@@ -576,6 +586,21 @@ func (s *subscription) handleSnapshot(b *kvpb.KvEventBatch, rank int32, snap *kv
 		s.sink.ClearWorker(s.w.ID)
 	}
 	_ = s.apply(b, s.hot.snapshot)
+	if last {
+		s.markCaughtUp() // after the last chunk is in the sink, not before
+	}
+}
+
+// markCaughtUp records that the worker's state has been delivered once
+// (WorkerStatus.CaughtUp).
+func (s *subscription) markCaughtUp() {
+	if s.marked {
+		return
+	}
+	s.marked = true
+	s.mu.Lock()
+	s.caughtUp = true
+	s.mu.Unlock()
 }
 
 // apply hands an admitted batch to the sink and keeps the counters.

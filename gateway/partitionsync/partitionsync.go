@@ -16,12 +16,27 @@
 // kvrelay_gateway_scatter_missing_total{partition} and logged (a few
 // lines a minute), and the route goes on without it.
 //
+// A replica joins its partition's queue group only once its own workers'
+// indexes are whole (gateway.Gateway.CatchingUp is empty: each worker's
+// stream delivered its state once, or the worker is out of reach), or
+// Options.JoinWait has passed, whichever comes first: with k replicas of a
+// partition, a restarted one would otherwise answer some of the
+// partition's lookups from a partial index while it catches up, and those
+// answers are not counted missing. It holds back only while another
+// replica answers the partition (a request to <prefix>.present.<P>.<p>
+// has a responder): alone, it joins at once, as a partial answer leaves
+// out fewer workers than none. kvrelay_gateway_partition_answering says
+// whether it answers; kvrelay_gateway_partition_joins_total{how} counts
+// how it came to (caught_up; alone; timed_out, with the workers still
+// catching up logged by name).
+//
 // The wire form is versioned and bounded (wire.go); a query or answer that
 // breaks a bound is refused with a clear error and counted, never
 // allocated from.
 package partitionsync
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -50,6 +65,18 @@ const (
 	DefaultDeadline = 50 * time.Millisecond
 	// DefaultResponders is how many lookups one replica answers at once.
 	DefaultResponders = 2
+	// DefaultJoinWait bounds how long a started replica holds back its
+	// answers while its own workers' indexes fill. A worker whose relay
+	// cannot be reached stops the wait within its subscribe deadline (2 s
+	// by default); one that is reached but sends its state slowly (a
+	// snapshot of millions of blocks takes seconds) is waited for up to
+	// this, and the partition is answered anyway after it.
+	DefaultJoinWait = 30 * time.Second
+	// joinPoll is how often a replica holding back checks its workers;
+	// probeEvery how often it asks whether another replica answers the
+	// partition meanwhile.
+	joinPoll   = 20 * time.Millisecond
+	probeEvery = 250 * time.Millisecond
 	// PendingMsgs and PendingBytes bound the queries a responder holds
 	// unread; past them NATS drops them (the asker counts them missing).
 	PendingMsgs  = 4096
@@ -60,6 +87,14 @@ const (
 type Target interface {
 	AnswerPartition(q gateway.PartitionQuery, dst *gateway.PartitionAnswer) error
 	Partition() (own, count int)
+}
+
+// CatchingUp is a Target that tells which of its workers' indexes are not
+// whole yet (gateway.Gateway.CatchingUp); a Tier answers for it only once
+// none is, or Options.JoinWait has passed. A Target without it is
+// answered for at once.
+type CatchingUp interface {
+	CatchingUp() []string
 }
 
 // Options configures a Tier.
@@ -78,10 +113,17 @@ type Options struct {
 	Responders int
 	// ReconnectWait is the pause between reconnect attempts; 0 = 1 s.
 	ReconnectWait time.Duration
+	// JoinWait bounds how long this replica holds its partition's answers
+	// back while its own workers' indexes fill and another replica
+	// answers the partition (0: DefaultJoinWait; negative: it answers at
+	// once).
+	JoinWait time.Duration
 	// Registerer receives kvrelay_gateway_scatter_seconds,
 	// kvrelay_gateway_scatter_missing_total,
-	// kvrelay_gateway_partition_lookups_total and
-	// kvrelay_gateway_partition_answers_refused_total; nil = unregistered.
+	// kvrelay_gateway_partition_lookups_total,
+	// kvrelay_gateway_partition_answers_refused_total,
+	// kvrelay_gateway_partition_answering and
+	// kvrelay_gateway_partition_joins_total; nil = unregistered.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
 	// NATSOptions are added to the connection's options (TLS, credentials).
@@ -105,7 +147,13 @@ type Tier struct {
 	missingBy  []prometheus.Counter   // per partition
 	lookups    *prometheus.CounterVec // result
 	refused    *prometheus.CounterVec // reason
+	answering  prometheus.Gauge
+	joins      *prometheus.CounterVec // how
 	regd       []prometheus.Collector
+	joined     atomic.Bool     // the responders are subscribed
+	ctx        context.Context // ended by Close: the join gives up
+	cancel     context.CancelFunc
+	joinDone   chan struct{} // closed when the join has subscribed or given up
 	next       atomic.Uint64
 	mu         sync.Mutex
 	calls      map[uint64]chan reply
@@ -146,13 +194,25 @@ func Start(target Target, opts Options) (*Tier, error) {
 	if opts.ReconnectWait <= 0 {
 		opts.ReconnectWait = time.Second
 	}
+	if opts.JoinWait == 0 {
+		opts.JoinWait = DefaultJoinWait
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	t := &Tier{
 		opts: opts, target: target, own: own, parts: parts,
 		log: opts.Logger, peer: logthrottle.Wrap(opts.Logger),
-		calls: map[uint64]chan reply{},
+		calls:    map[uint64]chan reply{},
+		joinDone: make(chan struct{}),
+		answering: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvrelay_gateway_partition_answering",
+			Help: "1 when this replica answers its partition's lookups (it is in the partition's queue group), 0 while it holds them back until its own workers' indexes are whole (at most --partition-join-wait).",
+		}),
+		joins: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrelay_gateway_partition_joins_total",
+			Help: "Times this replica began answering its partition's lookups, by how: caught_up (every own worker's stream delivered its state once, or is out of reach), alone (workers still catching up, but no other replica answers the partition), timed_out (the join wait passed with workers still catching up; they are logged) or no_wait (the join wait is off: --partition-join-wait 0).",
+		}, []string{"how"}),
 		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrelay_gateway_scatter_seconds",
 			Help:    "Wall time of a partitioned route's scatter: from sending the query to the other partitions until the last answer (or the deadline), the replica's own lookup included.",
@@ -181,6 +241,10 @@ func Start(target Target, opts Options) (*Tier, error) {
 	for _, r := range refusedReasons {
 		t.refused.WithLabelValues(r)
 	}
+	for _, h := range []string{"caught_up", "alone", "timed_out", "no_wait"} {
+		t.joins.WithLabelValues(h)
+	}
+	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.queryBufs.New = func() any { return new([]byte) }
 	nopts := []nats.Option{
 		// No buffering while disconnected: a query that cannot go is a
@@ -206,17 +270,19 @@ func Start(target Target, opts Options) (*Tier, error) {
 		return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.inbox, err)
 	}
 	_ = t.replySub.SetPendingLimits(-1, PendingBytes)
-	for range opts.Responders {
-		sub, err := nc.QueueSubscribe(t.subjects[own], QueueGroup(parts, own), t.answerer())
-		if err != nil {
+	catching, _ := target.(CatchingUp)
+	if catching == nil || opts.JoinWait < 0 {
+		if err := t.subscribe(); err != nil {
 			nc.Close()
-			return nil, fmt.Errorf("partitionsync: subscribe %s: %w", t.subjects[own], err)
+			return nil, err
 		}
-		_ = sub.SetPendingLimits(PendingMsgs, PendingBytes)
-		t.subs = append(t.subs, sub)
+		t.joins.WithLabelValues("no_wait").Inc()
+		close(t.joinDone)
+	} else {
+		go t.join(catching, time.Now())
 	}
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups, t.refused} {
+		for _, c := range []prometheus.Collector{t.seconds, t.missing, t.lookups, t.refused, t.answering, t.joins} {
 			if err := opts.Registerer.Register(c); err != nil {
 				t.Close()
 				return nil, fmt.Errorf("partitionsync: %w", err)
@@ -242,9 +308,138 @@ func QueueGroup(parts, p int) string {
 // The reasons of kvrelay_gateway_partition_answers_refused_total.
 var refusedReasons = []string{"malformed", "partition_count", "not_asked", "reply_subject"}
 
+// subscribe joins the partition's queue group with opts.Responders
+// responders, and its presence subject, and waits (a second at most) for
+// the server to know them before it says it answers.
+func (t *Tier) subscribe() error {
+	for range t.opts.Responders {
+		sub, err := t.nc.QueueSubscribe(t.subjects[t.own], QueueGroup(t.parts, t.own), t.answerer())
+		if err != nil {
+			return fmt.Errorf("partitionsync: subscribe %s: %w", t.subjects[t.own], err)
+		}
+		_ = sub.SetPendingLimits(PendingMsgs, PendingBytes)
+		t.subs = append(t.subs, sub)
+	}
+	present := PresenceSubject(t.opts.SubjectPrefix, t.parts, t.own)
+	sub, err := t.nc.QueueSubscribe(present, QueueGroup(t.parts, t.own), func(m *nats.Msg) {
+		if m.Reply != "" {
+			_ = m.Respond(nil)
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("partitionsync: subscribe %s: %w", present, err)
+	}
+	t.subs = append(t.subs, sub)
+	// Disconnected, the subscriptions go out on reconnect: no need to wait.
+	_ = t.nc.FlushTimeout(time.Second)
+	t.joined.Store(true)
+	t.answering.Set(1)
+	return nil
+}
+
+// PresenceSubject is where the replicas answering partition p of a tier
+// of parts partitions answer an empty request (in its queue group), so
+// that a replica holding back learns whether another one answers the
+// partition meanwhile.
+func PresenceSubject(prefix string, parts, p int) string {
+	return prefix + ".present." + strconv.Itoa(parts) + "." + strconv.Itoa(p)
+}
+
+// alone reports whether the server says no replica answers this
+// replica's partition (a request to its presence subject with no
+// responder); false when it cannot tell (NATS unreachable, no answer in
+// a second).
+func (t *Tier) alone() bool {
+	ctx, cancel := context.WithTimeout(t.ctx, time.Second)
+	defer cancel()
+	_, err := t.nc.RequestWithContext(ctx, PresenceSubject(t.opts.SubjectPrefix, t.parts, t.own), nil)
+	return errors.Is(err, nats.ErrNoResponders)
+}
+
+// maxLoggedWorkers bounds the worker names a join's log line lists.
+const maxLoggedWorkers = 10
+
+// join holds the partition's answers back until target's workers are
+// caught up or opts.JoinWait has passed since start, then subscribes. It
+// holds back only while another replica answers the partition: when none
+// does (the first replica of a new tier, or the other one down too) it
+// joins at once, since an answer from a partial index leaves out fewer
+// of the partition's workers than no answer does. It gives up when the
+// Tier is closed.
+func (t *Tier) join(target CatchingUp, start time.Time) {
+	defer close(t.joinDone)
+	tick := time.NewTicker(joinPoll)
+	defer tick.Stop()
+	bound := time.NewTimer(t.opts.JoinWait)
+	defer bound.Stop()
+	behind, expired, alone := target.CatchingUp(), false, false
+	var probed time.Time
+	for len(behind) > 0 && !expired && !alone {
+		if time.Since(probed) >= probeEvery {
+			if alone = t.alone(); alone {
+				break
+			}
+			probed = time.Now()
+		}
+		select {
+		case <-t.ctx.Done():
+			return
+		case <-tick.C:
+			behind = target.CatchingUp()
+		case <-bound.C:
+			expired = true
+		}
+	}
+	if t.ctx.Err() != nil {
+		return
+	}
+	how := "caught_up"
+	switch {
+	case len(behind) == 0:
+	case alone:
+		how = "alone"
+	default:
+		how = "timed_out"
+	}
+	if err := t.subscribe(); err != nil {
+		// Only a closed connection fails a subscription (the server's
+		// permissions deny it asynchronously): the Tier is closing.
+		t.log.Error("partition lookups not answered: cannot subscribe", "partition", t.own, "err", natslog.RedactError(err))
+		return
+	}
+	t.joins.WithLabelValues(how).Inc()
+	took := time.Since(start).Round(time.Millisecond)
+	listed := behind[:min(len(behind), maxLoggedWorkers)]
+	switch how {
+	case "caught_up":
+		t.log.Info("answering the partition's lookups: every own worker's index is whole", "partition", t.own, "waited", took)
+	case "alone":
+		t.log.Info("answering the partition's lookups before every own worker's index is whole: no other replica answers the partition, and a partial answer leaves out fewer workers than none",
+			"partition", t.own, "waited", took, "catching_up", len(behind), "workers", listed)
+	default:
+		t.log.Warn("answering the partition's lookups although some own workers' indexes are not whole yet: their blocks are missing from this replica's answers until they catch up",
+			"partition", t.own, "waited", took, "catching_up", len(behind), "workers", listed)
+	}
+}
+
+// A Tier is the gateway's Scatterer and tells it whether it answers
+// (/readyz reads it through gateway.Gateway.AnsweringPartition).
+var (
+	_ gateway.Scatterer         = (*Tier)(nil)
+	_ gateway.PartitionAnswerer = (*Tier)(nil)
+)
+
+// Answering reports whether this replica answers its partition's lookups
+// (gateway.PartitionAnswerer): false until its own workers' indexes are
+// whole, no other replica answers the partition, or Options.JoinWait has
+// passed.
+func (t *Tier) Answering() bool { return t.joined.Load() }
+
 // Close unsubscribes, closes the connection and unregisters the metrics.
 func (t *Tier) Close() {
 	t.closeOnce.Do(func() {
+		t.cancel()
+		<-t.joinDone
 		t.nc.Close()
 		for _, c := range t.regd {
 			t.opts.Registerer.Unregister(c)

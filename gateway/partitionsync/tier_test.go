@@ -152,9 +152,20 @@ func startReplica(t *testing.T, natsURL, prefix string, ids []string, parts, own
 // placements); the workers, the partition and the registry are filled in.
 func startReplicaWith(t *testing.T, natsURL, prefix string, ids []string, parts, own int, deadline time.Duration, base gateway.Config) *replica {
 	t.Helper()
-	ws := make([]gateway.Worker, len(ids))
-	for i, id := range ids {
-		ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
+	return startReplicaOpts(t, ids, parts, own, base, partitionsync.Options{URL: natsURL, SubjectPrefix: prefix, Deadline: deadline})
+}
+
+// startReplicaOpts is startReplicaWith with the tier's options (URL,
+// prefix, deadline, join wait, logger; its name and registry are filled
+// in). base.Workers, when set, replaces the workers made from ids.
+func startReplicaOpts(t *testing.T, ids []string, parts, own int, base gateway.Config, topts partitionsync.Options) *replica {
+	t.Helper()
+	ws := base.Workers
+	if ws == nil {
+		ws = make([]gateway.Worker, len(ids))
+		for i, id := range ids {
+			ws[i] = gateway.Worker{ID: id, Addr: id[len("grpc://"):]}
+		}
 	}
 	reg := prometheus.NewRegistry()
 	base.Workers, base.LoadPollInterval = ws, -1
@@ -166,9 +177,8 @@ func startReplicaWith(t *testing.T, natsURL, prefix string, ids []string, parts,
 	r := &replica{name: "full", gw: gw, reg: reg, done: make(chan struct{})}
 	if parts > 1 {
 		r.name = fmt.Sprintf("partition %d/%d", own, parts)
-		if r.tier, err = partitionsync.Start(gw, partitionsync.Options{
-			URL: natsURL, Name: r.name, SubjectPrefix: prefix, Deadline: deadline, Registerer: reg,
-		}); err != nil {
+		topts.Name, topts.Registerer = r.name, reg
+		if r.tier, err = partitionsync.Start(gw, topts); err != nil {
 			t.Fatal(err)
 		}
 		gw.SetScatterer(r.tier)
@@ -193,9 +203,14 @@ func (r *replica) stop() {
 
 // settled reports whether every worker's blocks and engine load are on
 // the full replica and on the tier replica owning it, as many as its
-// engine holds.
+// engine holds, and every tier replica answers its partition.
 func settled(full *replica, tier []*replica, fleet []*fleetWorker) func() bool {
 	return func() bool {
+		for _, r := range tier {
+			if !r.tier.Answering() {
+				return false
+			}
+		}
 		byID := func(r *replica) map[string]gateway.WorkerStatus {
 			m := map[string]gateway.WorkerStatus{}
 			for _, st := range r.gw.Workers() {
@@ -434,7 +449,9 @@ func TestTierRefusesAnotherPartitionCount(t *testing.T) {
 		t.Errorf("an answer of 3 partitions to a 2-partition tier: %v missing, want 1", n)
 	}
 
-	// A query of 3 partitions on partition 0's subject.
+	// A query of 3 partitions on partition 0's subject, once partition 0
+	// answers (its workers' state delivered).
+	eventually(t, "partition 0 answering", r.tier.Answering)
 	msg, err := peer.Request(partitionsync.LookupSubject("forge", 2, 0), partitionsync.AppendQuery(nil, 3, gateway.PartitionQuery{Model: "any"}), patience)
 	if err != nil {
 		t.Fatal(err)
@@ -782,6 +799,8 @@ func TestTierCarriesBlockSizeAndReachability(t *testing.T) {
 		}
 		return workerStatus(tier[1], ids[1]).IndexBlocks == 4 && workerStatus(full, ids[1]).IndexBlocks == 4
 	})
+	// Its workers: one indexed, one unreachable; so it answers.
+	eventually(t, "partition 1 answering", tier[1].tier.Answering)
 	d, err := tier[0].gw.Route(gateway.RouteRequest{TokenIDs: prompt})
 	if err != nil {
 		t.Fatal(err)
