@@ -9,6 +9,8 @@ package index
 //	KVRELAY_CORPUS_TRACE=conversation_trace.jsonl KVRELAY_CORPUS_OUT=c.kvr ./ix.test -test.run IndexerCorpusWrite
 //	KVRELAY_CORPUS=c.kvr ./ix.test -test.run IndexerCorpusReplay -test.v   # prints one "RESULT {json}" line
 //
+// KVRELAY_CORPUS_IMPL=path replays into the pathIndex prototype
+// (pathindex.go) instead of Index.
 // KVRELAY_CORPUS_LOOKUP=alloc makes the replay's lookups FindMatchesContent
 // (a new result each) instead of FindMatchesContentInto into one result.
 // KVRELAY_CORPUS_STALLS=path logs every lookup slower than
@@ -137,6 +139,17 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	default:
 		t.Fatalf("KVRELAY_CORPUS_LOOKUP=%q: want into or alloc", mode)
 	}
+	switch impl := os.Getenv("KVRELAY_CORPUS_IMPL"); impl {
+	case "", "index":
+	case "path":
+		// The prototype of pathindex.go, on the same corpus and clock.
+		px, r := replayCorpusPath(c, onStart)
+		live, pooled := px.bytes()
+		printPathResult(t, c, px, r, live, pooled)
+		return
+	default:
+		t.Fatalf("KVRELAY_CORPUS_IMPL=%q: want index or path", impl)
+	}
 	probe, finish, err := stallProbeFromEnv()
 	if err != nil {
 		t.Fatal(err)
@@ -210,4 +223,27 @@ func TestIndexerCorpusReplayStream(t *testing.T) {
 		t.Fatalf("%s: %v", f.Name(), err)
 	}
 	printCorpusResult(t, lookupName(false)+" (streamed)", c.blockOps, ix, r)
+}
+
+// printPathResult is printCorpusResult for the pathIndex prototype: its
+// bytes are estimated from its arrays (pathIndex.bytes), live and pooled.
+func printPathResult(t *testing.T, c opsCorpus, px *pathIndex, r corpusReplay, live, pooled int) {
+	t.Helper()
+	slices.Sort(r.lat)
+	rank := func(p float64) time.Duration {
+		i := int(p/100*float64(len(r.lat)) + 0.999999)
+		return r.lat[min(max(i, 1), len(r.lat))-1]
+	}
+	positions, memberships := px.counts()
+	line, err := json.Marshal(map[string]any{
+		"indexer": "kvrelay-path", "name": "kvrelay gateway/index pathIndex prototype (lookup into a reused slice)", "version": "this tree",
+		"block_ops": c.blockOps, "lookups": len(r.lat), "cpu_s": r.cpu.Seconds(), "wall_s": r.wall.Seconds(),
+		"p50_ns": rank(50).Nanoseconds(), "p99_ns": rank(99).Nanoseconds(), "checksum": r.checksum, "apply_errors": 0,
+		"alloc_bytes": r.allocBytes, "minor_faults": r.faults, "gc_cycles": r.gcs,
+		"index_bytes": live, "pooled_bytes": pooled, "positions": positions, "memberships": memberships,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Printf("RESULT %s\n", line)
 }

@@ -1,0 +1,655 @@
+package index
+
+import "unsafe"
+
+// pathIndex is a PROTOTYPE of the forward map in the shape of SMG's chain
+// index (issue 31.1), measured against Index on the indexer corpus
+// (KVRELAY_CORPUS_IMPL=path, corpus_indexerbench_test.go) and checked
+// against it by a differential test (pathindex_test.go). Nothing in the
+// gateway uses it; see docs/bench/log/2026-12-06-index-path.md.
+//
+// What differs from Index's forward map:
+//
+//   - A position's identity is its path: (run, offset), a run hanging off a
+//     position of its parent run (or off the root). A position stores its
+//     block's content hash only; a lookup compares the request's content
+//     hashes with a run's, so no prefix hash (ChainHash) is computed or
+//     stored, and a store checks uniqueness only where its chain leaves a
+//     run (the parent's child table), never against a global heads table.
+//   - Coverage is per run and worker, not per position: the number of
+//     consecutive positions the worker holds from the run's offset 0
+//     (lead), which is all a lookup needs (a worker stops at its first
+//     hole). Positions held past a hole are kept in a bitmap that only a
+//     worker with a hole in that run has, so that refilling the hole
+//     restores the lead exactly.
+//   - A run's content hashes and run headers are recycled through free
+//     lists, so a steady replay faults in no fresh memory.
+//
+// Single writer and no concurrent readers: see the log for what lock-free
+// readers would cost. One model, one rank, one tier; copies are counted as
+// in Index (a removal takes one; twins, two engine hashes of a worker naming
+// one position, hold it until the last goes).
+type pathIndex struct {
+	runs     []pxRun  // run ids index it; id 0 is the root, never a run
+	freeRuns []uint32 // dead run ids
+	kids     pxKids   // (parent run, offset, content hash) → child run
+	arrays   [pxClasses][][]uint64
+	holes    [][]uint64 // hole bitmaps, pxCov.holes-1 indexes it
+	freeHole []int32
+	workers  []pxWorker
+	// lookup scratch: per worker, the stamp of the last run it was alive
+	// in and the lookup (gen) its result slot idx belongs to.
+	scratch []pxScratch
+	gen     uint32
+	stamp   uint32
+}
+
+const (
+	pxClasses   = 24
+	pxMinCap    = 8
+	pxMaxRunLen = 1<<24 - 1
+	pxOffMask   = 1<<24 - 1
+)
+
+type pxRun struct {
+	h      []uint64 // content hash per position
+	cov    []pxCov  // one entry per worker holding any position
+	parent uint32   // 0: hangs off the root
+	poff   uint32   // the parent's offset this run continues after
+	kids   uint32   // live child runs
+}
+
+type pxCov struct {
+	w     uint32
+	lead  uint32 // positions held consecutively from offset 0
+	held  uint32 // positions held in all
+	holes int32  // 1 + index in pathIndex.holes of the bitmap of held offsets past lead; 0: none
+}
+
+type pxWorker struct {
+	rev   pxRev
+	twins map[uint64]uint32 // run<<32|off → reverse entries past the first naming it
+}
+
+type pxScratch struct {
+	alive uint32
+	gen   uint32
+	idx   uint32
+}
+
+// pathMatch is one worker's matched leading blocks.
+type pathMatch struct {
+	w      uint32
+	blocks uint32
+}
+
+func newPathIndex(workers int) *pathIndex {
+	return &pathIndex{
+		runs:    make([]pxRun, 1, 1024),
+		workers: make([]pxWorker, workers),
+		scratch: make([]pxScratch, workers),
+	}
+}
+
+func pxClass(n int) int {
+	c := 0
+	for pxMinCap<<c < n {
+		c++
+	}
+	return c
+}
+
+func (px *pathIndex) getArray(n int) []uint64 {
+	c := pxClass(n)
+	if l := len(px.arrays[c]); l > 0 {
+		a := px.arrays[c][l-1]
+		px.arrays[c] = px.arrays[c][:l-1]
+		return a
+	}
+	return make([]uint64, 0, pxMinCap<<c)
+}
+
+func (px *pathIndex) putArray(a []uint64) {
+	if cap(a) == 0 {
+		return
+	}
+	c := pxClass(cap(a))
+	px.arrays[c] = append(px.arrays[c], a[:0])
+}
+
+// newRun makes a run of one position, content c, hanging after (parent,
+// poff), with room for room positions.
+func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
+	var id uint32
+	if n := len(px.freeRuns); n > 0 {
+		id = px.freeRuns[n-1]
+		px.freeRuns = px.freeRuns[:n-1]
+	} else {
+		id = uint32(len(px.runs))
+		px.runs = append(px.runs, pxRun{})
+	}
+	r := &px.runs[id]
+	r.h = append(px.getArray(room), c)
+	r.parent, r.poff, r.kids = parent, poff, 0
+	px.kids.put(parent, poff, c, id)
+	if parent != 0 {
+		px.runs[parent].kids++
+	}
+	return id
+}
+
+// freeRun frees run id (no holder, no child), then each parent up the
+// chain whose last child it was and which no worker holds.
+func (px *pathIndex) freeRun(id uint32) {
+	for {
+		r := &px.runs[id]
+		px.kids.del(r.parent, r.poff, r.h[0])
+		px.putArray(r.h)
+		parent := r.parent
+		r.h, r.cov = nil, r.cov[:0]
+		px.freeRuns = append(px.freeRuns, id)
+		if parent == 0 {
+			return
+		}
+		p := &px.runs[parent]
+		if p.kids--; p.kids != 0 || len(p.cov) != 0 {
+			return
+		}
+		id = parent
+	}
+}
+
+// covOf is the index of w's coverage entry in r, appended if absent.
+func covOf(r *pxRun, w uint32) int {
+	for i := range r.cov {
+		if r.cov[i].w == w {
+			return i
+		}
+	}
+	r.cov = append(r.cov, pxCov{w: w})
+	return len(r.cov) - 1
+}
+
+func (px *pathIndex) holeBits(e *pxCov, words int) []uint64 {
+	if e.holes == 0 {
+		var b []uint64
+		if n := len(px.freeHole); n > 0 {
+			e.holes = px.freeHole[n-1]
+			px.freeHole = px.freeHole[:n-1]
+			b = px.holes[e.holes-1][:0]
+		} else {
+			px.holes = append(px.holes, nil)
+			e.holes = int32(len(px.holes))
+		}
+		px.holes[e.holes-1] = b
+	}
+	b := px.holes[e.holes-1]
+	if len(b) < words {
+		b = append(b, make([]uint64, words-len(b))...)
+		px.holes[e.holes-1] = b
+	}
+	return b
+}
+
+// hold records that worker w holds (run, off) through a new reverse entry.
+func (px *pathIndex) hold(wk *pxWorker, w, run, off uint32, ci *int) {
+	r := &px.runs[run]
+	if *ci < 0 || *ci >= len(r.cov) || r.cov[*ci].w != w {
+		*ci = covOf(r, w)
+	}
+	e := &r.cov[*ci]
+	if off == e.lead && e.holes == 0 {
+		e.lead++
+		e.held++
+		return
+	}
+	switch {
+	case off < e.lead:
+		px.twin(wk, run, off)
+		return
+	case off == e.lead:
+		e.lead++
+		e.held++
+		b := px.holes[e.holes-1]
+		for int(e.lead>>6) < len(b) && b[e.lead>>6]&(1<<(e.lead&63)) != 0 {
+			b[e.lead>>6] &^= 1 << (e.lead & 63)
+			e.lead++
+		}
+	default:
+		b := px.holeBits(e, int(off>>6)+1)
+		if b[off>>6]&(1<<(off&63)) != 0 {
+			px.twin(wk, run, off)
+			return
+		}
+		b[off>>6] |= 1 << (off & 63)
+		e.held++
+	}
+}
+
+func (px *pathIndex) twin(wk *pxWorker, run, off uint32) {
+	if wk.twins == nil {
+		wk.twins = make(map[uint64]uint32)
+	}
+	wk.twins[uint64(run)<<32|uint64(off)]++
+}
+
+// release drops a reverse entry of w naming (run, off).
+func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
+	if wk.twins != nil {
+		k := uint64(run)<<32 | uint64(off)
+		if n := wk.twins[k]; n > 0 {
+			if n == 1 {
+				delete(wk.twins, k)
+			} else {
+				wk.twins[k] = n - 1
+			}
+			return
+		}
+	}
+	r := &px.runs[run]
+	if *ci < 0 || *ci >= len(r.cov) || r.cov[*ci].w != w {
+		*ci = covOf(r, w)
+	}
+	e := &r.cov[*ci]
+	e.held--
+	switch {
+	case off+1 == e.lead:
+		e.lead--
+	case off < e.lead:
+		// A hole inside the lead: the positions after it are held past the lead now.
+		b := px.holeBits(e, int((e.lead-1)>>6)+1)
+		for o := off + 1; o < e.lead; {
+			if o&63 == 0 && o+64 <= e.lead {
+				b[o>>6] = ^uint64(0)
+				o += 64
+				continue
+			}
+			b[o>>6] |= 1 << (o & 63)
+			o++
+		}
+		e.lead = off
+	default:
+		b := px.holes[e.holes-1]
+		b[off>>6] &^= 1 << (off & 63)
+	}
+	if e.held != 0 {
+		return
+	}
+	if e.holes != 0 {
+		px.freeHole = append(px.freeHole, e.holes)
+	}
+	last := len(r.cov) - 1
+	r.cov[*ci] = r.cov[last]
+	r.cov = r.cov[:last]
+	*ci = -1
+	if last == 0 && r.kids == 0 {
+		px.freeRun(run)
+	}
+}
+
+// store applies a stored event of worker w: blocks with engine hashes
+// engine and content hashes content, chained after the block w holds under
+// parent when hasParent and w holds it, else from the root.
+func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, content []uint64) {
+	wk := &px.workers[w]
+	var cr, co uint32 // the position the next block follows; cr 0: the root
+	if hasParent {
+		if i := wk.rev.find(parent); i >= 0 {
+			s := &wk.rev.s[i]
+			cr, co = s.run, s.off&pxOffMask
+		}
+	}
+	ci := -1
+	for j := 0; j < len(engine); j++ {
+		i, found := wk.rev.upsert(engine[j])
+		if found {
+			s := &wk.rev.s[i]
+			if s.off>>24 < copiesCap-1 {
+				s.off += 1 << 24
+			}
+			cr, co = s.run, s.off&pxOffMask
+			continue
+		}
+		c := content[j]
+		var nr, no uint32
+		switch {
+		case cr == 0:
+			if nr = px.kids.get(0, 0, c); nr == 0 {
+				nr = px.newRun(0, 0, c, len(engine)-j)
+			}
+		default:
+			r := &px.runs[cr]
+			switch n := uint32(len(r.h)); {
+			case co+1 < n && r.h[co+1] == c:
+				nr, no = cr, co+1
+			case co+1 == n && n < pxMaxRunLen:
+				// At the run's end: no child can hang here (one is made
+				// only inside a run or after a full one, and a live run
+				// never shrinks), so the block is appended.
+				if len(r.h) == cap(r.h) {
+					a := append(px.getArray(len(r.h)+len(engine)-j), r.h...)
+					px.putArray(r.h)
+					r.h = a
+				}
+				r.h = append(r.h, c)
+				nr, no = cr, co+1
+			default:
+				if nr = px.kids.get(cr, co, c); nr == 0 {
+					nr = px.newRun(cr, co, c, len(engine)-j)
+				}
+			}
+		}
+		s := &wk.rev.s[i]
+		s.run, s.off = nr, no
+		if nr != cr {
+			ci = -1
+		}
+		px.hold(wk, w, nr, no, &ci)
+		cr, co = nr, no
+	}
+}
+
+// remove applies a removed event of worker w.
+func (px *pathIndex) remove(w uint32, engine []uint64) {
+	wk := &px.workers[w]
+	ci, last := -1, uint32(0)
+	for _, h := range engine {
+		i := wk.rev.find(h)
+		if i < 0 {
+			continue
+		}
+		s := wk.rev.s[i]
+		if s.off>>24 > 0 {
+			wk.rev.s[i].off -= 1 << 24
+			continue
+		}
+		wk.rev.del(i)
+		if s.run != last {
+			ci, last = -1, s.run
+		}
+		px.release(wk, w, s.run, s.off, &ci)
+		if ci < 0 {
+			last = 0
+		}
+	}
+}
+
+// lookup writes into dst (reused) every worker's leading blocks of the
+// request whose content hashes are content, in no order.
+func (px *pathIndex) lookup(dst []pathMatch, content []uint64) []pathMatch {
+	dst = dst[:0]
+	if len(content) == 0 {
+		return dst
+	}
+	r := px.kids.get(0, 0, content[0])
+	if r == 0 {
+		return dst
+	}
+	if px.gen++; px.gen == 0 {
+		clear(px.scratch)
+		px.gen = 1
+	}
+	if px.stamp > 1<<31 {
+		clear(px.scratch)
+		px.stamp = 0
+	}
+	gen := px.gen
+	base, i := uint32(0), 0
+	prev := uint32(0) // the stamp of the run before; 0: r is the first
+	for {
+		run := &px.runs[r]
+		h := run.h
+		lim := min(len(h), len(content)-i)
+		m := 1
+		for m < lim && h[m] == content[i+m] {
+			m++
+		}
+		px.stamp++
+		st := px.stamp
+		for _, e := range run.cov {
+			sc := &px.scratch[e.w]
+			if prev != 0 && sc.alive != prev {
+				continue
+			}
+			d := min(e.lead, uint32(m))
+			if d == 0 {
+				continue
+			}
+			if sc.gen != gen {
+				sc.gen, sc.idx = gen, uint32(len(dst))
+				dst = append(dst, pathMatch{w: e.w, blocks: base + d})
+			} else {
+				dst[sc.idx].blocks = base + d
+			}
+			if d == uint32(m) {
+				sc.alive = st
+			}
+		}
+		if i+m == len(content) {
+			return dst
+		}
+		c := px.kids.get(r, uint32(m-1), content[i+m])
+		if c == 0 {
+			return dst
+		}
+		base += uint32(m)
+		i += m
+		r, prev = c, st
+	}
+}
+
+// bytes estimates the prototype's memory: arrays by capacity, headers,
+// coverage entries, tables and the recycling lists.
+func (px *pathIndex) bytes() (live, pooled int) {
+	live = cap(px.runs)*int(unsafe.Sizeof(pxRun{})) + cap(px.freeRuns)*4 + len(px.kids.s)*24
+	for i := range px.runs {
+		r := &px.runs[i]
+		live += cap(r.h)*8 + cap(r.cov)*16
+	}
+	for i := range px.workers {
+		live += len(px.workers[i].rev.s) * 16
+	}
+	for _, b := range px.holes {
+		live += cap(b) * 8
+	}
+	for c := range px.arrays {
+		for _, a := range px.arrays[c] {
+			pooled += cap(a) * 8
+		}
+	}
+	return live, pooled
+}
+
+// pxRev is a worker's reverse table, engine hash → position (run, offset,
+// extra copies in the offset's top byte): open addressing, linear probing,
+// backward-shift deletion. A slot with run 0 is empty.
+type pxRev struct {
+	s     []pxRevSlot
+	shift uint8
+	n     int
+}
+
+type pxRevSlot struct {
+	key uint64
+	run uint32
+	off uint32
+}
+
+const pxMul = 0x9E3779B97F4A7C15
+
+func (t *pxRev) find(k uint64) int {
+	if t.n == 0 {
+		return -1
+	}
+	mask := len(t.s) - 1
+	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.run == 0 {
+			return -1
+		}
+		if s.key == k {
+			return i
+		}
+	}
+}
+
+// upsert finds k or makes its slot (run set to a placeholder the caller
+// overwrites).
+func (t *pxRev) upsert(k uint64) (int, bool) {
+	if (t.n+1)*16 > len(t.s)*13 {
+		t.grow()
+	}
+	mask := len(t.s) - 1
+	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.run == 0 {
+			s.key, s.run, s.off = k, ^uint32(0), 0
+			t.n++
+			return i, false
+		}
+		if s.key == k {
+			return i, true
+		}
+	}
+}
+
+func (t *pxRev) grow() {
+	old := t.s
+	n := max(16, 2*len(old))
+	t.s = make([]pxRevSlot, n)
+	t.shift = uint8(64 - bitsLen(n-1))
+	mask := n - 1
+	for _, s := range old {
+		if s.run == 0 {
+			continue
+		}
+		i := int((s.key * pxMul) >> t.shift)
+		for t.s[i].run != 0 {
+			i = (i + 1) & mask
+		}
+		t.s[i] = s
+	}
+}
+
+func (t *pxRev) del(i int) {
+	mask := len(t.s) - 1
+	for j := (i + 1) & mask; t.s[j].run != 0; j = (j + 1) & mask {
+		h := int((t.s[j].key * pxMul) >> t.shift)
+		// Move j into the hole at i unless its home lies cyclically in (i, j].
+		if (j-h)&mask >= (j-i)&mask {
+			t.s[i] = t.s[j]
+			i = j
+		}
+	}
+	t.s[i] = pxRevSlot{}
+	t.n--
+}
+
+func bitsLen(x int) int {
+	n := 0
+	for ; x > 0; x >>= 1 {
+		n++
+	}
+	return n
+}
+
+// pxKids is the child table of every run, the root's included: (parent run,
+// offset, first content hash) → child run; open addressing as pxRev.
+type pxKids struct {
+	s     []pxKidSlot
+	shift uint8
+	n     int
+}
+
+type pxKidSlot struct {
+	c     uint64
+	po    uint64 // parent<<32 | offset
+	child uint32 // 0: empty
+}
+
+func pxKidHash(po, c uint64) uint64 { return (c ^ po*0xff51afd7ed558ccd) * pxMul }
+
+func (t *pxKids) get(parent, off uint32, c uint64) uint32 {
+	if t.n == 0 {
+		return 0
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	for i := int(pxKidHash(po, c) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.child == 0 {
+			return 0
+		}
+		if s.c == c && s.po == po {
+			return s.child
+		}
+	}
+}
+
+func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
+	if (t.n+1)*16 > len(t.s)*13 {
+		t.grow()
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	i := int(pxKidHash(po, c) >> t.shift)
+	for t.s[i].child != 0 {
+		i = (i + 1) & mask
+	}
+	t.s[i] = pxKidSlot{c: c, po: po, child: child}
+	t.n++
+}
+
+func (t *pxKids) grow() {
+	old := t.s
+	n := max(16, 2*len(old))
+	t.s = make([]pxKidSlot, n)
+	t.shift = uint8(64 - bitsLen(n-1))
+	mask := n - 1
+	for _, s := range old {
+		if s.child == 0 {
+			continue
+		}
+		i := int(pxKidHash(s.po, s.c) >> t.shift)
+		for t.s[i].child != 0 {
+			i = (i + 1) & mask
+		}
+		t.s[i] = s
+	}
+}
+
+func (t *pxKids) del(parent, off uint32, c uint64) {
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	i := int(pxKidHash(po, c) >> t.shift)
+	for t.s[i].c != c || t.s[i].po != po || t.s[i].child == 0 {
+		if t.s[i].child == 0 {
+			return
+		}
+		i = (i + 1) & mask
+	}
+	for j := (i + 1) & mask; t.s[j].child != 0; j = (j + 1) & mask {
+		h := int(pxKidHash(t.s[j].po, t.s[j].c) >> t.shift)
+		if (j-h)&mask >= (j-i)&mask {
+			t.s[i] = t.s[j]
+			i = j
+		}
+	}
+	t.s[i] = pxKidSlot{}
+	t.n--
+}
+
+// counts returns the live positions and the (worker, position) pairs held.
+func (px *pathIndex) counts() (positions, memberships int) {
+	for i := 1; i < len(px.runs); i++ {
+		r := &px.runs[i]
+		positions += len(r.h)
+		for _, e := range r.cov {
+			memberships += int(e.held)
+		}
+	}
+	return positions, memberships
+}
+
+// liveRuns counts the runs not on the free list.
+func (px *pathIndex) liveRuns() int { return len(px.runs) - 1 - len(px.freeRuns) }
