@@ -191,18 +191,10 @@ func (px *pathIndex) holeBits(e *pxCov, words int) []uint64 {
 	return b
 }
 
-// hold records that worker w holds (run, off) through a new reverse entry.
-func (px *pathIndex) hold(wk *pxWorker, w, run, off uint32, ci *int) {
-	r := &px.runs[run]
-	if *ci < 0 || *ci >= len(r.cov) || r.cov[*ci].w != w {
-		*ci = covOf(r, w)
-	}
-	e := &r.cov[*ci]
-	if off == e.lead && e.holes == 0 {
-		e.lead++
-		e.held++
-		return
-	}
+// hold records that worker w, whose coverage entry in run is e, holds
+// (run, off) through a new reverse entry: the cases other than the common
+// one (off at e's lead, no hole), which the store does itself.
+func (px *pathIndex) hold(wk *pxWorker, e *pxCov, run, off uint32) {
 	switch {
 	case off < e.lead:
 		px.twin(wk, run, off)
@@ -299,7 +291,8 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 			cr, co = s.run, s.off&pxOffMask
 		}
 	}
-	ci := -1
+	var e *pxCov // w's coverage entry in run eRun
+	eRun := uint32(0)
 	for j := 0; j < len(engine); j++ {
 		i, found := wk.rev.upsert(engine[j])
 		if found {
@@ -341,11 +334,47 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 		}
 		s := &wk.rev.s[i]
 		s.run, s.off = nr, no
-		if nr != cr {
-			ci = -1
-		}
-		px.hold(wk, w, nr, no, &ci)
 		cr, co = nr, no
+		if nr != eRun {
+			r := &px.runs[nr]
+			e, eRun = &r.cov[covOf(r, w)], nr
+		}
+		if no != e.lead || e.holes != 0 {
+			px.hold(wk, e, nr, no)
+			continue
+		}
+		e.lead++
+		e.held++
+		r := &px.runs[nr]
+		if no+1 != uint32(len(r.h)) {
+			continue
+		}
+		// The block went at the run's end and w holds the run up to it: the
+		// blocks after it that are new to w go at the end too, in one loop
+		// (the event's hashes copied into the run, the lead moved along).
+		for j+1 < len(engine) && len(r.h) < pxMaxRunLen {
+			j++
+			i, found := wk.rev.upsert(engine[j])
+			if found {
+				s := &wk.rev.s[i]
+				if s.off>>24 < copiesCap-1 {
+					s.off += 1 << 24
+				}
+				cr, co = s.run, s.off&pxOffMask
+				break
+			}
+			if len(r.h) == cap(r.h) {
+				a := append(px.getArray(len(r.h)+len(engine)-j), r.h...)
+				px.putArray(r.h)
+				r.h = a
+			}
+			r.h = append(r.h, content[j])
+			co++
+			s := &wk.rev.s[i]
+			s.run, s.off = cr, co
+			e.lead++
+			e.held++
+		}
 	}
 }
 
@@ -366,6 +395,14 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		wk.rev.del(i)
 		if s.run != last {
 			ci, last = -1, s.run
+		} else if ci >= 0 && wk.twins == nil {
+			// The common case: the run's last held position of w's lead, the
+			// entry staying.
+			if e := &px.runs[last].cov[ci]; s.off+1 == e.lead && e.held > 1 {
+				e.lead--
+				e.held--
+				continue
+			}
 		}
 		px.release(wk, w, s.run, s.off, &ci)
 		if ci < 0 {
