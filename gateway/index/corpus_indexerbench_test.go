@@ -144,8 +144,7 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	case "path":
 		// The prototype of pathindex.go, on the same corpus and clock.
 		px, r := replayCorpusPath(c, onStart)
-		live, pooled := px.bytes()
-		printPathResult(t, c, px, r, live, pooled)
+		printPathResult(t, c, px, r)
 		return
 	default:
 		t.Fatalf("KVRELAY_CORPUS_IMPL=%q: want index or path", impl)
@@ -226,8 +225,9 @@ func TestIndexerCorpusReplayStream(t *testing.T) {
 }
 
 // printPathResult is printCorpusResult for the pathIndex prototype: its
-// bytes are estimated from its arrays (pathIndex.bytes), live and pooled.
-func printPathResult(t *testing.T, c opsCorpus, px *pathIndex, r corpusReplay, live, pooled int) {
+// bytes are estimated from its arrays (pathIndex.bytes), pooled ones
+// included in index_bytes as Index's MemoryBytes includes its pool.
+func printPathResult(t *testing.T, c opsCorpus, px *pathIndex, r corpusReplay) {
 	t.Helper()
 	slices.Sort(r.lat)
 	rank := func(p float64) time.Duration {
@@ -240,10 +240,38 @@ func printPathResult(t *testing.T, c opsCorpus, px *pathIndex, r corpusReplay, l
 		"block_ops": c.blockOps, "lookups": len(r.lat), "cpu_s": r.cpu.Seconds(), "wall_s": r.wall.Seconds(),
 		"p50_ns": rank(50).Nanoseconds(), "p99_ns": rank(99).Nanoseconds(), "checksum": r.checksum, "apply_errors": 0,
 		"alloc_bytes": r.allocBytes, "minor_faults": r.faults, "gc_cycles": r.gcs,
-		"index_bytes": live, "pooled_bytes": pooled, "positions": positions, "memberships": memberships,
+		"index_bytes": px.bytes()["total"], "bytes": px.bytes(), "positions": positions, "memberships": memberships,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	fmt.Printf("RESULT %s\n", line)
+}
+
+// TestIndexerPathBytes replays the plan of what goals.sh --only indexbytes
+// measures (BenchmarkReplaySynthetic/bs128: KVRELAY_REPLAY_SESSIONS
+// sessions, default 8,000) as a corpus, in order on one goroutine, into
+// Index and into the pathIndex prototype, and prints each one's bytes per
+// (worker, block) held at the end.
+func TestIndexerPathBytes(t *testing.T) {
+	const bs = 128
+	reqs, err := tracegen.Synthetic(tracegen.SyntheticConfig{
+		Seed: 42, Sessions: envInt("KVRELAY_REPLAY_SESSIONS", 8000), Turns: 5, PrefixPool: 32,
+		PrefixBlocks: 2048 / bs, TurnBlocks: 512 / bs, BlockSize: bs,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := corpusFromPlan(planReplay(reqs, 128, bs, 65536/bs), bs)
+	ix, want := replayCorpus(c, replayOptions{})
+	px, got := replayCorpusPath(c, nil)
+	if got.checksum != want.checksum {
+		t.Fatalf("checksum: prototype %d, Index %d", got.checksum, want.checksum)
+	}
+	st := ix.Stats()
+	_, mem := px.counts()
+	b := px.bytes()
+	fmt.Printf("BYTES index %d B / %d memberships = %.2f B a block; prototype %d B / %d = %.2f B a block %v; checksum %d\n",
+		st.MemoryBytes, st.Memberships, float64(st.MemoryBytes)/float64(st.Memberships),
+		b["total"], mem, float64(b["total"])/float64(mem), b, got.checksum)
 }

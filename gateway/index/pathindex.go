@@ -475,26 +475,34 @@ func (px *pathIndex) lookup(dst []pathMatch, content []uint64) []pathMatch {
 	}
 }
 
-// bytes estimates the prototype's memory: arrays by capacity, headers,
-// coverage entries, tables and the recycling lists.
-func (px *pathIndex) bytes() (live, pooled int) {
-	live = cap(px.runs)*int(unsafe.Sizeof(pxRun{})) + cap(px.freeRuns)*4 + len(px.kids.s)*24
+// bytes estimates the prototype's memory from its arrays' capacities: run
+// headers, content arrays, coverage entries, hole bitmaps, the child table,
+// the reverse tables, and the arrays kept for reuse.
+func (px *pathIndex) bytes() map[string]int {
+	m := map[string]int{
+		"headers": cap(px.runs)*int(unsafe.Sizeof(pxRun{})) + cap(px.freeRuns)*4,
+		"kids":    len(px.kids.s) * int(unsafe.Sizeof(pxKidSlot{})),
+	}
 	for i := range px.runs {
 		r := &px.runs[i]
-		live += cap(r.h)*8 + cap(r.cov)*16
+		m["content"] += cap(r.h) * 8
+		m["coverage"] += cap(r.cov) * int(unsafe.Sizeof(pxCov{}))
 	}
 	for i := range px.workers {
-		live += len(px.workers[i].rev.s) * 16
+		m["reverse"] += len(px.workers[i].rev.s) * int(unsafe.Sizeof(pxRevSlot{}))
 	}
 	for _, b := range px.holes {
-		live += cap(b) * 8
+		m["holes"] += cap(b) * 8
 	}
 	for c := range px.arrays {
 		for _, a := range px.arrays[c] {
-			pooled += cap(a) * 8
+			m["pooled"] += cap(a) * 8
 		}
 	}
-	return live, pooled
+	for _, v := range m {
+		m["total"] += v
+	}
+	return m
 }
 
 // pxRev is a worker's reverse table, engine hash → position (run, offset,
