@@ -499,9 +499,11 @@ func (px *pathIndex) bytes() map[string]int {
 			m["pooled"] += cap(a) * 8
 		}
 	}
+	total := 0
 	for _, v := range m {
-		m["total"] += v
+		total += v
 	}
+	m["total"] = total
 	return m
 }
 
