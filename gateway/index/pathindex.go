@@ -1,6 +1,10 @@
 package index
 
-import "unsafe"
+import (
+	"runtime"
+	"sync/atomic"
+	"unsafe"
+)
 
 // pathIndex is a PROTOTYPE of the forward map in the shape of SMG's chain
 // index (issue 31.1), measured against Index on the indexer corpus
@@ -25,38 +29,123 @@ import "unsafe"
 //   - A run's content hashes and run headers are recycled through free
 //     lists, so a steady replay faults in no fresh memory.
 //
-// Single writer and no concurrent readers: see the log for what lock-free
-// readers would cost. One model, one rank, one tier; copies are counted as
-// in Index (a removal takes one; twins, two engine hashes of a worker naming
-// one position, hold it until the last goes).
+// One writer at a time; lookups take no lock and may run during a write.
+// Each run has a seqlock version the writer makes odd the first time it
+// changes the run in an event and even again when the event is done; a
+// reader reads a run's body (content and coverage arrays, published by an
+// atomic pointer; the writer's stores into them are store64/store32) and
+// trusts it only if the version was even and unchanged around the reads.
+// The child table has one version for all its slots. Run headers sit in
+// fixed chunks that never move, and a reader that reached a run through the
+// child table checks that the run is still that child (its parent, offset
+// and first hash), which covers a run freed and reused meanwhile. A lookup
+// that saw a change is redone. One model, one rank, one tier; copies are
+// counted as in Index (a removal takes one; twins, two engine hashes of a
+// worker naming one position, hold it until the last goes).
 type pathIndex struct {
-	runs     []pxRun  // run ids index it; id 0 is the root, never a run
-	freeRuns []uint32 // dead run ids
-	kids     pxKids   // (parent run, offset, content hash) → child run
+	dir      [pxDirLen]atomic.Pointer[pxChunk] // run id → header; id 0 is the root, never a run
+	nruns    uint32                            // ids handed out
+	freeRuns []uint32                          // dead run ids
+	touched  []uint32                          // runs whose version the current event made odd
+	onSettle func(touched int)                 // a test's hook: runs the event changed
+	kids     pxKids                            // (parent run, offset, content hash) → child run
 	arrays   [pxClasses][][]uint64
 	holes    [][]uint64 // hole bitmaps, pxCov.holes-1 indexes it
 	freeHole []int32
 	workers  []pxWorker
-	// lookup scratch: per worker, the stamp of the last run it was alive
-	// in and the lookup (gen) its result slot idx belongs to.
+}
+
+// pxReader is one reader's lookup scratch: per worker, the stamp of the
+// last run it was alive in and the attempt (gen) its result slot idx
+// belongs to.
+type pxReader struct {
 	scratch []pxScratch
 	gen     uint32
 	stamp   uint32
 }
 
+func (px *pathIndex) newReader() *pxReader {
+	return &pxReader{scratch: make([]pxScratch, len(px.workers))}
+}
+
 const (
+	pxChunkBits = 10
+	pxDirLen    = 1 << 14 // 16 M runs
 	pxClasses   = 24
 	pxMinCap    = 8
 	pxMaxRunLen = 1<<24 - 1
 	pxOffMask   = 1<<24 - 1
 )
 
+type pxChunk [1 << pxChunkBits]pxRun
+
+// pxRun is a run's header. h and cov are the writer's views of the arrays
+// body publishes; n and ncov are their lengths as readers see them.
 type pxRun struct {
+	ver    atomic.Uint32
+	n      uint32
+	ncov   uint32
+	parent uint32 // 0: hangs off the root
+	poff   uint32 // the parent's offset this run continues after
+	kids   uint32 // live child runs
+	body   atomic.Pointer[pxBody]
 	h      []uint64 // content hash per position
 	cov    []pxCov  // one entry per worker holding any position
-	parent uint32   // 0: hangs off the root
-	poff   uint32   // the parent's offset this run continues after
-	kids   uint32   // live child runs
+}
+
+// pxBody is what readers read of a run: its arrays, at full capacity.
+type pxBody struct {
+	h   []uint64
+	cov []pxCov
+}
+
+// run is run id's header.
+func (px *pathIndex) run(id uint32) *pxRun {
+	return &px.dir[id>>pxChunkBits].Load()[id&(1<<pxChunkBits-1)]
+}
+
+// touch makes run id's version odd for the rest of the event, unless it is.
+func (px *pathIndex) touch(id uint32) {
+	r := px.run(id)
+	if r.ver.Load()&1 == 0 {
+		r.ver.Add(1)
+		px.touched = append(px.touched, id)
+	}
+}
+
+// settle ends an event: every run it changed gets an even version again.
+func (px *pathIndex) settle() {
+	if px.onSettle != nil {
+		px.onSettle(len(px.touched))
+	}
+	for _, id := range px.touched {
+		px.run(id).ver.Add(1)
+	}
+	px.touched = px.touched[:0]
+}
+
+// publish makes r's arrays the ones readers read (r touched).
+func publish(r *pxRun) {
+	r.body.Store(&pxBody{h: r.h[:cap(r.h)], cov: r.cov[:cap(r.cov)]})
+}
+
+// appendHash appends c to r's content (r touched), in a larger array from
+// the pool, room positions more, when r's is full.
+func (px *pathIndex) appendHash(r *pxRun, c uint64, room int) {
+	n := len(r.h)
+	if n == cap(r.h) {
+		a := px.getArray(n + room)[:n]
+		copy64(a, r.h)
+		px.putArray(r.h)
+		r.h = a
+		r.h = r.h[:n+1]
+		store64(&r.h[n], c)
+		publish(r)
+	} else {
+		r.h = r.h[:n+1]
+		store64(&r.h[n], c)
+	}
+	store32(&r.n, uint32(n+1))
 }
 
 type pxCov struct {
@@ -84,11 +173,9 @@ type pathMatch struct {
 }
 
 func newPathIndex(workers int) *pathIndex {
-	return &pathIndex{
-		runs:    make([]pxRun, 1, 1024),
-		workers: make([]pxWorker, workers),
-		scratch: make([]pxScratch, workers),
-	}
+	px := &pathIndex{workers: make([]pxWorker, workers), nruns: 1}
+	px.dir[0].Store(new(pxChunk))
+	return px
 }
 
 func pxClass(n int) int {
@@ -125,15 +212,26 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 		id = px.freeRuns[n-1]
 		px.freeRuns = px.freeRuns[:n-1]
 	} else {
-		id = uint32(len(px.runs))
-		px.runs = append(px.runs, pxRun{})
+		id = px.nruns
+		px.nruns++
+		if id&(1<<pxChunkBits-1) == 0 {
+			px.dir[id>>pxChunkBits].Store(new(pxChunk))
+		}
 	}
-	r := &px.runs[id]
-	r.h = append(px.getArray(room), c)
-	r.parent, r.poff, r.kids = parent, poff, 0
+	px.touch(id)
+	r := px.run(id)
+	r.h = px.getArray(room)[:1]
+	store64(&r.h[0], c)
+	store32(&r.n, 1)
+	store32(&r.ncov, 0)
+	r.cov = r.cov[:0]
+	store32(&r.parent, parent)
+	store32(&r.poff, poff)
+	r.kids = 0
+	publish(r)
 	px.kids.put(parent, poff, c, id)
 	if parent != 0 {
-		px.runs[parent].kids++
+		px.run(parent).kids++
 	}
 	return id
 }
@@ -142,16 +240,20 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 // chain whose last child it was and which no worker holds.
 func (px *pathIndex) freeRun(id uint32) {
 	for {
-		r := &px.runs[id]
+		px.touch(id)
+		r := px.run(id)
 		px.kids.del(r.parent, r.poff, r.h[0])
 		px.putArray(r.h)
 		parent := r.parent
 		r.h, r.cov = nil, r.cov[:0]
+		store32(&r.n, 0)
+		store32(&r.ncov, 0)
+		r.body.Store(nil)
 		px.freeRuns = append(px.freeRuns, id)
 		if parent == 0 {
 			return
 		}
-		p := &px.runs[parent]
+		p := px.run(parent)
 		if p.kids--; p.kids != 0 || len(p.cov) != 0 {
 			return
 		}
@@ -160,14 +262,29 @@ func (px *pathIndex) freeRun(id uint32) {
 }
 
 // covOf is the index of w's coverage entry in r, appended if absent.
+// r is touched.
 func covOf(r *pxRun, w uint32) int {
 	for i := range r.cov {
 		if r.cov[i].w == w {
 			return i
 		}
 	}
-	r.cov = append(r.cov, pxCov{w: w})
-	return len(r.cov) - 1
+	n := len(r.cov)
+	if n == cap(r.cov) {
+		a := make([]pxCov, n, max(4, 2*n))
+		copy(a, r.cov)
+		r.cov = a[:n+1]
+		r.cov[n] = pxCov{w: w}
+		publish(r)
+	} else {
+		r.cov = r.cov[:n+1]
+		e := &r.cov[n]
+		store32(&e.w, w)
+		store32(&e.lead, 0)
+		e.held, e.holes = 0, 0
+	}
+	store32(&r.ncov, uint32(n+1))
+	return n
 }
 
 func (px *pathIndex) holeBits(e *pxCov, words int) []uint64 {
@@ -200,13 +317,14 @@ func (px *pathIndex) hold(wk *pxWorker, e *pxCov, run, off uint32) {
 		px.twin(wk, run, off)
 		return
 	case off == e.lead:
-		e.lead++
+		lead := e.lead + 1
 		e.held++
 		b := px.holes[e.holes-1]
-		for int(e.lead>>6) < len(b) && b[e.lead>>6]&(1<<(e.lead&63)) != 0 {
-			b[e.lead>>6] &^= 1 << (e.lead & 63)
-			e.lead++
+		for int(lead>>6) < len(b) && b[lead>>6]&(1<<(lead&63)) != 0 {
+			b[lead>>6] &^= 1 << (lead & 63)
+			lead++
 		}
+		store32(&e.lead, lead)
 	default:
 		b := px.holeBits(e, int(off>>6)+1)
 		if b[off>>6]&(1<<(off&63)) != 0 {
@@ -238,7 +356,8 @@ func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
 			return
 		}
 	}
-	r := &px.runs[run]
+	px.touch(run)
+	r := px.run(run)
 	if *ci < 0 || *ci >= len(r.cov) || r.cov[*ci].w != w {
 		*ci = covOf(r, w)
 	}
@@ -246,7 +365,7 @@ func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
 	e.held--
 	switch {
 	case off+1 == e.lead:
-		e.lead--
+		store32(&e.lead, off)
 	case off < e.lead:
 		// A hole inside the lead: the positions after it are held past the lead now.
 		b := px.holeBits(e, int((e.lead-1)>>6)+1)
@@ -259,7 +378,7 @@ func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
 			b[o>>6] |= 1 << (o & 63)
 			o++
 		}
-		e.lead = off
+		store32(&e.lead, off)
 	default:
 		b := px.holes[e.holes-1]
 		b[off>>6] &^= 1 << (off & 63)
@@ -271,8 +390,12 @@ func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
 		px.freeHole = append(px.freeHole, e.holes)
 	}
 	last := len(r.cov) - 1
-	r.cov[*ci] = r.cov[last]
+	x, l := &r.cov[*ci], r.cov[last]
+	store32(&x.w, l.w)
+	store32(&x.lead, l.lead)
+	x.held, x.holes = l.held, l.holes
 	r.cov = r.cov[:last]
+	store32(&r.ncov, uint32(last))
 	*ci = -1
 	if last == 0 && r.kids == 0 {
 		px.freeRun(run)
@@ -307,11 +430,11 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 		var nr, no uint32
 		switch {
 		case cr == 0:
-			if nr = px.kids.get(0, 0, c); nr == 0 {
+			if nr = px.kids.find(0, 0, c); nr == 0 {
 				nr = px.newRun(0, 0, c, len(engine)-j)
 			}
 		default:
-			r := &px.runs[cr]
+			r := px.run(cr)
 			switch n := uint32(len(r.h)); {
 			case co+1 < n && r.h[co+1] == c:
 				nr, no = cr, co+1
@@ -319,15 +442,11 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				// At the run's end: no child can hang here (one is made
 				// only inside a run or after a full one, and a live run
 				// never shrinks), so the block is appended.
-				if len(r.h) == cap(r.h) {
-					a := append(px.getArray(len(r.h)+len(engine)-j), r.h...)
-					px.putArray(r.h)
-					r.h = a
-				}
-				r.h = append(r.h, c)
+				px.touch(cr)
+				px.appendHash(r, c, len(engine)-j)
 				nr, no = cr, co+1
 			default:
-				if nr = px.kids.get(cr, co, c); nr == 0 {
+				if nr = px.kids.find(cr, co, c); nr == 0 {
 					nr = px.newRun(cr, co, c, len(engine)-j)
 				}
 			}
@@ -336,16 +455,17 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 		s.run, s.off = nr, no
 		cr, co = nr, no
 		if nr != eRun {
-			r := &px.runs[nr]
+			px.touch(nr)
+			r := px.run(nr)
 			e, eRun = &r.cov[covOf(r, w)], nr
 		}
 		if no != e.lead || e.holes != 0 {
 			px.hold(wk, e, nr, no)
 			continue
 		}
-		e.lead++
+		store32(&e.lead, no+1)
 		e.held++
-		r := &px.runs[nr]
+		r := px.run(nr)
 		if no+1 != uint32(len(r.h)) {
 			continue
 		}
@@ -363,19 +483,15 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				cr, co = s.run, s.off&pxOffMask
 				break
 			}
-			if len(r.h) == cap(r.h) {
-				a := append(px.getArray(len(r.h)+len(engine)-j), r.h...)
-				px.putArray(r.h)
-				r.h = a
-			}
-			r.h = append(r.h, content[j])
+			px.appendHash(r, content[j], len(engine)-j)
 			co++
 			s := &wk.rev.s[i]
 			s.run, s.off = cr, co
-			e.lead++
+			store32(&e.lead, co+1)
 			e.held++
 		}
 	}
+	px.settle()
 }
 
 // remove applies a removed event of worker w.
@@ -398,8 +514,8 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		} else if ci >= 0 && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &px.runs[last].cov[ci]; s.off+1 == e.lead && e.held > 1 {
-				e.lead--
+			if e := &px.run(last).cov[ci]; s.off+1 == e.lead && e.held > 1 {
+				store32(&e.lead, s.off)
 				e.held--
 				continue
 			}
@@ -409,52 +525,89 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 			last = 0
 		}
 	}
+	px.settle()
 }
 
 // lookup writes into dst (reused) every worker's leading blocks of the
-// request whose content hashes are content, in no order.
-func (px *pathIndex) lookup(dst []pathMatch, content []uint64) []pathMatch {
-	dst = dst[:0]
+// request whose content hashes are content, in no order. It takes no lock:
+// an attempt that saw a change is redone.
+func (px *pathIndex) lookup(rd *pxReader, dst []pathMatch, content []uint64) []pathMatch {
+	for tries := 0; ; tries++ {
+		var ok bool
+		if dst, ok = px.tryLookup(rd, dst[:0], content); ok {
+			return dst
+		}
+		if tries > 4 {
+			runtime.Gosched()
+		}
+	}
+}
+
+func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) ([]pathMatch, bool) {
 	if len(content) == 0 {
-		return dst
+		return dst, true
 	}
-	r := px.kids.get(0, 0, content[0])
-	if r == 0 {
-		return dst
+	r, ok := px.kids.get(0, 0, content[0])
+	if !ok || r == 0 {
+		return dst, ok
 	}
-	if px.gen++; px.gen == 0 {
-		clear(px.scratch)
-		px.gen = 1
+	if rd.gen++; rd.gen == 0 {
+		clear(rd.scratch)
+		rd.gen = 1
 	}
-	if px.stamp > 1<<31 {
-		clear(px.scratch)
-		px.stamp = 0
+	if rd.stamp > 1<<31 {
+		clear(rd.scratch)
+		rd.stamp = 0
 	}
-	gen := px.gen
+	gen := rd.gen
 	base, i := uint32(0), 0
+	parent, poff := uint32(0), uint32(0)
 	prev := uint32(0) // the stamp of the run before; 0: r is the first
 	for {
-		run := &px.runs[r]
-		h := run.h
+		if int(r>>pxChunkBits) >= pxDirLen {
+			return dst, false
+		}
+		ch := px.dir[r>>pxChunkBits].Load()
+		if ch == nil {
+			return dst, false
+		}
+		run := &ch[r&(1<<pxChunkBits-1)]
+		rv := run.ver.Load()
+		b := run.body.Load()
+		if rv&1 != 0 || b == nil {
+			return dst, false
+		}
+		h := b.h[:min(int(atomic.LoadUint32(&run.n)), len(b.h))]
+		cov := b.cov[:min(int(atomic.LoadUint32(&run.ncov)), len(b.cov))]
+		// Still the child it was found as (not freed and reused since).
+		if len(h) == 0 || atomic.LoadUint64(&h[0]) != content[i] ||
+			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
+			return dst, false
+		}
 		lim := min(len(h), len(content)-i)
 		m := 1
-		for m < lim && h[m] == content[i+m] {
+		for m < lim && atomic.LoadUint64(&h[m]) == content[i+m] {
 			m++
 		}
-		px.stamp++
-		st := px.stamp
-		for _, e := range run.cov {
-			sc := &px.scratch[e.w]
+		rd.stamp++
+		st := rd.stamp
+		for k := range cov {
+			e := &cov[k]
+			w := atomic.LoadUint32(&e.w)
+			if int(w) >= len(rd.scratch) {
+				return dst, false
+			}
+			sc := &rd.scratch[w]
 			if prev != 0 && sc.alive != prev {
 				continue
 			}
-			d := min(e.lead, uint32(m))
+			d := min(atomic.LoadUint32(&e.lead), uint32(m))
 			if d == 0 {
 				continue
 			}
 			if sc.gen != gen {
 				sc.gen, sc.idx = gen, uint32(len(dst))
-				dst = append(dst, pathMatch{w: e.w, blocks: base + d})
+				dst = append(dst, pathMatch{w: w, blocks: base + d})
 			} else {
 				dst[sc.idx].blocks = base + d
 			}
@@ -462,13 +615,17 @@ func (px *pathIndex) lookup(dst []pathMatch, content []uint64) []pathMatch {
 				sc.alive = st
 			}
 		}
+		if run.ver.Load() != rv {
+			return dst, false
+		}
 		if i+m == len(content) {
-			return dst
+			return dst, true
 		}
-		c := px.kids.get(r, uint32(m-1), content[i+m])
-		if c == 0 {
-			return dst
+		c, ok := px.kids.get(r, uint32(m-1), content[i+m])
+		if !ok || c == 0 {
+			return dst, ok
 		}
+		parent, poff = r, uint32(m-1)
 		base += uint32(m)
 		i += m
 		r, prev = c, st
@@ -480,11 +637,11 @@ func (px *pathIndex) lookup(dst []pathMatch, content []uint64) []pathMatch {
 // the reverse tables, and the arrays kept for reuse.
 func (px *pathIndex) bytes() map[string]int {
 	m := map[string]int{
-		"headers": cap(px.runs)*int(unsafe.Sizeof(pxRun{})) + cap(px.freeRuns)*4,
+		"headers": int(px.nruns+1<<pxChunkBits-1)>>pxChunkBits*int(unsafe.Sizeof(pxChunk{})) + cap(px.freeRuns)*4 + int(unsafe.Sizeof(px.dir)),
 		"kids":    len(px.kids.s) * int(unsafe.Sizeof(pxKidSlot{})),
 	}
-	for i := range px.runs {
-		r := &px.runs[i]
+	for i := uint32(1); i < px.nruns; i++ {
+		r := px.run(i)
 		m["content"] += cap(r.h) * 8
 		m["coverage"] += cap(r.cov) * int(unsafe.Sizeof(pxCov{}))
 	}
@@ -601,11 +758,20 @@ func bitsLen(x int) int {
 }
 
 // pxKids is the child table of every run, the root's included: (parent run,
-// offset, first content hash) → child run; open addressing as pxRev.
+// offset, first content hash) → child run; open addressing as pxRev. Its
+// version is odd while the writer changes it; readers (get) read the table
+// published in tab, writers (find, put, del) their own view s.
 type pxKids struct {
+	ver   atomic.Uint32
+	tab   atomic.Pointer[pxKidTab]
 	s     []pxKidSlot
 	shift uint8
 	n     int
+}
+
+type pxKidTab struct {
+	s     []pxKidSlot
+	shift uint8
 }
 
 type pxKidSlot struct {
@@ -616,7 +782,37 @@ type pxKidSlot struct {
 
 func pxKidHash(po, c uint64) uint64 { return (c ^ po*0xff51afd7ed558ccd) * pxMul }
 
-func (t *pxKids) get(parent, off uint32, c uint64) uint32 {
+// get is the readers' lookup: the child, and false when the table changed
+// during it.
+func (t *pxKids) get(parent, off uint32, c uint64) (uint32, bool) {
+	v := t.ver.Load()
+	if v&1 != 0 {
+		return 0, false
+	}
+	tb := t.tab.Load()
+	if tb == nil {
+		return 0, t.ver.Load() == v
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	s := tb.s
+	mask := len(s) - 1
+	var child uint32
+	for i, k := int(pxKidHash(po, c)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+		sl := &s[i]
+		ch := atomic.LoadUint32(&sl.child)
+		if ch == 0 {
+			break
+		}
+		if atomic.LoadUint64(&sl.c) == c && atomic.LoadUint64(&sl.po) == po {
+			child = ch
+			break
+		}
+	}
+	return child, t.ver.Load() == v
+}
+
+// find is the writer's lookup.
+func (t *pxKids) find(parent, off uint32, c uint64) uint32 {
 	if t.n == 0 {
 		return 0
 	}
@@ -633,7 +829,15 @@ func (t *pxKids) get(parent, off uint32, c uint64) uint32 {
 	}
 }
 
+func (t *pxKids) setSlot(i int, v pxKidSlot) {
+	s := &t.s[i]
+	store64(&s.c, v.c)
+	store64(&s.po, v.po)
+	store32(&s.child, v.child)
+}
+
 func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
+	t.ver.Add(1)
 	if (t.n+1)*16 > len(t.s)*13 {
 		t.grow()
 	}
@@ -643,8 +847,9 @@ func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
 	for t.s[i].child != 0 {
 		i = (i + 1) & mask
 	}
-	t.s[i] = pxKidSlot{c: c, po: po, child: child}
+	t.setSlot(i, pxKidSlot{c: c, po: po, child: child})
 	t.n++
+	t.ver.Add(1)
 }
 
 func (t *pxKids) grow() {
@@ -663,6 +868,7 @@ func (t *pxKids) grow() {
 		}
 		t.s[i] = s
 	}
+	t.tab.Store(&pxKidTab{s: t.s, shift: t.shift})
 }
 
 func (t *pxKids) del(parent, off uint32, c uint64) {
@@ -675,21 +881,23 @@ func (t *pxKids) del(parent, off uint32, c uint64) {
 		}
 		i = (i + 1) & mask
 	}
+	t.ver.Add(1)
 	for j := (i + 1) & mask; t.s[j].child != 0; j = (j + 1) & mask {
 		h := int(pxKidHash(t.s[j].po, t.s[j].c) >> t.shift)
 		if (j-h)&mask >= (j-i)&mask {
-			t.s[i] = t.s[j]
+			t.setSlot(i, t.s[j])
 			i = j
 		}
 	}
-	t.s[i] = pxKidSlot{}
+	t.setSlot(i, pxKidSlot{})
 	t.n--
+	t.ver.Add(1)
 }
 
 // counts returns the live positions and the (worker, position) pairs held.
 func (px *pathIndex) counts() (positions, memberships int) {
-	for i := 1; i < len(px.runs); i++ {
-		r := &px.runs[i]
+	for i := uint32(1); i < px.nruns; i++ {
+		r := px.run(i)
 		positions += len(r.h)
 		for _, e := range r.cov {
 			memberships += int(e.held)
@@ -699,4 +907,4 @@ func (px *pathIndex) counts() (positions, memberships int) {
 }
 
 // liveRuns counts the runs not on the free list.
-func (px *pathIndex) liveRuns() int { return len(px.runs) - 1 - len(px.freeRuns) }
+func (px *pathIndex) liveRuns() int { return int(px.nruns) - 1 - len(px.freeRuns) }
