@@ -1,0 +1,910 @@
+package index
+
+import (
+	"runtime"
+	"sync/atomic"
+	"unsafe"
+)
+
+// pathIndex is a PROTOTYPE of the forward map in the shape of SMG's chain
+// index (issue 31.1), measured against Index on the indexer corpus
+// (KVRELAY_CORPUS_IMPL=path, corpus_indexerbench_test.go) and checked
+// against it by a differential test (pathindex_test.go). Nothing in the
+// gateway uses it; see docs/bench/log/2026-12-06-index-path.md.
+//
+// What differs from Index's forward map:
+//
+//   - A position's identity is its path: (run, offset), a run hanging off a
+//     position of its parent run (or off the root). A position stores its
+//     block's content hash only; a lookup compares the request's content
+//     hashes with a run's, so no prefix hash (ChainHash) is computed or
+//     stored, and a store checks uniqueness only where its chain leaves a
+//     run (the parent's child table), never against a global heads table.
+//   - Coverage is per run and worker, not per position: the number of
+//     consecutive positions the worker holds from the run's offset 0
+//     (lead), which is all a lookup needs (a worker stops at its first
+//     hole). Positions held past a hole are kept in a bitmap that only a
+//     worker with a hole in that run has, so that refilling the hole
+//     restores the lead exactly.
+//   - A run's content hashes and run headers are recycled through free
+//     lists, so a steady replay faults in no fresh memory.
+//
+// One writer at a time; lookups take no lock and may run during a write.
+// Each run has a seqlock version the writer makes odd the first time it
+// changes the run in an event and even again when the event is done; a
+// reader reads a run's body (content and coverage arrays, published by an
+// atomic pointer; the writer's stores into them are store64/store32) and
+// trusts it only if the version was even and unchanged around the reads.
+// The child table has one version for all its slots. Run headers sit in
+// fixed chunks that never move, and a reader that reached a run through the
+// child table checks that the run is still that child (its parent, offset
+// and first hash), which covers a run freed and reused meanwhile. A lookup
+// that saw a change is redone. One model, one rank, one tier; copies are
+// counted as in Index (a removal takes one; twins, two engine hashes of a
+// worker naming one position, hold it until the last goes).
+type pathIndex struct {
+	dir      [pxDirLen]atomic.Pointer[pxChunk] // run id → header; id 0 is the root, never a run
+	nruns    uint32                            // ids handed out
+	freeRuns []uint32                          // dead run ids
+	touched  []uint32                          // runs whose version the current event made odd
+	onSettle func(touched int)                 // a test's hook: runs the event changed
+	kids     pxKids                            // (parent run, offset, content hash) → child run
+	arrays   [pxClasses][][]uint64
+	holes    [][]uint64 // hole bitmaps, pxCov.holes-1 indexes it
+	freeHole []int32
+	workers  []pxWorker
+}
+
+// pxReader is one reader's lookup scratch: per worker, the stamp of the
+// last run it was alive in and the attempt (gen) its result slot idx
+// belongs to.
+type pxReader struct {
+	scratch []pxScratch
+	gen     uint32
+	stamp   uint32
+}
+
+func (px *pathIndex) newReader() *pxReader {
+	return &pxReader{scratch: make([]pxScratch, len(px.workers))}
+}
+
+const (
+	pxChunkBits = 10
+	pxDirLen    = 1 << 14 // 16 M runs
+	pxClasses   = 24
+	pxMinCap    = 8
+	pxMaxRunLen = 1<<24 - 1
+	pxOffMask   = 1<<24 - 1
+)
+
+type pxChunk [1 << pxChunkBits]pxRun
+
+// pxRun is a run's header. h and cov are the writer's views of the arrays
+// body publishes; n and ncov are their lengths as readers see them.
+type pxRun struct {
+	ver    atomic.Uint32
+	n      uint32
+	ncov   uint32
+	parent uint32 // 0: hangs off the root
+	poff   uint32 // the parent's offset this run continues after
+	kids   uint32 // live child runs
+	body   atomic.Pointer[pxBody]
+	h      []uint64 // content hash per position
+	cov    []pxCov  // one entry per worker holding any position
+}
+
+// pxBody is what readers read of a run: its arrays, at full capacity.
+type pxBody struct {
+	h   []uint64
+	cov []pxCov
+}
+
+// run is run id's header.
+func (px *pathIndex) run(id uint32) *pxRun {
+	return &px.dir[id>>pxChunkBits].Load()[id&(1<<pxChunkBits-1)]
+}
+
+// touch makes run id's version odd for the rest of the event, unless it is.
+func (px *pathIndex) touch(id uint32) {
+	r := px.run(id)
+	if r.ver.Load()&1 == 0 {
+		r.ver.Add(1)
+		px.touched = append(px.touched, id)
+	}
+}
+
+// settle ends an event: every run it changed gets an even version again.
+func (px *pathIndex) settle() {
+	if px.onSettle != nil {
+		px.onSettle(len(px.touched))
+	}
+	for _, id := range px.touched {
+		px.run(id).ver.Add(1)
+	}
+	px.touched = px.touched[:0]
+}
+
+// publish makes r's arrays the ones readers read (r touched).
+func publish(r *pxRun) {
+	r.body.Store(&pxBody{h: r.h[:cap(r.h)], cov: r.cov[:cap(r.cov)]})
+}
+
+// appendHash appends c to r's content (r touched), in a larger array from
+// the pool, room positions more, when r's is full.
+func (px *pathIndex) appendHash(r *pxRun, c uint64, room int) {
+	n := len(r.h)
+	if n == cap(r.h) {
+		a := px.getArray(n + room)[:n]
+		copy64(a, r.h)
+		px.putArray(r.h)
+		r.h = a
+		r.h = r.h[:n+1]
+		store64(&r.h[n], c)
+		publish(r)
+	} else {
+		r.h = r.h[:n+1]
+		store64(&r.h[n], c)
+	}
+	store32(&r.n, uint32(n+1))
+}
+
+type pxCov struct {
+	w     uint32
+	lead  uint32 // positions held consecutively from offset 0
+	held  uint32 // positions held in all
+	holes int32  // 1 + index in pathIndex.holes of the bitmap of held offsets past lead; 0: none
+}
+
+type pxWorker struct {
+	rev   pxRev
+	twins map[uint64]uint32 // run<<32|off → reverse entries past the first naming it
+}
+
+type pxScratch struct {
+	alive uint32
+	gen   uint32
+	idx   uint32
+}
+
+// pathMatch is one worker's matched leading blocks.
+type pathMatch struct {
+	w      uint32
+	blocks uint32
+}
+
+func newPathIndex(workers int) *pathIndex {
+	px := &pathIndex{workers: make([]pxWorker, workers), nruns: 1}
+	px.dir[0].Store(new(pxChunk))
+	return px
+}
+
+func pxClass(n int) int {
+	c := 0
+	for pxMinCap<<c < n {
+		c++
+	}
+	return c
+}
+
+func (px *pathIndex) getArray(n int) []uint64 {
+	c := pxClass(n)
+	if l := len(px.arrays[c]); l > 0 {
+		a := px.arrays[c][l-1]
+		px.arrays[c] = px.arrays[c][:l-1]
+		return a
+	}
+	return make([]uint64, 0, pxMinCap<<c)
+}
+
+func (px *pathIndex) putArray(a []uint64) {
+	if cap(a) == 0 {
+		return
+	}
+	c := pxClass(cap(a))
+	px.arrays[c] = append(px.arrays[c], a[:0])
+}
+
+// newRun makes a run of one position, content c, hanging after (parent,
+// poff), with room for room positions.
+func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
+	var id uint32
+	if n := len(px.freeRuns); n > 0 {
+		id = px.freeRuns[n-1]
+		px.freeRuns = px.freeRuns[:n-1]
+	} else {
+		id = px.nruns
+		px.nruns++
+		if id&(1<<pxChunkBits-1) == 0 {
+			px.dir[id>>pxChunkBits].Store(new(pxChunk))
+		}
+	}
+	px.touch(id)
+	r := px.run(id)
+	r.h = px.getArray(room)[:1]
+	store64(&r.h[0], c)
+	store32(&r.n, 1)
+	store32(&r.ncov, 0)
+	r.cov = r.cov[:0]
+	store32(&r.parent, parent)
+	store32(&r.poff, poff)
+	r.kids = 0
+	publish(r)
+	px.kids.put(parent, poff, c, id)
+	if parent != 0 {
+		px.run(parent).kids++
+	}
+	return id
+}
+
+// freeRun frees run id (no holder, no child), then each parent up the
+// chain whose last child it was and which no worker holds.
+func (px *pathIndex) freeRun(id uint32) {
+	for {
+		px.touch(id)
+		r := px.run(id)
+		px.kids.del(r.parent, r.poff, r.h[0])
+		px.putArray(r.h)
+		parent := r.parent
+		r.h, r.cov = nil, r.cov[:0]
+		store32(&r.n, 0)
+		store32(&r.ncov, 0)
+		r.body.Store(nil)
+		px.freeRuns = append(px.freeRuns, id)
+		if parent == 0 {
+			return
+		}
+		p := px.run(parent)
+		if p.kids--; p.kids != 0 || len(p.cov) != 0 {
+			return
+		}
+		id = parent
+	}
+}
+
+// covOf is the index of w's coverage entry in r, appended if absent.
+// r is touched.
+func covOf(r *pxRun, w uint32) int {
+	for i := range r.cov {
+		if r.cov[i].w == w {
+			return i
+		}
+	}
+	n := len(r.cov)
+	if n == cap(r.cov) {
+		a := make([]pxCov, n, max(4, 2*n))
+		copy(a, r.cov)
+		r.cov = a[:n+1]
+		r.cov[n] = pxCov{w: w}
+		publish(r)
+	} else {
+		r.cov = r.cov[:n+1]
+		e := &r.cov[n]
+		store32(&e.w, w)
+		store32(&e.lead, 0)
+		e.held, e.holes = 0, 0
+	}
+	store32(&r.ncov, uint32(n+1))
+	return n
+}
+
+func (px *pathIndex) holeBits(e *pxCov, words int) []uint64 {
+	if e.holes == 0 {
+		var b []uint64
+		if n := len(px.freeHole); n > 0 {
+			e.holes = px.freeHole[n-1]
+			px.freeHole = px.freeHole[:n-1]
+			b = px.holes[e.holes-1][:0]
+		} else {
+			px.holes = append(px.holes, nil)
+			e.holes = int32(len(px.holes))
+		}
+		px.holes[e.holes-1] = b
+	}
+	b := px.holes[e.holes-1]
+	if len(b) < words {
+		b = append(b, make([]uint64, words-len(b))...)
+		px.holes[e.holes-1] = b
+	}
+	return b
+}
+
+// hold records that worker w, whose coverage entry in run is e, holds
+// (run, off) through a new reverse entry: the cases other than the common
+// one (off at e's lead, no hole), which the store does itself.
+func (px *pathIndex) hold(wk *pxWorker, e *pxCov, run, off uint32) {
+	switch {
+	case off < e.lead:
+		px.twin(wk, run, off)
+		return
+	case off == e.lead:
+		lead := e.lead + 1
+		e.held++
+		b := px.holes[e.holes-1]
+		for int(lead>>6) < len(b) && b[lead>>6]&(1<<(lead&63)) != 0 {
+			b[lead>>6] &^= 1 << (lead & 63)
+			lead++
+		}
+		store32(&e.lead, lead)
+	default:
+		b := px.holeBits(e, int(off>>6)+1)
+		if b[off>>6]&(1<<(off&63)) != 0 {
+			px.twin(wk, run, off)
+			return
+		}
+		b[off>>6] |= 1 << (off & 63)
+		e.held++
+	}
+}
+
+func (px *pathIndex) twin(wk *pxWorker, run, off uint32) {
+	if wk.twins == nil {
+		wk.twins = make(map[uint64]uint32)
+	}
+	wk.twins[uint64(run)<<32|uint64(off)]++
+}
+
+// release drops a reverse entry of w naming (run, off).
+func (px *pathIndex) release(wk *pxWorker, w, run, off uint32, ci *int) {
+	if wk.twins != nil {
+		k := uint64(run)<<32 | uint64(off)
+		if n := wk.twins[k]; n > 0 {
+			if n == 1 {
+				delete(wk.twins, k)
+			} else {
+				wk.twins[k] = n - 1
+			}
+			return
+		}
+	}
+	px.touch(run)
+	r := px.run(run)
+	if *ci < 0 || *ci >= len(r.cov) || r.cov[*ci].w != w {
+		*ci = covOf(r, w)
+	}
+	e := &r.cov[*ci]
+	e.held--
+	switch {
+	case off+1 == e.lead:
+		store32(&e.lead, off)
+	case off < e.lead:
+		// A hole inside the lead: the positions after it are held past the lead now.
+		b := px.holeBits(e, int((e.lead-1)>>6)+1)
+		for o := off + 1; o < e.lead; {
+			if o&63 == 0 && o+64 <= e.lead {
+				b[o>>6] = ^uint64(0)
+				o += 64
+				continue
+			}
+			b[o>>6] |= 1 << (o & 63)
+			o++
+		}
+		store32(&e.lead, off)
+	default:
+		b := px.holes[e.holes-1]
+		b[off>>6] &^= 1 << (off & 63)
+	}
+	if e.held != 0 {
+		return
+	}
+	if e.holes != 0 {
+		px.freeHole = append(px.freeHole, e.holes)
+	}
+	last := len(r.cov) - 1
+	x, l := &r.cov[*ci], r.cov[last]
+	store32(&x.w, l.w)
+	store32(&x.lead, l.lead)
+	x.held, x.holes = l.held, l.holes
+	r.cov = r.cov[:last]
+	store32(&r.ncov, uint32(last))
+	*ci = -1
+	if last == 0 && r.kids == 0 {
+		px.freeRun(run)
+	}
+}
+
+// store applies a stored event of worker w: blocks with engine hashes
+// engine and content hashes content, chained after the block w holds under
+// parent when hasParent and w holds it, else from the root.
+func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, content []uint64) {
+	wk := &px.workers[w]
+	var cr, co uint32 // the position the next block follows; cr 0: the root
+	if hasParent {
+		if i := wk.rev.find(parent); i >= 0 {
+			s := &wk.rev.s[i]
+			cr, co = s.run, s.off&pxOffMask
+		}
+	}
+	var e *pxCov // w's coverage entry in run eRun
+	eRun := uint32(0)
+	for j := 0; j < len(engine); j++ {
+		i, found := wk.rev.upsert(engine[j])
+		if found {
+			s := &wk.rev.s[i]
+			if s.off>>24 < copiesCap-1 {
+				s.off += 1 << 24
+			}
+			cr, co = s.run, s.off&pxOffMask
+			continue
+		}
+		c := content[j]
+		var nr, no uint32
+		switch {
+		case cr == 0:
+			if nr = px.kids.find(0, 0, c); nr == 0 {
+				nr = px.newRun(0, 0, c, len(engine)-j)
+			}
+		default:
+			r := px.run(cr)
+			switch n := uint32(len(r.h)); {
+			case co+1 < n && r.h[co+1] == c:
+				nr, no = cr, co+1
+			case co+1 == n && n < pxMaxRunLen:
+				// At the run's end: no child can hang here (one is made
+				// only inside a run or after a full one, and a live run
+				// never shrinks), so the block is appended.
+				px.touch(cr)
+				px.appendHash(r, c, len(engine)-j)
+				nr, no = cr, co+1
+			default:
+				if nr = px.kids.find(cr, co, c); nr == 0 {
+					nr = px.newRun(cr, co, c, len(engine)-j)
+				}
+			}
+		}
+		s := &wk.rev.s[i]
+		s.run, s.off = nr, no
+		cr, co = nr, no
+		if nr != eRun {
+			px.touch(nr)
+			r := px.run(nr)
+			e, eRun = &r.cov[covOf(r, w)], nr
+		}
+		if no != e.lead || e.holes != 0 {
+			px.hold(wk, e, nr, no)
+			continue
+		}
+		store32(&e.lead, no+1)
+		e.held++
+		r := px.run(nr)
+		if no+1 != uint32(len(r.h)) {
+			continue
+		}
+		// The block went at the run's end and w holds the run up to it: the
+		// blocks after it that are new to w go at the end too, in one loop
+		// (the event's hashes copied into the run, the lead moved along).
+		for j+1 < len(engine) && len(r.h) < pxMaxRunLen {
+			j++
+			i, found := wk.rev.upsert(engine[j])
+			if found {
+				s := &wk.rev.s[i]
+				if s.off>>24 < copiesCap-1 {
+					s.off += 1 << 24
+				}
+				cr, co = s.run, s.off&pxOffMask
+				break
+			}
+			px.appendHash(r, content[j], len(engine)-j)
+			co++
+			s := &wk.rev.s[i]
+			s.run, s.off = cr, co
+			store32(&e.lead, co+1)
+			e.held++
+		}
+	}
+	px.settle()
+}
+
+// remove applies a removed event of worker w.
+func (px *pathIndex) remove(w uint32, engine []uint64) {
+	wk := &px.workers[w]
+	ci, last := -1, uint32(0)
+	for _, h := range engine {
+		i := wk.rev.find(h)
+		if i < 0 {
+			continue
+		}
+		s := wk.rev.s[i]
+		if s.off>>24 > 0 {
+			wk.rev.s[i].off -= 1 << 24
+			continue
+		}
+		wk.rev.del(i)
+		if s.run != last {
+			ci, last = -1, s.run
+		} else if ci >= 0 && wk.twins == nil {
+			// The common case: the run's last held position of w's lead, the
+			// entry staying.
+			if e := &px.run(last).cov[ci]; s.off+1 == e.lead && e.held > 1 {
+				store32(&e.lead, s.off)
+				e.held--
+				continue
+			}
+		}
+		px.release(wk, w, s.run, s.off, &ci)
+		if ci < 0 {
+			last = 0
+		}
+	}
+	px.settle()
+}
+
+// lookup writes into dst (reused) every worker's leading blocks of the
+// request whose content hashes are content, in no order. It takes no lock:
+// an attempt that saw a change is redone.
+func (px *pathIndex) lookup(rd *pxReader, dst []pathMatch, content []uint64) []pathMatch {
+	for tries := 0; ; tries++ {
+		var ok bool
+		if dst, ok = px.tryLookup(rd, dst[:0], content); ok {
+			return dst
+		}
+		if tries > 4 {
+			runtime.Gosched()
+		}
+	}
+}
+
+func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) ([]pathMatch, bool) {
+	if len(content) == 0 {
+		return dst, true
+	}
+	r, ok := px.kids.get(0, 0, content[0])
+	if !ok || r == 0 {
+		return dst, ok
+	}
+	if rd.gen++; rd.gen == 0 {
+		clear(rd.scratch)
+		rd.gen = 1
+	}
+	if rd.stamp > 1<<31 {
+		clear(rd.scratch)
+		rd.stamp = 0
+	}
+	gen := rd.gen
+	base, i := uint32(0), 0
+	parent, poff := uint32(0), uint32(0)
+	prev := uint32(0) // the stamp of the run before; 0: r is the first
+	for {
+		if int(r>>pxChunkBits) >= pxDirLen {
+			return dst, false
+		}
+		ch := px.dir[r>>pxChunkBits].Load()
+		if ch == nil {
+			return dst, false
+		}
+		run := &ch[r&(1<<pxChunkBits-1)]
+		rv := run.ver.Load()
+		b := run.body.Load()
+		if rv&1 != 0 || b == nil {
+			return dst, false
+		}
+		h := b.h[:min(int(atomic.LoadUint32(&run.n)), len(b.h))]
+		cov := b.cov[:min(int(atomic.LoadUint32(&run.ncov)), len(b.cov))]
+		// Still the child it was found as (not freed and reused since).
+		if len(h) == 0 || atomic.LoadUint64(&h[0]) != content[i] ||
+			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
+			return dst, false
+		}
+		lim := min(len(h), len(content)-i)
+		m := 1
+		for m < lim && atomic.LoadUint64(&h[m]) == content[i+m] {
+			m++
+		}
+		rd.stamp++
+		st := rd.stamp
+		for k := range cov {
+			e := &cov[k]
+			w := atomic.LoadUint32(&e.w)
+			if int(w) >= len(rd.scratch) {
+				return dst, false
+			}
+			sc := &rd.scratch[w]
+			if prev != 0 && sc.alive != prev {
+				continue
+			}
+			d := min(atomic.LoadUint32(&e.lead), uint32(m))
+			if d == 0 {
+				continue
+			}
+			if sc.gen != gen {
+				sc.gen, sc.idx = gen, uint32(len(dst))
+				dst = append(dst, pathMatch{w: w, blocks: base + d})
+			} else {
+				dst[sc.idx].blocks = base + d
+			}
+			if d == uint32(m) {
+				sc.alive = st
+			}
+		}
+		if run.ver.Load() != rv {
+			return dst, false
+		}
+		if i+m == len(content) {
+			return dst, true
+		}
+		c, ok := px.kids.get(r, uint32(m-1), content[i+m])
+		if !ok || c == 0 {
+			return dst, ok
+		}
+		parent, poff = r, uint32(m-1)
+		base += uint32(m)
+		i += m
+		r, prev = c, st
+	}
+}
+
+// bytes estimates the prototype's memory from its arrays' capacities: run
+// headers, content arrays, coverage entries, hole bitmaps, the child table,
+// the reverse tables, and the arrays kept for reuse.
+func (px *pathIndex) bytes() map[string]int {
+	m := map[string]int{
+		"headers": int(px.nruns+1<<pxChunkBits-1)>>pxChunkBits*int(unsafe.Sizeof(pxChunk{})) + cap(px.freeRuns)*4 + int(unsafe.Sizeof(px.dir)),
+		"kids":    len(px.kids.s) * int(unsafe.Sizeof(pxKidSlot{})),
+	}
+	for i := uint32(1); i < px.nruns; i++ {
+		r := px.run(i)
+		m["content"] += cap(r.h) * 8
+		m["coverage"] += cap(r.cov) * int(unsafe.Sizeof(pxCov{}))
+	}
+	for i := range px.workers {
+		m["reverse"] += len(px.workers[i].rev.s) * int(unsafe.Sizeof(pxRevSlot{}))
+	}
+	for _, b := range px.holes {
+		m["holes"] += cap(b) * 8
+	}
+	for c := range px.arrays {
+		for _, a := range px.arrays[c] {
+			m["pooled"] += cap(a) * 8
+		}
+	}
+	total := 0
+	for _, v := range m {
+		total += v
+	}
+	m["total"] = total
+	return m
+}
+
+// pxRev is a worker's reverse table, engine hash → position (run, offset,
+// extra copies in the offset's top byte): open addressing, linear probing,
+// backward-shift deletion. A slot with run 0 is empty.
+type pxRev struct {
+	s     []pxRevSlot
+	shift uint8
+	n     int
+}
+
+type pxRevSlot struct {
+	key uint64
+	run uint32
+	off uint32
+}
+
+const pxMul = 0x9E3779B97F4A7C15
+
+func (t *pxRev) find(k uint64) int {
+	if t.n == 0 {
+		return -1
+	}
+	mask := len(t.s) - 1
+	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.run == 0 {
+			return -1
+		}
+		if s.key == k {
+			return i
+		}
+	}
+}
+
+// upsert finds k or makes its slot (run set to a placeholder the caller
+// overwrites).
+func (t *pxRev) upsert(k uint64) (int, bool) {
+	if (t.n+1)*16 > len(t.s)*13 {
+		t.grow()
+	}
+	mask := len(t.s) - 1
+	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.run == 0 {
+			s.key, s.run, s.off = k, ^uint32(0), 0
+			t.n++
+			return i, false
+		}
+		if s.key == k {
+			return i, true
+		}
+	}
+}
+
+func (t *pxRev) grow() {
+	old := t.s
+	n := max(16, 2*len(old))
+	t.s = make([]pxRevSlot, n)
+	t.shift = uint8(64 - bitsLen(n-1))
+	mask := n - 1
+	for _, s := range old {
+		if s.run == 0 {
+			continue
+		}
+		i := int((s.key * pxMul) >> t.shift)
+		for t.s[i].run != 0 {
+			i = (i + 1) & mask
+		}
+		t.s[i] = s
+	}
+}
+
+func (t *pxRev) del(i int) {
+	mask := len(t.s) - 1
+	for j := (i + 1) & mask; t.s[j].run != 0; j = (j + 1) & mask {
+		h := int((t.s[j].key * pxMul) >> t.shift)
+		// Move j into the hole at i unless its home lies cyclically in (i, j].
+		if (j-h)&mask >= (j-i)&mask {
+			t.s[i] = t.s[j]
+			i = j
+		}
+	}
+	t.s[i] = pxRevSlot{}
+	t.n--
+}
+
+func bitsLen(x int) int {
+	n := 0
+	for ; x > 0; x >>= 1 {
+		n++
+	}
+	return n
+}
+
+// pxKids is the child table of every run, the root's included: (parent run,
+// offset, first content hash) → child run; open addressing as pxRev. Its
+// version is odd while the writer changes it; readers (get) read the table
+// published in tab, writers (find, put, del) their own view s.
+type pxKids struct {
+	ver   atomic.Uint32
+	tab   atomic.Pointer[pxKidTab]
+	s     []pxKidSlot
+	shift uint8
+	n     int
+}
+
+type pxKidTab struct {
+	s     []pxKidSlot
+	shift uint8
+}
+
+type pxKidSlot struct {
+	c     uint64
+	po    uint64 // parent<<32 | offset
+	child uint32 // 0: empty
+}
+
+func pxKidHash(po, c uint64) uint64 { return (c ^ po*0xff51afd7ed558ccd) * pxMul }
+
+// get is the readers' lookup: the child, and false when the table changed
+// during it.
+func (t *pxKids) get(parent, off uint32, c uint64) (uint32, bool) {
+	v := t.ver.Load()
+	if v&1 != 0 {
+		return 0, false
+	}
+	tb := t.tab.Load()
+	if tb == nil {
+		return 0, t.ver.Load() == v
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	s := tb.s
+	mask := len(s) - 1
+	var child uint32
+	for i, k := int(pxKidHash(po, c)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+		sl := &s[i]
+		ch := atomic.LoadUint32(&sl.child)
+		if ch == 0 {
+			break
+		}
+		if atomic.LoadUint64(&sl.c) == c && atomic.LoadUint64(&sl.po) == po {
+			child = ch
+			break
+		}
+	}
+	return child, t.ver.Load() == v
+}
+
+// find is the writer's lookup.
+func (t *pxKids) find(parent, off uint32, c uint64) uint32 {
+	if t.n == 0 {
+		return 0
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	for i := int(pxKidHash(po, c) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.child == 0 {
+			return 0
+		}
+		if s.c == c && s.po == po {
+			return s.child
+		}
+	}
+}
+
+func (t *pxKids) setSlot(i int, v pxKidSlot) {
+	s := &t.s[i]
+	store64(&s.c, v.c)
+	store64(&s.po, v.po)
+	store32(&s.child, v.child)
+}
+
+func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
+	t.ver.Add(1)
+	if (t.n+1)*16 > len(t.s)*13 {
+		t.grow()
+	}
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	i := int(pxKidHash(po, c) >> t.shift)
+	for t.s[i].child != 0 {
+		i = (i + 1) & mask
+	}
+	t.setSlot(i, pxKidSlot{c: c, po: po, child: child})
+	t.n++
+	t.ver.Add(1)
+}
+
+func (t *pxKids) grow() {
+	old := t.s
+	n := max(16, 2*len(old))
+	t.s = make([]pxKidSlot, n)
+	t.shift = uint8(64 - bitsLen(n-1))
+	mask := n - 1
+	for _, s := range old {
+		if s.child == 0 {
+			continue
+		}
+		i := int(pxKidHash(s.po, s.c) >> t.shift)
+		for t.s[i].child != 0 {
+			i = (i + 1) & mask
+		}
+		t.s[i] = s
+	}
+	t.tab.Store(&pxKidTab{s: t.s, shift: t.shift})
+}
+
+func (t *pxKids) del(parent, off uint32, c uint64) {
+	po := uint64(parent)<<32 | uint64(off)
+	mask := len(t.s) - 1
+	i := int(pxKidHash(po, c) >> t.shift)
+	for t.s[i].c != c || t.s[i].po != po || t.s[i].child == 0 {
+		if t.s[i].child == 0 {
+			return
+		}
+		i = (i + 1) & mask
+	}
+	t.ver.Add(1)
+	for j := (i + 1) & mask; t.s[j].child != 0; j = (j + 1) & mask {
+		h := int(pxKidHash(t.s[j].po, t.s[j].c) >> t.shift)
+		if (j-h)&mask >= (j-i)&mask {
+			t.setSlot(i, t.s[j])
+			i = j
+		}
+	}
+	t.setSlot(i, pxKidSlot{})
+	t.n--
+	t.ver.Add(1)
+}
+
+// counts returns the live positions and the (worker, position) pairs held.
+func (px *pathIndex) counts() (positions, memberships int) {
+	for i := uint32(1); i < px.nruns; i++ {
+		r := px.run(i)
+		positions += len(r.h)
+		for _, e := range r.cov {
+			memberships += int(e.held)
+		}
+	}
+	return positions, memberships
+}
+
+// liveRuns counts the runs not on the free list.
+func (px *pathIndex) liveRuns() int { return int(px.nruns) - 1 - len(px.freeRuns) }

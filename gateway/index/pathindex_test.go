@@ -1,0 +1,437 @@
+package index
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// replayPathOps is replayOps for the pathIndex prototype: the events go in
+// as the corpus holds them (engine and content hashes), the lookups into
+// one reused result.
+func replayPathOps(px *pathIndex, ops []corpusOp, dst *[]pathMatch, r *corpusReplay) {
+	rd := px.newReader()
+	for _, op := range ops {
+		switch op.kind {
+		case corpusStore:
+			px.store(op.worker, op.hasParent, op.parent, op.engine, op.content)
+		case corpusRemove:
+			px.remove(op.worker, op.engine)
+		default:
+			s := time.Now()
+			*dst = px.lookup(rd, *dst, op.content)
+			lat := time.Since(s)
+			r.lat = append(r.lat, lat)
+			r.checksum += uint64(pathBest(*dst))
+		}
+	}
+}
+
+func pathBest(m []pathMatch) uint32 {
+	var b uint32
+	for _, x := range m {
+		b = max(b, x.blocks)
+	}
+	return b
+}
+
+// replayCorpusPath is replayCorpus for the pathIndex prototype.
+func replayCorpusPath(c opsCorpus, onStart func()) (*pathIndex, corpusReplay) {
+	px := newPathIndex(int(c.workers))
+	var r corpusReplay
+	var dst []pathMatch
+	r.lat = make([]time.Duration, 0, len(c.ops))
+	runtime.GC()
+	if onStart != nil {
+		onStart()
+	}
+	var k corpusClock
+	k.start()
+	replayPathOps(px, c.ops, &dst, &r)
+	k.stop(&r)
+	return px, r
+}
+
+// pathLockstep applies ops to an Index and a pathIndex side by side and
+// fails t at the first lookup whose answers differ in any worker.
+func pathLockstep(t *testing.T, workers int, ops []corpusOp) (*Index, *pathIndex) {
+	t.Helper()
+	c := opsCorpus{blockSize: 128, workers: uint32(workers), ops: ops}
+	ix := New(Options{BlockSize: 128})
+	px := newPathIndex(workers)
+	names := corpusWorkerNames(c)
+	preps := corpusPreps(c, ops)
+	var m Matches
+	var dst []pathMatch
+	rd := px.newReader()
+	for i, op := range ops {
+		switch op.kind {
+		case corpusStore:
+			ix.ApplyPrepared(names[op.worker], preps[i])
+			px.store(op.worker, op.hasParent, op.parent, op.engine, op.content)
+		case corpusRemove:
+			ix.ApplyPrepared(names[op.worker], preps[i])
+			px.remove(op.worker, op.engine)
+		default:
+			ix.FindMatchesContentInto(&m, op.content)
+			dst = px.lookup(rd, dst, op.content)
+			want := make(map[string]int)
+			for _, x := range m.Workers {
+				want[x.Worker] = x.Blocks
+			}
+			got := make(map[string]int)
+			for _, x := range dst {
+				if _, dup := got[names[x.w]]; dup {
+					t.Fatalf("op %d: worker %d twice in the prototype's answer", i, x.w)
+				}
+				got[names[x.w]] = int(x.blocks)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("op %d: lookup of %d blocks: prototype %v, Index %v", i, len(op.content), got, want)
+			}
+		}
+	}
+	return ix, px
+}
+
+// pathChain is a test chain: content hashes of positions, each block's
+// engine hash derived from its path (as planReplay does, a function of the
+// prefix), so that two workers storing one path name its blocks alike.
+func pathChain(content ...uint64) (engine []uint64) {
+	for _, p := range chainOf(content) {
+		engine = append(engine, p^0xe1e1e1e1)
+	}
+	return engine
+}
+
+func pathStore(w uint32, content []uint64, from int, parentless bool) corpusOp {
+	eng := pathChain(content...)
+	op := corpusOp{kind: corpusStore, worker: w, engine: eng[from:], content: content[from:]}
+	if from > 0 && !parentless {
+		op.hasParent, op.parent = true, eng[from-1]
+	}
+	return op
+}
+
+func pathRemove(w uint32, content []uint64, at ...int) corpusOp {
+	eng := pathChain(content...)
+	op := corpusOp{kind: corpusRemove, worker: w}
+	for _, i := range at {
+		op.engine = append(op.engine, eng[i])
+	}
+	return op
+}
+
+func pathLookup(content ...uint64) corpusOp {
+	return corpusOp{kind: corpusLookup, content: content}
+}
+
+// TestPathIndexCases: the corpus's shapes, each checked against Index
+// lookup by lookup, and against the depths written here.
+func TestPathIndexCases(t *testing.T) {
+	a := []uint64{1, 2, 3, 4, 5, 6}
+	b := []uint64{1, 2, 3, 7, 8} // branches off a after 3 blocks
+	c := []uint64{1, 2, 9}       // branches off a after 2, inside the branch point of b
+	for _, tc := range []struct {
+		name string
+		ops  []corpusOp
+		want map[uint32]uint32 // the last lookup's answer
+	}{
+		{"append turns", []corpusOp{pathStore(0, a[:3], 0, false), pathStore(0, a, 3, false), pathLookup(a...)},
+			map[uint32]uint32{0: 6}},
+		{"branch", []corpusOp{pathStore(0, a, 0, false), pathStore(1, b, 0, false), pathStore(2, b, 3, false),
+			pathLookup(b...)}, map[uint32]uint32{0: 3, 1: 5}},
+		{"branch of a branch point", []corpusOp{pathStore(0, a, 0, false), pathStore(1, b, 0, false),
+			pathStore(1, c, 2, false), pathLookup(c...)}, map[uint32]uint32{0: 2, 1: 3}},
+		{"middle removed leaves a hole", []corpusOp{pathStore(0, a, 0, false), pathStore(1, a, 0, false),
+			pathRemove(0, a, 2), pathLookup(a...)}, map[uint32]uint32{0: 2, 1: 6}},
+		{"hole re-stored", []corpusOp{pathStore(0, a, 0, false), pathRemove(0, a, 2, 4), pathLookup(a...),
+			pathStore(0, a[:3], 2, false), pathLookup(a...), pathStore(0, a[:5], 4, false), pathLookup(a...)},
+			map[uint32]uint32{0: 6}},
+		{"head removed, tail kept", []corpusOp{pathStore(0, a, 0, false), pathRemove(0, a, 0), pathLookup(a...),
+			pathStore(0, a[:1], 0, false), pathLookup(a...)}, map[uint32]uint32{0: 6}},
+		{"worker drops out", []corpusOp{pathStore(0, a, 0, false), pathStore(1, b, 0, false),
+			pathRemove(0, a, 0, 1, 2, 3, 4, 5), pathLookup(a...)}, map[uint32]uint32{1: 3}},
+		{"parentless store files from the root", []corpusOp{pathStore(0, a, 0, false), pathStore(1, a, 3, true),
+			pathLookup(a[3:]...), pathLookup(a...)}, map[uint32]uint32{0: 6}},
+		{"a copy outlives one removal", []corpusOp{pathStore(0, a, 0, false), pathStore(0, a, 0, false),
+			pathRemove(0, a, 1), pathLookup(a...)}, map[uint32]uint32{0: 6}},
+		{"twins: two names of one position", []corpusOp{pathStore(0, a, 0, false),
+			{kind: corpusStore, worker: 0, hasParent: true, parent: pathChain(a...)[1], engine: []uint64{99}, content: a[2:3]},
+			pathRemove(0, a, 2), pathLookup(a...)}, map[uint32]uint32{0: 6}},
+		{"all gone", []corpusOp{pathStore(0, a, 0, false), pathStore(1, b, 0, false), pathRemove(1, b, 0, 1, 2, 3, 4),
+			pathRemove(0, a, 5, 4, 3, 2, 1, 0), pathLookup(a...)}, map[uint32]uint32{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, px := pathLockstep(t, 3, tc.ops)
+			got := map[uint32]uint32{}
+			for _, x := range px.lookup(px.newReader(), nil, tc.ops[len(tc.ops)-1].content) {
+				got[x.w] = x.blocks
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Fatalf("last lookup: %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestPathIndexDifferential: random event streams over a tree of chains
+// (branches, parent-less stores, repeats, removals anywhere in a chain,
+// unknown removals), every lookup compared with Index's; at the end every
+// block is removed and the prototype must hold no run, child entry or
+// coverage.
+func TestPathIndexDifferential(t *testing.T) {
+	for seed := range uint64(40) {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(seed, 7))
+			const workers = 5
+			// A tree of chains: each new chain copies a prefix of an older one
+			// and goes on with new or reused contents.
+			var chains [][]uint64
+			for range 12 {
+				var ch []uint64
+				if len(chains) > 0 && rng.IntN(3) > 0 {
+					old := chains[rng.IntN(len(chains))]
+					ch = slices.Clone(old[:rng.IntN(len(old))+1])
+				}
+				for n := rng.IntN(12) + 1; n > 0; n-- {
+					ch = append(ch, uint64(rng.IntN(6)+1))
+				}
+				chains = append(chains, ch)
+			}
+			var ops []corpusOp
+			for range 400 {
+				ch := chains[rng.IntN(len(chains))]
+				w := uint32(rng.IntN(workers))
+				switch k := rng.IntN(10); {
+				case k < 4:
+					from := rng.IntN(len(ch))
+					to := from + 1 + rng.IntN(len(ch)-from)
+					ops = append(ops, pathStore(w, ch[:to], from, rng.IntN(8) == 0))
+				case k < 7:
+					var at []int
+					for range rng.IntN(4) + 1 {
+						at = append(at, rng.IntN(len(ch)))
+					}
+					ops = append(ops, pathRemove(w, ch, at...))
+				default:
+					n := rng.IntN(len(ch)) + 1
+					q := slices.Clone(ch[:n])
+					if rng.IntN(3) == 0 {
+						q = append(q, uint64(rng.IntN(6)+1))
+					}
+					ops = append(ops, pathLookup(q...))
+				}
+			}
+			// Then everything goes: each chain's blocks, from every worker,
+			// as often as stored (copies).
+			for w := range uint32(workers) {
+				for _, ch := range chains {
+					all := make([]int, len(ch))
+					for i := range all {
+						all[i] = i
+					}
+					for range 40 {
+						ops = append(ops, pathRemove(w, ch, all...))
+					}
+				}
+			}
+			// Parent-less stores filed blocks under other paths: their engine
+			// hashes are the chain's, so the loops above took them too.
+			ops = append(ops, pathLookup(chains[0]...))
+			_, px := pathLockstep(t, workers, ops)
+			if n := px.liveRuns(); n != 0 || px.kids.n != 0 {
+				t.Fatalf("all removed: %d live runs, %d child entries", n, px.kids.n)
+			}
+			for w := range px.workers {
+				if px.workers[w].rev.n != 0 || len(px.workers[w].twins) != 0 {
+					t.Fatalf("worker %d: %d reverse entries, %d twins left", w, px.workers[w].rev.n, len(px.workers[w].twins))
+				}
+			}
+		})
+	}
+}
+
+// TestPathIndexSampleCorpus: the Mooncake sample corpus replayed into both,
+// every lookup compared, and the replay's checksum equal to Index's.
+func TestPathIndexSampleCorpus(t *testing.T) {
+	c, _ := sampleCorpus(t, 2, 16, 64)
+	pathLockstep(t, int(c.workers), c.ops)
+	_, want := replayCorpus(c, replayOptions{})
+	_, got := replayCorpusPath(c, nil)
+	if got.checksum != want.checksum || want.checksum == 0 {
+		t.Fatalf("checksum: prototype %d, Index %d", got.checksum, want.checksum)
+	}
+}
+
+// TestPathIndexConcurrentReaders: lookups run, lock-free, while one writer
+// applies stores and removals that append to, branch off, re-cover, free
+// and reuse runs; the race detector must find no unsynchronised access.
+// A lookup reads each run it enters whole, under the run's version, which
+// the writer holds odd from its first change to the run in an event to the
+// event's end: each run is seen as it was between two events, though two
+// runs of one path may be seen between different events (as Index's
+// readers see its runs). So a lookup during which at most one event ran,
+// and that event changed one run, must give exactly the answer of the
+// state before or after that event: every such lookup is checked (the
+// writer counts its events; the states, and the runs each event changed,
+// are recomputed afterwards by a sequential replay). A torn read, a
+// half-written run, or a freed and reused one gives an answer neither
+// state gave.
+func TestPathIndexConcurrentReaders(t *testing.T) {
+	const workers = 5
+	stable := []uint64{1, 2, 3, 4, 5, 6, 7, 8}
+	rng := rand.New(rand.NewPCG(3, 9))
+	var chains [][]uint64
+	for range 10 {
+		ch := slices.Clone(stable[:rng.IntN(len(stable))+1])
+		for n := rng.IntN(10) + 1; n > 0; n-- {
+			ch = append(ch, uint64(rng.IntN(4)+1))
+		}
+		chains = append(chains, ch)
+	}
+	for range 4 {
+		var ch []uint64
+		for n := rng.IntN(10) + 1; n > 0; n-- {
+			ch = append(ch, uint64(rng.IntN(4)+20))
+		}
+		chains = append(chains, ch)
+	}
+	ops := []corpusOp{pathStore(0, stable, 0, false)}
+	for range 4 { // rounds, each ending with everything but worker 0's chain removed
+		for range 300 {
+			ch := chains[rng.IntN(len(chains))]
+			w := uint32(rng.IntN(workers-1) + 1)
+			if rng.IntN(3) > 0 {
+				from := rng.IntN(len(ch))
+				ops = append(ops, pathStore(w, ch[:from+1+rng.IntN(len(ch)-from)], from, rng.IntN(8) == 0))
+			} else {
+				ops = append(ops, pathRemove(w, ch, rng.IntN(len(ch)), rng.IntN(len(ch))))
+			}
+		}
+		for w := uint32(1); w < workers; w++ {
+			for _, ch := range chains {
+				all := make([]int, len(ch))
+				for i := range all {
+					all[i] = i
+				}
+				for range copiesCap {
+					ops = append(ops, pathRemove(w, ch, all...))
+				}
+			}
+		}
+	}
+	// The rounds again, worker 0 keeping its chain: more events for the
+	// readers to overlap, over runs freed and reused.
+	for n := len(ops); len(ops) < 10*n; {
+		ops = append(ops, ops[1:n]...)
+	}
+	queries := append(slices.Clone(chains), stable)
+	answer := func(m []pathMatch) string {
+		x := slices.Clone(m)
+		slices.SortFunc(x, func(a, b pathMatch) int { return int(a.w) - int(b.w) })
+		return fmt.Sprint(x)
+	}
+	type record struct {
+		q, from, to int
+		got         string
+	}
+	px := newPathIndex(workers)
+	var applied atomic.Int64
+	done := make(chan struct{})
+	recs := make(chan []record, 2)
+	var ready sync.WaitGroup
+	ready.Add(2)
+	for g := range 2 {
+		go func() {
+			ready.Done()
+			rd := px.newReader()
+			var dst []pathMatch
+			var out []record
+			rng := rand.New(rand.NewPCG(uint64(g), 1))
+			for {
+				select {
+				case <-done:
+					recs <- out
+					return
+				default:
+				}
+				q := rng.IntN(len(queries))
+				from := int(applied.Load())
+				dst = px.lookup(rd, dst, queries[q])
+				// The event in progress when the lookup ended may have been
+				// seen: its state is a candidate too.
+				to := min(int(applied.Load())+1, len(ops))
+				out = append(out, record{q: q, from: from, to: to, got: answer(dst)})
+			}
+		}()
+	}
+	ready.Wait()
+	for _, op := range ops {
+		if op.kind == corpusStore {
+			px.store(op.worker, op.hasParent, op.parent, op.engine, op.content)
+		} else {
+			px.remove(op.worker, op.engine)
+		}
+		applied.Add(1)
+	}
+	close(done)
+	all := append(<-recs, <-recs...)
+	if len(all) == 0 {
+		t.Fatal("the readers made no lookup")
+	}
+	if n := px.liveRuns(); n != 1 {
+		t.Fatalf("%d live runs after every other chain went, want worker 0's 1", n)
+	}
+	// Every state's answers, by a sequential replay (checked against Index
+	// by the tests above).
+	ref := newPathIndex(workers)
+	rd := ref.newReader()
+	changed := make([]int, len(ops)) // runs each event changed
+	j := 0
+	ref.onSettle = func(n int) { changed[j] = n }
+	states := make([][]string, len(ops)+1)
+	need := make([]bool, len(ops)+1)
+	for _, r := range all {
+		if r.to-r.from <= 1 {
+			need[r.from], need[r.to] = true, true
+		}
+	}
+	for ; j <= len(ops); j++ {
+		if need[j] {
+			states[j] = make([]string, len(queries))
+			for q := range queries {
+				states[j][q] = answer(ref.lookup(rd, nil, queries[q]))
+			}
+		}
+		if j < len(ops) {
+			if op := ops[j]; op.kind == corpusStore {
+				ref.store(op.worker, op.hasParent, op.parent, op.engine, op.content)
+			} else {
+				ref.remove(op.worker, op.engine)
+			}
+		}
+	}
+	checked := 0
+	for _, r := range all {
+		if r.to-r.from > 1 || r.from < len(ops) && changed[r.from] > 1 {
+			continue
+		}
+		checked++
+		if got := r.got; got != states[r.from][r.q] && got != states[r.to][r.q] {
+			t.Fatalf("lookup of %v during event %d: %s; the state before gave %s, after %s",
+				queries[r.q], r.from, got, states[r.from][r.q], states[r.to][r.q])
+		}
+	}
+	// At 2 vCPUs under load most lookups overlap at most one event; ask
+	// for a sample large enough to have met runs changing under it.
+	if checked < 1000 {
+		t.Fatalf("only %d of %d lookups overlapped at most one event that changed one run", checked, len(all))
+	}
+	t.Logf("%d lookups, %d checked against the states around them, over %d events", len(all), checked, len(ops))
+}
