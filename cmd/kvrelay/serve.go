@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"os"
 	"runtime"
 	"strconv"
 	"time"
@@ -70,7 +71,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	loadSource := fs.String("load-source", "auto", "where each batch's engine load comes from: auto (--engine-metrics-url when given, else the --upstream servicer's GetLoads), getloads, http or off")
 	loadInterval := fs.Duration("load-interval", 0, "how often the load source is read (0: 250ms)")
 	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
-	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: empty for Go's default (GOMAXPROCS, else the CPUs), N, or adaptive: one while the process uses under half a core and its goroutines do not queue, the default count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-05-relay-pacing-quiet.md)")
+	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: adaptive (the default, unless $GOMAXPROCS is set): one while the process uses under half a core and its goroutines do not queue, Go's count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-06-relay-adaptive-default.md); go: Go's own ($GOMAXPROCS, else the CPUs the process may use); or a count N")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
 	if code, stop := parseFlags(fs, args, stdout, stderr); stop {
@@ -240,30 +241,52 @@ func (l engineLimits) check() error {
 	return nil
 }
 
+// procsMode reads --gomaxprocs: "go" (leave Go's count alone), "adaptive",
+// or a fixed count n. Empty is the default: adaptive, unless the operator
+// set $GOMAXPROCS, which is then kept as Go keeps it.
+func procsMode(value string, getenv func(string) string) (mode string, n int, err error) {
+	switch value {
+	case "":
+		if getenv("GOMAXPROCS") != "" {
+			return "go", 0, nil
+		}
+		return "adaptive", 0, nil
+	case "go", "adaptive":
+		return value, 0, nil
+	}
+	n, err = strconv.Atoi(value)
+	if err != nil || n < 1 {
+		return "", 0, fmt.Errorf("--gomaxprocs %q: want adaptive, go, or a count of at least 1", value)
+	}
+	return "fixed", n, nil
+}
+
 // startProcs applies --gomaxprocs: a count now, or the adaptive controller
 // until the returned stop is called.
 func startProcs(ctx context.Context, value string, log *slog.Logger) (stop func(), err error) {
-	switch value {
-	case "":
+	mode, n, err := procsMode(value, os.Getenv)
+	if err != nil {
+		return nil, err
+	}
+	switch mode {
+	case "go":
 		return func() {}, nil
-	case "adaptive":
-		ctx, cancel := context.WithCancel(ctx)
-		done := make(chan struct{})
-		a := procs.Adaptive{OnChange: func(n int, cpu float64) {
-			log.Info("gomaxprocs changed", "procs", n, "cpu_per_second", math.Round(cpu*1000)/1000)
-		}}
-		go func() {
-			defer close(done)
-			a.Run(ctx)
-		}()
-		return func() { cancel(); <-done }, nil
+	case "fixed":
+		runtime.GOMAXPROCS(n)
+		return func() {}, nil
 	}
-	n, err := strconv.Atoi(value)
-	if err != nil || n < 1 {
-		return nil, fmt.Errorf("--gomaxprocs %q: want empty, a count of at least 1, or adaptive", value)
-	}
-	runtime.GOMAXPROCS(n)
-	return func() {}, nil
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	// Debug, not Info: as the default, a relay whose load comes and goes
+	// switches every few tens of seconds.
+	a := procs.Adaptive{OnChange: func(n int, cpu float64) {
+		log.Debug("gomaxprocs changed", "procs", n, "cpu_per_second", math.Round(cpu*1000)/1000)
+	}}
+	go func() {
+		defer close(done)
+		a.Run(ctx)
+	}()
+	return func() { cancel(); <-done }, nil
 }
 
 // durationKey is a duration flag as its config key: "" for 0 (the default).

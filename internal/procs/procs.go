@@ -21,10 +21,18 @@ import (
 )
 
 // Adaptive switches GOMAXPROCS between 1 and Max by the process's CPU use
-// (user + system time of all its threads, from getrusage), sampled every
-// Every: at one P, a sample at or above Up CPU-seconds per second raises it
-// to Max; at Max, DownAfter of samples below Down lowers it to one. The
-// zero value of each field takes its default.
+// (user + system time of all its threads, from getrusage). At one P it is
+// sampled every Watch, and a sample at or above Up CPU-seconds per second
+// raises the count to Max; at Max it is sampled every Every, and DownAfter
+// of samples below Down lower it to one. The zero value of each field takes
+// its default.
+//
+// Why two intervals: a burst that arrives at one P queues until the next
+// sample, and at tens of thousands of batches a second one P's tail latency
+// is several times two Ps' (docs/bench/log/2026-12-06-relay-adaptive-default.md),
+// so going up must be quick; going down must not be, and a sample is a
+// wake-up of an otherwise idle process, so the slow interval is the
+// long-lived one.
 //
 // CPU use alone sees a backlog late on a busy host: a process held to one P
 // whose thread waits for a core uses less than Up while its goroutines
@@ -33,9 +41,10 @@ import (
 // runtime's /sched/latencies:seconds).
 type Adaptive struct {
 	Max       int           // Ps when busy (default: GOMAXPROCS when Run starts)
-	Up        float64       // default 0.5: half a core at one P
-	Down      float64       // default 0.25
-	Every     time.Duration // default 1 s
+	Up        float64       // default 0.3 of a core at one P
+	Down      float64       // default 0.15
+	Watch     time.Duration // sampling at one P; default 100 ms
+	Every     time.Duration // sampling at Max; default 1 s
 	DownAfter time.Duration // default 10 s
 	Late      time.Duration // default 2 ms; negative: CPU use only
 	LateShare float64       // default 0.05
@@ -52,10 +61,13 @@ func (a Adaptive) Run(ctx context.Context) {
 		a.Max = runtime.GOMAXPROCS(0)
 	}
 	if a.Up <= 0 {
-		a.Up = 0.5
+		a.Up = 0.3
 	}
 	if a.Down <= 0 {
-		a.Down = 0.25
+		a.Down = 0.15
+	}
+	if a.Watch <= 0 {
+		a.Watch = 100 * time.Millisecond
 	}
 	if a.Every <= 0 {
 		a.Every = time.Second
@@ -81,7 +93,7 @@ func (a Adaptive) Run(ctx context.Context) {
 	}
 	set(1, 0)
 	defer runtime.GOMAXPROCS(a.Max)
-	t := time.NewTicker(a.Every)
+	t := time.NewTicker(a.Watch)
 	defer t.Stop()
 	procs, quiet := 1, time.Duration(0)
 	lastCPU, lastAt := cpuTime(), time.Now()
@@ -104,10 +116,12 @@ func (a Adaptive) Run(ctx context.Context) {
 			case procs == 1 && (rate >= a.Up || (a.Late > 0 && lateShare >= a.LateShare)):
 				procs, quiet = a.Max, 0
 				set(procs, rate)
+				t.Reset(a.Every)
 			case procs > 1 && rate < a.Down:
 				if quiet += wall; quiet >= a.DownAfter {
 					procs, quiet = 1, 0
 					set(procs, rate)
+					t.Reset(a.Watch)
 				}
 			default:
 				quiet = 0

@@ -138,3 +138,36 @@ func TestAdaptiveLateGoroutinesRaise(t *testing.T) {
 	}
 	waitProcs(t, 2, "with goroutines waiting to run")
 }
+
+// TestAdaptiveRaisesAtTheWatchInterval: at one P the controller samples every
+// Watch, not every Every, so a burst is met within a Watch or two even when
+// Every is long.
+func TestAdaptiveRaisesAtTheWatchInterval(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(before)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	a := Adaptive{Max: 2, Up: 0.1, Down: 0.05, Watch: 10 * time.Millisecond,
+		Every: time.Hour, DownAfter: time.Hour, Late: -1}
+	var wg sync.WaitGroup
+	wg.Go(func() { a.Run(ctx) })
+	var stop atomic.Bool
+	var burner sync.WaitGroup
+	defer func() {
+		stop.Store(true)
+		burner.Wait()
+		cancel()
+		wg.Wait()
+	}()
+	waitProcs(t, 1, "at start, idle")
+	burner.Go(func() {
+		x := 0
+		for !stop.Load() {
+			for i := 0; i < 1000; i++ {
+				x += i
+			}
+		}
+		_ = x
+	})
+	waitProcs(t, 2, "while a goroutine burns CPU, Every an hour")
+}
