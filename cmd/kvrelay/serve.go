@@ -71,7 +71,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	loadSource := fs.String("load-source", "auto", "where each batch's engine load comes from: auto (--engine-metrics-url when given, else the --upstream servicer's GetLoads), getloads, http or off")
 	loadInterval := fs.Duration("load-interval", 0, "how often the load source is read (0: 250ms)")
 	loadMaxAge := fs.Duration("load-max-age", 0, "a load record older than this is no longer stamped on batches (0: 5s)")
-	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: adaptive (the default, unless $GOMAXPROCS is set): one while the process uses under half a core and its goroutines do not queue, Go's count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-06-relay-adaptive-default.md); go: Go's own ($GOMAXPROCS, else the CPUs the process may use); or a count N")
+	gomaxprocs := fs.String("gomaxprocs", "", "processors the Go runtime runs goroutines on: adaptive (the default, unless $GOMAXPROCS is set): one while the process uses under 0.3 of a core (checked every 100 ms) and its goroutines do not queue, Go's count above it (a relay at an engine's pacing spends less CPU waking up with one; docs/bench/log/2026-12-06-relay-adaptive-default.md); go: Go's own ($GOMAXPROCS, else the CPUs the process may use); or a count N")
 	limits := addServerLimitFlags(fs)
 	natsSink := addServeNATSFlags(fs)
 	if code, stop := parseFlags(fs, args, stdout, stderr); stop {

@@ -45,15 +45,7 @@ func TestAdaptiveFollowsLoad(t *testing.T) {
 
 	var stop atomic.Bool
 	var burner sync.WaitGroup
-	burner.Go(func() {
-		x := 0
-		for !stop.Load() {
-			for i := 0; i < 1000; i++ {
-				x += i
-			}
-		}
-		_ = x
-	})
+	burner.Go(func() { burn(&stop) })
 	waitProcs(t, 2, "while a goroutine burns CPU")
 	stop.Store(true)
 	burner.Wait()
@@ -64,6 +56,17 @@ func TestAdaptiveFollowsLoad(t *testing.T) {
 	if len(changes) < 3 || changes[0] != 1 || changes[1] != 2 || changes[len(changes)-1] != 1 {
 		t.Errorf("OnChange saw %v, want 1, 2, …, 1", changes)
 	}
+}
+
+// burn spins on the CPU until stop is set.
+func burn(stop *atomic.Bool) {
+	x := 0
+	for !stop.Load() {
+		for i := 0; i < 1000; i++ {
+			x += i
+		}
+	}
+	_ = x
 }
 
 func waitProcs(t *testing.T, want int, when string) {
@@ -160,14 +163,6 @@ func TestAdaptiveRaisesAtTheWatchInterval(t *testing.T) {
 		wg.Wait()
 	}()
 	waitProcs(t, 1, "at start, idle")
-	burner.Go(func() {
-		x := 0
-		for !stop.Load() {
-			for i := 0; i < 1000; i++ {
-				x += i
-			}
-		}
-		_ = x
-	})
+	burner.Go(func() { burn(&stop) })
 	waitProcs(t, 2, "while a goroutine burns CPU, Every an hour")
 }
