@@ -1,6 +1,7 @@
 package index
 
 import (
+	"math/bits"
 	"runtime"
 	"sync/atomic"
 	"unsafe"
@@ -49,8 +50,10 @@ type pathIndex struct {
 	touched  []uint32                          // runs whose version the current event made odd
 	onSettle func(touched int)                 // a test's hook: runs the event changed
 	kids     pxKids                            // (parent run, offset, content hash) → child run
-	arrays   [pxClasses][][]uint64
-	holes    [][]uint64 // hole bitmaps, pxCov.holes-1 indexes it
+	arrays   [pxClasses][][]uint64             // free content arrays by class (pxClass)
+	content  int                               // positions in the runs' content arrays (their capacities)
+	pooled   int                               // positions in the free lists
+	holes    [][]uint64                        // hole bitmaps, pxCov.holes-1 indexes it
 	freeHole []int32
 	workers  []pxWorker
 }
@@ -70,9 +73,16 @@ func (px *pathIndex) newReader() *pxReader {
 
 const (
 	pxChunkBits = 10
-	pxDirLen    = 1 << 14 // 16 M runs
-	pxClasses   = 24
+	pxDirLen    = 1 << 14      // 16 M runs
+	pxClasses   = 4*(24-3) + 1 // pxClass(pxMaxRunLen) + 1
 	pxMinCap    = 8
+	// The free lists keep at most 1/pxPoolShare as many positions as the
+	// runs' arrays (and pxPoolMin positions whatever that is).
+	pxPoolShare = 4
+	pxPoolMin   = 1024
+	// An array is taken from up to pxPoolUp classes above the one asked
+	// for when that class's free list is empty.
+	pxPoolUp    = 4
 	pxMaxRunLen = 1<<24 - 1
 	pxOffMask   = 1<<24 - 1
 )
@@ -178,30 +188,60 @@ func newPathIndex(workers int) *pathIndex {
 	return px
 }
 
+// Content arrays come in capacity classes four an octave (8, 10, 12, 14,
+// 16, 20, 24, 28, 32, 40, ...), so an array is at most a quarter larger
+// than what it was asked for (doubling classes left a run of 20 positions,
+// this workload's commonest, in an array of 32). pxClass is the class of an
+// array of at least n positions, pxClassCap a class's capacity.
 func pxClass(n int) int {
-	c := 0
-	for pxMinCap<<c < n {
-		c++
+	if n <= pxMinCap {
+		return 0
 	}
-	return c
+	b := bits.Len(uint(n-1)) - 1 // 2^b < n <= 2^(b+1), b >= 3
+	step := b - 2                // a quarter of 2^b is 2^(b-2)
+	q := (n - 1<<b + 1<<step - 1) >> step
+	return 4*(b-3) + q
 }
 
+func pxClassCap(c int) int {
+	if c == 0 {
+		return pxMinCap
+	}
+	b := 3 + (c-1)/4
+	return 1<<b + ((c-1)%4+1)<<(b-2)
+}
+
+// getArray takes an empty array of at least n positions from the free
+// lists, else makes one.
 func (px *pathIndex) getArray(n int) []uint64 {
-	c := pxClass(n)
-	if l := len(px.arrays[c]); l > 0 {
-		a := px.arrays[c][l-1]
-		px.arrays[c] = px.arrays[c][:l-1]
-		return a
+	c := pxClass(min(n, pxMaxRunLen))
+	for k := c; k < min(c+pxPoolUp+1, pxClasses); k++ {
+		if l := len(px.arrays[k]); l > 0 {
+			a := px.arrays[k][l-1]
+			px.arrays[k] = px.arrays[k][:l-1]
+			px.pooled -= cap(a)
+			px.content += cap(a)
+			return a
+		}
 	}
-	return make([]uint64, 0, pxMinCap<<c)
+	px.content += pxClassCap(c)
+	return make([]uint64, 0, pxClassCap(c))
 }
 
+// putArray gives a run's array back: to its class's free list while the
+// free lists hold less than pxPoolShare of the positions in use (and at
+// least pxPoolMin), else to the garbage collector.
 func (px *pathIndex) putArray(a []uint64) {
 	if cap(a) == 0 {
 		return
 	}
+	px.content -= cap(a)
+	if px.pooled+cap(a) > max(pxPoolMin, px.content/pxPoolShare) {
+		return
+	}
 	c := pxClass(cap(a))
 	px.arrays[c] = append(px.arrays[c], a[:0])
+	px.pooled += cap(a)
 }
 
 // newRun makes a run of one position, content c, hanging after (parent,
@@ -271,7 +311,7 @@ func covOf(r *pxRun, w uint32) int {
 	}
 	n := len(r.cov)
 	if n == cap(r.cov) {
-		a := make([]pxCov, n, max(4, 2*n))
+		a := make([]pxCov, n, max(1, 2*n))
 		copy(a, r.cov)
 		r.cov = a[:n+1]
 		r.cov[n] = pxCov{w: w}

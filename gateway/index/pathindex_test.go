@@ -253,7 +253,97 @@ func TestPathIndexDifferential(t *testing.T) {
 					t.Fatalf("worker %d: %d reverse entries, %d twins left", w, px.workers[w].rev.n, len(px.workers[w].twins))
 				}
 			}
+			checkPathArrays(t, px)
+			if px.content != 0 {
+				t.Fatalf("all removed: %d positions of content arrays counted", px.content)
+			}
 		})
+	}
+}
+
+// checkPathArrays checks the content arrays' counts against the arrays:
+// content, the live runs' capacities; pooled, the free lists', each array
+// in its own class's list; outside are arrays a test took from getArray.
+func checkPathArrays(t *testing.T, px *pathIndex, outside ...[]uint64) {
+	t.Helper()
+	content, pooled := 0, 0
+	for _, a := range outside {
+		content += cap(a)
+	}
+	for i := uint32(1); i < px.nruns; i++ {
+		content += cap(px.run(i).h)
+	}
+	for c := range px.arrays {
+		for _, a := range px.arrays[c] {
+			if cap(a) != pxClassCap(c) {
+				t.Fatalf("free list of class %d (capacity %d) holds an array of %d", c, pxClassCap(c), cap(a))
+			}
+			pooled += cap(a)
+		}
+	}
+	if content != px.content || pooled != px.pooled {
+		t.Fatalf("counted content %d, pooled %d; the arrays hold %d, %d", px.content, px.pooled, content, pooled)
+	}
+}
+
+// TestPathArrayClasses: every request gets the smallest class that fits it,
+// at most a quarter larger than asked past the smallest class, and a
+// class's capacity is in that class.
+func TestPathArrayClasses(t *testing.T) {
+	for n := 1; n <= 1<<17; n++ {
+		c := pxClass(n)
+		if got := pxClassCap(c); got < n || (c > 0 && pxClassCap(c-1) >= n) || (n > pxMinCap && 4*got > 5*n) {
+			t.Fatalf("n %d: class %d of capacity %d (the class below: %d)", n, c, got, pxClassCap(max(c-1, 0)))
+		}
+		if pxClass(pxClassCap(c)) != c {
+			t.Fatalf("class %d: its capacity %d is in class %d", c, pxClassCap(c), pxClass(pxClassCap(c)))
+		}
+	}
+	if c := pxClass(pxMaxRunLen); c >= pxClasses || pxClassCap(c) < pxMaxRunLen {
+		t.Fatalf("a full run's class %d (capacity %d), %d classes", c, pxClassCap(c), pxClasses)
+	}
+}
+
+// TestPathArrayPool: arrays given back are reused, from a class up to
+// pxPoolUp above the one asked for; the free lists stop taking arrays at
+// their bound (a share of the content arrays in use), and the counts match
+// the arrays throughout.
+func TestPathArrayPool(t *testing.T) {
+	px := newPathIndex(1)
+	var live [][]uint64
+	for i := range 4000 {
+		live = append(live, px.getArray(1+i%300))
+	}
+	checkPathArrays(t, px, live...)
+	// Give back every other array: the free lists keep them up to their
+	// bound, a share of the content arrays in use (which falls as they come
+	// back, so the first bound is the most they hold).
+	before, back := px.content, 0
+	for i := 0; i < len(live); i += 2 {
+		back += cap(live[i])
+		px.putArray(live[i])
+		live[i] = nil
+	}
+	checkPathArrays(t, px, live...)
+	if px.content != before-back || px.pooled > max(pxPoolMin, before/pxPoolShare) ||
+		px.pooled < min(back, px.content/pxPoolShare)-pxClassCap(pxClass(300)) {
+		t.Fatalf("content %d → %d, %d given back: pooled %d", before, px.content, back, px.pooled)
+	}
+	// A request finds an array of its class, else one up to pxPoolUp classes above.
+	c := pxClass(100)
+	for k := range pxClasses {
+		px.arrays[k] = px.arrays[k][:0]
+	}
+	px.pooled = 0
+	px.putArray(make([]uint64, 0, pxClassCap(c+pxPoolUp)))
+	px.content += pxClassCap(c + pxPoolUp) // as if it had come from getArray
+	if a := px.getArray(100); cap(a) != pxClassCap(c+pxPoolUp) || px.pooled != 0 {
+		t.Fatalf("got an array of %d (pooled %d), want the pooled one of %d", cap(a), px.pooled, pxClassCap(c+pxPoolUp))
+	}
+	px.putArray(make([]uint64, 0, pxClassCap(c+pxPoolUp+1)))
+	px.content += pxClassCap(c + pxPoolUp + 1)
+	if a := px.getArray(100); cap(a) != pxClassCap(c) || px.pooled != pxClassCap(c+pxPoolUp+1) {
+		t.Fatalf("got an array of %d (pooled %d), want a new one of %d", cap(a), px.pooled, pxClassCap(c))
 	}
 }
 
