@@ -73,8 +73,8 @@ func (px *pathIndex) newReader() *pxReader {
 
 const (
 	pxChunkBits = 10
-	pxDirLen    = 1 << 14      // 16 M runs
-	pxClasses   = 4*(24-3) + 1 // pxClass(pxMaxRunLen) + 1
+	pxDirLen    = 1 << 14             // 16 M runs
+	pxClasses   = 4*(pxOffBits-3) + 1 // pxClass(pxMaxRunLen) + 1
 	pxMinCap    = 8
 	// The free lists keep at most 1/pxPoolShare as many positions as the
 	// runs' arrays (and pxPoolMin positions whatever that is).
@@ -82,9 +82,14 @@ const (
 	pxPoolMin   = 1024
 	// An array is taken from up to pxPoolUp classes above the one asked
 	// for when that class's free list is empty.
-	pxPoolUp    = 4
-	pxMaxRunLen = 1<<24 - 1
-	pxOffMask   = 1<<24 - 1
+	pxPoolUp = 4
+	// A reverse slot packs a position in 31 bits (pxRevSlot.v): a run id
+	// below pxMaxRuns and an offset below 1<<pxOffBits. A chain longer
+	// than a run can hold goes on in a child of the full run.
+	pxOffBits   = 10
+	pxMaxRunLen = 1<<pxOffBits - 1
+	pxRunBits   = 31 - pxOffBits
+	pxMaxRuns   = 1 << pxRunBits // 2 M
 )
 
 type pxChunk [1 << pxChunkBits]pxRun
@@ -253,6 +258,9 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 		px.freeRuns = px.freeRuns[:n-1]
 	} else {
 		id = px.nruns
+		if id >= pxMaxRuns {
+			panic("pathIndex: more runs than a reverse slot can name")
+		}
 		px.nruns++
 		if id&(1<<pxChunkBits-1) == 0 {
 			px.dir[id>>pxChunkBits].Store(new(pxChunk))
@@ -450,8 +458,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 	var cr, co uint32 // the position the next block follows; cr 0: the root
 	if hasParent {
 		if i := wk.rev.find(parent); i >= 0 {
-			s := &wk.rev.s[i]
-			cr, co = s.run, s.off&pxOffMask
+			cr, co = wk.rev.pos(i)
 		}
 	}
 	var e *pxCov // w's coverage entry in run eRun
@@ -459,11 +466,8 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 	for j := 0; j < len(engine); j++ {
 		i, found := wk.rev.upsert(engine[j])
 		if found {
-			s := &wk.rev.s[i]
-			if s.off>>24 < copiesCap-1 {
-				s.off += 1 << 24
-			}
-			cr, co = s.run, s.off&pxOffMask
+			wk.rev.addCopy(i, engine[j])
+			cr, co = wk.rev.pos(i)
 			continue
 		}
 		c := content[j]
@@ -491,8 +495,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				}
 			}
 		}
-		s := &wk.rev.s[i]
-		s.run, s.off = nr, no
+		wk.rev.setPos(i, nr, no)
 		cr, co = nr, no
 		if nr != eRun {
 			px.touch(nr)
@@ -516,17 +519,13 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 			j++
 			i, found := wk.rev.upsert(engine[j])
 			if found {
-				s := &wk.rev.s[i]
-				if s.off>>24 < copiesCap-1 {
-					s.off += 1 << 24
-				}
-				cr, co = s.run, s.off&pxOffMask
+				wk.rev.addCopy(i, engine[j])
+				cr, co = wk.rev.pos(i)
 				break
 			}
 			px.appendHash(r, content[j], len(engine)-j)
 			co++
-			s := &wk.rev.s[i]
-			s.run, s.off = cr, co
+			wk.rev.setPos(i, cr, co)
 			store32(&e.lead, co+1)
 			e.held++
 		}
@@ -543,24 +542,23 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		if i < 0 {
 			continue
 		}
-		s := wk.rev.s[i]
-		if s.off>>24 > 0 {
-			wk.rev.s[i].off -= 1 << 24
+		if wk.rev.dropCopy(i, h) {
 			continue
 		}
+		run, off := wk.rev.pos(i)
 		wk.rev.del(i)
-		if s.run != last {
-			ci, last = -1, s.run
+		if run != last {
+			ci, last = -1, run
 		} else if ci >= 0 && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &px.run(last).cov[ci]; s.off+1 == e.lead && e.held > 1 {
-				store32(&e.lead, s.off)
+			if e := &px.run(last).cov[ci]; off+1 == e.lead && e.held > 1 {
+				store32(&e.lead, off)
 				e.held--
 				continue
 			}
 		}
-		px.release(wk, w, s.run, s.off, &ci)
+		px.release(wk, w, run, off, &ci)
 		if ci < 0 {
 			last = 0
 		}
@@ -686,7 +684,11 @@ func (px *pathIndex) bytes() map[string]int {
 		m["coverage"] += cap(r.cov) * int(unsafe.Sizeof(pxCov{}))
 	}
 	for i := range px.workers {
-		m["reverse"] += len(px.workers[i].rev.s) * int(unsafe.Sizeof(pxRevSlot{}))
+		wk := &px.workers[i]
+		m["reverse"] += len(wk.rev.keys)*8 + len(wk.rev.vals)*4
+		// Go's maps, estimated at 32 B an entry (a swiss table's 16-byte
+		// slot and control byte at its usual load).
+		m["maps"] += (len(wk.rev.copies) + len(wk.twins)) * 32
 	}
 	for _, b := range px.holes {
 		m["holes"] += cap(b) * 8
@@ -704,89 +706,196 @@ func (px *pathIndex) bytes() map[string]int {
 	return m
 }
 
-// pxRev is a worker's reverse table, engine hash → position (run, offset,
-// extra copies in the offset's top byte): open addressing, linear probing,
-// backward-shift deletion. A slot with run 0 is empty.
+// pxRev is a worker's reverse table, engine hash → position (run, offset):
+// open addressing, linear probing, backward-shift deletion, 12 bytes a
+// slot in two arrays: keys, the engine hash k mixed (k*pxMul, a bijection:
+// a probe compares it, a deletion's shifts take an entry's home from it
+// with one multiply), 0 for an empty slot; vals, the position. The one key
+// whose mixed form is 0 (k 0) has no slot: its position is vals[len(keys)].
+// The size is not a power of two but a class of pxClassCap (four an
+// octave), so that a 512-block cache's table is 640 or 768 slots rather
+// than 1,024: a key's home is its mixed form's top 32 bits scaled to the
+// size by a multiply (fastrange), and a probe wraps at the end by a
+// compare. Copies past the first (stores of a block the worker holds) are
+// counted in copies; a position's low bit says it has any.
 type pxRev struct {
-	s     []pxRevSlot
-	shift uint8
-	n     int
+	keys   []uint64
+	vals   []uint32 // run<<(pxOffBits+1) | offset<<1 | has copies; 0: none (the zero key's)
+	n      int
+	limit  int              // the entries at which the table grows (pxRevMaxLoad16)
+	zero   int              // 1 + the zero key's slot (len(keys)) when it is in, else 0
+	copies map[uint64]uint8 // engine hash → copies past the first, 1 to copiesCap-1
 }
 
-type pxRevSlot struct {
-	key uint64
-	run uint32
-	off uint32
+const (
+	pxMul = 0x9E3779B97F4A7C15
+	// pxRevMaxLoad16 (in 1/16) is the most a table is filled before it
+	// grows by a class.
+	pxRevMaxLoad16 = 12
+	pxRevMinSlots  = 16
+)
+
+// pos is slot i's position.
+func (t *pxRev) pos(i int) (run, off uint32) {
+	v := t.vals[i]
+	return v >> (pxOffBits + 1), v >> 1 & pxMaxRunLen
 }
 
-const pxMul = 0x9E3779B97F4A7C15
+// setPos gives the new entry in slot i its position (run >= 1, off <=
+// pxMaxRunLen).
+func (t *pxRev) setPos(i int, run, off uint32) { t.vals[i] = run<<(pxOffBits+1) | off<<1 }
 
+// pxRevHome is the home slot, in a table of n slots, of the key whose
+// mixed form is m.
+func pxRevHome(m uint64, n int) int { return int(m >> 32 * uint64(n) >> 32) }
+
+// find is k's slot, or -1. (Small enough to be inlined.)
 func (t *pxRev) find(k uint64) int {
-	if t.n == 0 {
-		return -1
+	m := k * pxMul
+	if m == 0 {
+		return t.zero - 1
 	}
-	mask := len(t.s) - 1
-	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
-		s := &t.s[i]
-		if s.run == 0 {
-			return -1
-		}
-		if s.key == k {
+	keys := t.keys
+	n := len(keys)
+	for i := pxRevHome(m, n); i < n; { // i < n: false only in an empty table
+		x := keys[i]
+		if x == m {
 			return i
 		}
+		if x == 0 {
+			break
+		}
+		if i++; i == n {
+			i = 0
+		}
 	}
+	return -1
 }
 
-// upsert finds k or makes its slot (run set to a placeholder the caller
-// overwrites).
+// upsert finds k or makes its slot (with a placeholder position the caller
+// overwrites by setPos).
 func (t *pxRev) upsert(k uint64) (int, bool) {
-	if (t.n+1)*16 > len(t.s)*13 {
+	if t.n >= t.limit {
 		t.grow()
 	}
-	mask := len(t.s) - 1
-	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
-		s := &t.s[i]
-		if s.run == 0 {
-			s.key, s.run, s.off = k, ^uint32(0), 0
+	keys := t.keys
+	n, m := len(keys), k*pxMul
+	if m == 0 {
+		if t.zero != 0 {
+			return n, true
+		}
+		t.zero = n + 1
+		t.n++
+		return n, false
+	}
+	for i := pxRevHome(m, n); ; {
+		switch keys[i] {
+		case m:
+			return i, true
+		case 0:
+			keys[i] = m
 			t.n++
 			return i, false
 		}
-		if s.key == k {
-			return i, true
+		if i++; i == n {
+			i = 0
 		}
 	}
 }
 
 func (t *pxRev) grow() {
-	old := t.s
-	n := max(16, 2*len(old))
-	t.s = make([]pxRevSlot, n)
-	t.shift = uint8(64 - bitsLen(n-1))
-	mask := n - 1
-	for _, s := range old {
-		if s.run == 0 {
+	keys, vals := t.keys, t.vals
+	n := pxRevMinSlots
+	if len(keys) > 0 {
+		n = pxClassCap(pxClass(len(keys)) + 1)
+	}
+	t.keys, t.vals = make([]uint64, n), make([]uint32, n+1)
+	t.limit = n * pxRevMaxLoad16 / 16
+	for j, m := range keys {
+		if m == 0 {
 			continue
 		}
-		i := int((s.key * pxMul) >> t.shift)
-		for t.s[i].run != 0 {
-			i = (i + 1) & mask
+		i := pxRevHome(m, n)
+		for t.keys[i] != 0 {
+			if i++; i == n {
+				i = 0
+			}
 		}
-		t.s[i] = s
+		t.keys[i], t.vals[i] = m, vals[j]
+	}
+	if t.zero != 0 {
+		t.vals[n], t.zero = vals[len(keys)], n+1
 	}
 }
 
+// del empties slot i, moving back the entries after it that may go nearer
+// their homes.
 func (t *pxRev) del(i int) {
-	mask := len(t.s) - 1
-	for j := (i + 1) & mask; t.s[j].run != 0; j = (j + 1) & mask {
-		h := int((t.s[j].key * pxMul) >> t.shift)
-		// Move j into the hole at i unless its home lies cyclically in (i, j].
-		if (j-h)&mask >= (j-i)&mask {
-			t.s[i] = t.s[j]
+	keys, vals := t.keys, t.vals
+	n := len(keys)
+	vals = vals[:n] // (the bounds, for the compiler)
+	t.n--
+	if uint(i) >= uint(n) {
+		t.zero = 0
+		return
+	}
+	for j := i; ; {
+		if j++; j >= n {
+			j = 0
+		}
+		m := keys[j]
+		if m == 0 {
+			break
+		}
+		// The entry at j moves into the hole at i unless its home h lies
+		// cyclically in (i, j]. It is copied either way (the hole is dead
+		// until filled or cleared below) and the hole moves only if it
+		// moved, which keeps a data-dependent branch out of the loop.
+		h := pxRevHome(m, n)
+		dh, di := j-h, j-i
+		if dh < 0 {
+			dh += n
+		}
+		if di < 0 {
+			di += n
+		}
+		keys[i], vals[i] = m, vals[j]
+		if dh >= di {
 			i = j
 		}
 	}
-	t.s[i] = pxRevSlot{}
-	t.n--
+	keys[i] = 0
+}
+
+// addCopy counts one more copy of the entry at slot i, whose key is k (at
+// most copiesCap in all, as Index counts them).
+func (t *pxRev) addCopy(i int, k uint64) {
+	if t.vals[i]&1 == 0 {
+		t.vals[i] |= 1
+		if t.copies == nil {
+			t.copies = make(map[uint64]uint8)
+		}
+		t.copies[k] = 1
+		return
+	}
+	if c := t.copies[k]; c < copiesCap-1 {
+		t.copies[k] = c + 1
+	}
+}
+
+// dropCopy takes away one copy of the entry at slot i, whose key is k, if
+// it has more than one, and reports whether it had.
+func (t *pxRev) dropCopy(i int, k uint64) bool {
+	if t.vals[i]&1 == 0 {
+		return false
+	}
+	if c := t.copies[k]; c > 1 {
+		t.copies[k] = c - 1
+	} else {
+		delete(t.copies, k)
+		t.vals[i] &^= 1
+	}
+	return true
 }
 
 func bitsLen(x int) int {
