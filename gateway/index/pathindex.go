@@ -83,7 +83,7 @@ const (
 	// An array is taken from up to pxPoolUp classes above the one asked
 	// for when that class's free list is empty.
 	pxPoolUp = 4
-	// A reverse slot packs a position in 31 bits (pxRevSlot.v): a run id
+	// A reverse slot packs a position in 31 bits (pxRev.vals): a run id
 	// below pxMaxRuns and an offset below 1<<pxOffBits. A chain longer
 	// than a run can hold goes on in a child of the full run.
 	pxOffBits   = 10
@@ -293,7 +293,7 @@ func (px *pathIndex) freeRun(id uint32) {
 		px.kids.del(r.parent, r.poff, r.h[0])
 		px.putArray(r.h)
 		parent := r.parent
-		r.h, r.cov = nil, r.cov[:0]
+		r.h, r.cov = nil, nil // a dead run's header keeps no coverage array
 		store32(&r.n, 0)
 		store32(&r.ncov, 0)
 		r.body.Store(nil)
