@@ -807,7 +807,7 @@ func (t *pxRev) grow() {
 	keys, vals := t.keys, t.vals
 	n := pxRevMinSlots
 	if len(keys) > 0 {
-		n = pxClassCap(pxClass(len(keys)) + 1)
+		n = pxClassCap(pxClass(len(keys)) + 2)
 	}
 	t.keys, t.vals = make([]uint64, n), make([]uint32, n+1)
 	t.limit = n * pxRevMaxLoad16 / 16
