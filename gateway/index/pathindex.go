@@ -50,7 +50,7 @@ type pathIndex struct {
 	touched  []uint32                          // runs whose version the current event made odd
 	onSettle func(touched int)                 // a test's hook: runs the event changed
 	kids     pxKids                            // (parent run, offset, content hash) → child run
-	arrays   [pxClasses][][]uint64             // free content arrays by class (pxClass)
+	arrays   [pxClasses][]*uint64              // free content arrays by class (pxClass), each by its first position
 	content  int                               // positions in the runs' content arrays (their capacities)
 	pooled   int                               // positions in the free lists
 	holes    [][]uint64                        // hole bitmaps, pxCov.holes-1 indexes it
@@ -222,7 +222,8 @@ func (px *pathIndex) getArray(n int) []uint64 {
 	c := pxClass(min(n, pxMaxRunLen))
 	for k := c; k < min(c+pxPoolUp+1, pxClasses); k++ {
 		if l := len(px.arrays[k]); l > 0 {
-			a := px.arrays[k][l-1]
+			a := unsafe.Slice(px.arrays[k][l-1], pxClassCap(k))[:0]
+			px.arrays[k][l-1] = nil
 			px.arrays[k] = px.arrays[k][:l-1]
 			px.pooled -= cap(a)
 			px.content += cap(a)
@@ -245,7 +246,7 @@ func (px *pathIndex) putArray(a []uint64) {
 		return
 	}
 	c := pxClass(cap(a))
-	px.arrays[c] = append(px.arrays[c], a[:0])
+	px.arrays[c] = append(px.arrays[c], unsafe.SliceData(a)) // (8 bytes a free array, not a slice's 24)
 	px.pooled += cap(a)
 }
 
@@ -694,10 +695,18 @@ func (px *pathIndex) bytes() map[string]int {
 		m["holes"] += cap(b) * 8
 	}
 	for c := range px.arrays {
-		for _, a := range px.arrays[c] {
-			m["pooled"] += cap(a) * 8
-		}
+		m["pooled"] += len(px.arrays[c]) * pxClassCap(c) * 8
 	}
+	// What holds the arrays: each live run's published body (48 B, its
+	// size class), the free lists' and hole list's slice headers, the
+	// workers' records.
+	m["bodies"] = px.liveRuns() * int(unsafe.Sizeof(pxBody{}))
+	lists := cap(px.holes)*24 + cap(px.freeHole)*4 + cap(px.touched)*4
+	for c := range px.arrays {
+		lists += cap(px.arrays[c]) * 8
+	}
+	m["lists"] = lists
+	m["workers"] = cap(px.workers) * int(unsafe.Sizeof(pxWorker{}))
 	total := 0
 	for _, v := range m {
 		total += v
