@@ -721,10 +721,12 @@ func (px *pathIndex) bytes() map[string]int {
 // a probe compares it, a deletion's shifts take an entry's home from it
 // with one multiply), 0 for an empty slot; vals, the position. The one key
 // whose mixed form is 0 (k 0) has no slot: its position is vals[len(keys)].
-// The size is not a power of two but a class of pxClassCap (four an
-// octave), so that a 512-block cache's table is 640 or 768 slots rather
-// than 1,024: a key's home is its mixed form's top 32 bits scaled to the
-// size by a multiply (fastrange), and a probe wraps at the end by a
+// The size is not a power of two but every other class of pxClassCap from
+// pxRevMinSlots (20, 28, 40, ..., 448, 640, 896, ...: half an octave a
+// growth), so that a 512-block cache's table, which holds up to ~560
+// entries while a store lands before its evictions, is 640 slots (7.5 KiB)
+// rather than 1,024: a key's home is its mixed form's top 32 bits scaled
+// to the size by a multiply (fastrange), and a probe wraps at the end by a
 // compare. Copies past the first (stores of a block the worker holds) are
 // counted in copies; a position's low bit says it has any.
 type pxRev struct {
@@ -739,9 +741,11 @@ type pxRev struct {
 const (
 	pxMul = 0x9E3779B97F4A7C15
 	// pxRevMaxLoad16 (in 1/16) is the most a table is filled before it
-	// grows by a class.
-	pxRevMaxLoad16 = 12
-	pxRevMinSlots  = 16
+	// grows. 14 (0.875) keeps the indexbytes replay's tables at 640 slots;
+	// at 12 they were 768 (3 B a held block more) and the dup-4 replay
+	// ran 4 % faster (the deletions' longer shifts; see the bench log).
+	pxRevMaxLoad16 = 14
+	pxRevMinSlots  = 20
 )
 
 // pos is slot i's position.
