@@ -846,17 +846,21 @@ func (t *pxRev) grow() {
 func (t *pxRev) del(i int) {
 	keys, vals := t.keys, t.vals
 	n := len(keys)
-	vals = vals[:n] // (the bounds, for the compiler)
 	t.n--
 	if uint(i) >= uint(n) {
 		t.zero = 0
 		return
 	}
+	// i and j stay below n = len(keys) < len(vals): the slots are reached
+	// without bounds checks.
+	kp, vp := unsafe.Pointer(unsafe.SliceData(keys)), unsafe.Pointer(unsafe.SliceData(vals))
+	key := func(x int) *uint64 { return (*uint64)(unsafe.Add(kp, x*8)) }
+	val := func(x int) *uint32 { return (*uint32)(unsafe.Add(vp, x*4)) }
 	for j := i; ; {
 		if j++; j >= n {
 			j = 0
 		}
-		m := keys[j]
+		m := *key(j)
 		if m == 0 {
 			break
 		}
@@ -872,12 +876,12 @@ func (t *pxRev) del(i int) {
 		if di < 0 {
 			di += n
 		}
-		keys[i], vals[i] = m, vals[j]
+		*key(i), *val(i) = m, *val(j)
 		if dh >= di {
 			i = j
 		}
 	}
-	keys[i] = 0
+	*key(i) = 0
 }
 
 // addCopy counts one more copy of the entry at slot i, whose key is k (at
