@@ -801,12 +801,16 @@ func (t *pxRev) upsert(k uint64) (int, bool) {
 		t.n++
 		return n, false
 	}
+	// i stays below n (a home is, and the probe wraps): the slots are
+	// reached without bounds checks.
+	kp := unsafe.Pointer(unsafe.SliceData(keys))
 	for i := pxRevHome(m, n); ; {
-		switch keys[i] {
+		p := (*uint64)(unsafe.Add(kp, i*8))
+		switch *p {
 		case m:
 			return i, true
 		case 0:
-			keys[i] = m
+			*p = m
 			t.n++
 			return i, false
 		}
