@@ -743,7 +743,7 @@ const (
 	// pxRevMaxLoad16 (in 1/16) is the most a table is filled before it
 	// grows. 14 (0.875) keeps the indexbytes replay's tables at 640 slots;
 	// at 12 they were 768 (3 B a held block more) and the dup-4 replay
-	// ran 4 % faster (the deletions' longer shifts; see the bench log).
+	// ran 5 % faster (the deletions' longer shifts; see the bench log).
 	pxRevMaxLoad16 = 14
 	pxRevMinSlots  = 20
 )
