@@ -1,6 +1,7 @@
 package index
 
 import (
+	"math/bits"
 	"runtime"
 	"sync/atomic"
 	"unsafe"
@@ -49,8 +50,10 @@ type pathIndex struct {
 	touched  []uint32                          // runs whose version the current event made odd
 	onSettle func(touched int)                 // a test's hook: runs the event changed
 	kids     pxKids                            // (parent run, offset, content hash) → child run
-	arrays   [pxClasses][][]uint64
-	holes    [][]uint64 // hole bitmaps, pxCov.holes-1 indexes it
+	arrays   [pxClasses][]*uint64              // free content arrays by class (pxClass), each by its first position
+	content  int                               // positions in the runs' content arrays (their capacities)
+	pooled   int                               // positions in the free lists
+	holes    [][]uint64                        // hole bitmaps, pxCov.holes-1 indexes it
 	freeHole []int32
 	workers  []pxWorker
 }
@@ -70,11 +73,23 @@ func (px *pathIndex) newReader() *pxReader {
 
 const (
 	pxChunkBits = 10
-	pxDirLen    = 1 << 14 // 16 M runs
-	pxClasses   = 24
+	pxDirLen    = 1 << 14             // 16 M runs
+	pxClasses   = 4*(pxOffBits-3) + 1 // pxClass(pxMaxRunLen) + 1
 	pxMinCap    = 8
-	pxMaxRunLen = 1<<24 - 1
-	pxOffMask   = 1<<24 - 1
+	// The free lists keep at most 1/pxPoolShare as many positions as the
+	// runs' arrays (and pxPoolMin positions whatever that is).
+	pxPoolShare = 4
+	pxPoolMin   = 1024
+	// An array is taken from up to pxPoolUp classes above the one asked
+	// for when that class's free list is empty.
+	pxPoolUp = 4
+	// A reverse slot packs a position in 31 bits (pxRev.vals): a run id
+	// below pxMaxRuns and an offset below 1<<pxOffBits. A chain longer
+	// than a run can hold goes on in a child of the full run.
+	pxOffBits   = 10
+	pxMaxRunLen = 1<<pxOffBits - 1
+	pxRunBits   = 31 - pxOffBits
+	pxMaxRuns   = 1 << pxRunBits // 2 M
 )
 
 type pxChunk [1 << pxChunkBits]pxRun
@@ -178,30 +193,61 @@ func newPathIndex(workers int) *pathIndex {
 	return px
 }
 
+// Content arrays come in capacity classes four an octave (8, 10, 12, 14,
+// 16, 20, 24, 28, 32, 40, ...), so an array is at most a quarter larger
+// than what it was asked for (doubling classes left a run of 20 positions,
+// this workload's commonest, in an array of 32). pxClass is the class of an
+// array of at least n positions, pxClassCap a class's capacity.
 func pxClass(n int) int {
-	c := 0
-	for pxMinCap<<c < n {
-		c++
+	if n <= pxMinCap {
+		return 0
 	}
-	return c
+	b := bits.Len(uint(n-1)) - 1 // 2^b < n <= 2^(b+1), b >= 3
+	step := b - 2                // a quarter of 2^b is 2^(b-2)
+	q := (n - 1<<b + 1<<step - 1) >> step
+	return 4*(b-3) + q
 }
 
+func pxClassCap(c int) int {
+	if c == 0 {
+		return pxMinCap
+	}
+	b := 3 + (c-1)/4
+	return 1<<b + ((c-1)%4+1)<<(b-2)
+}
+
+// getArray takes an empty array of at least n positions from the free
+// lists, else makes one.
 func (px *pathIndex) getArray(n int) []uint64 {
-	c := pxClass(n)
-	if l := len(px.arrays[c]); l > 0 {
-		a := px.arrays[c][l-1]
-		px.arrays[c] = px.arrays[c][:l-1]
-		return a
+	c := pxClass(min(n, pxMaxRunLen))
+	for k := c; k < min(c+pxPoolUp+1, pxClasses); k++ {
+		if l := len(px.arrays[k]); l > 0 {
+			a := unsafe.Slice(px.arrays[k][l-1], pxClassCap(k))[:0]
+			px.arrays[k][l-1] = nil
+			px.arrays[k] = px.arrays[k][:l-1]
+			px.pooled -= cap(a)
+			px.content += cap(a)
+			return a
+		}
 	}
-	return make([]uint64, 0, pxMinCap<<c)
+	px.content += pxClassCap(c)
+	return make([]uint64, 0, pxClassCap(c))
 }
 
+// putArray gives a run's array back: to its class's free list while the
+// free lists hold less than pxPoolShare of the positions in use (and at
+// least pxPoolMin), else to the garbage collector.
 func (px *pathIndex) putArray(a []uint64) {
 	if cap(a) == 0 {
 		return
 	}
+	px.content -= cap(a)
+	if px.pooled+cap(a) > max(pxPoolMin, px.content/pxPoolShare) {
+		return
+	}
 	c := pxClass(cap(a))
-	px.arrays[c] = append(px.arrays[c], a[:0])
+	px.arrays[c] = append(px.arrays[c], unsafe.SliceData(a)) // (8 bytes a free array, not a slice's 24)
+	px.pooled += cap(a)
 }
 
 // newRun makes a run of one position, content c, hanging after (parent,
@@ -213,6 +259,9 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 		px.freeRuns = px.freeRuns[:n-1]
 	} else {
 		id = px.nruns
+		if id >= pxMaxRuns {
+			panic("pathIndex: more runs than a reverse slot can name")
+		}
 		px.nruns++
 		if id&(1<<pxChunkBits-1) == 0 {
 			px.dir[id>>pxChunkBits].Store(new(pxChunk))
@@ -245,7 +294,7 @@ func (px *pathIndex) freeRun(id uint32) {
 		px.kids.del(r.parent, r.poff, r.h[0])
 		px.putArray(r.h)
 		parent := r.parent
-		r.h, r.cov = nil, r.cov[:0]
+		r.h, r.cov = nil, nil // a dead run's header keeps no coverage array
 		store32(&r.n, 0)
 		store32(&r.ncov, 0)
 		r.body.Store(nil)
@@ -271,7 +320,7 @@ func covOf(r *pxRun, w uint32) int {
 	}
 	n := len(r.cov)
 	if n == cap(r.cov) {
-		a := make([]pxCov, n, max(4, 2*n))
+		a := make([]pxCov, n, max(1, 2*n))
 		copy(a, r.cov)
 		r.cov = a[:n+1]
 		r.cov[n] = pxCov{w: w}
@@ -410,8 +459,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 	var cr, co uint32 // the position the next block follows; cr 0: the root
 	if hasParent {
 		if i := wk.rev.find(parent); i >= 0 {
-			s := &wk.rev.s[i]
-			cr, co = s.run, s.off&pxOffMask
+			cr, co = wk.rev.pos(i)
 		}
 	}
 	var e *pxCov // w's coverage entry in run eRun
@@ -419,11 +467,8 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 	for j := 0; j < len(engine); j++ {
 		i, found := wk.rev.upsert(engine[j])
 		if found {
-			s := &wk.rev.s[i]
-			if s.off>>24 < copiesCap-1 {
-				s.off += 1 << 24
-			}
-			cr, co = s.run, s.off&pxOffMask
+			wk.rev.addCopy(i, engine[j])
+			cr, co = wk.rev.pos(i)
 			continue
 		}
 		c := content[j]
@@ -451,8 +496,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				}
 			}
 		}
-		s := &wk.rev.s[i]
-		s.run, s.off = nr, no
+		wk.rev.setPos(i, nr, no)
 		cr, co = nr, no
 		if nr != eRun {
 			px.touch(nr)
@@ -476,17 +520,13 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 			j++
 			i, found := wk.rev.upsert(engine[j])
 			if found {
-				s := &wk.rev.s[i]
-				if s.off>>24 < copiesCap-1 {
-					s.off += 1 << 24
-				}
-				cr, co = s.run, s.off&pxOffMask
+				wk.rev.addCopy(i, engine[j])
+				cr, co = wk.rev.pos(i)
 				break
 			}
 			px.appendHash(r, content[j], len(engine)-j)
 			co++
-			s := &wk.rev.s[i]
-			s.run, s.off = cr, co
+			wk.rev.setPos(i, cr, co)
 			store32(&e.lead, co+1)
 			e.held++
 		}
@@ -503,24 +543,23 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		if i < 0 {
 			continue
 		}
-		s := wk.rev.s[i]
-		if s.off>>24 > 0 {
-			wk.rev.s[i].off -= 1 << 24
+		if wk.rev.dropCopy(i, h) {
 			continue
 		}
+		run, off := wk.rev.pos(i)
 		wk.rev.del(i)
-		if s.run != last {
-			ci, last = -1, s.run
+		if run != last {
+			ci, last = -1, run
 		} else if ci >= 0 && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &px.run(last).cov[ci]; s.off+1 == e.lead && e.held > 1 {
-				store32(&e.lead, s.off)
+			if e := &px.run(last).cov[ci]; off+1 == e.lead && e.held > 1 {
+				store32(&e.lead, off)
 				e.held--
 				continue
 			}
 		}
-		px.release(wk, w, s.run, s.off, &ci)
+		px.release(wk, w, run, off, &ci)
 		if ci < 0 {
 			last = 0
 		}
@@ -646,16 +685,28 @@ func (px *pathIndex) bytes() map[string]int {
 		m["coverage"] += cap(r.cov) * int(unsafe.Sizeof(pxCov{}))
 	}
 	for i := range px.workers {
-		m["reverse"] += len(px.workers[i].rev.s) * int(unsafe.Sizeof(pxRevSlot{}))
+		wk := &px.workers[i]
+		m["reverse"] += len(wk.rev.keys)*8 + len(wk.rev.vals)*4
+		// Go's maps, estimated at 32 B an entry (a swiss table's 16-byte
+		// slot and control byte at its usual load).
+		m["maps"] += (len(wk.rev.copies) + len(wk.twins)) * 32
 	}
 	for _, b := range px.holes {
 		m["holes"] += cap(b) * 8
 	}
 	for c := range px.arrays {
-		for _, a := range px.arrays[c] {
-			m["pooled"] += cap(a) * 8
-		}
+		m["pooled"] += len(px.arrays[c]) * pxClassCap(c) * 8
 	}
+	// What holds the arrays: each live run's published body (48 B, its
+	// size class), the free lists' and hole list's slice headers, the
+	// workers' records.
+	m["bodies"] = px.liveRuns() * int(unsafe.Sizeof(pxBody{}))
+	lists := cap(px.holes)*24 + cap(px.freeHole)*4 + cap(px.touched)*4
+	for c := range px.arrays {
+		lists += cap(px.arrays[c]) * 8
+	}
+	m["lists"] = lists
+	m["workers"] = cap(px.workers) * int(unsafe.Sizeof(pxWorker{}))
 	total := 0
 	for _, v := range m {
 		total += v
@@ -664,89 +715,208 @@ func (px *pathIndex) bytes() map[string]int {
 	return m
 }
 
-// pxRev is a worker's reverse table, engine hash → position (run, offset,
-// extra copies in the offset's top byte): open addressing, linear probing,
-// backward-shift deletion. A slot with run 0 is empty.
+// pxRev is a worker's reverse table, engine hash → position (run, offset):
+// open addressing, linear probing, backward-shift deletion, 12 bytes a
+// slot in two arrays: keys, the engine hash k mixed (k*pxMul, a bijection:
+// a probe compares it, a deletion's shifts take an entry's home from it
+// with one multiply), 0 for an empty slot; vals, the position. The one key
+// whose mixed form is 0 (k 0) has no slot: its position is vals[len(keys)].
+// The size is not a power of two but every other class of pxClassCap from
+// pxRevMinSlots (20, 28, 40, ..., 448, 640, 896, ...: half an octave a
+// growth), so that a 512-block cache's table, which holds up to ~560
+// entries while a store lands before its evictions, is 640 slots (7.5 KiB)
+// rather than 1,024: a key's home is its mixed form's top 32 bits scaled
+// to the size by a multiply (fastrange), and a probe wraps at the end by a
+// compare. Copies past the first (stores of a block the worker holds) are
+// counted in copies; a position's low bit says it has any.
 type pxRev struct {
-	s     []pxRevSlot
-	shift uint8
-	n     int
+	keys   []uint64
+	vals   []uint32 // run<<(pxOffBits+1) | offset<<1 | has copies; 0: none (the zero key's)
+	n      int
+	limit  int              // the entries at which the table grows (pxRevMaxLoad16)
+	zero   int              // 1 + the zero key's slot (len(keys)) when it is in, else 0
+	copies map[uint64]uint8 // engine hash → copies past the first, 1 to copiesCap-1
 }
 
-type pxRevSlot struct {
-	key uint64
-	run uint32
-	off uint32
+const (
+	pxMul = 0x9E3779B97F4A7C15
+	// pxRevMaxLoad16 (in 1/16) is the most a table is filled before it
+	// grows. 14 (0.875) keeps the indexbytes replay's tables at 640 slots;
+	// at 12 they were 768 (3 B a held block more) and the dup-4 replay
+	// ran 5 % faster (the deletions' longer shifts; see the bench log).
+	pxRevMaxLoad16 = 14
+	pxRevMinSlots  = 20
+)
+
+// pos is slot i's position.
+func (t *pxRev) pos(i int) (run, off uint32) {
+	v := t.vals[i]
+	return v >> (pxOffBits + 1), v >> 1 & pxMaxRunLen
 }
 
-const pxMul = 0x9E3779B97F4A7C15
+// setPos gives the new entry in slot i its position (run >= 1, off <=
+// pxMaxRunLen).
+func (t *pxRev) setPos(i int, run, off uint32) { t.vals[i] = run<<(pxOffBits+1) | off<<1 }
 
+// pxRevHome is the home slot, in a table of n slots, of the key whose
+// mixed form is m.
+func pxRevHome(m uint64, n int) int { return int(m >> 32 * uint64(n) >> 32) }
+
+// find is k's slot, or -1. (Small enough to be inlined.)
 func (t *pxRev) find(k uint64) int {
-	if t.n == 0 {
-		return -1
+	m := k * pxMul
+	if m == 0 {
+		return t.zero - 1
 	}
-	mask := len(t.s) - 1
-	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
-		s := &t.s[i]
-		if s.run == 0 {
-			return -1
-		}
-		if s.key == k {
+	keys := t.keys
+	n := len(keys)
+	for i := pxRevHome(m, n); i < n; { // i < n: false only in an empty table
+		x := keys[i]
+		if x == m {
 			return i
 		}
+		if x == 0 {
+			break
+		}
+		if i++; i == n {
+			i = 0
+		}
 	}
+	return -1
 }
 
-// upsert finds k or makes its slot (run set to a placeholder the caller
-// overwrites).
+// upsert finds k or makes its slot (with a placeholder position the caller
+// overwrites by setPos).
 func (t *pxRev) upsert(k uint64) (int, bool) {
-	if (t.n+1)*16 > len(t.s)*13 {
+	if t.n >= t.limit {
 		t.grow()
 	}
-	mask := len(t.s) - 1
-	for i := int((k * pxMul) >> t.shift); ; i = (i + 1) & mask {
-		s := &t.s[i]
-		if s.run == 0 {
-			s.key, s.run, s.off = k, ^uint32(0), 0
+	keys := t.keys
+	n, m := len(keys), k*pxMul
+	if m == 0 {
+		if t.zero != 0 {
+			return n, true
+		}
+		t.zero = n + 1
+		t.n++
+		return n, false
+	}
+	// i stays below n (a home is, and the probe wraps): the slots are
+	// reached without bounds checks.
+	kp := unsafe.Pointer(unsafe.SliceData(keys))
+	for i := pxRevHome(m, n); ; {
+		p := (*uint64)(unsafe.Add(kp, i*8))
+		switch *p {
+		case m:
+			return i, true
+		case 0:
+			*p = m
 			t.n++
 			return i, false
 		}
-		if s.key == k {
-			return i, true
+		if i++; i == n {
+			i = 0
 		}
 	}
 }
 
 func (t *pxRev) grow() {
-	old := t.s
-	n := max(16, 2*len(old))
-	t.s = make([]pxRevSlot, n)
-	t.shift = uint8(64 - bitsLen(n-1))
-	mask := n - 1
-	for _, s := range old {
-		if s.run == 0 {
+	keys, vals := t.keys, t.vals
+	n := pxRevMinSlots
+	if len(keys) > 0 {
+		n = pxClassCap(pxClass(len(keys)) + 2)
+	}
+	t.keys, t.vals = make([]uint64, n), make([]uint32, n+1)
+	t.limit = n * pxRevMaxLoad16 / 16
+	for j, m := range keys {
+		if m == 0 {
 			continue
 		}
-		i := int((s.key * pxMul) >> t.shift)
-		for t.s[i].run != 0 {
-			i = (i + 1) & mask
+		i := pxRevHome(m, n)
+		for t.keys[i] != 0 {
+			if i++; i == n {
+				i = 0
+			}
 		}
-		t.s[i] = s
+		t.keys[i], t.vals[i] = m, vals[j]
+	}
+	if t.zero != 0 {
+		t.vals[n], t.zero = vals[len(keys)], n+1
 	}
 }
 
+// del empties slot i, moving back the entries after it that may go nearer
+// their homes.
 func (t *pxRev) del(i int) {
-	mask := len(t.s) - 1
-	for j := (i + 1) & mask; t.s[j].run != 0; j = (j + 1) & mask {
-		h := int((t.s[j].key * pxMul) >> t.shift)
-		// Move j into the hole at i unless its home lies cyclically in (i, j].
-		if (j-h)&mask >= (j-i)&mask {
-			t.s[i] = t.s[j]
+	keys, vals := t.keys, t.vals
+	n := len(keys)
+	t.n--
+	if uint(i) >= uint(n) {
+		t.zero = 0
+		return
+	}
+	// i and j stay below n = len(keys) < len(vals): the slots are reached
+	// without bounds checks.
+	kp, vp := unsafe.Pointer(unsafe.SliceData(keys)), unsafe.Pointer(unsafe.SliceData(vals))
+	key := func(x int) *uint64 { return (*uint64)(unsafe.Add(kp, x*8)) }
+	val := func(x int) *uint32 { return (*uint32)(unsafe.Add(vp, x*4)) }
+	for j := i; ; {
+		if j++; j >= n {
+			j = 0
+		}
+		m := *key(j)
+		if m == 0 {
+			break
+		}
+		// The entry at j moves into the hole at i unless its home h lies
+		// cyclically in (i, j]. It is copied either way (the hole is dead
+		// until filled or cleared below) and the hole moves only if it
+		// moved, which keeps a data-dependent branch out of the loop.
+		h := pxRevHome(m, n)
+		dh, di := j-h, j-i
+		if dh < 0 {
+			dh += n
+		}
+		if di < 0 {
+			di += n
+		}
+		*key(i), *val(i) = m, *val(j)
+		if dh >= di {
 			i = j
 		}
 	}
-	t.s[i] = pxRevSlot{}
-	t.n--
+	*key(i) = 0
+}
+
+// addCopy counts one more copy of the entry at slot i, whose key is k (at
+// most copiesCap in all, as Index counts them).
+func (t *pxRev) addCopy(i int, k uint64) {
+	if t.vals[i]&1 == 0 {
+		t.vals[i] |= 1
+		if t.copies == nil {
+			t.copies = make(map[uint64]uint8)
+		}
+		t.copies[k] = 1
+		return
+	}
+	if c := t.copies[k]; c < copiesCap-1 {
+		t.copies[k] = c + 1
+	}
+}
+
+// dropCopy takes away one copy of the entry at slot i, whose key is k, if
+// it has more than one, and reports whether it had.
+func (t *pxRev) dropCopy(i int, k uint64) bool {
+	if t.vals[i]&1 == 0 {
+		return false
+	}
+	if c := t.copies[k]; c > 1 {
+		t.copies[k] = c - 1
+	} else {
+		delete(t.copies, k)
+		t.vals[i] &^= 1
+	}
+	return true
 }
 
 func bitsLen(x int) int {

@@ -249,11 +249,101 @@ func TestPathIndexDifferential(t *testing.T) {
 				t.Fatalf("all removed: %d live runs, %d child entries", n, px.kids.n)
 			}
 			for w := range px.workers {
-				if px.workers[w].rev.n != 0 || len(px.workers[w].twins) != 0 {
-					t.Fatalf("worker %d: %d reverse entries, %d twins left", w, px.workers[w].rev.n, len(px.workers[w].twins))
+				if wk := &px.workers[w]; wk.rev.n != 0 || len(wk.twins) != 0 || len(wk.rev.copies) != 0 {
+					t.Fatalf("worker %d: %d reverse entries, %d twins, %d copy counts left", w, wk.rev.n, len(wk.twins), len(wk.rev.copies))
 				}
 			}
+			checkPathArrays(t, px)
+			if px.content != 0 {
+				t.Fatalf("all removed: %d positions of content arrays counted", px.content)
+			}
 		})
+	}
+}
+
+// checkPathArrays checks the content arrays' counts against the arrays:
+// content, the live runs' capacities; pooled, the free lists', each array
+// in its own class's list; outside are arrays a test took from getArray.
+func checkPathArrays(t *testing.T, px *pathIndex, outside ...[]uint64) {
+	t.Helper()
+	content, pooled := 0, 0
+	for _, a := range outside {
+		content += cap(a)
+	}
+	for i := uint32(1); i < px.nruns; i++ {
+		content += cap(px.run(i).h)
+	}
+	for c := range px.arrays {
+		for _, p := range px.arrays[c] {
+			if p == nil {
+				t.Fatalf("free list of class %d holds nil", c)
+			}
+			pooled += pxClassCap(c)
+		}
+	}
+	if content != px.content || pooled != px.pooled {
+		t.Fatalf("counted content %d, pooled %d; the arrays hold %d, %d", px.content, px.pooled, content, pooled)
+	}
+}
+
+// TestPathArrayClasses: every request gets the smallest class that fits it,
+// at most a quarter larger than asked past the smallest class, and a
+// class's capacity is in that class.
+func TestPathArrayClasses(t *testing.T) {
+	for n := 1; n <= 1<<17; n++ {
+		c := pxClass(n)
+		if got := pxClassCap(c); got < n || (c > 0 && pxClassCap(c-1) >= n) || (n > pxMinCap && 4*got > 5*n) {
+			t.Fatalf("n %d: class %d of capacity %d (the class below: %d)", n, c, got, pxClassCap(max(c-1, 0)))
+		}
+		if pxClass(pxClassCap(c)) != c {
+			t.Fatalf("class %d: its capacity %d is in class %d", c, pxClassCap(c), pxClass(pxClassCap(c)))
+		}
+	}
+	if c := pxClass(pxMaxRunLen); c >= pxClasses || pxClassCap(c) < pxMaxRunLen {
+		t.Fatalf("a full run's class %d (capacity %d), %d classes", c, pxClassCap(c), pxClasses)
+	}
+}
+
+// TestPathArrayPool: arrays given back are reused, from a class up to
+// pxPoolUp above the one asked for; the free lists stop taking arrays at
+// their bound (a share of the content arrays in use), and the counts match
+// the arrays throughout.
+func TestPathArrayPool(t *testing.T) {
+	px := newPathIndex(1)
+	var live [][]uint64
+	for i := range 4000 {
+		live = append(live, px.getArray(1+i%300))
+	}
+	checkPathArrays(t, px, live...)
+	// Give back every other array: the free lists keep them up to their
+	// bound, a share of the content arrays in use (which falls as they come
+	// back, so the first bound is the most they hold).
+	before, back := px.content, 0
+	for i := 0; i < len(live); i += 2 {
+		back += cap(live[i])
+		px.putArray(live[i])
+		live[i] = nil
+	}
+	checkPathArrays(t, px, live...)
+	if px.content != before-back || px.pooled > max(pxPoolMin, before/pxPoolShare) ||
+		px.pooled < min(back, px.content/pxPoolShare)-pxClassCap(pxClass(300)) {
+		t.Fatalf("content %d → %d, %d given back: pooled %d", before, px.content, back, px.pooled)
+	}
+	// A request finds an array of its class, else one up to pxPoolUp classes above.
+	c := pxClass(100)
+	for k := range pxClasses {
+		px.arrays[k] = px.arrays[k][:0]
+	}
+	px.pooled = 0
+	px.putArray(make([]uint64, 0, pxClassCap(c+pxPoolUp)))
+	px.content += pxClassCap(c + pxPoolUp) // as if it had come from getArray
+	if a := px.getArray(100); cap(a) != pxClassCap(c+pxPoolUp) || px.pooled != 0 {
+		t.Fatalf("got an array of %d (pooled %d), want the pooled one of %d", cap(a), px.pooled, pxClassCap(c+pxPoolUp))
+	}
+	px.putArray(make([]uint64, 0, pxClassCap(c+pxPoolUp+1)))
+	px.content += pxClassCap(c + pxPoolUp + 1)
+	if a := px.getArray(100); cap(a) != pxClassCap(c) || px.pooled != pxClassCap(c+pxPoolUp+1) {
+		t.Fatalf("got an array of %d (pooled %d), want a new one of %d", cap(a), px.pooled, pxClassCap(c))
 	}
 }
 
@@ -434,4 +524,183 @@ func TestPathIndexConcurrentReaders(t *testing.T) {
 		t.Fatalf("only %d of %d lookups overlapped at most one event that changed one run", checked, len(all))
 	}
 	t.Logf("%d lookups, %d checked against the states around them, over %d events", len(all), checked, len(ops))
+}
+
+// checkRev checks t against model (engine hash → position) and the
+// linear-probing invariant: every entry is reachable from its home without
+// crossing an empty slot.
+func checkRev(t *testing.T, r *pxRev, model map[uint64][2]uint32) {
+	t.Helper()
+	if r.n != len(model) {
+		t.Fatalf("%d entries, the model has %d", r.n, len(model))
+	}
+	n := len(r.keys)
+	for i, m := range r.keys {
+		if m == 0 {
+			continue
+		}
+		for h := pxRevHome(m, n); h != i; h = (h + 1) % n {
+			if r.keys[h] == 0 {
+				t.Fatalf("slot %d: an empty slot %d between it and its home %d", i, h, pxRevHome(m, n))
+			}
+		}
+	}
+	for k, want := range model {
+		i := r.find(k)
+		if i < 0 {
+			t.Fatalf("key %#x not found", k)
+		}
+		if run, off := r.pos(i); run != want[0] || off != want[1] {
+			t.Fatalf("key %#x: position (%d, %d), want (%d, %d)", k, run, off, want[0], want[1])
+		}
+	}
+}
+
+// TestPathRevTable: the reverse table against a map, with keys that share
+// homes (and the zero key, whose mixed form is 0 and which has no slot),
+// through growth and deletions that shift entries back across the table's
+// end.
+func TestPathRevTable(t *testing.T) {
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 3))
+		var r pxRev
+		model := map[uint64][2]uint32{}
+		var keys []uint64
+		for range 3000 {
+			switch k := rng.IntN(10); {
+			case k < 5 || len(keys) == 0:
+				key := uint64(rng.IntN(400)) // small keys, zero among them
+				if rng.IntN(2) == 0 {
+					key = rng.Uint64()
+				}
+				i, found := r.upsert(key)
+				if _, in := model[key]; in != found {
+					t.Fatalf("seed %d: upsert %#x found %v, model %v", seed, key, found, in)
+				}
+				if !found {
+					p := [2]uint32{1 + rng.Uint32N(pxMaxRuns-1), rng.Uint32N(pxMaxRunLen + 1)}
+					r.setPos(i, p[0], p[1])
+					model[key] = p
+					keys = append(keys, key)
+				}
+			default:
+				j := rng.IntN(len(keys))
+				key := keys[j]
+				keys[j] = keys[len(keys)-1]
+				keys = keys[:len(keys)-1]
+				i := r.find(key)
+				if i < 0 {
+					t.Fatalf("seed %d: %#x not found", seed, key)
+				}
+				r.del(i)
+				delete(model, key)
+				if r.find(key) >= 0 {
+					t.Fatalf("seed %d: %#x found after its deletion", seed, key)
+				}
+			}
+			checkRev(t, &r, model)
+		}
+	}
+}
+
+// TestPathRevWrap: entries whose homes are the table's last slot wrap to
+// its start, and deleting the first of them moves the others back across
+// the end.
+func TestPathRevWrap(t *testing.T) {
+	var r pxRev
+	r.upsert(1)
+	r.del(r.find(1))
+	n := len(r.keys)
+	var last []uint64 // keys whose home is slot n-1
+	for k := uint64(2); len(last) < 3; k++ {
+		if pxRevHome(k*pxMul, n) == n-1 {
+			last = append(last, k)
+		}
+	}
+	model := map[uint64][2]uint32{}
+	for j, k := range last {
+		i, _ := r.upsert(k)
+		r.setPos(i, uint32(j+1), uint32(j))
+		model[k] = [2]uint32{uint32(j + 1), uint32(j)}
+	}
+	if len(r.keys) != n || r.find(last[1]) != 0 || r.find(last[2]) != 1 {
+		t.Fatalf("table of %d: slots %d, %d, want 0, 1", len(r.keys), r.find(last[1]), r.find(last[2]))
+	}
+	r.del(r.find(last[0]))
+	delete(model, last[0])
+	if r.find(last[1]) != n-1 || r.find(last[2]) != 0 || r.keys[1] != 0 {
+		t.Fatalf("after the deletion: slots %d, %d (want %d, 0), slot 1 %#x", r.find(last[1]), r.find(last[2]), n-1, r.keys[1])
+	}
+	checkRev(t, &r, model)
+}
+
+// TestPathRevPacking: a position at the limits of its 31 bits comes back
+// whole, copies or not, and copies count up to copiesCap and come off one a
+// removal.
+func TestPathRevPacking(t *testing.T) {
+	var r pxRev
+	for _, k := range []uint64{0, 1, ^uint64(0)} {
+		for _, p := range [][2]uint32{{1, 0}, {pxMaxRuns - 1, pxMaxRunLen}, {pxMaxRuns - 1, 0}, {1, pxMaxRunLen}} {
+			i, found := r.upsert(k)
+			if found {
+				t.Fatalf("key %#x: found before it went in", k)
+			}
+			r.setPos(i, p[0], p[1])
+			for range copiesCap + 3 {
+				if j, found := r.upsert(k); !found || j != i {
+					t.Fatalf("key %#x: upsert again gave slot %d (found %v), want %d", k, j, found, i)
+				}
+				r.addCopy(i, k)
+				if run, off := r.pos(i); run != p[0] || off != p[1] {
+					t.Fatalf("key %#x with copies: (%d, %d), want %v", k, run, off, p)
+				}
+			}
+			drops := 0
+			for r.dropCopy(r.find(k), k) {
+				drops++
+			}
+			if drops != copiesCap-1 || len(r.copies) != 0 {
+				t.Fatalf("key %#x: %d copies taken (want %d), %d left counted", k, drops, copiesCap-1, len(r.copies))
+			}
+			if run, off := r.pos(r.find(k)); run != p[0] || off != p[1] {
+				t.Fatalf("key %#x: (%d, %d), want %v", k, run, off, p)
+			}
+			r.del(r.find(k))
+			if r.find(k) >= 0 || r.n != 0 {
+				t.Fatalf("key %#x: still found after its deletion (%d entries)", k, r.n)
+			}
+		}
+	}
+}
+
+// TestPathIndexLongChain: a chain longer than a run can hold goes on in
+// children of full runs (a reverse slot names offsets up to pxMaxRunLen),
+// stored in one event and in pieces, branched off at and around a run's
+// end, with holes; every lookup checked against Index.
+func TestPathIndexLongChain(t *testing.T) {
+	long := make([]uint64, 2*pxMaxRunLen+40)
+	for i := range long {
+		long[i] = uint64(i%7 + 1)
+	}
+	branch := func(at int) []uint64 { return append(slices.Clone(long[:at]), 99) }
+	L := pxMaxRunLen
+	ops := []corpusOp{
+		pathStore(0, long, 0, false),
+		pathLookup(long...),
+		pathStore(1, long[:L-1], 0, false),
+		pathStore(1, long[:L+5], L-1, false), // across the first run's end
+		pathStore(2, branch(L), 0, false),    // a branch right after a full run
+		pathStore(3, branch(L-1), 0, false),  // and one inside it
+		pathStore(3, branch(2*L), 0, false),
+		pathLookup(long...), pathLookup(branch(L)...), pathLookup(branch(L - 1)...), pathLookup(branch(2 * L)...),
+		pathRemove(0, long, L-1, L, 2*L+1),
+		pathRemove(1, long, 3),
+		pathLookup(long...), pathLookup(branch(L)...),
+		pathStore(0, long[:L+1], L-1, false), // the holes refilled
+		pathLookup(long...),
+	}
+	_, px := pathLockstep(t, 4, ops)
+	if px.liveRuns() < 3 {
+		t.Fatalf("%d live runs: the long chain was not split", px.liveRuns())
+	}
 }
