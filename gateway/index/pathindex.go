@@ -87,7 +87,7 @@ type pxRun struct {
 	ncov   uint32
 	parent uint32 // 0: hangs off the root
 	poff   uint32 // the parent's offset this run continues after
-	kids   uint32 // live child runs
+	kids   uint32 // live child runs; readers skip the child table when 0
 	body   atomic.Pointer[pxBody]
 	h      []uint64 // content hash per position
 	cov    []pxCov  // one entry per worker holding any position
@@ -227,11 +227,14 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 	r.cov = r.cov[:0]
 	store32(&r.parent, parent)
 	store32(&r.poff, poff)
-	r.kids = 0
+	store32(&r.kids, 0)
 	publish(r)
+	// Into the child table before the parent's count moves: a reader that
+	// sees no child counted may skip the table (tryLookup).
 	px.kids.put(parent, poff, c, id)
 	if parent != 0 {
-		px.run(parent).kids++
+		p := px.run(parent)
+		store32(&p.kids, p.kids+1)
 	}
 	return id
 }
@@ -254,7 +257,8 @@ func (px *pathIndex) freeRun(id uint32) {
 			return
 		}
 		p := px.run(parent)
-		if p.kids--; p.kids != 0 || len(p.cov) != 0 {
+		store32(&p.kids, p.kids-1) // after the child left the table
+		if p.kids != 0 || len(p.cov) != 0 {
 			return
 		}
 		id = parent
@@ -551,18 +555,9 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 	if !ok || r == 0 {
 		return dst, ok
 	}
-	if rd.gen++; rd.gen == 0 {
-		clear(rd.scratch)
-		rd.gen = 1
-	}
-	if rd.stamp > 1<<31 {
-		clear(rd.scratch)
-		rd.stamp = 0
-	}
-	gen := rd.gen
+	var gen, prev uint32 // prev: the stamp of the run before; 0: r is the first
 	base, i := uint32(0), 0
 	parent, poff := uint32(0), uint32(0)
-	prev := uint32(0) // the stamp of the run before; 0: r is the first
 	for {
 		if int(r>>pxChunkBits) >= pxDirLen {
 			return dst, false
@@ -584,46 +579,92 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
 			return dst, false
 		}
-		lim := min(len(h), len(content)-i)
+		rest := content[i:]
+		h = h[:min(len(h), len(rest))]
 		m := 1
-		for m < lim && atomic.LoadUint64(&h[m]) == content[i+m] {
+		for m < len(h) && atomic.LoadUint64(&h[m]) == rest[m] {
 			m++
 		}
-		rd.stamp++
-		st := rd.stamp
-		for k := range cov {
-			e := &cov[k]
-			w := atomic.LoadUint32(&e.w)
-			if int(w) >= len(rd.scratch) {
-				return dst, false
+		var st uint32
+		if prev == 0 {
+			// The first run: every worker in it is new to the answer and
+			// none is checked against a run before, so no scratch is
+			// read or written unless the lookup goes on into a child.
+			for k := range cov {
+				e := &cov[k]
+				if d := min(atomic.LoadUint32(&e.lead), uint32(m)); d != 0 {
+					dst = append(dst, pathMatch{w: atomic.LoadUint32(&e.w), blocks: d})
+				}
 			}
-			sc := &rd.scratch[w]
-			if prev != 0 && sc.alive != prev {
-				continue
-			}
-			d := min(atomic.LoadUint32(&e.lead), uint32(m))
-			if d == 0 {
-				continue
-			}
-			if sc.gen != gen {
-				sc.gen, sc.idx = gen, uint32(len(dst))
-				dst = append(dst, pathMatch{w: w, blocks: base + d})
-			} else {
-				dst[sc.idx].blocks = base + d
-			}
-			if d == uint32(m) {
-				sc.alive = st
+		} else {
+			rd.stamp++
+			st = rd.stamp
+			for k := range cov {
+				e := &cov[k]
+				w := atomic.LoadUint32(&e.w)
+				if int(w) >= len(rd.scratch) {
+					return dst, false
+				}
+				sc := &rd.scratch[w]
+				if sc.alive != prev {
+					continue
+				}
+				d := min(atomic.LoadUint32(&e.lead), uint32(m))
+				if d == 0 {
+					continue
+				}
+				if sc.gen != gen {
+					sc.gen, sc.idx = gen, uint32(len(dst))
+					dst = append(dst, pathMatch{w: w, blocks: base + d})
+				} else {
+					dst[sc.idx].blocks = base + d
+				}
+				if d == uint32(m) {
+					sc.alive = st
+				}
 			}
 		}
+		if i+m == len(content) {
+			return dst, run.ver.Load() == rv
+		}
+		// No child run hangs anywhere off r (the writer counts them, a
+		// child entering the child table before the count moves and
+		// leaving it after): no probe.
+		nk := atomic.LoadUint32(&run.kids)
 		if run.ver.Load() != rv {
 			return dst, false
 		}
-		if i+m == len(content) {
+		if nk == 0 {
 			return dst, true
 		}
 		c, ok := px.kids.get(r, uint32(m-1), content[i+m])
 		if !ok || c == 0 {
 			return dst, ok
+		}
+		if prev == 0 {
+			// Going on into a child: the workers alive to r's end are
+			// stamped, and every worker answered gets its result slot.
+			if rd.gen++; rd.gen == 0 {
+				clear(rd.scratch)
+				rd.gen = 1
+			}
+			if rd.stamp > 1<<31 {
+				clear(rd.scratch)
+				rd.stamp = 0
+			}
+			gen = rd.gen
+			rd.stamp++
+			st = rd.stamp
+			for k, x := range dst {
+				if int(x.w) >= len(rd.scratch) {
+					return dst, false
+				}
+				sc := &rd.scratch[x.w]
+				sc.gen, sc.idx = gen, uint32(k)
+				if x.blocks == uint32(m) {
+					sc.alive = st
+				}
+			}
 		}
 		parent, poff = r, uint32(m-1)
 		base += uint32(m)
