@@ -467,16 +467,19 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 			px.hold(wk, e, nr, no)
 			continue
 		}
-		store32(&e.lead, no+1)
-		e.held++
 		r := px.run(nr)
-		if no+1 != uint32(len(r.h)) {
+		h := r.h
+		if no+1 != uint32(len(h)) {
+			store32(&e.lead, no+1)
+			e.held++
 			continue
 		}
 		// The block went at the run's end and w holds the run up to it: the
 		// blocks after it that are new to w go at the end too, in one loop
-		// (the event's hashes copied into the run, the lead moved along).
-		for j+1 < len(engine) && len(r.h) < pxMaxRunLen {
+		// (the event's hashes copied into the run). The run is touched, so
+		// readers take none of it until the event ends: its length and w's
+		// lead are stored once, after the loop.
+		for j+1 < len(engine) && len(h) < pxMaxRunLen {
 			j++
 			i, found := wk.rev.upsert(engine[j])
 			if found {
@@ -487,13 +490,22 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				cr, co = s.run, s.off&pxOffMask
 				break
 			}
-			px.appendHash(r, content[j], len(engine)-j)
-			co++
+			if n := len(h); n < cap(h) {
+				h = h[:n+1]
+				store64(&h[n], content[j])
+			} else {
+				r.h = h
+				px.appendHash(r, content[j], len(engine)-j)
+				h = r.h
+			}
 			s := &wk.rev.s[i]
-			s.run, s.off = cr, co
-			store32(&e.lead, co+1)
-			e.held++
+			s.run, s.off = nr, uint32(len(h)-1)
+			co = uint32(len(h) - 1)
 		}
+		r.h = h
+		store32(&r.n, uint32(len(h)))
+		e.held += uint32(len(h)) - no
+		store32(&e.lead, uint32(len(h)))
 	}
 	px.settle()
 }
@@ -502,6 +514,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 func (px *pathIndex) remove(w uint32, engine []uint64) {
 	wk := &px.workers[w]
 	ci, last := -1, uint32(0)
+	var lr *pxRun // run last's header when ci >= 0
 	for _, h := range engine {
 		i := wk.rev.find(h)
 		if i < 0 {
@@ -518,7 +531,7 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		} else if ci >= 0 && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &px.run(last).cov[ci]; s.off+1 == e.lead && e.held > 1 {
+			if e := &lr.cov[ci]; s.off+1 == e.lead && e.held > 1 {
 				store32(&e.lead, s.off)
 				e.held--
 				continue
@@ -527,6 +540,8 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		px.release(wk, w, s.run, s.off, &ci)
 		if ci < 0 {
 			last = 0
+		} else {
+			lr = px.run(last)
 		}
 	}
 	px.settle()
