@@ -594,10 +594,13 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
 			return dst, false
 		}
-		rest := content[i:]
-		h = h[:min(len(h), len(rest))]
+		h = h[:min(len(h), len(content)-i)]
+		rest := content[i : i+len(h)]
 		m := 1
-		for m < len(h) && atomic.LoadUint64(&h[m]) == rest[m] {
+		for m < len(h) {
+			if atomic.LoadUint64(&h[m]) != rest[m] {
+				break
+			}
 			m++
 		}
 		var st uint32
@@ -605,12 +608,12 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 			// The first run: every worker in it is new to the answer and
 			// none is checked against a run before, so no scratch is
 			// read or written unless the lookup goes on into a child.
-			for k := range cov {
-				e := &cov[k]
-				if d := min(atomic.LoadUint32(&e.lead), uint32(m)); d != 0 {
-					dst = append(dst, pathMatch{w: atomic.LoadUint32(&e.w), blocks: d})
-				}
+			// dst is empty: each entry is written to its end and kept if
+			// the worker matched, without a branch.
+			if cap(dst) < len(cov) {
+				dst = make([]pathMatch, 0, len(cov)+len(cov)/2)
 			}
+			dst = dst[:pxFirst(dst[:len(cov)], cov, uint32(m))]
 		} else {
 			rd.stamp++
 			st = rd.stamp
@@ -686,6 +689,24 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		i += m
 		r, prev = c, st
 	}
+}
+
+// pxFirst writes into out (as long as cov) each coverage entry's worker
+// and lead up to m, in order, keeping those above 0, and returns how many
+// it kept. Out of line, its loop keeps its counters in registers.
+//
+//go:noinline
+func pxFirst(out []pathMatch, cov []pxCov, m uint32) int {
+	n := 0
+	for k := range cov {
+		e := &cov[k]
+		d := min(atomic.LoadUint32(&e.lead), m)
+		out[n] = pathMatch{w: atomic.LoadUint32(&e.w), blocks: d}
+		if d != 0 {
+			n++
+		}
+	}
+	return n
 }
 
 // bytes estimates the prototype's memory from its arrays' capacities: run
