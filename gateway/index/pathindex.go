@@ -59,9 +59,11 @@ type pathIndex struct {
 // last run it was alive in and the attempt (gen) its result slot idx
 // belongs to.
 type pxReader struct {
-	scratch []pxScratch
-	gen     uint32
-	stamp   uint32
+	scratch    []pxScratch
+	gen        uint32
+	stamp      uint32
+	retries    int // attempts redone
+	kidRetries int // of which because the child table changed under a probe
 }
 
 func (px *pathIndex) newReader() *pxReader {
@@ -556,6 +558,7 @@ func (px *pathIndex) lookup(rd *pxReader, dst []pathMatch, content []uint64) []p
 		if dst, ok = px.tryLookup(rd, dst[:0], content); ok {
 			return dst
 		}
+		rd.retries++
 		if tries > 4 {
 			runtime.Gosched()
 		}
@@ -567,8 +570,12 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		return dst, true
 	}
 	r, ok := px.kids.get(0, 0, content[0])
-	if !ok || r == 0 {
-		return dst, ok
+	if !ok {
+		rd.kidRetries++
+		return dst, false
+	}
+	if r == 0 {
+		return dst, true
 	}
 	var gen, prev uint32 // prev: the stamp of the run before; 0: r is the first
 	base, i := uint32(0), 0
@@ -656,8 +663,12 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 			return dst, true
 		}
 		c, ok := px.kids.get(r, uint32(m-1), content[i+m])
-		if !ok || c == 0 {
-			return dst, ok
+		if !ok {
+			rd.kidRetries++
+			return dst, false
+		}
+		if c == 0 {
+			return dst, true
 		}
 		if prev == 0 {
 			// Going on into a child: the workers alive to r's end are
@@ -715,7 +726,7 @@ func pxFirst(out []pathMatch, cov []pxCov, m uint32) int {
 func (px *pathIndex) bytes() map[string]int {
 	m := map[string]int{
 		"headers": int(px.nruns+1<<pxChunkBits-1)>>pxChunkBits*int(unsafe.Sizeof(pxChunk{})) + cap(px.freeRuns)*4 + int(unsafe.Sizeof(px.dir)),
-		"kids":    len(px.kids.s) * int(unsafe.Sizeof(pxKidSlot{})),
+		"kids":    len(px.kids.s)*int(unsafe.Sizeof(pxKidSlot{})) + len(px.kids.ver)*4,
 	}
 	for i := uint32(1); i < px.nruns; i++ {
 		r := px.run(i)
@@ -835,19 +846,33 @@ func bitsLen(x int) int {
 }
 
 // pxKids is the child table of every run, the root's included: (parent run,
-// offset, first content hash) → child run; open addressing as pxRev. Its
-// version is odd while the writer changes it; readers (get) read the table
-// published in tab, writers (find, put, del) their own view s.
+// offset, first content hash) → child run; open addressing as pxRev.
+// Readers (get) read the table published in tab, the writer (find, put,
+// del) its own view s of the same slots.
+//
+// A reader needs no version for a hit: the caller checks that the run it
+// names is that child (its parent, offset and first hash, under the run's
+// version), so a stale or torn slot is caught there. A miss must be
+// checked: a deletion shifts entries back and could move the one sought
+// behind the probe. Each group of 1<<pxKidGroupBits slots has a version
+// the writer makes odd around its changes to the group's slots; a miss
+// holds if every group the probe read was even and unchanged, and the
+// table was not replaced by a larger one. A change elsewhere in the table
+// fails no probe.
 type pxKids struct {
-	ver   atomic.Uint32
 	tab   atomic.Pointer[pxKidTab]
 	s     []pxKidSlot
+	ver   []atomic.Uint32 // tab's versions, the writer's view
+	open  []int           // groups del made odd
 	shift uint8
 	n     int
 }
 
+const pxKidGroupBits = 4
+
 type pxKidTab struct {
 	s     []pxKidSlot
+	ver   []atomic.Uint32 // per group of 1<<pxKidGroupBits slots
 	shift uint8
 }
 
@@ -859,33 +884,47 @@ type pxKidSlot struct {
 
 func pxKidHash(po, c uint64) uint64 { return (c ^ po*0xff51afd7ed558ccd) * pxMul }
 
-// get is the readers' lookup: the child, and false when the table changed
-// during it.
+// get is the readers' lookup: the child (0: none), and false when a miss
+// cannot be trusted (the table changed where it probed). A child returned
+// must be checked by the caller to be that child.
 func (t *pxKids) get(parent, off uint32, c uint64) (uint32, bool) {
-	v := t.ver.Load()
-	if v&1 != 0 {
-		return 0, false
-	}
 	tb := t.tab.Load()
 	if tb == nil {
-		return 0, t.ver.Load() == v
+		return 0, true // no child was ever made
 	}
 	po := uint64(parent)<<32 | uint64(off)
 	s := tb.s
 	mask := len(s) - 1
-	var child uint32
-	for i, k := int(pxKidHash(po, c)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+	i := int(pxKidHash(po, c) >> tb.shift)
+	g0 := i >> pxKidGroupBits
+	sum := tb.ver[g0].Load()
+	odd := sum
+	groups := 1
+	for k := 0; k < len(s); k++ {
 		sl := &s[i]
 		ch := atomic.LoadUint32(&sl.child)
 		if ch == 0 {
 			break
 		}
 		if atomic.LoadUint64(&sl.c) == c && atomic.LoadUint64(&sl.po) == po {
-			child = ch
-			break
+			return ch, true
+		}
+		if i = (i + 1) & mask; i&(1<<pxKidGroupBits-1) == 0 {
+			v := tb.ver[i>>pxKidGroupBits].Load()
+			sum += v
+			odd |= v
+			groups++
 		}
 	}
-	return child, t.ver.Load() == v
+	if odd&1 != 0 {
+		return 0, false
+	}
+	// Versions only grow: the sum is unchanged only if each is.
+	gmask := len(tb.ver) - 1
+	for g := g0; groups > 0; g, groups = (g+1)&gmask, groups-1 {
+		sum -= tb.ver[g].Load()
+	}
+	return 0, sum == 0 && t.tab.Load() == tb
 }
 
 // find is the writer's lookup.
@@ -914,7 +953,6 @@ func (t *pxKids) setSlot(i int, v pxKidSlot) {
 }
 
 func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
-	t.ver.Add(1)
 	if (t.n+1)*16 > len(t.s)*13 {
 		t.grow()
 	}
@@ -924,15 +962,21 @@ func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
 	for t.s[i].child != 0 {
 		i = (i + 1) & mask
 	}
+	v := &t.ver[i>>pxKidGroupBits]
+	v.Add(1)
 	t.setSlot(i, pxKidSlot{c: c, po: po, child: child})
+	v.Add(1)
 	t.n++
-	t.ver.Add(1)
 }
 
+// grow moves the entries into a table twice as large and publishes it; the
+// old one is never written again (a reader still in it finds what it held,
+// and a miss there fails on the table's replacement).
 func (t *pxKids) grow() {
 	old := t.s
-	n := max(16, 2*len(old))
+	n := max(1<<pxKidGroupBits, 2*len(old))
 	t.s = make([]pxKidSlot, n)
+	t.ver = make([]atomic.Uint32, n>>pxKidGroupBits)
 	t.shift = uint8(64 - bitsLen(n-1))
 	mask := n - 1
 	for _, s := range old {
@@ -945,7 +989,16 @@ func (t *pxKids) grow() {
 		}
 		t.s[i] = s
 	}
-	t.tab.Store(&pxKidTab{s: t.s, shift: t.shift})
+	t.tab.Store(&pxKidTab{s: t.s, ver: t.ver, shift: t.shift})
+}
+
+// openAt makes slot i's group odd before its first change in a del.
+func (t *pxKids) openAt(i int) {
+	g := i >> pxKidGroupBits
+	if l := len(t.open); l == 0 || t.open[l-1] != g {
+		t.ver[g].Add(1)
+		t.open = append(t.open, g)
+	}
 }
 
 func (t *pxKids) del(parent, off uint32, c uint64) {
@@ -958,17 +1011,23 @@ func (t *pxKids) del(parent, off uint32, c uint64) {
 		}
 		i = (i + 1) & mask
 	}
-	t.ver.Add(1)
+	// Backward shift: the slots written go forward from i (wrapping), so
+	// the groups opened are in order and each is opened once.
+	t.openAt(i)
 	for j := (i + 1) & mask; t.s[j].child != 0; j = (j + 1) & mask {
 		h := int(pxKidHash(t.s[j].po, t.s[j].c) >> t.shift)
 		if (j-h)&mask >= (j-i)&mask {
 			t.setSlot(i, t.s[j])
 			i = j
+			t.openAt(i)
 		}
 	}
 	t.setSlot(i, pxKidSlot{})
 	t.n--
-	t.ver.Add(1)
+	for _, g := range t.open {
+		t.ver[g].Add(1)
+	}
+	t.open = t.open[:0]
 }
 
 // counts returns the live positions and the (worker, position) pairs held.
