@@ -516,7 +516,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 func (px *pathIndex) remove(w uint32, engine []uint64) {
 	wk := &px.workers[w]
 	ci, last := -1, uint32(0)
-	var lr *pxRun // run last's header when ci >= 0
+	var le *pxCov // &run(last).cov[ci] when ci >= 0
 	for _, h := range engine {
 		i := wk.rev.find(h)
 		if i < 0 {
@@ -529,21 +529,21 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		}
 		wk.rev.del(i)
 		if s.run != last {
-			ci, last = -1, s.run
-		} else if ci >= 0 && wk.twins == nil {
+			ci, last, le = -1, s.run, nil
+		} else if le != nil && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &lr.cov[ci]; s.off+1 == e.lead && e.held > 1 {
-				store32(&e.lead, s.off)
-				e.held--
+			if s.off+1 == le.lead && le.held > 1 {
+				store32(&le.lead, s.off)
+				le.held--
 				continue
 			}
 		}
 		px.release(wk, w, s.run, s.off, &ci)
 		if ci < 0 {
-			last = 0
+			last, le = 0, nil
 		} else {
-			lr = px.run(last)
+			le = &px.run(last).cov[ci]
 		}
 	}
 	px.settle()
