@@ -56,11 +56,10 @@ type pathIndex struct {
 }
 
 // pxReader is one reader's lookup scratch: per worker, the stamp of the
-// last run it was alive in and the attempt (gen) its result slot idx
-// belongs to.
+// last run it was alive in (matched to the end of the match in it) and,
+// while it is, its slot in the result.
 type pxReader struct {
 	scratch    []pxScratch
-	gen        uint32
 	stamp      uint32
 	retries    int // attempts redone
 	kidRetries int // of which because the child table changed under a probe
@@ -164,7 +163,6 @@ type pxWorker struct {
 
 type pxScratch struct {
 	alive uint32
-	gen   uint32
 	idx   uint32
 }
 
@@ -577,7 +575,7 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 	if r == 0 {
 		return dst, true
 	}
-	var gen, prev uint32 // prev: the stamp of the run before; 0: r is the first
+	var prev uint32 // the stamp of the run before; 0: r is the first
 	base, i := uint32(0), 0
 	parent, poff := uint32(0), uint32(0)
 	for {
@@ -634,16 +632,13 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 				if sc.alive != prev {
 					continue
 				}
+				// Alive through the runs before, so answered already:
+				// its result only grows.
 				d := min(atomic.LoadUint32(&e.lead), uint32(m))
 				if d == 0 {
 					continue
 				}
-				if sc.gen != gen {
-					sc.gen, sc.idx = gen, uint32(len(dst))
-					dst = append(dst, pathMatch{w: w, blocks: base + d})
-				} else {
-					dst[sc.idx].blocks = base + d
-				}
+				dst[sc.idx].blocks = base + d
 				if d == uint32(m) {
 					sc.alive = st
 				}
@@ -672,27 +667,23 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		}
 		if prev == 0 {
 			// Going on into a child: the workers alive to r's end are
-			// stamped, and every worker answered gets its result slot.
-			if rd.gen++; rd.gen == 0 {
-				clear(rd.scratch)
-				rd.gen = 1
-			}
+			// stamped with their result slots. Only they can score in
+			// the runs after, and each is answered already.
 			if rd.stamp > 1<<31 {
 				clear(rd.scratch)
 				rd.stamp = 0
 			}
-			gen = rd.gen
 			rd.stamp++
 			st = rd.stamp
 			for k, x := range dst {
+				if x.blocks != uint32(m) {
+					continue
+				}
 				if int(x.w) >= len(rd.scratch) {
 					return dst, false
 				}
 				sc := &rd.scratch[x.w]
-				sc.gen, sc.idx = gen, uint32(k)
-				if x.blocks == uint32(m) {
-					sc.alive = st
-				}
+				sc.alive, sc.idx = st, uint32(k)
 			}
 		}
 		parent, poff = r, uint32(m-1)

@@ -79,7 +79,11 @@ func pathLockstep(t *testing.T, workers int, ops []corpusOp) (*Index, *pathIndex
 			px.remove(op.worker, op.engine)
 		default:
 			ix.FindMatchesContentInto(&m, op.content)
-			dst = px.lookup(rd, dst, op.content)
+			// No write is in progress: the first attempt must hold.
+			var ok bool
+			if dst, ok = px.tryLookup(rd, dst[:0], op.content); !ok {
+				t.Fatalf("op %d: a lookup between writes failed its attempt", i)
+			}
 			want := make(map[string]int)
 			for _, x := range m.Workers {
 				want[x.Worker] = x.Blocks
