@@ -32,10 +32,12 @@ import (
 // One writer at a time; lookups take no lock and may run during a write.
 // Each run has a seqlock version the writer makes odd the first time it
 // changes the run in an event and even again when the event is done; a
-// reader reads a run's body (content and coverage arrays, published by an
-// atomic pointer; the writer's stores into them are store64/store32) and
-// trusts it only if the version was even and unchanged around the reads.
-// The child table has one version for all its slots. Run headers sit in
+// reader reads a run's arrays (content and coverage, published in its
+// header: pointer and capacity of each; the writer's stores into them are
+// store64/store32) and trusts them only if the version was even and
+// unchanged around the reads: once before it indexes them (the pointers
+// and capacities agree), once after. The child table has a version per
+// group of slots. Run headers sit in
 // fixed chunks that never move, and a reader that reached a run through the
 // child table checks that the run is still that child (its parent, offset
 // and first hash), which covers a run freed and reused meanwhile. A lookup
@@ -81,7 +83,8 @@ const (
 type pxChunk [1 << pxChunkBits]pxRun
 
 // pxRun is a run's header. h and cov are the writer's views of the arrays
-// body publishes; n and ncov are their lengths as readers see them.
+// that hp, hcap, covp and covcap publish to readers (changed only while
+// the run is touched); n and ncov are their lengths as readers see them.
 type pxRun struct {
 	ver    atomic.Uint32
 	n      uint32
@@ -89,15 +92,12 @@ type pxRun struct {
 	parent uint32 // 0: hangs off the root
 	poff   uint32 // the parent's offset this run continues after
 	kids   uint32 // live child runs; readers skip the child table when 0
-	body   atomic.Pointer[pxBody]
+	hcap   uint32
+	covcap uint32
+	hp     atomic.Pointer[uint64]
+	covp   atomic.Pointer[pxCov]
 	h      []uint64 // content hash per position
 	cov    []pxCov  // one entry per worker holding any position
-}
-
-// pxBody is what readers read of a run: its arrays, at full capacity.
-type pxBody struct {
-	h   []uint64
-	cov []pxCov
 }
 
 // run is run id's header.
@@ -127,7 +127,10 @@ func (px *pathIndex) settle() {
 
 // publish makes r's arrays the ones readers read (r touched).
 func publish(r *pxRun) {
-	r.body.Store(&pxBody{h: r.h[:cap(r.h)], cov: r.cov[:cap(r.cov)]})
+	r.hp.Store(unsafe.SliceData(r.h))
+	store32(&r.hcap, uint32(cap(r.h)))
+	r.covp.Store(unsafe.SliceData(r.cov))
+	store32(&r.covcap, uint32(cap(r.cov)))
 }
 
 // appendHash appends c to r's content (r touched), in a larger array from
@@ -251,7 +254,7 @@ func (px *pathIndex) freeRun(id uint32) {
 		r.h, r.cov = nil, r.cov[:0]
 		store32(&r.n, 0)
 		store32(&r.ncov, 0)
-		r.body.Store(nil)
+		publish(r)
 		px.freeRuns = append(px.freeRuns, id)
 		if parent == 0 {
 			return
@@ -588,12 +591,19 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		}
 		run := &ch[r&(1<<pxChunkBits-1)]
 		rv := run.ver.Load()
-		b := run.body.Load()
-		if rv&1 != 0 || b == nil {
+		hp, hc := run.hp.Load(), atomic.LoadUint32(&run.hcap)
+		cp, cc := run.covp.Load(), atomic.LoadUint32(&run.covcap)
+		n, nc := atomic.LoadUint32(&run.n), atomic.LoadUint32(&run.ncov)
+		// Each array with its own capacity (they change together, while
+		// the run is touched), before either is indexed.
+		if rv&1 != 0 || hp == nil || run.ver.Load() != rv {
 			return dst, false
 		}
-		h := b.h[:min(int(atomic.LoadUint32(&run.n)), len(b.h))]
-		cov := b.cov[:min(int(atomic.LoadUint32(&run.ncov)), len(b.cov))]
+		h := unsafe.Slice(hp, hc)[:min(n, hc)]
+		var cov []pxCov
+		if cp != nil {
+			cov = unsafe.Slice(cp, cc)[:min(nc, cc)]
+		}
 		// Still the child it was found as (not freed and reused since).
 		if len(h) == 0 || atomic.LoadUint64(&h[0]) != content[i] ||
 			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
