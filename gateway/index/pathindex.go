@@ -37,13 +37,13 @@ import (
 // store64/store32) and trusts them only if the version was even and
 // unchanged around the reads: once before it indexes them (the pointers
 // and capacities agree), once after. The child table has a version per
-// group of slots. Run headers sit in
-// fixed chunks that never move, and a reader that reached a run through the
-// child table checks that the run is still that child (its parent, offset
-// and first hash), which covers a run freed and reused meanwhile. A lookup
-// that saw a change is redone. One model, one rank, one tier; copies are
-// counted as in Index (a removal takes one; twins, two engine hashes of a
-// worker naming one position, hold it until the last goes).
+// group of slots. Run headers sit in fixed chunks that never move, and a
+// reader that reached a run through the child table checks that the run
+// is still that child (its parent, offset and first hash), which covers a
+// run freed and reused meanwhile. A lookup that saw a change is redone.
+// One model, one rank, one tier; copies are counted as in Index (a removal
+// takes one; twins, two engine hashes of a worker naming one position,
+// hold it until the last goes).
 type pathIndex struct {
 	dir      [pxDirLen]atomic.Pointer[pxChunk] // run id → header; id 0 is the root, never a run
 	nruns    uint32                            // ids handed out
