@@ -33,16 +33,18 @@ import (
 // One writer at a time; lookups take no lock and may run during a write.
 // Each run has a seqlock version the writer makes odd the first time it
 // changes the run in an event and even again when the event is done; a
-// reader reads a run's body (content and coverage arrays, published by an
-// atomic pointer; the writer's stores into them are store64/store32) and
-// trusts it only if the version was even and unchanged around the reads.
-// The child table has one version for all its slots. Run headers sit in
-// fixed chunks that never move, and a reader that reached a run through the
-// child table checks that the run is still that child (its parent, offset
-// and first hash), which covers a run freed and reused meanwhile. A lookup
-// that saw a change is redone. One model, one rank, one tier; copies are
-// counted as in Index (a removal takes one; twins, two engine hashes of a
-// worker naming one position, hold it until the last goes).
+// reader reads a run's arrays (content and coverage, published in its
+// header: pointer and capacity of each; the writer's stores into them are
+// store64/store32) and trusts them only if the version was even and
+// unchanged around the reads: once before it indexes them (the pointers
+// and capacities agree), once after. The child table has a version per
+// group of slots. Run headers sit in fixed chunks that never move, and a
+// reader that reached a run through the child table checks that the run
+// is still that child (its parent, offset and first hash), which covers a
+// run freed and reused meanwhile. A lookup that saw a change is redone.
+// One model, one rank, one tier; copies are counted as in Index (a removal
+// takes one; twins, two engine hashes of a worker naming one position,
+// hold it until the last goes).
 type pathIndex struct {
 	dir      [pxDirLen]atomic.Pointer[pxChunk] // run id → header; id 0 is the root, never a run
 	nruns    uint32                            // ids handed out
@@ -59,12 +61,13 @@ type pathIndex struct {
 }
 
 // pxReader is one reader's lookup scratch: per worker, the stamp of the
-// last run it was alive in and the attempt (gen) its result slot idx
-// belongs to.
+// last run it was alive in (matched to the end of the match in it) and,
+// while it is, its slot in the result.
 type pxReader struct {
-	scratch []pxScratch
-	gen     uint32
-	stamp   uint32
+	scratch    []pxScratch
+	stamp      uint32
+	retries    int // attempts redone
+	kidRetries int // of which because the child table changed under a probe
 }
 
 func (px *pathIndex) newReader() *pxReader {
@@ -95,23 +98,21 @@ const (
 type pxChunk [1 << pxChunkBits]pxRun
 
 // pxRun is a run's header. h and cov are the writer's views of the arrays
-// body publishes; n and ncov are their lengths as readers see them.
+// that hp, hcap, covp and covcap publish to readers (changed only while
+// the run is touched); n and ncov are their lengths as readers see them.
 type pxRun struct {
 	ver    atomic.Uint32
 	n      uint32
 	ncov   uint32
 	parent uint32 // 0: hangs off the root
 	poff   uint32 // the parent's offset this run continues after
-	kids   uint32 // live child runs
-	body   atomic.Pointer[pxBody]
+	kids   uint32 // live child runs; readers skip the child table when 0
+	hcap   uint32
+	covcap uint32
+	hp     atomic.Pointer[uint64]
+	covp   atomic.Pointer[pxCov]
 	h      []uint64 // content hash per position
 	cov    []pxCov  // one entry per worker holding any position
-}
-
-// pxBody is what readers read of a run: its arrays, at full capacity.
-type pxBody struct {
-	h   []uint64
-	cov []pxCov
 }
 
 // run is run id's header.
@@ -141,7 +142,10 @@ func (px *pathIndex) settle() {
 
 // publish makes r's arrays the ones readers read (r touched).
 func publish(r *pxRun) {
-	r.body.Store(&pxBody{h: r.h[:cap(r.h)], cov: r.cov[:cap(r.cov)]})
+	r.hp.Store(unsafe.SliceData(r.h))
+	store32(&r.hcap, uint32(cap(r.h)))
+	r.covp.Store(unsafe.SliceData(r.cov))
+	store32(&r.covcap, uint32(cap(r.cov)))
 }
 
 // appendHash appends c to r's content (r touched), in a larger array from
@@ -177,7 +181,6 @@ type pxWorker struct {
 
 type pxScratch struct {
 	alive uint32
-	gen   uint32
 	idx   uint32
 }
 
@@ -276,11 +279,14 @@ func (px *pathIndex) newRun(parent, poff uint32, c uint64, room int) uint32 {
 	r.cov = r.cov[:0]
 	store32(&r.parent, parent)
 	store32(&r.poff, poff)
-	r.kids = 0
+	store32(&r.kids, 0)
 	publish(r)
+	// Into the child table before the parent's count moves: a reader that
+	// sees no child counted may skip the table (tryLookup).
 	px.kids.put(parent, poff, c, id)
 	if parent != 0 {
-		px.run(parent).kids++
+		p := px.run(parent)
+		store32(&p.kids, p.kids+1)
 	}
 	return id
 }
@@ -297,13 +303,14 @@ func (px *pathIndex) freeRun(id uint32) {
 		r.h, r.cov = nil, nil // a dead run's header keeps no coverage array
 		store32(&r.n, 0)
 		store32(&r.ncov, 0)
-		r.body.Store(nil)
+		publish(r)
 		px.freeRuns = append(px.freeRuns, id)
 		if parent == 0 {
 			return
 		}
 		p := px.run(parent)
-		if p.kids--; p.kids != 0 || len(p.cov) != 0 {
+		store32(&p.kids, p.kids-1) // after the child left the table
+		if p.kids != 0 || len(p.cov) != 0 {
 			return
 		}
 		id = parent
@@ -507,16 +514,19 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 			px.hold(wk, e, nr, no)
 			continue
 		}
-		store32(&e.lead, no+1)
-		e.held++
 		r := px.run(nr)
-		if no+1 != uint32(len(r.h)) {
+		h := r.h
+		if no+1 != uint32(len(h)) {
+			store32(&e.lead, no+1)
+			e.held++
 			continue
 		}
 		// The block went at the run's end and w holds the run up to it: the
 		// blocks after it that are new to w go at the end too, in one loop
-		// (the event's hashes copied into the run, the lead moved along).
-		for j+1 < len(engine) && len(r.h) < pxMaxRunLen {
+		// (the event's hashes copied into the run). The run is touched, so
+		// readers take none of it until the event ends: its length and w's
+		// lead are stored once, after the loop.
+		for j+1 < len(engine) && len(h) < pxMaxRunLen {
 			j++
 			i, found := wk.rev.upsert(engine[j])
 			if found {
@@ -524,12 +534,21 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 				cr, co = wk.rev.pos(i)
 				break
 			}
-			px.appendHash(r, content[j], len(engine)-j)
-			co++
-			wk.rev.setPos(i, cr, co)
-			store32(&e.lead, co+1)
-			e.held++
+			if n := len(h); n < cap(h) {
+				h = h[:n+1]
+				store64(&h[n], content[j])
+			} else {
+				r.h = h
+				px.appendHash(r, content[j], len(engine)-j)
+				h = r.h
+			}
+			co = uint32(len(h) - 1)
+			wk.rev.setPos(i, nr, co)
 		}
+		r.h = h
+		store32(&r.n, uint32(len(h)))
+		e.held += uint32(len(h)) - no
+		store32(&e.lead, uint32(len(h)))
 	}
 	px.settle()
 }
@@ -538,6 +557,7 @@ func (px *pathIndex) store(w uint32, hasParent bool, parent uint64, engine, cont
 func (px *pathIndex) remove(w uint32, engine []uint64) {
 	wk := &px.workers[w]
 	ci, last := -1, uint32(0)
+	var le *pxCov // &run(last).cov[ci] when ci >= 0
 	for _, h := range engine {
 		i := wk.rev.find(h)
 		if i < 0 {
@@ -549,19 +569,21 @@ func (px *pathIndex) remove(w uint32, engine []uint64) {
 		run, off := wk.rev.pos(i)
 		wk.rev.del(i)
 		if run != last {
-			ci, last = -1, run
-		} else if ci >= 0 && wk.twins == nil {
+			ci, last, le = -1, run, nil
+		} else if le != nil && wk.twins == nil {
 			// The common case: the run's last held position of w's lead, the
 			// entry staying.
-			if e := &px.run(last).cov[ci]; off+1 == e.lead && e.held > 1 {
-				store32(&e.lead, off)
-				e.held--
+			if off+1 == le.lead && le.held > 1 {
+				store32(&le.lead, off)
+				le.held--
 				continue
 			}
 		}
 		px.release(wk, w, run, off, &ci)
 		if ci < 0 {
-			last = 0
+			last, le = 0, nil
+		} else {
+			le = &px.run(last).cov[ci]
 		}
 	}
 	px.settle()
@@ -576,6 +598,7 @@ func (px *pathIndex) lookup(rd *pxReader, dst []pathMatch, content []uint64) []p
 		if dst, ok = px.tryLookup(rd, dst[:0], content); ok {
 			return dst
 		}
+		rd.retries++
 		if tries > 4 {
 			runtime.Gosched()
 		}
@@ -587,21 +610,16 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		return dst, true
 	}
 	r, ok := px.kids.get(0, 0, content[0])
-	if !ok || r == 0 {
-		return dst, ok
+	if !ok {
+		rd.kidRetries++
+		return dst, false
 	}
-	if rd.gen++; rd.gen == 0 {
-		clear(rd.scratch)
-		rd.gen = 1
+	if r == 0 {
+		return dst, true
 	}
-	if rd.stamp > 1<<31 {
-		clear(rd.scratch)
-		rd.stamp = 0
-	}
-	gen := rd.gen
+	var prev uint32 // the stamp of the run before; 0: r is the first
 	base, i := uint32(0), 0
 	parent, poff := uint32(0), uint32(0)
-	prev := uint32(0) // the stamp of the run before; 0: r is the first
 	for {
 		if int(r>>pxChunkBits) >= pxDirLen {
 			return dst, false
@@ -612,57 +630,110 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 		}
 		run := &ch[r&(1<<pxChunkBits-1)]
 		rv := run.ver.Load()
-		b := run.body.Load()
-		if rv&1 != 0 || b == nil {
+		hp, hc := run.hp.Load(), atomic.LoadUint32(&run.hcap)
+		cp, cc := run.covp.Load(), atomic.LoadUint32(&run.covcap)
+		n, nc := atomic.LoadUint32(&run.n), atomic.LoadUint32(&run.ncov)
+		// Each array with its own capacity (they change together, while
+		// the run is touched), before either is indexed.
+		if rv&1 != 0 || hp == nil || run.ver.Load() != rv {
 			return dst, false
 		}
-		h := b.h[:min(int(atomic.LoadUint32(&run.n)), len(b.h))]
-		cov := b.cov[:min(int(atomic.LoadUint32(&run.ncov)), len(b.cov))]
+		h := unsafe.Slice(hp, hc)[:min(n, hc)]
+		var cov []pxCov
+		if cp != nil {
+			cov = unsafe.Slice(cp, cc)[:min(nc, cc)]
+		}
 		// Still the child it was found as (not freed and reused since).
 		if len(h) == 0 || atomic.LoadUint64(&h[0]) != content[i] ||
 			atomic.LoadUint32(&run.parent) != parent || atomic.LoadUint32(&run.poff) != poff {
 			return dst, false
 		}
-		lim := min(len(h), len(content)-i)
+		h = h[:min(len(h), len(content)-i)]
+		rest := content[i : i+len(h)]
 		m := 1
-		for m < lim && atomic.LoadUint64(&h[m]) == content[i+m] {
+		for m < len(h) {
+			if atomic.LoadUint64(&h[m]) != rest[m] {
+				break
+			}
 			m++
 		}
-		rd.stamp++
-		st := rd.stamp
-		for k := range cov {
-			e := &cov[k]
-			w := atomic.LoadUint32(&e.w)
-			if int(w) >= len(rd.scratch) {
-				return dst, false
+		var st uint32
+		if prev == 0 {
+			// The first run: every worker in it is new to the answer and
+			// none is checked against a run before, so no scratch is
+			// read or written unless the lookup goes on into a child.
+			// dst is empty: each entry is written to its end and kept if
+			// the worker matched, without a branch.
+			if cap(dst) < len(cov) {
+				dst = make([]pathMatch, 0, len(cov)+len(cov)/2)
 			}
-			sc := &rd.scratch[w]
-			if prev != 0 && sc.alive != prev {
-				continue
-			}
-			d := min(atomic.LoadUint32(&e.lead), uint32(m))
-			if d == 0 {
-				continue
-			}
-			if sc.gen != gen {
-				sc.gen, sc.idx = gen, uint32(len(dst))
-				dst = append(dst, pathMatch{w: w, blocks: base + d})
-			} else {
+			dst = dst[:pxFirst(dst[:len(cov)], cov, uint32(m))]
+		} else {
+			rd.stamp++
+			st = rd.stamp
+			for k := range cov {
+				e := &cov[k]
+				w := atomic.LoadUint32(&e.w)
+				if int(w) >= len(rd.scratch) {
+					return dst, false
+				}
+				sc := &rd.scratch[w]
+				if sc.alive != prev {
+					continue
+				}
+				// Alive through the runs before, so answered already:
+				// its result only grows.
+				d := min(atomic.LoadUint32(&e.lead), uint32(m))
+				if d == 0 {
+					continue
+				}
 				dst[sc.idx].blocks = base + d
-			}
-			if d == uint32(m) {
-				sc.alive = st
+				if d == uint32(m) {
+					sc.alive = st
+				}
 			}
 		}
+		if i+m == len(content) {
+			return dst, run.ver.Load() == rv
+		}
+		// No child run hangs anywhere off r (the writer counts them, a
+		// child entering the child table before the count moves and
+		// leaving it after): no probe.
+		nk := atomic.LoadUint32(&run.kids)
 		if run.ver.Load() != rv {
 			return dst, false
 		}
-		if i+m == len(content) {
+		if nk == 0 {
 			return dst, true
 		}
 		c, ok := px.kids.get(r, uint32(m-1), content[i+m])
-		if !ok || c == 0 {
-			return dst, ok
+		if !ok {
+			rd.kidRetries++
+			return dst, false
+		}
+		if c == 0 {
+			return dst, true
+		}
+		if prev == 0 {
+			// Going on into a child: the workers alive to r's end are
+			// stamped with their result slots. Only they can score in
+			// the runs after, and each is answered already.
+			if rd.stamp > 1<<31 {
+				clear(rd.scratch)
+				rd.stamp = 0
+			}
+			rd.stamp++
+			st = rd.stamp
+			for k, x := range dst {
+				if x.blocks != uint32(m) {
+					continue
+				}
+				if int(x.w) >= len(rd.scratch) {
+					return dst, false
+				}
+				sc := &rd.scratch[x.w]
+				sc.alive, sc.idx = st, uint32(k)
+			}
 		}
 		parent, poff = r, uint32(m-1)
 		base += uint32(m)
@@ -671,13 +742,31 @@ func (px *pathIndex) tryLookup(rd *pxReader, dst []pathMatch, content []uint64) 
 	}
 }
 
+// pxFirst writes into out (as long as cov) each coverage entry's worker
+// and lead up to m, in order, keeping those above 0, and returns how many
+// it kept. Out of line, its loop keeps its counters in registers.
+//
+//go:noinline
+func pxFirst(out []pathMatch, cov []pxCov, m uint32) int {
+	n := 0
+	for k := range cov {
+		e := &cov[k]
+		d := min(atomic.LoadUint32(&e.lead), m)
+		out[n] = pathMatch{w: atomic.LoadUint32(&e.w), blocks: d}
+		if d != 0 {
+			n++
+		}
+	}
+	return n
+}
+
 // bytes estimates the prototype's memory from its arrays' capacities: run
 // headers, content arrays, coverage entries, hole bitmaps, the child table,
 // the reverse tables, and the arrays kept for reuse.
 func (px *pathIndex) bytes() map[string]int {
 	m := map[string]int{
 		"headers": int(px.nruns+1<<pxChunkBits-1)>>pxChunkBits*int(unsafe.Sizeof(pxChunk{})) + cap(px.freeRuns)*4 + int(unsafe.Sizeof(px.dir)),
-		"kids":    len(px.kids.s) * int(unsafe.Sizeof(pxKidSlot{})),
+		"kids":    len(px.kids.s)*int(unsafe.Sizeof(pxKidSlot{})) + len(px.kids.ver)*4,
 	}
 	for i := uint32(1); i < px.nruns; i++ {
 		r := px.run(i)
@@ -697,10 +786,9 @@ func (px *pathIndex) bytes() map[string]int {
 	for c := range px.arrays {
 		m["pooled"] += len(px.arrays[c]) * pxClassCap(c) * 8
 	}
-	// What holds the arrays: each live run's published body (48 B, its
-	// size class), the free lists' and hole list's slice headers, the
-	// workers' records.
-	m["bodies"] = px.liveRuns() * int(unsafe.Sizeof(pxBody{}))
+	// What holds the arrays: the free lists' and hole list's slice headers,
+	// the workers' records. (A run's arrays are published in its header,
+	// counted with the headers.)
 	lists := cap(px.holes)*24 + cap(px.freeHole)*4 + cap(px.touched)*4
 	for c := range px.arrays {
 		lists += cap(px.arrays[c]) * 8
@@ -928,19 +1016,33 @@ func bitsLen(x int) int {
 }
 
 // pxKids is the child table of every run, the root's included: (parent run,
-// offset, first content hash) → child run; open addressing as pxRev. Its
-// version is odd while the writer changes it; readers (get) read the table
-// published in tab, writers (find, put, del) their own view s.
+// offset, first content hash) → child run; open addressing as pxRev.
+// Readers (get) read the table published in tab, the writer (find, put,
+// del) its own view s of the same slots.
+//
+// A reader needs no version for a hit: the caller checks that the run it
+// names is that child (its parent, offset and first hash, under the run's
+// version), so a stale or torn slot is caught there. A miss must be
+// checked: a deletion shifts entries back and could move the one sought
+// behind the probe. Each group of 1<<pxKidGroupBits slots has a version
+// the writer makes odd around its changes to the group's slots; a miss
+// holds if every group the probe read was even and unchanged, and the
+// table was not replaced by a larger one. A change elsewhere in the table
+// fails no probe.
 type pxKids struct {
-	ver   atomic.Uint32
 	tab   atomic.Pointer[pxKidTab]
 	s     []pxKidSlot
+	ver   []atomic.Uint32 // tab's versions, the writer's view
+	open  []int           // groups del made odd
 	shift uint8
 	n     int
 }
 
+const pxKidGroupBits = 4
+
 type pxKidTab struct {
 	s     []pxKidSlot
+	ver   []atomic.Uint32 // per group of 1<<pxKidGroupBits slots
 	shift uint8
 }
 
@@ -952,33 +1054,47 @@ type pxKidSlot struct {
 
 func pxKidHash(po, c uint64) uint64 { return (c ^ po*0xff51afd7ed558ccd) * pxMul }
 
-// get is the readers' lookup: the child, and false when the table changed
-// during it.
+// get is the readers' lookup: the child (0: none), and false when a miss
+// cannot be trusted (the table changed where it probed). A child returned
+// must be checked by the caller to be that child.
 func (t *pxKids) get(parent, off uint32, c uint64) (uint32, bool) {
-	v := t.ver.Load()
-	if v&1 != 0 {
-		return 0, false
-	}
 	tb := t.tab.Load()
 	if tb == nil {
-		return 0, t.ver.Load() == v
+		return 0, true // no child was ever made
 	}
 	po := uint64(parent)<<32 | uint64(off)
 	s := tb.s
 	mask := len(s) - 1
-	var child uint32
-	for i, k := int(pxKidHash(po, c)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+	i := int(pxKidHash(po, c) >> tb.shift)
+	g0 := i >> pxKidGroupBits
+	sum := tb.ver[g0].Load()
+	odd := sum
+	groups := 1
+	for k := 0; k < len(s); k++ {
 		sl := &s[i]
 		ch := atomic.LoadUint32(&sl.child)
 		if ch == 0 {
 			break
 		}
 		if atomic.LoadUint64(&sl.c) == c && atomic.LoadUint64(&sl.po) == po {
-			child = ch
-			break
+			return ch, true
+		}
+		if i = (i + 1) & mask; i&(1<<pxKidGroupBits-1) == 0 {
+			v := tb.ver[i>>pxKidGroupBits].Load()
+			sum += v
+			odd |= v
+			groups++
 		}
 	}
-	return child, t.ver.Load() == v
+	if odd&1 != 0 {
+		return 0, false
+	}
+	// Versions only grow: the sum is unchanged only if each is.
+	gmask := len(tb.ver) - 1
+	for g := g0; groups > 0; g, groups = (g+1)&gmask, groups-1 {
+		sum -= tb.ver[g].Load()
+	}
+	return 0, sum == 0 && t.tab.Load() == tb
 }
 
 // find is the writer's lookup.
@@ -1007,7 +1123,6 @@ func (t *pxKids) setSlot(i int, v pxKidSlot) {
 }
 
 func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
-	t.ver.Add(1)
 	if (t.n+1)*16 > len(t.s)*13 {
 		t.grow()
 	}
@@ -1017,15 +1132,21 @@ func (t *pxKids) put(parent, off uint32, c uint64, child uint32) {
 	for t.s[i].child != 0 {
 		i = (i + 1) & mask
 	}
+	v := &t.ver[i>>pxKidGroupBits]
+	v.Add(1)
 	t.setSlot(i, pxKidSlot{c: c, po: po, child: child})
+	v.Add(1)
 	t.n++
-	t.ver.Add(1)
 }
 
+// grow moves the entries into a table twice as large and publishes it; the
+// old one is never written again (a reader still in it finds what it held,
+// and a miss there fails on the table's replacement).
 func (t *pxKids) grow() {
 	old := t.s
-	n := max(16, 2*len(old))
+	n := max(1<<pxKidGroupBits, 2*len(old))
 	t.s = make([]pxKidSlot, n)
+	t.ver = make([]atomic.Uint32, n>>pxKidGroupBits)
 	t.shift = uint8(64 - bitsLen(n-1))
 	mask := n - 1
 	for _, s := range old {
@@ -1038,7 +1159,16 @@ func (t *pxKids) grow() {
 		}
 		t.s[i] = s
 	}
-	t.tab.Store(&pxKidTab{s: t.s, shift: t.shift})
+	t.tab.Store(&pxKidTab{s: t.s, ver: t.ver, shift: t.shift})
+}
+
+// openAt makes slot i's group odd before its first change in a del.
+func (t *pxKids) openAt(i int) {
+	g := i >> pxKidGroupBits
+	if l := len(t.open); l == 0 || t.open[l-1] != g {
+		t.ver[g].Add(1)
+		t.open = append(t.open, g)
+	}
 }
 
 func (t *pxKids) del(parent, off uint32, c uint64) {
@@ -1051,17 +1181,23 @@ func (t *pxKids) del(parent, off uint32, c uint64) {
 		}
 		i = (i + 1) & mask
 	}
-	t.ver.Add(1)
+	// Backward shift: the slots written go forward from i (wrapping), so
+	// the groups opened are in order and each is opened once.
+	t.openAt(i)
 	for j := (i + 1) & mask; t.s[j].child != 0; j = (j + 1) & mask {
 		h := int(pxKidHash(t.s[j].po, t.s[j].c) >> t.shift)
 		if (j-h)&mask >= (j-i)&mask {
 			t.setSlot(i, t.s[j])
 			i = j
+			t.openAt(i)
 		}
 	}
 	t.setSlot(i, pxKidSlot{})
 	t.n--
-	t.ver.Add(1)
+	for _, g := range t.open {
+		t.ver[g].Add(1)
+	}
+	t.open = t.open[:0]
 }
 
 // counts returns the live positions and the (worker, position) pairs held.

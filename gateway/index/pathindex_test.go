@@ -79,7 +79,11 @@ func pathLockstep(t *testing.T, workers int, ops []corpusOp) (*Index, *pathIndex
 			px.remove(op.worker, op.engine)
 		default:
 			ix.FindMatchesContentInto(&m, op.content)
-			dst = px.lookup(rd, dst, op.content)
+			// No write is in progress: the first attempt must hold.
+			var ok bool
+			if dst, ok = px.tryLookup(rd, dst[:0], op.content); !ok {
+				t.Fatalf("op %d: a lookup between writes failed its attempt", i)
+			}
 			want := make(map[string]int)
 			for _, x := range m.Workers {
 				want[x.Worker] = x.Blocks
@@ -432,7 +436,7 @@ func TestPathIndexConcurrentReaders(t *testing.T) {
 		got         string
 	}
 	px := newPathIndex(workers)
-	var applied atomic.Int64
+	var applied, retries, kidRetries atomic.Int64
 	done := make(chan struct{})
 	recs := make(chan []record, 2)
 	var ready sync.WaitGroup
@@ -447,6 +451,8 @@ func TestPathIndexConcurrentReaders(t *testing.T) {
 			for {
 				select {
 				case <-done:
+					retries.Add(int64(rd.retries))
+					kidRetries.Add(int64(rd.kidRetries))
 					recs <- out
 					return
 				default:
@@ -523,7 +529,143 @@ func TestPathIndexConcurrentReaders(t *testing.T) {
 	if checked < 1000 {
 		t.Fatalf("only %d of %d lookups overlapped at most one event that changed one run", checked, len(all))
 	}
-	t.Logf("%d lookups, %d checked against the states around them, over %d events", len(all), checked, len(ops))
+	t.Logf("%d lookups (%d attempts redone, %d for the child table), %d checked against the states around them, over %d events",
+		len(all), retries.Load(), kidRetries.Load(), checked, len(ops))
+}
+
+// TestPathKidsConcurrentProbes checks the child table's readers against one
+// writer: keys that stay in the table are probed (get) while the writer
+// inserts and deletes others around them, so that deletions shift entries
+// back past the probes. The keys probed and churned all have their home in
+// one window of the table, so that the clusters there are long and every
+// deletion moves keys a probe is after. A probe may fail (the caller redoes
+// its attempt) or name a wrong child (the caller's identity check rejects
+// it), but it must never report a key that stays as absent. It also counts
+// the probes that failed, of keys present and absent: only a change to a
+// group of slots a probe read may fail it.
+func TestPathKidsConcurrentProbes(t *testing.T) {
+	const (
+		size   = 4096 // slots, fixed by the filler keys
+		window = 96   // slots where the probed and churned keys have their home
+		stay   = 8
+		churn  = 96
+		absent = 8
+	)
+	var kt pxKids
+	rng := rand.New(rand.NewPCG(5, 7))
+	type key struct {
+		parent, off uint32
+		c           uint64
+	}
+	shift := uint8(64 - bitsLen(size-1))
+	home := func(k key) int { return int(pxKidHash(uint64(k.parent)<<32|uint64(k.off), k.c) >> shift) }
+	// keys[0:stay] stay, then churn, then absent (never stored) ones, all
+	// homed in [size/2, size/2+window); fillers elsewhere fill the table
+	// to half, so that it never grows while probed.
+	var keys, fillers []key
+	for id := uint32(1); len(keys) < stay+churn+absent || len(fillers) < size/2; id++ {
+		k := key{id, uint32(rng.IntN(4)), rng.Uint64()}
+		if h := home(k); h >= size/2 && h < size/2+window {
+			if len(keys) < stay+churn+absent {
+				keys = append(keys, k)
+			}
+		} else if h < size/4 || h >= size*3/4 {
+			if len(fillers) < size/2 {
+				fillers = append(fillers, k)
+			}
+		}
+	}
+	for i, k := range fillers {
+		kt.put(k.parent, k.off, k.c, uint32(1_000_000+i))
+	}
+	if len(kt.s) != size {
+		t.Fatalf("table of %d slots, want %d", len(kt.s), size)
+	}
+	// The churned keys first, then the ones that stay: these land past
+	// their homes, behind churned ones, and move back as those go.
+	in := make([]bool, churn)
+	for i := range churn {
+		k := keys[stay+i]
+		kt.put(k.parent, k.off, k.c, uint32(stay+i+1))
+		in[i] = true
+	}
+	for i := range stay {
+		kt.put(keys[i].parent, keys[i].off, keys[i].c, uint32(i+1))
+	}
+	var done atomic.Bool
+	var probes, failed, wrong, lost, misses, missFailed atomic.Int64
+	var wg sync.WaitGroup
+	wg.Add(1)
+	started := make(chan struct{})
+	go func() {
+		defer wg.Done()
+		rng := rand.New(rand.NewPCG(1, 2))
+		var n, f, w, l, m, mf int64
+		close(started)
+		for !done.Load() {
+			if rng.IntN(4) == 0 {
+				k := keys[stay+churn+rng.IntN(absent)]
+				child, ok := kt.get(k.parent, k.off, k.c)
+				m++
+				switch {
+				case !ok:
+					mf++
+				case child != 0:
+					w++
+				}
+				continue
+			}
+			i := rng.IntN(stay)
+			k := keys[i]
+			child, ok := kt.get(k.parent, k.off, k.c)
+			n++
+			switch {
+			case !ok:
+				f++
+			case child == 0:
+				l++
+			case child != uint32(i+1):
+				w++
+			}
+		}
+		probes.Add(n)
+		failed.Add(f)
+		wrong.Add(w)
+		lost.Add(l)
+		misses.Add(m)
+		missFailed.Add(mf)
+	}()
+	<-started
+	ops := 3_000_000
+	if raceEnabled {
+		ops = 300_000
+	}
+	for range ops {
+		i := rng.IntN(churn)
+		k := keys[stay+i]
+		if in[i] {
+			kt.del(k.parent, k.off, k.c)
+		} else {
+			kt.put(k.parent, k.off, k.c, uint32(stay+i+1))
+		}
+		in[i] = !in[i]
+	}
+	done.Store(true)
+	wg.Wait()
+	if probes.Load() == 0 {
+		t.Fatal("no probe ran")
+	}
+	if lost.Load() != 0 {
+		t.Fatalf("%d of %d probes reported a key that stays as absent", lost.Load(), probes.Load())
+	}
+	for i := range stay {
+		if c, ok := kt.get(keys[i].parent, keys[i].off, keys[i].c); !ok || c != uint32(i+1) {
+			t.Fatalf("key %d: child %d, %v after the writer stopped", i, c, ok)
+		}
+	}
+	t.Logf("during %d changes: %d probes of keys that stay, %d failed (%.3f%%); %d of absent keys, %d failed (%.3f%%); %d named another child",
+		ops, probes.Load(), failed.Load(), 100*float64(failed.Load())/float64(probes.Load()),
+		misses.Load(), missFailed.Load(), 100*float64(missFailed.Load())/float64(max(1, misses.Load())), wrong.Load())
 }
 
 // checkRev checks t against model (engine hash → position) and the
