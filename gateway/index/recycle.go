@@ -21,7 +21,7 @@ type arrayPool struct {
 	// bodies by stamped (0 or 1) and size class; rev holds reverse-table
 	// arrays, oldest first (a reverse table takes any length, so a request
 	// takes the first one in its range).
-	bodies [2][bodyClasses][]*runBody
+	bodies [2][bodyClasses][]runArrays
 	rev    []revArrays
 	// held is the bytes of the arrays kept here, by kind (kindBody,
 	// kindRev); live, those in use (handed out and not given back), which
@@ -32,6 +32,13 @@ type arrayPool struct {
 	off bool
 	// Counted for tests and profiles.
 	bodyGets, bodyHits, revGets, revHits, puts, kept int
+}
+
+// runArrays is a run's content and stamp arrays (stamps nil when the
+// index does not prune).
+type runArrays struct {
+	h  []uint64
+	st []uint32
 }
 
 type revArrays struct {
@@ -62,54 +69,57 @@ func (p *arrayPool) fits(k, sz int) bool {
 	return p.held[k]+sz <= poolMinBytes+p.live[k]/poolLiveDiv
 }
 
-// getBody returns run arrays of size class k, holders and stamps zero. A
-// reused body may still be read by a lookup that started before it was given
-// back; the run that gave it back moved its version since, so that lookup
-// will read again, and the stores here are atomic for the race detector's
-// sake.
-func (p *arrayPool) getBody(k int, stamped bool) *runBody {
+// getArrays returns a run's arrays of size class k, length 0: content
+// hashes and, stamped, stamps (zero). A reused array may still be read by a
+// lookup that started before it was given back; the run that gave it back
+// moved its version since, so that lookup will read again, and the stores
+// here are atomic for the race detector's sake.
+func (p *arrayPool) getArrays(k int, stamped bool) ([]uint64, []uint32) {
 	st := 0
 	if stamped {
 		st = 1
 	}
+	sz := arrBytes(bodySizes[k], stamped)
 	p.mu.Lock()
 	p.bodyGets++
 	l := p.bodies[st][k]
 	if n := len(l); n > 0 {
-		b := l[n-1]
-		l[n-1] = nil
+		a := l[n-1]
+		l[n-1] = runArrays{}
 		p.bodies[st][k] = l[:n-1]
-		sz := bodyBytes(b)
 		p.held[kindBody] -= sz
 		p.live[kindBody] += sz
 		p.bodyHits++
 		p.mu.Unlock()
-		h := b.holds[:cap(b.holds)]
-		for i := range h { // holders and stamps
-			store32(&h[i], 0)
+		for i := range a.st[:cap(a.st)] {
+			store32(&a.st[:cap(a.st)][i], 0)
 		}
-		return b
+		return a.h[:0], a.st
 	}
-	b := newRunBody(bodySizes[k], stamped)
-	p.live[kindBody] += bodyBytes(b)
+	p.live[kindBody] += sz
 	p.mu.Unlock()
-	return b
+	h := make([]uint64, 0, bodySizes[k])
+	var sts []uint32
+	if stamped {
+		sts = make([]uint32, 0, bodySizes[k])
+	}
+	return h, sts
 }
 
-// putBody gives b back (its run's version odd, so that lookups reading b
-// will read again); it is kept if the bound allows.
-func (p *arrayPool) putBody(b *runBody) {
+// putArrays gives a run's arrays back (its version odd, so that lookups
+// reading them will read again); they are kept if the bound allows.
+func (p *arrayPool) putArrays(h []uint64, sts []uint32) {
 	st := 0
-	if b.stamped() {
+	if sts != nil {
 		st = 1
 	}
-	k := bodyClass(b.size())
-	sz := bodyBytes(b)
+	k := bodyClass(cap(h))
+	sz := arrBytes(cap(h), sts != nil)
 	p.mu.Lock()
 	p.puts++
 	p.live[kindBody] -= sz
-	if !p.off && p.fits(kindBody, sz) {
-		p.bodies[st][k] = append(p.bodies[st][k], b)
+	if !p.off && p.fits(kindBody, sz) && cap(h) == bodySizes[k] {
+		p.bodies[st][k] = append(p.bodies[st][k], runArrays{h[:0], sts[:0]})
 		p.held[kindBody] += sz
 		p.kept++
 	}
