@@ -1,7 +1,6 @@
 package index
 
 import (
-
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
