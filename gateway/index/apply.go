@@ -250,10 +250,68 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			}
 			rt.slots[i].pos = uint32(l)
 			ix.addRef(ws, l, stamp, true)
+			if k := ix.extendRun(ws, rt, s.Blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
+				l = makeLoc(l.run(), l.off()+k-1-j) // the last block filed
+				j = k - 1
+			}
 		}
 		chained = true
 		prevLoc = l
 	}
+}
+
+// extendRun files the store's blocks from j on while each is new to the
+// rank and goes at the end of the run of the block before it (at l, just
+// filed by ws, whose coverage of the run reaches it with no hole): the
+// common case of a conversation's next turn, done in one loop (the content
+// appended, the reverse entry set, the worker's lead moved along) instead
+// of place and addRef per block. It stops at the first block that needs
+// anything else (a nil block, one the rank held, a full run, a settle
+// point) and returns its index.
+func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, slots []evSlot, j int, l loc, stamp uint32, moved bool) int {
+	f := &ix.fw
+	id := l.run()
+	r := f.run(id)
+	o := l.off() + 1
+	if o != len(r.h) {
+		return j
+	}
+	ci := f.findCover(r, ws.id)
+	if ci < 0 {
+		return j
+	}
+	e := &r.cov[ci]
+	if e.lead != uint32(o) || e.holes != 0 {
+		return j
+	}
+	m := j
+	for ; m < len(slots) && o < maxRunLen; m, o = m+1, o+1 {
+		if m%settleEvery == settleEvery-1 {
+			break
+		}
+		es := slots[m]
+		if es.slot < 0 || es.found {
+			break
+		}
+		f.appendPos(id, r, content[m], len(slots)-m)
+		i := int(es.slot)
+		if moved {
+			i = rt.find(uint64(blocks[m].BlockHash))
+		}
+		pl := makeLoc(id, o)
+		rt.slots[i].pos = uint32(pl)
+		r.refs++
+		if r.st != nil {
+			store32(&r.st[o], stamp)
+		}
+		store32(&e.lead, uint32(o+1))
+		e.held++
+		store64(&f.mem, f.mem+1)
+		if ix.pruning {
+			ws.retain(pl, false, true)
+		}
+	}
+	return m
 }
 
 // warnRunCap logs, once, that a store was left out for want of a run id.

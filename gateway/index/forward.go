@@ -138,6 +138,8 @@ type forward struct {
 	bytes int    // content and stamp arrays in use, in bytes (mu held)
 	// capWarned: the run cap's warning was logged.
 	capWarned bool
+	// onSettle, when set (tests), is told how many runs each settle ends.
+	onSettle func(touched int)
 }
 
 func (f *forward) init(pool *arrayPool, stamped bool) {
@@ -164,6 +166,9 @@ func (f *forward) touch(id uint32) *run {
 // settle ends the changes made so far: every run touched gets an even
 // version again, and lookups waiting on them go ahead.
 func (f *forward) settle() {
+	if f.onSettle != nil {
+		f.onSettle(len(f.touched))
+	}
 	for _, id := range f.touched {
 		f.run(id).ver.Add(1)
 	}
