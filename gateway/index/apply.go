@@ -284,16 +284,25 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 	if e.lead != uint32(o) || e.holes != 0 {
 		return j
 	}
+	// Stop before the next settle point (the caller settles there) and at
+	// the run's end.
+	end := min(len(slots), j|(settleEvery-1), j+maxRunLen-o)
 	m := j
-	for ; m < len(slots) && o < maxRunLen; m, o = m+1, o+1 {
-		if m%settleEvery == settleEvery-1 {
-			break
-		}
+	for ; m < end; m, o = m+1, o+1 {
 		es := slots[m]
 		if es.slot < 0 || es.found {
 			break
 		}
-		f.appendPos(id, r, content[m], len(slots)-m)
+		if n := len(r.h); n < cap(r.h) {
+			r.h = r.h[:n+1]
+			store64(&r.h[n], content[m])
+			if r.st != nil {
+				r.st = r.st[:n+1]
+			}
+			store32(&r.n, uint32(n+1))
+		} else {
+			f.appendPos(id, r, content[m], len(slots)-m)
+		}
 		i := int(es.slot)
 		if moved {
 			i = rt.find(uint64(blocks[m].BlockHash))
@@ -306,11 +315,11 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		}
 		store32(&e.lead, uint32(o+1))
 		e.held++
-		store64(&f.mem, f.mem+1)
 		if ix.pruning {
 			ws.retain(pl, false, true)
 		}
 	}
+	store64(&f.mem, f.mem+uint64(m-j))
 	return m
 }
 
@@ -517,10 +526,32 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	f := &ix.fw
 	f.mu.Lock()
 	defer f.unlock()
+	// The common case, a position at the end of the worker's lead in the run
+	// of the position before, no other entry of the worker naming it, is
+	// done here: the lead moves back, and the run (which the worker still
+	// holds, so a reverse entry still names it) stays.
+	var last *run
+	ci := -1
 	for j, l := range locs {
 		if j%settleEvery == settleEvery-1 {
 			f.settle()
 		}
+		if r := f.run(l.run()); r == last && ci < len(r.cov) && len(ws.refs) == 0 {
+			if e := &r.cov[ci]; e.w == ws.id && uint32(l.off())+1 == e.lead && e.held > 1 {
+				f.touch(l.run())
+				store32(&e.lead, e.lead-1)
+				e.held--
+				r.refs--
+				store64(&f.mem, f.mem-1)
+				continue
+			}
+		}
 		ix.dropRef(ws, l)
+		last, ci = nil, -1
+		if r := f.run(l.run()); len(r.h) > 0 {
+			if ci = f.findCover(r, ws.id); ci >= 0 {
+				last = r
+			}
+		}
 	}
 }
