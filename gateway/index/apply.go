@@ -273,14 +273,14 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 	id := l.run()
 	r := f.run(id)
 	o := l.off() + 1
-	if o != len(r.h) {
+	if o != int(r.n) {
 		return j
 	}
 	ci := f.findCover(r, ws.id)
 	if ci < 0 {
 		return j
 	}
-	e := &r.cov[ci]
+	e := &r.covs()[ci]
 	if e.lead != uint32(o) || e.holes != 0 {
 		return j
 	}
@@ -293,15 +293,13 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		if es.slot < 0 || es.found {
 			break
 		}
-		if n := len(r.h); n < cap(r.h) {
-			r.h = r.h[:n+1]
-			store64(&r.h[n], content[m])
-			if r.st != nil {
-				r.st = r.st[:n+1]
-			}
+		b := r.body.Load()
+		if n := int(r.n); n < len(b.h) {
+			store64(&b.h[n], content[m])
 			store32(&r.n, uint32(n+1))
 		} else {
 			f.appendPos(id, r, content[m], len(slots)-m)
+			b = r.body.Load()
 		}
 		i := int(es.slot)
 		if moved {
@@ -310,8 +308,8 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		pl := makeLoc(id, o)
 		rt.slots[i].pos = uint32(pl)
 		r.refs++
-		if r.st != nil {
-			store32(&r.st[o], stamp)
+		if b.st != nil {
+			store32(&b.st[o], stamp)
 		}
 		store32(&e.lead, uint32(o+1))
 		e.held++
@@ -393,8 +391,8 @@ func (ix *Index) addRef(ws *workerState, l loc, stamp uint32, counted bool) {
 	if counted {
 		r.refs++
 	}
-	if r.st != nil {
-		store32(&r.st[l.off()], stamp)
+	if p := r.stampOf(l.off()); p != nil {
+		store32(p, stamp)
 	}
 	held := f.addHolder(r, ws.id, l.off())
 	if counted {
@@ -536,8 +534,8 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		if j%settleEvery == settleEvery-1 {
 			f.settle()
 		}
-		if r := f.run(l.run()); r == last && ci < len(r.cov) && len(ws.refs) == 0 {
-			if e := &r.cov[ci]; e.w == ws.id && uint32(l.off())+1 == e.lead && e.held > 1 {
+		if r := f.run(l.run()); r == last && ci < int(r.ncov) && len(ws.refs) == 0 {
+			if e := &r.covs()[ci]; e.w == ws.id && uint32(l.off())+1 == e.lead && e.held > 1 {
 				f.touch(l.run())
 				store32(&e.lead, e.lead-1)
 				e.held--
@@ -548,7 +546,7 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		}
 		ix.dropRef(ws, l)
 		last, ci = nil, -1
-		if r := f.run(l.run()); len(r.h) > 0 {
+		if r := f.run(l.run()); r.n > 0 {
 			if ci = f.findCover(r, ws.id); ci >= 0 {
 				last = r
 			}

@@ -430,7 +430,8 @@ func memoryBreakdown(ix *Index) indexMemory {
 	m.entries = f.entries()
 	m.runHeaders = f.chunks * int(unsafe.Sizeof(runChunk{}))
 	m.arrays = f.bytes
-	f.eachRun(func(_ uint32, r *run) { m.arrays += cap(r.cov) * int(unsafe.Sizeof(cover{})) })
+	f.eachRun(func(_ uint32, r *run) { m.arrays += len(r.body.Load().cov) * int(unsafe.Sizeof(cover{})) })
+	m.runHeaders += live * runBodyBytes
 	m.other = f.memBytes() - m.runHeaders - m.arrays
 	f.mu.Unlock()
 	m.pooled = ix.pool.heldBytes()

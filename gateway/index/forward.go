@@ -65,8 +65,7 @@ const (
 	noPos = ^uint32(0)
 	// maxRunID is the highest run id: its offset 255 would be noPos.
 	maxRunID  = 1<<(32-posOffBits) - 2
-	chunkBits = 10
-	dirLen    = 1 << (32 - posOffBits - chunkBits)
+	chunkBits = 8
 	// settleEvery bounds how long a lookup meeting a run that an event is
 	// changing waits for it: an event's forward pass settles its changes
 	// every settleEvery blocks, so a 2,000-block snapshot chunk does not keep
@@ -81,8 +80,8 @@ func makeLoc(run uint32, off int) loc { return loc(run<<posOffBits | uint32(off)
 func (l loc) run() uint32             { return uint32(l) >> posOffBits }
 func (l loc) off() int                { return int(l & (1<<posOffBits - 1)) }
 
-// run is a run's header. h, st and cov are the writer's views of the arrays
-// body publishes; n and ncov are their lengths as readers see them.
+// run is a run's header (48 bytes): its arrays are in body, n and ncov
+// are their lengths in use.
 type run struct {
 	ver    atomic.Uint32
 	n      uint32 // positions (store32; readers load atomically)
@@ -93,16 +92,35 @@ type run struct {
 	refs   uint32 // reverse entries naming a position of this run (writer only)
 	head   uint64 // position 0's prefix hash (store64; readers load atomically)
 	body   atomic.Pointer[runBody]
-	h      []uint64 // content hash per position
-	st     []uint32 // stamp per position, only in a pruning index
-	cov    []cover  // one entry per worker holding any position
 }
 
-// runBody is what readers read of a run: its arrays, at full capacity.
+// runBody is a run's arrays, at full capacity: content hash per position,
+// stamp per position (only in a pruning index), one coverage entry per
+// worker holding any position. It is replaced, never changed in place but
+// for the stores of positions and entries past the lengths readers read.
 type runBody struct {
 	h   []uint64
 	st  []uint32
 	cov []cover
+}
+
+// freeCovCap bounds the coverage arrays kept for reuse.
+const freeCovCap = 4096
+
+// runBodyBytes is a body's own bytes (three slices), as the allocator
+// rounds them.
+const runBodyBytes = 80
+
+// The writer's views of a live run's arrays.
+func (r *run) hs() []uint64  { return r.body.Load().h[:r.n] }
+func (r *run) covs() []cover { return r.body.Load().cov[:r.ncov] }
+
+// stampOf is position o's stamp slot; nil when the index does not prune.
+func (r *run) stampOf(o int) *uint32 {
+	if st := r.body.Load().st; st != nil {
+		return &st[o]
+	}
+	return nil
 }
 
 // cover is one worker's coverage of a run. Readers read w and lead
@@ -116,21 +134,28 @@ type cover struct {
 
 type runChunk [1 << chunkBits]run
 
+// runDir is the chunks of run headers, by id >> chunkBits. A chunk never
+// moves; the directory is copied when it grows, and the copy published.
+type runDir struct{ c []*runChunk }
+
 // forward is an index's forward map.
 type forward struct {
 	mu       sync.Mutex
-	dir      [dirLen]atomic.Pointer[runChunk] // run id → header; id 0 is the root, never a run
-	nruns    uint32                           // ids handed out, the root's included
+	dir      atomic.Pointer[runDir] // run id → header; id 0 is the root, never a run
+	nruns    uint32                 // ids handed out, the root's included
 	chunks   int
 	freeRuns []uint32
 	maxRuns  uint32   // the highest run id a store may take (maxRunID; tests lower it)
 	touched  []uint32 // runs whose version the writer made odd
-	kids     keyTable // (parent<<32 | offset, content hash) → child run
+	kids     keyTable // (parent position, content hash) → child run
 	heads    keyTable // (0, head prefix hash) → run, runs with a parent only
 	holes    [][]uint64
 	freeHole []int32
-	pool     *arrayPool
-	stamped  bool
+	// freeCov keeps freed runs' coverage arrays for new runs (at most
+	// freeCovCap): a run's first holder would otherwise allocate one.
+	freeCov [][]cover
+	pool    *arrayPool
+	stamped bool
 	// ci is the writer's hint of the coverage entry it used last.
 	ci int
 	// Counted by the writer (mu held, store64), read without locking.
@@ -144,13 +169,13 @@ type forward struct {
 
 func (f *forward) init(pool *arrayPool, stamped bool) {
 	f.pool, f.stamped, f.maxRuns, f.nruns = pool, stamped, maxRunID, 1
-	f.dir[0].Store(new(runChunk))
+	f.dir.Store(&runDir{c: []*runChunk{new(runChunk)}})
 	f.chunks = 1
 }
 
 // run is run id's header.
 func (f *forward) run(id uint32) *run {
-	return &f.dir[id>>chunkBits].Load()[id&(1<<chunkBits-1)]
+	return &f.dir.Load().c[id>>chunkBits][id&(1<<chunkBits-1)]
 }
 
 // touch makes run id's version odd until the next settle, unless it is.
@@ -179,15 +204,6 @@ func (f *forward) settle() {
 func (f *forward) unlock() {
 	f.settle()
 	f.mu.Unlock()
-}
-
-// publish makes r's arrays the ones readers read (r touched).
-func publishRun(r *run) {
-	b := &runBody{h: r.h[:cap(r.h)], cov: r.cov[:cap(r.cov)]}
-	if r.st != nil {
-		b.st = r.st[:cap(r.st)]
-	}
-	r.body.Store(b)
 }
 
 // Run arrays come in a few sizes, up to maxRunLen, each half again the one
@@ -252,26 +268,35 @@ func (f *forward) newRun(parent uint32, poff int, c, head uint64, room int) (uin
 		id = f.nruns
 		f.nruns++
 		if id&(1<<chunkBits-1) == 0 {
-			f.dir[id>>chunkBits].Store(new(runChunk))
+			d := f.dir.Load()
+			c := make([]*runChunk, len(d.c)+1, max(2*len(d.c), 4))
+			copy(c, d.c)
+			c[len(d.c)] = new(runChunk)
+			f.dir.Store(&runDir{c: c})
 			f.chunks++
 		}
 	}
 	r := f.touch(id)
 	h, st := f.getArrays(max(minBody, min(room, maxRunLen)))
-	r.h = h[:1]
-	store64(&r.h[0], c)
-	if st != nil {
-		r.st = st[:1]
+	h = h[:cap(h)]
+	store64(&h[0], c)
+	b := &runBody{h: h}
+	if k := len(f.freeCov); k > 0 {
+		b.cov = f.freeCov[k-1]
+		f.freeCov[k-1] = nil
+		f.freeCov = f.freeCov[:k-1]
 	}
-	r.cov = r.cov[:0]
+	if st != nil {
+		b.st = st[:cap(st)]
+	}
+	r.body.Store(b)
 	store32(&r.n, 1)
 	store32(&r.ncov, 0)
 	store32(&r.parent, parent)
 	store32(&r.poff, uint32(poff))
 	store64(&r.head, head)
 	r.kids, r.refs = 0, 0
-	publishRun(r)
-	f.kids.put(uint64(parent)<<32|uint64(poff), c, id)
+	f.kids.put(uint32(makeLoc(parent, poff)), c, id)
 	if parent != 0 {
 		f.heads.put(0, head, id)
 		f.run(parent).kids++
@@ -283,31 +308,27 @@ func (f *forward) newRun(parent uint32, poff int, c, head uint64, room int) (uin
 // larger arrays, for room positions more, when r's are full.
 func (f *forward) appendPos(id uint32, r *run, c uint64, room int) {
 	f.touch(id)
-	n := len(r.h)
-	if n == cap(r.h) {
+	n := int(r.n)
+	b := r.body.Load()
+	if n == len(b.h) {
 		h, st := f.getArrays(max(nextBodySize(n), min(n+room, maxRunLen)))
-		h = h[:n]
-		copy64(h, r.h)
+		h = h[:cap(h)]
+		copy64(h[:n], b.h[:n])
+		nb := &runBody{h: h, cov: b.cov}
 		if st != nil { // lookups refresh stamps without the lock
-			st = st[:n]
+			st = st[:cap(st)]
 			for i := range n {
-				store32(&st[i], atomic.LoadUint32(&r.st[i]))
+				store32(&st[i], atomic.LoadUint32(&b.st[i]))
 			}
+			nb.st = st
 		}
-		f.putArrays(r.h, r.st)
-		r.h, r.st = h, st
-		r.h = r.h[:n+1]
-		store64(&r.h[n], c)
-		if st != nil {
-			r.st = r.st[:n+1]
-		}
-		publishRun(r)
+		store64(&h[n], c)
+		r.body.Store(nb)
+		f.putArrays(b.h, b.st)
 	} else {
-		r.h = r.h[:n+1]
-		store64(&r.h[n], c)
-		if r.st != nil {
-			r.st = r.st[:n+1]
-			store32(&r.st[n], 0)
+		store64(&b.h[n], c)
+		if b.st != nil {
+			store32(&b.st[n], 0)
 		}
 	}
 	store32(&r.n, uint32(n+1))
@@ -319,16 +340,19 @@ func (f *forward) appendPos(id uint32, r *run, c uint64, room int) {
 func (f *forward) freeRun(id uint32) {
 	for {
 		r := f.touch(id)
-		for ci := len(r.cov) - 1; ci >= 0; ci-- { // only pruning leaves any, and it clears them
+		for ci := int(r.ncov) - 1; ci >= 0; ci-- { // only pruning leaves any, and it clears them
 			f.dropCover(r, ci)
 		}
-		f.kids.del(uint64(r.parent)<<32|uint64(r.poff), r.h[0], id)
+		b := r.body.Load()
+		f.kids.del(uint32(makeLoc(r.parent, int(r.poff))), b.h[0], id)
 		parent := r.parent
 		if parent != 0 {
 			f.heads.del(0, r.head, id)
 		}
-		f.putArrays(r.h, r.st)
-		r.h, r.st = nil, nil
+		f.putArrays(b.h, b.st)
+		if len(f.freeCov) < freeCovCap && len(b.cov) > 0 && len(b.cov) <= 8 {
+			f.freeCov = append(f.freeCov, b.cov)
+		}
 		store32(&r.n, 0)
 		store32(&r.ncov, 0)
 		r.body.Store(nil)
@@ -346,10 +370,10 @@ func (f *forward) freeRun(id uint32) {
 
 // prefixAt is the prefix hash of position l (writer).
 func (f *forward) prefixAt(l loc) uint64 {
-	r := f.run(l.run())
-	p := r.head
+	h := f.run(l.run()).hs()
+	p := f.run(l.run()).head
 	for o := 1; o <= l.off(); o++ {
-		p = ChainHash(p, r.h[o])
+		p = ChainHash(p, h[o])
 	}
 	return p
 }
@@ -362,10 +386,10 @@ func (f *forward) follow(prev loc, chained bool, c uint64) (loc, bool) {
 		return makeLoc(id, 0), id != 0
 	}
 	r := f.run(prev.run())
-	if o := prev.off() + 1; o < len(r.h) && r.h[o] == c {
+	if o := prev.off() + 1; o < int(r.n) && r.hs()[o] == c {
 		return makeLoc(prev.run(), o), true
 	}
-	id := f.kids.find(uint64(prev.run())<<32|uint64(prev.off()), c)
+	id := f.kids.find(uint32(prev), c)
 	return makeLoc(id, 0), id != 0
 }
 
@@ -383,8 +407,8 @@ func (f *forward) place(prev loc, chained bool, c uint64, room int) (loc, bool) 
 	}
 	pid, o := prev.run(), prev.off()+1
 	r := f.run(pid)
-	n := len(r.h)
-	if o < n && r.h[o] == c {
+	n := int(r.n)
+	if o < n && r.hs()[o] == c {
 		return makeLoc(pid, o), true
 	}
 	if o == n && n < maxRunLen {
@@ -393,7 +417,7 @@ func (f *forward) place(prev loc, chained bool, c uint64, room int) (loc, bool) 
 		f.appendPos(pid, r, c, room)
 		return makeLoc(pid, o), true
 	}
-	if id := f.kids.find(uint64(pid)<<32|uint64(o-1), c); id != 0 {
+	if id := f.kids.find(uint32(makeLoc(pid, o-1)), c); id != 0 {
 		return makeLoc(id, 0), true
 	}
 	id, ok := f.newRun(pid, o-1, c, ChainHash(f.prefixAt(prev), c), room)
@@ -403,25 +427,25 @@ func (f *forward) place(prev loc, chained bool, c uint64, room int) (loc, bool) 
 // coverOf is the index of w's coverage entry in r, appended if absent
 // (r touched).
 func (f *forward) coverOf(r *run, w uint32) int {
-	if ci := f.ci; ci < len(r.cov) && r.cov[ci].w == w {
+	b := r.body.Load()
+	cov := b.cov[:r.ncov]
+	if ci := f.ci; ci < len(cov) && cov[ci].w == w {
 		return ci
 	}
-	for i := range r.cov {
-		if r.cov[i].w == w {
+	for i := range cov {
+		if cov[i].w == w {
 			f.ci = i
 			return i
 		}
 	}
-	n := len(r.cov)
-	if n == cap(r.cov) {
-		a := make([]cover, n, max(2, 2*n))
-		copy(a, r.cov)
-		r.cov = a[:n+1]
-		r.cov[n] = cover{w: w}
-		publishRun(r)
+	n := len(cov)
+	if n == len(b.cov) {
+		a := make([]cover, max(2, 2*n))
+		copy(a, cov)
+		a[n] = cover{w: w}
+		r.body.Store(&runBody{h: b.h, st: b.st, cov: a})
 	} else {
-		r.cov = r.cov[:n+1]
-		e := &r.cov[n]
+		e := &b.cov[n]
 		store32(&e.w, w)
 		store32(&e.lead, 0)
 		e.held, e.holes = 0, 0
@@ -433,11 +457,12 @@ func (f *forward) coverOf(r *run, w uint32) int {
 
 // findCover is the index of w's coverage entry in r, or -1.
 func (f *forward) findCover(r *run, w uint32) int {
-	if ci := f.ci; ci < len(r.cov) && r.cov[ci].w == w {
+	cov := r.covs()
+	if ci := f.ci; ci < len(cov) && cov[ci].w == w {
 		return ci
 	}
-	for i := range r.cov {
-		if r.cov[i].w == w {
+	for i := range cov {
+		if cov[i].w == w {
 			return i
 		}
 	}
@@ -480,7 +505,8 @@ func (f *forward) holeBits(e *cover, words int) []uint64 {
 // addHolder makes worker w a holder of position o of run r (touched); it
 // reports whether w held it already.
 func (f *forward) addHolder(r *run, w uint32, o int) bool {
-	e := &r.cov[f.coverOf(r, w)]
+	ci := f.coverOf(r, w)
+	e := &r.covs()[ci]
 	off := uint32(o)
 	switch {
 	case off < e.lead:
@@ -511,16 +537,16 @@ func (f *forward) addHolder(r *run, w uint32, o int) bool {
 // (touched); it reports whether w held it.
 func (f *forward) removeHolder(r *run, w uint32, o int) bool {
 	ci := f.findCover(r, w)
-	if ci < 0 || !f.covers(&r.cov[ci], uint32(o)) {
+	if ci < 0 || !f.covers(&r.covs()[ci], uint32(o)) {
 		return false
 	}
 	f.uncover(r, ci, uint32(o))
 	return true
 }
 
-// uncover drops offset off, which r.cov[ci] includes.
+// uncover drops offset off, which r's coverage entry ci includes.
 func (f *forward) uncover(r *run, ci int, off uint32) {
-	e := &r.cov[ci]
+	e := &r.covs()[ci]
 	e.held--
 	store64(&f.mem, f.mem-1)
 	switch {
@@ -548,32 +574,33 @@ func (f *forward) uncover(r *run, ci int, off uint32) {
 	}
 }
 
-// dropCover removes r.cov[ci] whatever it holds (r touched).
+// dropCover removes r's coverage entry ci whatever it holds (r touched).
 func (f *forward) dropCover(r *run, ci int) {
-	store64(&f.mem, f.mem-uint64(r.cov[ci].held))
+	store64(&f.mem, f.mem-uint64(r.covs()[ci].held))
 	f.removeCover(r, ci)
 }
 
 func (f *forward) removeCover(r *run, ci int) {
-	e := &r.cov[ci]
+	cov := r.covs()
+	e := &cov[ci]
 	if e.holes != 0 {
 		clear(f.holes[e.holes-1])
 		f.freeHole = append(f.freeHole, e.holes)
 	}
-	last := len(r.cov) - 1
-	l := r.cov[last]
+	last := len(cov) - 1
+	l := cov[last]
 	store32(&e.w, l.w)
 	store32(&e.lead, l.lead)
 	e.held, e.holes = l.held, l.holes
-	r.cov = r.cov[:last]
 	store32(&r.ncov, uint32(last))
 }
 
-// heldMask sets in m (len ≥ (len(r.h)+63)/64, cleared) the offsets of r
-// some worker holds, and returns how many there are (writer).
+// heldMask sets in m (len ≥ (r.n+63)/64, cleared) the offsets of r some
+// worker holds, and returns how many there are (writer).
 func (f *forward) heldMask(r *run, m []uint64) int {
-	for i := range r.cov {
-		e := &r.cov[i]
+	cov := r.covs()
+	for i := range cov {
+		e := &cov[i]
 		setRange(m, 0, int(e.lead))
 		if e.holes != 0 {
 			for k, x := range f.holes[e.holes-1] {
@@ -605,7 +632,7 @@ func setRange(m []uint64, from, to int) {
 // eachRun calls fn for every live run (writer).
 func (f *forward) eachRun(fn func(id uint32, r *run)) {
 	for id := uint32(1); id < f.nruns; id++ {
-		if r := f.run(id); len(r.h) > 0 {
+		if r := f.run(id); r.n > 0 {
 			fn(id, r)
 		}
 	}
@@ -616,7 +643,7 @@ func (f *forward) entries() int {
 	var m [maxRunLen / 64]uint64
 	n := 0
 	f.eachRun(func(_ uint32, r *run) {
-		if len(r.cov) > 0 {
+		if r.ncov > 0 {
 			clear(m[:])
 			n += f.heldMask(r, m[:])
 		}
@@ -628,22 +655,27 @@ func (f *forward) entries() int {
 // (writer): run headers in their chunks and the directory, content and
 // stamp arrays, coverage entries, hole bitmaps, the two tables, free lists.
 func (f *forward) memBytes() int {
-	n := int(unsafe.Sizeof(f.dir)) + f.chunks*int(unsafe.Sizeof(runChunk{})) + f.bytes +
+	n := cap(f.dir.Load().c)*8 + f.chunks*int(unsafe.Sizeof(runChunk{})) + f.bytes +
 		f.kids.bytes() + f.heads.bytes() + cap(f.freeRuns)*4 + cap(f.touched)*4 + cap(f.freeHole)*4 + cap(f.holes)*24
 	for _, b := range f.holes {
 		n += cap(b) * 8
 	}
-	f.eachRun(func(_ uint32, r *run) { n += cap(r.cov) * int(unsafe.Sizeof(cover{})) })
+	n += cap(f.freeCov) * 24
+	for _, c := range f.freeCov {
+		n += len(c) * int(unsafe.Sizeof(cover{}))
+	}
+	f.eachRun(func(_ uint32, r *run) { n += runBodyBytes + len(r.body.Load().cov)*int(unsafe.Sizeof(cover{})) })
 	return n
 }
 
 // liveRuns counts the runs in use.
 func (f *forward) liveRuns() int { return int(f.nruns) - 1 - len(f.freeRuns) }
 
-// keyTable maps a pair of keys to a run id: open addressing, linear
-// probing, backward-shift deletion, one version for readers (odd while
-// the writer changes it). A key pair may map to several ids (the heads
-// table on a 64-bit collision); find and get return the first.
+// keyTable maps a key pair (a position, po, and a 64-bit hash, a) to a run
+// id: open addressing, linear probing, backward-shift deletion, one version
+// for readers (odd while the writer changes it), 16-byte slots. A pair may
+// map to several ids (the heads table on a 64-bit collision); find and get
+// return the first.
 type keyTable struct {
 	ver   atomic.Uint32
 	tab   atomic.Pointer[keyTab]
@@ -658,17 +690,20 @@ type keyTab struct {
 }
 
 type keySlot struct {
-	a, b uint64
-	v    uint32 // 0: empty
+	a  uint64
+	po uint32
+	v  uint32 // 0: empty
 }
 
-func keyHash(a, b uint64) uint64 { return (a ^ b*0xff51afd7ed558ccd) * 0x9E3779B97F4A7C15 }
+func keyHash(po uint32, a uint64) uint64 {
+	return (a ^ uint64(po)*0xff51afd7ed558ccd) * 0x9E3779B97F4A7C15
+}
 
 func (t *keyTable) bytes() int { return cap(t.s) * int(unsafe.Sizeof(keySlot{})) }
 
 // get is the readers' lookup: the id (0: none) and false when the table
 // changed during it; ver is the version it read under.
-func (t *keyTable) get(b, a uint64) (id, ver uint32, ok bool) {
+func (t *keyTable) get(po uint32, a uint64) (id, ver uint32, ok bool) {
 	v := t.ver.Load()
 	if v&1 != 0 {
 		return 0, v, false
@@ -679,13 +714,13 @@ func (t *keyTable) get(b, a uint64) (id, ver uint32, ok bool) {
 	}
 	s := tb.s
 	mask := len(s) - 1
-	for i, k := int(keyHash(a, b)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+	for i, k := int(keyHash(po, a)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
 		sl := &s[i]
 		x := atomic.LoadUint32(&sl.v)
 		if x == 0 {
 			break
 		}
-		if atomic.LoadUint64(&sl.b) == b && atomic.LoadUint64(&sl.a) == a {
+		if atomic.LoadUint64(&sl.a) == a && atomic.LoadUint32(&sl.po) == po {
 			id = x
 			break
 		}
@@ -694,17 +729,17 @@ func (t *keyTable) get(b, a uint64) (id, ver uint32, ok bool) {
 }
 
 // find is the writer's lookup.
-func (t *keyTable) find(b, a uint64) uint32 {
+func (t *keyTable) find(po uint32, a uint64) uint32 {
 	if t.n == 0 {
 		return 0
 	}
 	mask := len(t.s) - 1
-	for i := int(keyHash(a, b) >> t.shift); ; i = (i + 1) & mask {
+	for i := int(keyHash(po, a) >> t.shift); ; i = (i + 1) & mask {
 		s := &t.s[i]
 		if s.v == 0 {
 			return 0
 		}
-		if s.a == a && s.b == b {
+		if s.a == a && s.po == po {
 			return s.v
 		}
 	}
@@ -713,29 +748,32 @@ func (t *keyTable) find(b, a uint64) uint32 {
 func (t *keyTable) setSlot(i int, v keySlot) {
 	s := &t.s[i]
 	store64(&s.a, v.a)
-	store64(&s.b, v.b)
+	store32(&s.po, v.po)
 	store32(&s.v, v.v)
 }
 
-// put adds (b, a) → id.
-func (t *keyTable) put(b, a uint64, id uint32) {
+// put adds (po, a) → id.
+func (t *keyTable) put(po uint32, a uint64, id uint32) {
 	t.ver.Add(1)
 	if (t.n+1)*16 > len(t.s)*13 {
 		t.grow()
 	}
 	mask := len(t.s) - 1
-	i := int(keyHash(a, b) >> t.shift)
+	i := int(keyHash(po, a) >> t.shift)
 	for t.s[i].v != 0 {
 		i = (i + 1) & mask
 	}
-	t.setSlot(i, keySlot{a: a, b: b, v: id})
+	t.setSlot(i, keySlot{a: a, po: po, v: id})
 	t.n++
 	t.ver.Add(1)
 }
 
-func (t *keyTable) grow() {
+func (t *keyTable) grow() { t.resize(max(16, 2*len(t.s))) }
+
+// resize rehashes into n slots (a power of two) and publishes them; the
+// version is odd.
+func (t *keyTable) resize(n int) {
 	old := t.s
-	n := max(16, 2*len(old))
 	t.s = make([]keySlot, n)
 	t.shift = uint8(64 - bitsLen(n-1))
 	mask := n - 1
@@ -743,7 +781,7 @@ func (t *keyTable) grow() {
 		if s.v == 0 {
 			continue
 		}
-		i := int(keyHash(s.a, s.b) >> t.shift)
+		i := int(keyHash(s.po, s.a) >> t.shift)
 		for t.s[i].v != 0 {
 			i = (i + 1) & mask
 		}
@@ -752,14 +790,14 @@ func (t *keyTable) grow() {
 	t.tab.Store(&keyTab{s: t.s, shift: t.shift})
 }
 
-// del removes (b, a) → id.
-func (t *keyTable) del(b, a uint64, id uint32) {
+// del removes (po, a) → id.
+func (t *keyTable) del(po uint32, a uint64, id uint32) {
 	if t.n == 0 {
 		return
 	}
 	mask := len(t.s) - 1
-	i := int(keyHash(a, b) >> t.shift)
-	for t.s[i].a != a || t.s[i].b != b || t.s[i].v != id {
+	i := int(keyHash(po, a) >> t.shift)
+	for t.s[i].a != a || t.s[i].po != po || t.s[i].v != id {
 		if t.s[i].v == 0 {
 			return
 		}
@@ -767,7 +805,7 @@ func (t *keyTable) del(b, a uint64, id uint32) {
 	}
 	t.ver.Add(1)
 	for j := (i + 1) & mask; t.s[j].v != 0; j = (j + 1) & mask {
-		h := int(keyHash(t.s[j].a, t.s[j].b) >> t.shift)
+		h := int(keyHash(t.s[j].po, t.s[j].a) >> t.shift)
 		if (j-h)&mask >= (j-i)&mask {
 			t.setSlot(i, t.s[j])
 			i = j
@@ -775,6 +813,12 @@ func (t *keyTable) del(b, a uint64, id uint32) {
 	}
 	t.setSlot(i, keySlot{})
 	t.n--
+	if len(t.s) > 16 && t.n*8 < len(t.s) {
+		// Below an eighth full: half the size (a quarter full), so that a
+		// table sized for a peak gives its bytes back, each halving paid for
+		// by the deletions since the last resize.
+		t.resize(len(t.s) / 2)
+	}
 	t.ver.Add(1)
 }
 

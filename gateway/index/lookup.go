@@ -269,10 +269,11 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 	parent, poff := uint32(0), uint32(0)
 	prev := uint32(0) // the stamp of the run before; 0: the first run
 	for id != 0 {
-		ch := f.dir[id>>chunkBits&(dirLen-1)].Load()
-		if ch == nil {
+		d := f.dir.Load().c
+		if int(id>>chunkBits) >= len(d) {
 			return false
 		}
+		ch := d[id>>chunkBits]
 		r := &ch[id&(1<<chunkBits-1)]
 		rv := r.ver.Load()
 		b := r.body.Load()
@@ -362,7 +363,7 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		} else {
 			tab = &f.kids
 			first = hc.get(i)
-			id, tv, ok = tab.get(uint64(parent)<<32|uint64(poff), first)
+			id, tv, ok = tab.get(uint32(makeLoc(parent, int(poff))), first)
 		}
 		if !ok {
 			return false

@@ -53,7 +53,7 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	var stamps []uint32
 	f.eachHeld(func(_ uint32, r *run, o int) bool {
 		// Lookups refresh stamps without the lock: read them atomically.
-		if st := atomic.LoadUint32(&r.st[o]); st <= graceEnd {
+		if st := atomic.LoadUint32(r.stampOf(o)); st <= graceEnd {
 			stamps = append(stamps, st)
 		}
 		return false
@@ -90,10 +90,10 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 		if limit >= 0 && evicted >= limit {
 			return true
 		}
-		if match(atomic.LoadUint32(&r.st[o])) {
+		if match(atomic.LoadUint32(r.stampOf(o))) {
 			f.touch(id)
-			for ci := len(r.cov) - 1; ci >= 0; ci-- {
-				if f.covers(&r.cov[ci], uint32(o)) {
+			for ci := int(r.ncov) - 1; ci >= 0; ci-- {
+				if f.covers(&r.covs()[ci], uint32(o)) {
 					f.uncover(r, ci, uint32(o))
 				}
 			}
@@ -111,7 +111,7 @@ func (f *forward) eachHeld(fn func(id uint32, r *run, o int) bool) {
 	var m [maxRunLen / 64]uint64
 	for id := uint32(1); id < f.nruns; id++ {
 		r := f.run(id)
-		if len(r.h) == 0 || len(r.cov) == 0 {
+		if r.n == 0 || r.ncov == 0 {
 			continue
 		}
 		clear(m[:])

@@ -2,7 +2,9 @@ package index
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -137,6 +139,13 @@ func TestConcurrentReadersSeeAStateAroundTheirEvent(t *testing.T) {
 	}
 	ix := New(Options{BlockSize: 4})
 	var applied atomic.Int64
+	// seen is the latest state a finished lookup started at: every 8th
+	// event the writer waits for a lookup of the state it made, so that
+	// lookups overlapping at most one event are had however the host's
+	// load schedules the readers.
+	var seen, waitFor atomic.Int64
+	seen.Store(-1)
+	waitFor.Store(math.MaxInt64)
 	done := make(chan struct{})
 	recs := make(chan []record, 2)
 	var ready sync.WaitGroup
@@ -146,6 +155,7 @@ func TestConcurrentReadersSeeAStateAroundTheirEvent(t *testing.T) {
 			ready.Done()
 			var m Matches
 			var out []record
+			kept := 0
 			rng := rand.New(rand.NewPCG(uint64(g), 1))
 			for {
 				select {
@@ -164,14 +174,34 @@ func TestConcurrentReadersSeeAStateAroundTheirEvent(t *testing.T) {
 				// The event in progress when the lookup ended may have been
 				// seen: its state is a candidate too.
 				to := min(int(applied.Load())+1, len(ops))
-				out = append(out, record{q: q, from: from, to: to, got: answer(&m)})
+				// At most 4 records a state a reader, so that readers held
+				// on a waiting writer do not pile records up.
+				if kept == 0 || out[len(out)-1].from != from || kept < 4 {
+					if len(out) > 0 && out[len(out)-1].from != from {
+						kept = 0
+					}
+					out = append(out, record{q: q, from: from, to: to, got: answer(&m)})
+					kept++
+				}
+				for s := seen.Load(); int64(from) > s && !seen.CompareAndSwap(s, int64(from)); s = seen.Load() {
+				}
+				if int64(from) >= waitFor.Load() {
+					runtime.Gosched() // the writer may wait for a P
+				}
 			}
 		}()
 	}
 	ready.Wait()
-	for _, o := range ops {
+	for i, o := range ops {
 		ix.ApplyPrepared(names[o.w], o.p)
 		applied.Add(1)
+		if i%8 == 0 {
+			waitFor.Store(int64(i + 1))
+			for seen.Load() < int64(i+1) {
+				runtime.Gosched()
+			}
+			waitFor.Store(math.MaxInt64)
+		}
 	}
 	close(done)
 	all := append(<-recs, <-recs...)

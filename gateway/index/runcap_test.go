@@ -163,11 +163,11 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 				if (b.st != nil) != stamped || len(b.h) != bodySizes[bodyClass(len(b.h))] || len(b.h) < o+1 || stamped && len(b.st) != len(b.h) {
 					t.Fatalf("after %d positions: size %d, stamps %d", o+1, len(b.h), len(b.st))
 				}
-				if len(r.h) != o+1 || int(r.n) != o+1 {
-					t.Fatalf("after %d positions: writer's length %d, readers' %d", o+1, len(r.h), r.n)
+				if len(r.hs()) != o+1 || int(r.n) != o+1 {
+					t.Fatalf("after %d positions: writer's length %d, readers' %d", o+1, len(r.hs()), r.n)
 				}
 				for p := 0; p <= o; p++ {
-					if h := b.h[p]; h != 1<<40+uint64(p) || r.h[p] != h {
+					if h := b.h[p]; h != 1<<40+uint64(p) || r.hs()[p] != h {
 						t.Fatalf("after %d positions: content %d = %#x", o+1, p, h)
 					}
 					if stamped && b.st[p] != stampOf(p) {
@@ -188,7 +188,7 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 				}
 				set(o)
 			}
-			h := r.h
+			h := r.hs()
 			f.freeRun(id2)
 			got, st := f.getArrays(minBody)
 			if &got[:1][0] != &h[0] {

@@ -69,11 +69,14 @@ func TestRevTableAgainstMap(t *testing.T) {
 func TestKeyTableAgainstMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	var kt keyTable
-	type key struct{ po, c uint64 }
+	type key struct {
+		po uint32
+		c  uint64
+	}
 	ref := map[key][]uint32{}
 	keys := make([]key, 300)
 	for i := range keys {
-		keys[i] = key{uint64(rng.IntN(4)) << 32, rng.Uint64()}
+		keys[i] = key{uint32(rng.IntN(4)) << posOffBits, rng.Uint64()}
 		if i%50 == 0 {
 			keys[i].c = uint64(i) // small keys, neighbours in the hash
 		}
@@ -169,14 +172,14 @@ func TestCoverageAgainstMap(t *testing.T) {
 			ci := f.findCover(r, uint32(w))
 			if len(ref[w]) == 0 {
 				if ci >= 0 {
-					t.Fatalf("op %d: w%d holds nothing but has a coverage entry %+v", op, w, r.cov[ci])
+					t.Fatalf("op %d: w%d holds nothing but has a coverage entry %+v", op, w, r.covs()[ci])
 				}
 				continue
 			}
 			if ci < 0 {
 				t.Fatalf("op %d: w%d holds %d offsets but has no coverage entry", op, w, len(ref[w]))
 			}
-			e := &r.cov[ci]
+			e := &r.covs()[ci]
 			lead := 0
 			for ref[w][lead] {
 				lead++
@@ -200,8 +203,8 @@ func TestCoverageAgainstMap(t *testing.T) {
 		if n := f.heldMask(r, m[:]); n != len(union) {
 			t.Fatalf("op %d: heldMask counts %d offsets, model %d", op, n, len(union))
 		}
-		if int(r.ncov) != len(r.cov) {
-			t.Fatalf("op %d: readers see %d coverage entries, the writer has %d", op, r.ncov, len(r.cov))
+		if b := r.body.Load(); int(r.ncov) > len(b.cov) || int(r.n) > len(b.h) {
+			t.Fatalf("op %d: readers see %d coverage entries and %d positions, the arrays have %d and %d", op, r.ncov, r.n, len(b.cov), len(b.h))
 		}
 	}
 }
