@@ -331,7 +331,7 @@ func (ix *Index) warnRunCap() {
 }
 
 // leaveOut ends a store whose block blocks[0] could not be filed: its run
-// would start in a shard at its run cap (maxRunsFor). That block, and every
+// needed a new run and no run id was left (forward.maxRuns). That block, and every
 // block of the event after it that was new to the rank, are not indexed:
 // their reverse entries (made by the store's first pass, not yet filed) go,
 // so the worker is not taken to hold them, and they are counted. Blocks the
@@ -487,10 +487,9 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		ws.c.UnknownRemovals += uint64(len(r.BlockHashes))
 		return
 	}
-	// Two passes, as in applyStored: the reverse table first, with no forward
-	// shard locked, collecting the positions whose last entry went; then the
-	// forward map in one go, where consecutive positions of one run share
-	// the run's lookup and version change (shardLocks.last). Dropping the
+	// Two passes, as in applyStored: the reverse table first, under the
+	// worker's lock only, collecting the positions whose last entry went;
+	// then the forward map in one go, under its lock. Dropping the
 	// references after all the reverse changes gives the same result: the
 	// forward map's reference counts do not depend on the reverse table.
 	defer ws.dropLargeScratch()

@@ -4,17 +4,17 @@ import "sync"
 
 // arrayPool recycles the arrays the index discards: a run's arrays when the
 // run grows into a larger size class or is freed, a reverse table's when it
-// is resized. One pool serves the whole index (every shard and every
-// worker): an array given back by one shard or worker is what another one
-// asks for next, and split per shard the lists were too small to keep even
+// is resized. One pool serves the whole index (the forward map and every
+// worker): an array given back by one run or worker is what another one
+// asks for next (split per forward shard, as it once was, the lists were too small to keep even
 // one large run array (the bound of 2 KiB plus a sixteenth of a shard's
 // arrays was below one 256-position array, 3 KiB, at 128 workers × 512
-// blocks), so most arrays were allocated anew. Allocating them anew costs
+// blocks), and most arrays were allocated anew). Allocating them anew costs
 // the collector's work in a gateway and, in a replay whose heap goal the
 // collector never reaches, a page fault per fresh page.
 //
 // What the pool holds is bounded (fits) and counted in Stats().MemoryBytes.
-// Its lock is a leaf: taken under a shard's or a worker's lock, it takes
+// Its lock is a leaf: taken under the forward map's or a worker's lock, it takes
 // none.
 type arrayPool struct {
 	mu sync.Mutex
