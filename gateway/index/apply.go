@@ -294,7 +294,7 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 			break
 		}
 		b := r.body.Load()
-		if n := int(r.n); n < len(b.h) {
+		if n := int(r.n); n < hsize(b.h, f.stamped) {
 			store64(&b.h[n], content[m])
 			store32(&r.n, uint32(n+1))
 		} else {
@@ -308,8 +308,8 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		pl := makeLoc(id, o)
 		rt.slots[i].pos = uint32(pl)
 		r.refs++
-		if b.st != nil {
-			store32(&b.st[o], stamp)
+		if f.stamped {
+			store32(stampAt(b.h, hsize(b.h, true), o), stamp)
 		}
 		store32(&e.lead, uint32(o+1))
 		e.held++
@@ -391,7 +391,7 @@ func (ix *Index) addRef(ws *workerState, l loc, stamp uint32, counted bool) {
 	if counted {
 		r.refs++
 	}
-	if p := r.stampOf(l.off()); p != nil {
+	if p := f.stampOf(r, l.off()); p != nil {
 		store32(p, stamp)
 	}
 	held := f.addHolder(r, ws.id, l.off())

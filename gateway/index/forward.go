@@ -94,33 +94,47 @@ type run struct {
 	body   atomic.Pointer[runBody]
 }
 
-// runBody is a run's arrays, at full capacity: content hash per position,
-// stamp per position (only in a pruning index), one coverage entry per
-// worker holding any position. It is replaced, never changed in place but
-// for the stores of positions and entries past the lengths readers read.
+// runBody is a run's arrays, at full capacity: a content hash per position
+// (size of them) followed, only in a pruning index, by a 32-bit stamp per
+// position, two to a word (size/2 words more; see stampAt); one coverage
+// entry per worker holding any position. It is replaced, never changed in
+// place but for the stores of positions and entries past the lengths
+// readers read, and stamps.
 type runBody struct {
 	h   []uint64
-	st  []uint32
 	cov []cover
 }
 
-// freeCovCap bounds the coverage arrays kept for reuse.
-const freeCovCap = 4096
+// runBodyBytes is a body's own bytes (two slices).
+const runBodyBytes = 48
 
-// runBodyBytes is a body's own bytes (three slices), as the allocator
-// rounds them.
-const runBodyBytes = 80
+// hsize is the positions an array h has room for.
+func hsize(h []uint64, stamped bool) int {
+	if stamped {
+		return len(h) / 3 * 2
+	}
+	return len(h)
+}
+
+// stampAt is position o's stamp in a stamped array h of size positions.
+func stampAt(h []uint64, size, o int) *uint32 {
+	return &(*[2]uint32)(unsafe.Pointer(&h[size+o>>1]))[o&1]
+}
+
+// freeCovCap bounds the coverage arrays kept for reuse.
+const freeCovCap = 256
 
 // The writer's views of a live run's arrays.
 func (r *run) hs() []uint64  { return r.body.Load().h[:r.n] }
 func (r *run) covs() []cover { return r.body.Load().cov[:r.ncov] }
 
-// stampOf is position o's stamp slot; nil when the index does not prune.
-func (r *run) stampOf(o int) *uint32 {
-	if st := r.body.Load().st; st != nil {
-		return &st[o]
+// stampOf is position o's stamp in r; nil when the index does not prune.
+func (f *forward) stampOf(r *run, o int) *uint32 {
+	if !f.stamped {
+		return nil
 	}
-	return nil
+	h := r.body.Load().h
+	return stampAt(h, hsize(h, true), o)
 }
 
 // cover is one worker's coverage of a run. Readers read w and lead
@@ -229,28 +243,28 @@ func bodyClass(n int) int {
 // nextBodySize is the size after n.
 func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-1)] }
 
-func arrBytes(size int, stamped bool) int {
+// arrLen is the length of a run's array for size positions.
+func arrLen(size int, stamped bool) int {
 	if stamped {
-		return size * 12
+		return size + size/2
 	}
-	return size * 8
+	return size
 }
 
-// getArrays returns content (and, stamped, stamp) arrays for n positions,
-// length 0, stamps zero.
-func (f *forward) getArrays(n int) ([]uint64, []uint32) {
-	h, st := f.pool.getArrays(bodyClass(n), f.stamped)
-	f.bytes += arrBytes(cap(h), f.stamped)
-	return h, st
+// getArrays returns a run's array for n positions (stamps zero).
+func (f *forward) getArrays(n int) []uint64 {
+	h := f.pool.getArrays(bodyClass(n), f.stamped)
+	f.bytes += len(h) * 8
+	return h
 }
 
-// putArrays gives a run's arrays back (its version odd).
-func (f *forward) putArrays(h []uint64, st []uint32) {
-	if cap(h) == 0 {
+// putArrays gives a run's array back (its version odd).
+func (f *forward) putArrays(h []uint64) {
+	if len(h) == 0 {
 		return
 	}
-	f.bytes -= arrBytes(cap(h), st != nil)
-	f.pool.putArrays(h, st)
+	f.bytes -= len(h) * 8
+	f.pool.putArrays(h, f.stamped)
 }
 
 // newRun makes a run of one position, content c and head prefix hash head,
@@ -277,17 +291,13 @@ func (f *forward) newRun(parent uint32, poff int, c, head uint64, room int) (uin
 		}
 	}
 	r := f.touch(id)
-	h, st := f.getArrays(max(minBody, min(room, maxRunLen)))
-	h = h[:cap(h)]
+	h := f.getArrays(max(minBody, min(room, maxRunLen)))
 	store64(&h[0], c)
 	b := &runBody{h: h}
 	if k := len(f.freeCov); k > 0 {
 		b.cov = f.freeCov[k-1]
 		f.freeCov[k-1] = nil
 		f.freeCov = f.freeCov[:k-1]
-	}
-	if st != nil {
-		b.st = st[:cap(st)]
 	}
 	r.body.Store(b)
 	store32(&r.n, 1)
@@ -310,25 +320,22 @@ func (f *forward) appendPos(id uint32, r *run, c uint64, room int) {
 	f.touch(id)
 	n := int(r.n)
 	b := r.body.Load()
-	if n == len(b.h) {
-		h, st := f.getArrays(max(nextBodySize(n), min(n+room, maxRunLen)))
-		h = h[:cap(h)]
+	if size := hsize(b.h, f.stamped); n == size {
+		h := f.getArrays(max(nextBodySize(n), min(n+room, maxRunLen)))
 		copy64(h[:n], b.h[:n])
-		nb := &runBody{h: h, cov: b.cov}
-		if st != nil { // lookups refresh stamps without the lock
-			st = st[:cap(st)]
+		if f.stamped { // lookups refresh stamps without the lock
+			ns := hsize(h, true)
 			for i := range n {
-				store32(&st[i], atomic.LoadUint32(&b.st[i]))
+				store32(stampAt(h, ns, i), atomic.LoadUint32(stampAt(b.h, size, i)))
 			}
-			nb.st = st
 		}
 		store64(&h[n], c)
-		r.body.Store(nb)
-		f.putArrays(b.h, b.st)
+		r.body.Store(&runBody{h: h, cov: b.cov})
+		f.putArrays(b.h)
 	} else {
 		store64(&b.h[n], c)
-		if b.st != nil {
-			store32(&b.st[n], 0)
+		if f.stamped {
+			store32(stampAt(b.h, size, n), 0)
 		}
 	}
 	store32(&r.n, uint32(n+1))
@@ -349,7 +356,7 @@ func (f *forward) freeRun(id uint32) {
 		if parent != 0 {
 			f.heads.del(0, r.head, id)
 		}
-		f.putArrays(b.h, b.st)
+		f.putArrays(b.h)
 		if len(f.freeCov) < freeCovCap && len(b.cov) > 0 && len(b.cov) <= 8 {
 			f.freeCov = append(f.freeCov, b.cov)
 		}
@@ -443,7 +450,7 @@ func (f *forward) coverOf(r *run, w uint32) int {
 		a := make([]cover, max(2, 2*n))
 		copy(a, cov)
 		a[n] = cover{w: w}
-		r.body.Store(&runBody{h: b.h, st: b.st, cov: a})
+		r.body.Store(&runBody{h: b.h, cov: a})
 	} else {
 		e := &b.cov[n]
 		store32(&e.w, w)

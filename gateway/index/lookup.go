@@ -244,6 +244,7 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 	hc := &ws.hc
 	n := hc.n
 	byPrefix := hc.prefix != nil
+	stamped := f.stamped
 	ws.done = ws.done[:0]
 	if ws.gen++; ws.gen == 0 {
 		clear(ws.scratch)
@@ -280,7 +281,8 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		if rv&1 != 0 || b == nil {
 			return false
 		}
-		h := b.h[:min(int(atomic.LoadUint32(&r.n)), len(b.h))]
+		size := hsize(b.h, stamped)
+		h := b.h[:min(int(atomic.LoadUint32(&r.n)), size)]
 		cov := b.cov[:min(int(atomic.LoadUint32(&r.ncov)), len(b.cov))]
 		want := first
 		if byPrefix {
@@ -336,13 +338,13 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 				sc.alive, alive = st, true
 			}
 		}
-		if b.st != nil {
+		if stamped {
 			// Refresh the stamps of the positions the lookup reached while a
 			// worker was still alive (lost or misplaced if the run changes
 			// meanwhile: that only ages an entry, never changes a match).
-			for o := range min(maxd+1, m, len(b.st)) {
-				if atomic.LoadUint32(&b.st[o]) != stamp {
-					atomic.StoreUint32(&b.st[o], stamp)
+			for o := range min(maxd+1, m) {
+				if p := stampAt(b.h, size, o); atomic.LoadUint32(p) != stamp {
+					atomic.StoreUint32(p, stamp)
 				}
 			}
 		}

@@ -53,7 +53,7 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	var stamps []uint32
 	f.eachHeld(func(_ uint32, r *run, o int) bool {
 		// Lookups refresh stamps without the lock: read them atomically.
-		if st := atomic.LoadUint32(r.stampOf(o)); st <= graceEnd {
+		if st := atomic.LoadUint32(f.stampOf(r, o)); st <= graceEnd {
 			stamps = append(stamps, st)
 		}
 		return false
@@ -90,7 +90,7 @@ func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
 		if limit >= 0 && evicted >= limit {
 			return true
 		}
-		if match(atomic.LoadUint32(r.stampOf(o))) {
+		if match(atomic.LoadUint32(f.stampOf(r, o))) {
 			f.touch(id)
 			for ci := int(r.ncov) - 1; ci >= 0; ci-- {
 				if f.covers(&r.covs()[ci], uint32(o)) {

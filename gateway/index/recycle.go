@@ -21,7 +21,7 @@ type arrayPool struct {
 	// bodies by stamped (0 or 1) and size class; rev holds reverse-table
 	// arrays, oldest first (a reverse table takes any length, so a request
 	// takes the first one in its range).
-	bodies [2][bodyClasses][]runArrays
+	bodies [2][bodyClasses][][]uint64
 	rev    []revArrays
 	// held is the bytes of the arrays kept here, by kind (kindBody,
 	// kindRev); live, those in use (handed out and not given back), which
@@ -32,13 +32,6 @@ type arrayPool struct {
 	off bool
 	// Counted for tests and profiles.
 	bodyGets, bodyHits, revGets, revHits, puts, kept int
-}
-
-// runArrays is a run's content and stamp arrays (stamps nil when the
-// index does not prune).
-type runArrays struct {
-	h  []uint64
-	st []uint32
 }
 
 type revArrays struct {
@@ -69,57 +62,53 @@ func (p *arrayPool) fits(k, sz int) bool {
 	return p.held[k]+sz <= poolMinBytes+p.live[k]/poolLiveDiv
 }
 
-// getArrays returns a run's arrays of size class k, length 0: content
-// hashes and, stamped, stamps (zero). A reused array may still be read by a
-// lookup that started before it was given back; the run that gave it back
-// moved its version since, so that lookup will read again, and the stores
-// here are atomic for the race detector's sake.
-func (p *arrayPool) getArrays(k int, stamped bool) ([]uint64, []uint32) {
+// getArrays returns a run's array of size class k, stamps (stamped) zero.
+// A reused array may still be read by a lookup that started before it was
+// given back; the run that gave it back moved its version since, so that
+// lookup will read again, and the stores here are atomic for the race
+// detector's sake.
+func (p *arrayPool) getArrays(k int, stamped bool) []uint64 {
 	st := 0
 	if stamped {
 		st = 1
 	}
-	sz := arrBytes(bodySizes[k], stamped)
+	size := bodySizes[k]
+	n := arrLen(size, stamped)
 	p.mu.Lock()
 	p.bodyGets++
 	l := p.bodies[st][k]
-	if n := len(l); n > 0 {
-		a := l[n-1]
-		l[n-1] = runArrays{}
-		p.bodies[st][k] = l[:n-1]
-		p.held[kindBody] -= sz
-		p.live[kindBody] += sz
+	if c := len(l); c > 0 {
+		h := l[c-1]
+		l[c-1] = nil
+		p.bodies[st][k] = l[:c-1]
+		p.held[kindBody] -= n * 8
+		p.live[kindBody] += n * 8
 		p.bodyHits++
 		p.mu.Unlock()
-		for i := range a.st[:cap(a.st)] {
-			store32(&a.st[:cap(a.st)][i], 0)
+		for i := size; i < n; i++ {
+			store64(&h[i], 0)
 		}
-		return a.h[:0], a.st
+		return h
 	}
-	p.live[kindBody] += sz
+	p.live[kindBody] += n * 8
 	p.mu.Unlock()
-	h := make([]uint64, 0, bodySizes[k])
-	var sts []uint32
-	if stamped {
-		sts = make([]uint32, 0, bodySizes[k])
-	}
-	return h, sts
+	return make([]uint64, n)
 }
 
-// putArrays gives a run's arrays back (its version odd, so that lookups
-// reading them will read again); they are kept if the bound allows.
-func (p *arrayPool) putArrays(h []uint64, sts []uint32) {
+// putArrays gives a run's array back (its version odd, so that lookups
+// reading it will read again); it is kept if the bound allows.
+func (p *arrayPool) putArrays(h []uint64, stamped bool) {
 	st := 0
-	if sts != nil {
+	if stamped {
 		st = 1
 	}
-	k := bodyClass(cap(h))
-	sz := arrBytes(cap(h), sts != nil)
+	k := bodyClass(hsize(h, stamped))
+	sz := len(h) * 8
 	p.mu.Lock()
 	p.puts++
 	p.live[kindBody] -= sz
-	if !p.off && p.fits(kindBody, sz) && cap(h) == bodySizes[k] {
-		p.bodies[st][k] = append(p.bodies[st][k], runArrays{h[:0], sts[:0]})
+	if !p.off && p.fits(kindBody, sz) && len(h) == arrLen(bodySizes[k], stamped) {
+		p.bodies[st][k] = append(p.bodies[st][k], h)
 		p.held[kindBody] += sz
 		p.kept++
 	}

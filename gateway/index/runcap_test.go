@@ -152,7 +152,7 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 			stampOf := func(o int) uint32 { return 1000 + uint32(o)*7 }
 			set := func(o int) {
 				if stamped {
-					atomic.StoreUint32(&r.body.Load().st[o], stampOf(o)) // as a lookup does
+					atomic.StoreUint32(f.stampOf(r, o), stampOf(o)) // as a lookup does
 				}
 			}
 			set(0)
@@ -160,8 +160,9 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 				f.appendPos(id, r, 1<<40+uint64(o), 1)
 				set(o)
 				b := r.body.Load()
-				if (b.st != nil) != stamped || len(b.h) != bodySizes[bodyClass(len(b.h))] || len(b.h) < o+1 || stamped && len(b.st) != len(b.h) {
-					t.Fatalf("after %d positions: size %d, stamps %d", o+1, len(b.h), len(b.st))
+				size := hsize(b.h, stamped)
+				if size != bodySizes[bodyClass(size)] || size < o+1 || len(b.h) != arrLen(size, stamped) {
+					t.Fatalf("after %d positions: %d words for %d positions", o+1, len(b.h), size)
 				}
 				if len(r.hs()) != o+1 || int(r.n) != o+1 {
 					t.Fatalf("after %d positions: writer's length %d, readers' %d", o+1, len(r.hs()), r.n)
@@ -170,16 +171,16 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 					if h := b.h[p]; h != 1<<40+uint64(p) || r.hs()[p] != h {
 						t.Fatalf("after %d positions: content %d = %#x", o+1, p, h)
 					}
-					if stamped && b.st[p] != stampOf(p) {
-						t.Fatalf("after %d positions: stamp %d = %d, want %d", o+1, p, b.st[p], stampOf(p))
+					if stamped && *stampAt(b.h, size, p) != stampOf(p) {
+						t.Fatalf("after %d positions: stamp %d = %d, want %d", o+1, p, *stampAt(b.h, size, p), stampOf(p))
 					}
 				}
-				if want := arrBytes(len(b.h), stamped); f.bytes != want {
-					t.Fatalf("forward.bytes %d for size %d, want %d", f.bytes, len(b.h), want)
+				if want := len(b.h) * 8; f.bytes != want {
+					t.Fatalf("forward.bytes %d for %d words, want %d", f.bytes, len(b.h), want)
 				}
 			}
-			// A small run freed: its arrays go to the pool, and the next run
-			// of their size class gets them back, stamps cleared.
+			// A small run freed: its array goes to the pool, and the next run
+			// of its size class gets it back, stamps cleared.
 			id2, _ := f.newRun(0, 0, 2<<40, 2<<40, 1)
 			r = f.run(id2)
 			for o := range minBody {
@@ -188,15 +189,15 @@ func TestRunArraysKeepNeighbours(t *testing.T) {
 				}
 				set(o)
 			}
-			h := r.hs()
+			h := r.body.Load().h
 			f.freeRun(id2)
-			got, st := f.getArrays(minBody)
-			if &got[:1][0] != &h[0] {
-				t.Fatal("the freed arrays were not reused; the test no longer covers reuse")
+			got := f.getArrays(minBody)
+			if &got[0] != &h[0] {
+				t.Fatal("the freed array was not reused; the test no longer covers reuse")
 			}
 			for o := range minBody {
-				if stamped && st[:minBody][o] != 0 {
-					t.Fatalf("reused arrays: position %d stamp %d", o, st[:minBody][o])
+				if stamped && *stampAt(got, minBody, o) != 0 {
+					t.Fatalf("reused array: position %d stamp %d", o, *stampAt(got, minBody, o))
 				}
 			}
 		})
