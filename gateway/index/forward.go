@@ -80,18 +80,17 @@ func makeLoc(run uint32, off int) loc { return loc(run<<posOffBits | uint32(off)
 func (l loc) run() uint32             { return uint32(l) >> posOffBits }
 func (l loc) off() int                { return int(l & (1<<posOffBits - 1)) }
 
-// run is a run's header (48 bytes): its arrays are in body, n and ncov
+// run is a run's header (40 bytes): its arrays are in body, n and ncov
 // are their lengths in use.
 type run struct {
-	ver    atomic.Uint32
-	n      uint32 // positions (store32; readers load atomically)
-	ncov   uint32 // coverage entries (idem)
-	parent uint32 // run id this run hangs after; 0: the root (idem)
-	poff   uint32 // the parent's offset it continues after (idem)
-	kids   uint32 // live child runs (writer only)
-	refs   uint32 // reverse entries naming a position of this run (writer only)
-	head   uint64 // position 0's prefix hash (store64; readers load atomically)
-	body   atomic.Pointer[runBody]
+	ver  atomic.Uint32
+	n    uint32 // positions (store32; readers load atomically)
+	ncov uint32 // coverage entries (idem)
+	from loc    // the parent position this run hangs after; 0: the root (idem)
+	kids uint32 // live child runs (writer only)
+	refs uint32 // reverse entries naming a position of this run (writer only)
+	head uint64 // position 0's prefix hash (store64; readers load atomically)
+	body atomic.Pointer[runBody]
 }
 
 // runBody is a run's arrays, at full capacity: a content hash per position
@@ -302,8 +301,7 @@ func (f *forward) newRun(parent uint32, poff int, c, head uint64, room int) (uin
 	r.body.Store(b)
 	store32(&r.n, 1)
 	store32(&r.ncov, 0)
-	store32(&r.parent, parent)
-	store32(&r.poff, uint32(poff))
+	store32((*uint32)(&r.from), uint32(makeLoc(parent, poff)))
 	store64(&r.head, head)
 	r.kids, r.refs = 0, 0
 	f.kids.put(uint32(makeLoc(parent, poff)), c, id)
@@ -351,8 +349,8 @@ func (f *forward) freeRun(id uint32) {
 			f.dropCover(r, ci)
 		}
 		b := r.body.Load()
-		f.kids.del(uint32(makeLoc(r.parent, int(r.poff))), b.h[0], id)
-		parent := r.parent
+		f.kids.del(uint32(r.from), b.h[0], id)
+		parent := r.from.run()
 		if parent != 0 {
 			f.heads.del(0, r.head, id)
 		}

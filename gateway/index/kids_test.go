@@ -48,8 +48,8 @@ func branchSetup(t *testing.T) (ix *Index, xy []uint32) {
 	if yl.off() != 0 || yl.run() == xr {
 		t.Fatalf("Y2 filed at %v; want offset 0 of a run of its own", yl)
 	}
-	if r := ix.fw.run(yl.run()); r.parent != xr || r.poff != 1 {
-		t.Fatalf("Y2's run hangs after run %d offset %d; want X's run %d, offset 1", r.parent, r.poff, xr)
+	if r := ix.fw.run(yl.run()); r.from != makeLoc(xr, 1) {
+		t.Fatalf("Y2's run hangs after run %d offset %d; want X's run %d, offset 1", r.from.run(), r.from.off(), xr)
 	}
 	ix.Apply("A", batch(0, removed(unspec, 101, 102, 103, 104, 105)))
 	ix.Apply("B", batch(0, removed(unspec, 201, 202)))

@@ -289,7 +289,7 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			want = hc.prefix[i]
 		}
 		// Still the child it was found as (not freed and reused since)?
-		if len(h) == 0 || atomic.LoadUint32(&r.parent) != parent || atomic.LoadUint32(&r.poff) != poff ||
+		if len(h) == 0 || atomic.LoadUint32((*uint32)(&r.from)) != uint32(makeLoc(parent, int(poff))) ||
 			(byPrefix && atomic.LoadUint64(&r.head) != want) || (!byPrefix && atomic.LoadUint64(&h[0]) != want) {
 			// Not a change if neither the run nor the table moved: a 64-bit
 			// collision of head prefix hashes, and no match.
