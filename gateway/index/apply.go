@@ -288,18 +288,22 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 	// the run's end.
 	end := min(len(slots), j|(settleEvery-1), j+maxRunLen-o)
 	m := j
+	stamped, pruning := f.stamped, ix.pruning
+	b := r.body.Load()
+	size := hsize(b.h, stamped)
 	for ; m < end; m, o = m+1, o+1 {
 		es := slots[m]
 		if es.slot < 0 || es.found {
 			break
 		}
-		b := r.body.Load()
-		if n := int(r.n); n < hsize(b.h, f.stamped) {
-			store64(&b.h[n], content[m])
-			store32(&r.n, uint32(n+1))
+		// o is the run's length: the block goes at its end.
+		if o < size {
+			store64(&b.h[o], content[m])
+			store32(&r.n, uint32(o+1))
 		} else {
 			f.appendPos(id, r, content[m], len(slots)-m)
 			b = r.body.Load()
+			size = hsize(b.h, stamped)
 		}
 		i := int(es.slot)
 		if moved {
@@ -308,12 +312,12 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		pl := makeLoc(id, o)
 		rt.slots[i].pos = uint32(pl)
 		r.refs++
-		if f.stamped {
-			store32(stampAt(b.h, hsize(b.h, true), o), stamp)
+		if stamped {
+			store32(stampAt(b.h, size, o), stamp)
 		}
 		store32(&e.lead, uint32(o+1))
 		e.held++
-		if ix.pruning {
+		if pruning {
 			ws.retain(pl, false, true)
 		}
 	}
@@ -527,27 +531,32 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	// of the position before, no other entry of the worker naming it, is
 	// done here: the lead moves back, and the run (which the worker still
 	// holds, so a reverse entry still names it) stays.
+	// last is the run of the position before and e ws's coverage entry in
+	// it (nil: none), valid until the general path runs again.
 	var last *run
-	ci := -1
+	var lastID uint32
+	var e *cover
+	twins := len(ws.refs) != 0
 	for j, l := range locs {
-		if j%settleEvery == settleEvery-1 {
+		if j&(settleEvery-1) == settleEvery-1 {
 			f.settle()
 		}
-		if r := f.run(l.run()); r == last && ci < int(r.ncov) && len(ws.refs) == 0 {
-			if e := &r.covs()[ci]; e.w == ws.id && uint32(l.off())+1 == e.lead && e.held > 1 {
-				f.touch(l.run())
-				store32(&e.lead, e.lead-1)
-				e.held--
-				r.refs--
-				store64(&f.mem, f.mem-1)
-				continue
+		if e != nil && !twins && l.run() == lastID && uint32(l.off())+1 == e.lead && e.held > 1 {
+			if last.ver.Load()&1 == 0 {
+				f.touch(lastID)
 			}
+			store32(&e.lead, e.lead-1)
+			e.held--
+			last.refs--
+			store64(&f.mem, f.mem-1)
+			continue
 		}
 		ix.dropRef(ws, l)
-		last, ci = nil, -1
+		twins = len(ws.refs) != 0
+		last, lastID, e = nil, 0, nil
 		if r := f.run(l.run()); r.n > 0 {
-			if ci = f.findCover(r, ws.id); ci >= 0 {
-				last = r
+			if ci := f.findCover(r, ws.id); ci >= 0 {
+				last, lastID, e = r, l.run(), &r.covs()[ci]
 			}
 		}
 	}
