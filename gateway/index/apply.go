@@ -296,11 +296,13 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		if es.slot < 0 || es.found {
 			break
 		}
-		// o is the run's length: the block goes at its end.
+		// o is the run's length: the block goes at its end. The run's
+		// length, the worker's lead and the counts are stored once after
+		// the loop (the run's version is odd: no reader uses them now).
 		if o < size {
 			store64(&b.h[o], content[m])
-			store32(&r.n, uint32(o+1))
 		} else {
+			store32(&r.n, uint32(o))
 			f.appendPos(id, r, content[m], len(slots)-m)
 			b = r.body.Load()
 			size = hsize(b.h, stamped)
@@ -311,17 +313,20 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 		}
 		pl := makeLoc(id, o)
 		rt.slots[i].pos = uint32(pl)
-		r.refs++
 		if stamped {
 			store32(stampAt(b.h, size, o), stamp)
 		}
-		store32(&e.lead, uint32(o+1))
-		e.held++
 		if pruning {
 			ws.retain(pl, false, true)
 		}
 	}
-	store64(&f.mem, f.mem+uint64(m-j))
+	if m > j {
+		store32(&r.n, uint32(o))
+		store32(&e.lead, uint32(o))
+		e.held += uint32(m - j)
+		r.refs += uint32(m - j)
+		store64(&f.mem, f.mem+uint64(m-j))
+	}
 	return m
 }
 
@@ -531,33 +536,43 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	// of the position before, no other entry of the worker naming it, is
 	// done here: the lead moves back, and the run (which the worker still
 	// holds, so a reverse entry still names it) stays.
-	// last is the run of the position before and e ws's coverage entry in
-	// it (nil: none), valid until the general path runs again.
-	var last *run
-	var lastID uint32
-	var e *cover
-	twins := len(ws.refs) != 0
-	for j, l := range locs {
+	for j := 0; j < len(locs); {
 		if j&(settleEvery-1) == settleEvery-1 {
 			f.settle()
 		}
-		if e != nil && !twins && l.run() == lastID && uint32(l.off())+1 == e.lead && e.held > 1 {
-			if last.ver.Load()&1 == 0 {
-				f.touch(lastID)
-			}
-			store32(&e.lead, e.lead-1)
-			e.held--
-			last.refs--
-			store64(&f.mem, f.mem-1)
+		l := locs[j]
+		ix.dropRef(ws, l)
+		j++
+		if len(ws.refs) != 0 {
 			continue
 		}
-		ix.dropRef(ws, l)
-		twins = len(ws.refs) != 0
-		last, lastID, e = nil, 0, nil
-		if r := f.run(l.run()); r.n > 0 {
-			if ci := f.findCover(r, ws.id); ci >= 0 {
-				last, lastID, e = r, l.run(), &r.covs()[ci]
-			}
+		r := f.run(l.run())
+		if r.n == 0 {
+			continue
+		}
+		ci := f.findCover(r, ws.id)
+		if ci < 0 {
+			continue
+		}
+		// The positions that follow, each the one before the last in ws's
+		// lead of the same run, up to the next settle point: the lead moves
+		// back, and the run (which ws still holds, so a reverse entry still
+		// names it) stays.
+		e := &r.covs()[ci]
+		lead, held, k := e.lead, e.held, j
+		for k < len(locs) && k&(settleEvery-1) != settleEvery-1 && held > 1 && lead > 0 &&
+			locs[k] == makeLoc(l.run(), int(lead)-1) {
+			lead--
+			held--
+			k++
+		}
+		if k > j {
+			f.touch(l.run())
+			store32(&e.lead, lead)
+			e.held = held
+			r.refs -= uint32(k - j)
+			store64(&f.mem, f.mem-uint64(k-j))
+			j = k
 		}
 	}
 }
