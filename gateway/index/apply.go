@@ -5,7 +5,6 @@ package index
 
 import (
 	"slices"
-	"sync/atomic"
 
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
@@ -157,20 +156,21 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		content = nil
 		seed = NamespaceSeed(s.GetLoraName(), s.GetCacheSalt())
 	}
-	var prev uint64
+	if ix.opts.ReportModeFull && !snapshot && s.ParentBlockHash == nil {
+		ix.fw.mu.Lock()
+		re := ix.reannounced(rt, s, tier, content, seed)
+		ix.fw.unlock()
+		if re {
+			ws.c.ReannouncedStores++
+			ws.c.ReannouncedBlocks += uint64(len(s.Blocks))
+			return
+		}
+	}
 	var prevLoc loc
 	chained := false
-	lk := newShardLocks(ix, &ws.lkRuns)
-	defer lk.release()
-	if ix.opts.ReportModeFull && !snapshot && s.ParentBlockHash == nil && ix.reannounced(&lk, rt, s, tier, content, seed) {
-		ws.c.ReannouncedStores++
-		ws.c.ReannouncedBlocks += uint64(len(s.Blocks))
-		return
-	}
 	if s.ParentBlockHash != nil {
-		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 {
-			prevLoc, chained = unpackLoc(rt.slots[i].pos, ix.shardBits), true
-			prev = ix.hashAt(&lk, prevLoc)
+		if i := rt.find(uint64(*s.ParentBlockHash)); i >= 0 && rt.slots[i].pos != noPos {
+			prevLoc, chained = loc(rt.slots[i].pos), true
 		} else {
 			ws.c.ParentlessStores++
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
@@ -178,14 +178,13 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	// The event is applied in two passes. The first does each block's own
 	// work: its content hash and its reverse entry (a random probe into the
-	// worker's table, the costly part), before any forward shard is changed.
-	// The second files the blocks in the forward map in one go: they are
-	// mostly consecutive positions of one run, so the run found for one
-	// block serves the next (shardLocks.last) and its version goes odd once
-	// for the event, not once a block. The passes give the same result as
-	// one loop would: the first pass's reverse changes (new entries and
-	// copy counts, in block order) depend on nothing in the forward map,
-	// and the second reads a new entry's position only after filing it.
+	// worker's table, the costly part), under the worker's lock only, so
+	// that workers do it in parallel. The second files the blocks in the
+	// forward map, which has one writer at a time. The passes give the same
+	// result as one loop would: the first pass's reverse changes (new
+	// entries and copy counts, in block order) depend on nothing in the
+	// forward map, and the second reads a new entry's position only after
+	// filing it.
 	defer ws.dropLargeScratch()
 	if content == nil {
 		content = slices.Grow(ws.evContent[:0], len(s.Blocks))[:len(s.Blocks)]
@@ -218,117 +217,130 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	}
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
+	f := &ix.fw
+	f.mu.Lock()
+	defer f.unlock()
 	for j := 0; j < len(s.Blocks); j++ {
 		if j%settleEvery == settleEvery-1 {
-			lk.settle()
+			f.settle()
 		}
 		if slots[j].slot < 0 {
 			continue
 		}
-		if chained && !slots[j].found {
-			if k := ix.extendRun(&lk, ws, rt, s.Blocks, content, slots, j, &prev, &prevLoc, stamp, moved); k > j {
-				j = k - 1
-				continue
-			}
-		}
-		blk := s.Blocks[j]
-		p := content[j]
-		if chained {
-			p = ChainHash(prev, p)
-		}
+		c := content[j]
 		i := int(slots[j].slot)
 		if moved {
-			i = rt.find(uint64(blk.BlockHash))
+			i = rt.find(uint64(s.Blocks[j].BlockHash))
 		}
 		var l loc
-		if slots[j].found {
+		if slots[j].found && rt.slots[i].pos != noPos {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
-			// (Its position is set: an entry new in this event was filed, or
-			// the event ended in leaveOut, before a repeat of it comes here.)
-			l = unpackLoc(rt.slots[i].pos, ix.shardBits)
-			if known := ix.hashAt(&lk, l); known != p {
+			l = loc(rt.slots[i].pos)
+			if want, ok := f.follow(prevLoc, chained, c); !ok || want != l {
 				ws.c.EngineConflicts++
-				p = known
 			}
-			ix.addRef(&lk, ws, l, stamp, false)
+			ix.addRef(ws, l, stamp, false)
 		} else {
 			var ok bool
-			if l, ok = ix.place(&lk, prevLoc, chained, p, len(s.Blocks)-j); !ok {
+			if l, ok = f.place(prevLoc, chained, c, len(s.Blocks)-j); !ok {
+				ix.warnRunCap()
 				ws.leaveOut(rt, s.Blocks[j:])
 				return
 			}
-			rt.slots[i].pos = packLoc(l, ix.shardBits)
-			ix.addRef(&lk, ws, l, stamp, true)
+			rt.slots[i].pos = uint32(l)
+			ix.addRef(ws, l, stamp, true)
+			if k := ix.extendRun(ws, rt, s.Blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
+				l = makeLoc(l.run(), l.off()+k-1-j) // the last block filed
+				j = k - 1
+			}
 		}
 		chained = true
-		prev, prevLoc = p, l
+		prevLoc = l
 	}
 }
 
-// extendRun files the store's blocks from j on, while each is new to the
-// rank and continues the run of the block before it (prevLoc, whose run is
-// the writer's cached one, locked and changing): the next position of that
-// run when it holds the block's prefix hash, or a position appended at the
-// run's end (no run can be headed by it there: see place). These are place's first two
-// cases and addRef's counted case, the same reads and writes in the same
-// order, done in one loop for the event's consecutive blocks instead of a
-// dispatch per block (the run's lookup through the lock bookkeeping, the
-// position's packing and unpacking, the holder's run found again). It stops
-// at the first block that needs anything else (a branch, a full run, a
-// head, a block the rank held, a settle point after j) and returns the
-// index of that block; prev and prevLoc then describe the last block filed.
-func (ix *Index) extendRun(lk *shardLocks, ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, slots []evSlot, j int, prev *uint64, prevLoc *loc, stamp uint32, moved bool) int {
-	a, idx := prevLoc.shard(), prevLoc.run()
-	r := lk.cached(a, idx)
-	if r == nil {
+// extendRun files the store's blocks from j on while each is new to the
+// rank and goes at the end of the run of the block before it (at l, just
+// filed by ws, whose coverage of the run reaches it with no hole): the
+// common case of a conversation's next turn, done in one loop (the content
+// appended, the reverse entry set, the worker's lead moved along) instead
+// of place and addRef per block. It stops at the first block that needs
+// anything else (a nil block, one the rank held, a full run, a settle
+// point) and returns its index.
+func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, slots []evSlot, j int, l loc, stamp uint32, moved bool) int {
+	f := &ix.fw
+	id := l.run()
+	r := f.run(id)
+	o := l.off() + 1
+	if o != int(r.n) {
 		return j
 	}
-	sh := &ix.shards[a]
-	o := prevLoc.off() + 1
-	p := *prev
+	ci := f.findCover(r, ws.id)
+	if ci < 0 {
+		return j
+	}
+	e := &r.covs()[ci]
+	if e.lead != uint32(o) || e.holes != 0 {
+		return j
+	}
+	// Stop before the next settle point (the caller settles there) and at
+	// the run's end.
+	end := min(len(slots), j|(settleEvery-1), j+maxRunLen-o)
 	m := j
-fill:
-	for ; m < len(slots); m, o = m+1, o+1 {
-		if m > j && m%settleEvery == settleEvery-1 {
-			break
-		}
+	stamped, pruning := f.stamped, ix.pruning
+	b := r.body.Load()
+	size := hsize(b.h, stamped)
+	for ; m < end; m, o = m+1, o+1 {
 		es := slots[m]
 		if es.slot < 0 || es.found {
 			break
 		}
-		h := ChainHash(p, content[m])
-		b := r.body.Load()
-		switch n := int(r.n); {
-		case o < n:
-			if b.hash(o) != h {
-				break fill
-			}
-		case o == n && o < maxRunLen: // no head can be p: see place
-			sh.appendPosFor(r, h, len(slots)-m)
+		// o is the run's length: the block goes at its end. The run's
+		// length, the worker's lead and the counts are stored once after
+		// the loop (the run's version is odd: no reader uses them now).
+		if o < size {
+			store64(&b.h[o], content[m])
+		} else {
+			store32(&r.n, uint32(o))
+			f.appendPos(id, r, content[m], len(slots)-m)
 			b = r.body.Load()
-		default:
-			break fill
+			size = hsize(b.h, stamped)
 		}
 		i := int(es.slot)
 		if moved {
 			i = rt.find(uint64(blocks[m].BlockHash))
 		}
-		l := makeLoc(a, idx, o)
-		rt.slots[i].pos = packLoc(l, ix.shardBits)
-		r.refs++
-		held := sh.addHolder(b, o, ws.id, stamp)
-		ws.retain(l, held, ix.pruning)
-		p = h
+		pl := makeLoc(id, o)
+		rt.slots[i].pos = uint32(pl)
+		if stamped {
+			store32(stampAt(b.h, size, o), stamp)
+		}
+		if pruning {
+			ws.retain(pl, false, true)
+		}
 	}
 	if m > j {
-		*prev, *prevLoc = p, makeLoc(a, idx, o-1)
+		store32(&r.n, uint32(o))
+		store32(&e.lead, uint32(o))
+		e.held += uint32(m - j)
+		r.refs += uint32(m - j)
+		store64(&f.mem, f.mem+uint64(m-j))
 	}
 	return m
 }
 
+// warnRunCap logs, once, that a store was left out for want of a run id.
+func (ix *Index) warnRunCap() {
+	if !ix.fw.capWarned {
+		ix.fw.capWarned = true
+		ix.log.Warn("index: no run id left; blocks that need a new run are not indexed (counted in UnindexedBlocks) until runs are freed",
+			"max_runs", ix.fw.maxRuns)
+	}
+}
+
 // leaveOut ends a store whose block blocks[0] could not be filed: its run
-// would start in a shard at its run cap (maxRunsFor). That block, and every
+// needed a new run and no run id was left (forward.maxRuns). That block, and every
 // block of the event after it that was new to the rank, are not indexed:
 // their reverse entries (made by the store's first pass, not yet filed) go,
 // so the worker is not taken to hold them, and they are counted. Blocks the
@@ -350,11 +362,12 @@ func (ws *workerState) leaveOut(rt *revTable, blocks []*kvpb.KvBlock) {
 }
 
 // reannounced reports whether a parent-less store lists blocks rt already
-// holds on tier, each filed at the prefix hash its tokens give along the
-// store's chain from the root: a report-mode "full" re-announcement of hits
-// (Options.ReportModeFull).
-func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStored, tier Tier, content []uint64, seed uint64) bool {
-	var prev uint64
+// holds on tier, each filed at the position its tokens give along the
+// store's chain from the root (the path its prefix hashes name): a
+// report-mode "full" re-announcement of hits (Options.ReportModeFull).
+// The forward map's lock is held.
+func (ix *Index) reannounced(rt *revTable, s *kvpb.KvBlocksStored, tier Tier, content []uint64, seed uint64) bool {
+	var prev loc
 	for j, blk := range s.Blocks {
 		if blk == nil {
 			return false
@@ -363,164 +376,34 @@ func (ix *Index) reannounced(lk *shardLocks, rt *revTable, s *kvpb.KvBlocksStore
 		if i < 0 || tierCount(rt.counts(i), tier) == 0 {
 			return false
 		}
-		p := content
 		var h uint64
-		if p != nil {
-			h = p[j]
+		if content != nil {
+			h = content[j]
 		} else {
 			h = ContentHash(blk.TokenIds, seed)
 		}
-		if j > 0 {
-			h = ChainHash(prev, h)
-		}
-		if ix.hashAt(lk, unpackLoc(rt.slots[i].pos, ix.shardBits)) != h {
+		l, ok := ix.fw.follow(prev, j > 0, h)
+		if !ok || uint32(l) != rt.slots[i].pos {
 			return false
 		}
-		prev = h
+		prev = l
 	}
 	return true
 }
 
-// hashAt is the prefix hash at l, read under l's shard lock (a run's
-// arrays are recycled when it grows). l must be named by a reverse entry of
-// the calling writer, which keeps its run in place.
-func (ix *Index) hashAt(lk *shardLocks, l loc) uint64 {
-	if r := lk.cached(l.shard(), l.run()); r != nil {
-		return r.body.Load().hash(l.off())
-	}
-	lk.need(l.shard(), -1)
-	r := ix.shards[l.shard()].runAt(l.run())
-	return r.body.Load().hash(l.off())
-}
-
-// place finds or makes the position of prefix hash p: right after prev when
-// chained, else as the first block of a chain. A position after prev is
-// either the next one of prev's run or the first of a run of its own; both
-// are looked at, under both shards' locks, before anything is added, so p
-// never gets two positions. room counts the event's blocks from p on: a run
-// that p starts or grows gets arrays for all of them at once.
-//
-// It returns false when p needs a run of its own in a shard at its run cap.
-func (ix *Index) place(lk *shardLocks, prev loc, chained bool, p uint64, room int) (loc, bool) {
-	ps := ix.shardIndex(p)
-	if !chained {
-		lk.need(ps, -1)
-		if l, ok := ix.headLoc(ps, p); ok {
-			return l, true
-		}
-		return ix.startRun(lk, ps, p, room)
-	}
-	a := prev.shard()
-	sh := &ix.shards[a]
-	o := prev.off() + 1
-	// The common case, the block after the one just filed: its run is held
-	// and changing already (see shardLocks.last).
-	r := lk.cached(a, prev.run())
-	if r == nil {
-		r = sh.runAt(prev.run())
-		lk.need(a, -1)
-	}
-	next := func() bool { return o < int(atomic.LoadUint32(&r.n)) && r.body.Load().hash(o) == p }
-	atEnd := func() bool { return o == int(atomic.LoadUint32(&r.n)) && o < maxRunLen }
-	appendHere := func() (loc, bool) {
-		lk.writeRunAt(a, prev.run(), r)
-		sh.appendPosFor(r, p, room)
-		return makeLoc(a, prev.run(), o), true
-	}
-	if next() {
-		return makeLoc(a, prev.run(), o), true
-	}
-	// Appending to prev's run is the common case (a conversation's next
-	// turn). It only needs to know that p is not a head, which a lock-free
-	// read of p's shard tells: a head p made while prev sat where it sits
-	// now would have been made under a's lock, which we hold, and prev
-	// cannot move while our reverse entry names it.
-	// Appending to prev's run at its end needs no look at the heads: a run
-	// headed by p would have been started from prev's position while prev's
-	// run went on past it or was full (place's last case), and that run, its
-	// parent, lives as long as it does (run.parent); prev's position has not
-	// moved since, and a live run never shrinks, so prev would not be at its
-	// run's end now. (A parent-less store's first block heads a run under its
-	// bare content hash; p equalling one is a 64-bit collision, which a
-	// parent-less store is not checked against in the other direction either.)
-	if atEnd() {
-		return appendHere()
-	}
-	if !lk.need(a, ps) && next() {
-		return makeLoc(a, prev.run(), o), true
-	}
-	if l, ok := ix.headLoc(ps, p); ok {
-		return l, true
-	}
-	if atEnd() {
-		return appendHere()
-	}
-	l, ok := ix.startRun(lk, ps, p, room)
-	if ok {
-		// Both shards are held (need above): the new run's parent is prev's run.
-		ix.shards[ps].runAt(l.run()).parent = packLoc(makeLoc(a, prev.run(), 0), ix.shardBits)
-		r.kids++
-	}
-	return l, ok
-}
-
-// headLoc is the position of p when p heads a run of shard ps (ps locked).
-func (ix *Index) headLoc(ps int, p uint64) (loc, bool) {
-	if !ix.shards[ps].filter.Load().mayHave(p) {
-		return 0, false
-	}
-	t := ix.shards[ps].tab.Load()
-	if i := t.find(p, ix.shardBits); i >= 0 {
-		return makeLoc(ps, t.val(i)-1, 0), true
-	}
-	return 0, false
-}
-
-// startRun makes p the head of a new run of shard ps (ps locked); false
-// when the shard is at its run cap, which is logged once per shard.
-func (ix *Index) startRun(lk *shardLocks, ps int, p uint64, room int) (loc, bool) {
-	sh := &ix.shards[ps]
-	lk.write(ps)
-	idx, ok := sh.newRunFor(p, ix.pruning, ix.shardBits, room)
-	if !ok {
-		if !sh.capWarned {
-			sh.capWarned = true
-			ix.log.Warn("index: a forward shard has no run number left; blocks that need a new run there are not indexed (counted in UnindexedBlocks) until runs are freed",
-				"shard", ps, "max_runs", sh.maxRuns)
-		}
-		return 0, false
-	}
-	return makeLoc(ps, idx, 0), true
-}
-
-// noHead reports that p surely heads no run of shard ps: read under the
-// lock when this writer holds it (its version may be odd by our own hand),
-// else without locking; false when that read could not be had, and the
-// caller takes the locked path.
-func (ix *Index) noHead(lk *shardLocks, ps int, p uint64) bool {
-	if lk.has(ps) {
-		_, has := ix.headLoc(ps, p)
-		return !has
-	}
-	has, ok := ix.shards[ps].tryHasHead(p, ix.shardBits)
-	return ok && !has
-}
-
-// addRef makes ws a holder of l and stamps it. counted says a new reverse
-// entry of ws names l (rather than a known one gaining a copy).
-func (ix *Index) addRef(lk *shardLocks, ws *workerState, l loc, stamp uint32, counted bool) {
-	s := l.shard()
-	sh := &ix.shards[s]
-	r := lk.cached(s, l.run())
-	if r == nil {
-		lk.need(s, -1)
-		r = sh.runAt(l.run())
-		lk.writeRunAt(s, l.run(), r)
-	}
+// addRef makes ws a holder of l and stamps it (the forward map's lock
+// held). counted says a new reverse entry of ws names l (rather than a
+// known one gaining a copy).
+func (ix *Index) addRef(ws *workerState, l loc, stamp uint32, counted bool) {
+	f := &ix.fw
+	r := f.touch(l.run())
 	if counted {
 		r.refs++
 	}
-	held := sh.addHolder(r.body.Load(), l.off(), ws.id, stamp)
+	if p := f.stampOf(r, l.off()); p != nil {
+		store32(p, stamp)
+	}
+	held := f.addHolder(r, ws.id, l.off())
 	if counted {
 		ws.retain(l, held, ix.pruning)
 	}
@@ -569,46 +452,19 @@ func (ws *workerState) release(l loc, pruning bool) (last bool) {
 	return false
 }
 
-// dropRef records that one reverse entry of ws naming l is gone: ws stops
-// holding l when it was the last, and l's run goes when no entry names it.
-func (ix *Index) dropRef(lk *shardLocks, ws *workerState, l loc) {
-	s := l.shard()
-	sh := &ix.shards[s]
-	r := lk.cached(s, l.run())
-	if r == nil {
-		lk.need(s, -1)
-		r = sh.runAt(l.run())
-	}
+// dropRef records that one reverse entry of ws naming l is gone (the
+// forward map's lock held): ws stops holding l when it was the last, and
+// l's run goes when no entry names it and it has no child.
+func (ix *Index) dropRef(ws *workerState, l loc) {
+	f := &ix.fw
+	id := l.run()
+	r := f.run(id)
 	if ws.release(l, ix.pruning) {
-		lk.writeRunAt(s, l.run(), r)
-		sh.removeHolder(r.body.Load(), l.off(), ws.id)
+		f.touch(id)
+		f.removeHolder(r, ws.id, l.off())
 	}
 	if r.refs--; r.refs == 0 && r.kids == 0 {
-		ix.freeRunChain(lk, s, l.run(), r)
-	}
-}
-
-// freeRunChain frees run idx of shard s (held), which no reverse entry
-// names and which has no live kids, then its parent if that was the
-// parent's last kid and no reverse entry names the parent, and so on up.
-// The parent cannot go meanwhile: it counts this run until the decrement.
-func (ix *Index) freeRunChain(lk *shardLocks, s int, idx uint32, r *run) {
-	for {
-		parent := r.parent
-		lk.write(s)
-		lk.writeRunAt(s, idx, r)
-		ix.shards[s].freeRun(idx, ix.shardBits)
-		lk.forget(s, idx)
-		if parent == noPos {
-			return
-		}
-		pl := unpackLoc(parent, ix.shardBits)
-		s, idx = pl.shard(), pl.run()
-		lk.need(s, -1)
-		r = ix.shards[s].runAt(idx)
-		if r.kids--; r.kids != 0 || r.refs != 0 {
-			return
-		}
+		f.freeRun(id)
 	}
 }
 
@@ -640,10 +496,9 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		ws.c.UnknownRemovals += uint64(len(r.BlockHashes))
 		return
 	}
-	// Two passes, as in applyStored: the reverse table first, with no forward
-	// shard locked, collecting the positions whose last entry went; then the
-	// forward map in one go, where consecutive positions of one run share
-	// the run's lookup and version change (shardLocks.last). Dropping the
+	// Two passes, as in applyStored: the reverse table first, under the
+	// worker's lock only, collecting the positions whose last entry went;
+	// then the forward map in one go, under its lock. Dropping the
 	// references after all the reverse changes gives the same result: the
 	// forward map's reference counts do not depend on the reverse table.
 	defer ws.dropLargeScratch()
@@ -665,19 +520,59 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			rt.setCounts(i, c)
 			continue
 		}
-		locs = append(locs, unpackLoc(rt.slots[i].pos, ix.shardBits))
+		if p := rt.slots[i].pos; p != noPos {
+			locs = append(locs, loc(p))
+		}
 		rt.del(i)
 	}
 	ws.evLocs = locs
 	if len(locs) == 0 {
 		return
 	}
-	lk := newShardLocks(ix, &ws.lkRuns)
-	defer lk.release()
-	for j, l := range locs {
-		if j%settleEvery == settleEvery-1 {
-			lk.settle()
+	f := &ix.fw
+	f.mu.Lock()
+	defer f.unlock()
+	// The common case, a position at the end of the worker's lead in the run
+	// of the position before, no other entry of the worker naming it, is
+	// done here: the lead moves back, and the run (which the worker still
+	// holds, so a reverse entry still names it) stays.
+	for j := 0; j < len(locs); {
+		if j&(settleEvery-1) == settleEvery-1 {
+			f.settle()
 		}
-		ix.dropRef(&lk, ws, l)
+		l := locs[j]
+		ix.dropRef(ws, l)
+		j++
+		if len(ws.refs) != 0 {
+			continue
+		}
+		r := f.run(l.run())
+		if r.n == 0 {
+			continue
+		}
+		ci := f.findCover(r, ws.id)
+		if ci < 0 {
+			continue
+		}
+		// The positions that follow, each the one before the last in ws's
+		// lead of the same run, up to the next settle point: the lead moves
+		// back, and the run (which ws still holds, so a reverse entry still
+		// names it) stays.
+		e := &r.covs()[ci]
+		lead, held, k := e.lead, e.held, j
+		for k < len(locs) && k&(settleEvery-1) != settleEvery-1 && held > 1 && lead > 0 &&
+			locs[k] == makeLoc(l.run(), int(lead)-1) {
+			lead--
+			held--
+			k++
+		}
+		if k > j {
+			f.touch(l.run())
+			store32(&e.lead, lead)
+			e.held = held
+			r.refs -= uint32(k - j)
+			store64(&f.mem, f.mem-uint64(k-j))
+			j = k
+		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvrelay/kvrelay/gateway/index/tracegen"
 	"github.com/kvrelay/kvrelay/proto/kvpb"
@@ -412,27 +413,27 @@ func TestReplayPlanIsExact(t *testing.T) {
 type indexMemory struct {
 	reverse     int     // workers' reverse tables (14 B a slot)
 	reverseLoad float64 // their entries ÷ slots
-	runHeaders  int     // run and runBody headers (memBytes' runOverhead)
-	arrays      int     // run arrays in use
+	runHeaders  int     // run headers (their chunks)
+	arrays      int     // run arrays in use (content, stamps, coverage)
 	pooled      int     // arrays kept for reuse (run arrays and reverse tables)
-	other       int     // heads tables, run directories, bitsets, free lists, refs
+	other       int     // child and heads tables, run directory, hole bitmaps, free lists, refs
 	runs        int     // live runs
 	entries     int     // held positions
 }
 
 func memoryBreakdown(ix *Index) indexMemory {
 	var m indexMemory
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		live := sh.runsUsed - len(sh.runsFree)
-		m.runs += live
-		m.entries += int(load(&sh.entries))
-		m.runHeaders += live * runOverhead
-		m.arrays += sh.bytes
-		m.other += sh.memBytes() - live*runOverhead - sh.bytes
-		sh.mu.Unlock()
-	}
+	f := &ix.fw
+	f.mu.Lock()
+	live := f.liveRuns()
+	m.runs = live
+	m.entries = f.entries()
+	m.runHeaders = f.chunks * int(unsafe.Sizeof(runChunk{}))
+	m.arrays = f.bytes
+	f.eachRun(func(_ uint32, r *run) { m.arrays += len(r.body.Load().cov) * int(unsafe.Sizeof(cover{})) })
+	m.runHeaders += live * runBodyBytes
+	m.other = f.memBytes() - m.runHeaders - m.arrays
+	f.mu.Unlock()
 	m.pooled = ix.pool.heldBytes()
 	entries, slots := 0, 0
 	ix.wmu.RLock()

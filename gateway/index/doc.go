@@ -22,40 +22,46 @@
 //
 // # Structure
 //
-// The forward map, prefix hash → holders, is stored as runs (forward.go): a
-// run is a stretch of consecutive positions of one chain, kept as two
-// parallel arrays, the positions' prefix hashes and their holder words. A
-// holder word is one worker id inline (the common case) or a bitset over
-// worker slots. A lookup finds the request's block 0 through a heads table
-// (prefix hash → run), then walks the run comparing the request's next
-// prefix hash with the run's next one, a sequential read, and goes back to
-// the heads table only where the request leaves the run (a branch, or a full
-// run). Each worker drops out at the position it stops holding: exactly the
-// number of consecutive leading blocks it holds, so a hole stops a worker
-// there. A new turn of a conversation is appended to its run.
+// The forward map (forward.go) says which workers hold which prefixes. A
+// position's identity is its path from the root: positions are stored as
+// runs, a run being a stretch of consecutive positions of one chain that
+// hangs after a position of its parent run (or off the root) and keeps its
+// positions' content hashes. A child table, (parent position, first content
+// hash) → run, finds where a chain leaves a run (a branch, or after a full
+// run of 256), the root's children included; a store looks there only where
+// its chain leaves a run, and appends at a run's end with no look, so every
+// path has one position. Coverage is kept per (run, worker): how many
+// positions the worker holds from the run's start (lead), and a bitmap of
+// those it holds past a hole. A lookup enters the run of the request's
+// block 0, compares the request with the run's content in place, takes each
+// worker still alive to min(lead, matched), and follows the child the
+// request's next block names: exactly the number of consecutive leading
+// blocks each worker holds, a hole stopping a worker there. By content
+// hashes (FindMatches, FindMatchesContent) the comparison is direct; by
+// prefix hashes (FindMatchesHashes) the walk chains the run's content from
+// the run's head prefix hash (ChainHash) and finds a child through a heads
+// table (head prefix hash → run).
 //
-// Every prefix hash has at most one position: right after its predecessor's
-// position, or as the head of a run of its own, and writers check both
-// before adding it (a per-shard filter of the heads answers most of the
-// second check without probing the heads table). Runs are split into
-// 2^ShardBits shards by their head's top bits. Writers serialise on a
-// shard's mutex (two at most, taken in shard order); readers take no lock:
-// the heads table is read under the shard's seqlock version and a run under
-// its own, and a read that saw a change is redone.
+// The forward map has one writer at a time (held over an event's forward
+// pass, settled every 64 blocks); readers take no lock: each run has a
+// seqlock version its writer holds odd over its changes, its arrays are
+// published through an atomic pointer and replaced, never resized in
+// place, run headers sit in chunks that never move, the tables carry a
+// version, and a run found through a table is checked to be that child. A
+// lookup that saw a change is redone.
 //
 // Each worker has, per DP rank, a reverse table engine hash → position (run
-// and offset, packed in 32 bits) and copies per tier, 14 bytes a slot,
+// id and offset, packed in 32 bits) and copies per tier, 14 bytes a slot,
 // written only by that worker's Apply, which resolves parents and removals
 // and counts physical copies (a removal takes one copy; the worker holds the
-// prefix while any copy on any indexed tier is left). A run counts the
-// reverse entries that name it and the runs branched off it, and is freed
-// when neither is left: a branch's parent run outlives it, so a block
-// appended at a run's end needs no look at the heads. The 32-bit
-// position caps a shard at 2^(24-ShardBits)-1 live runs (16.7 M runs in
-// all); a block that would need a run beyond it is not indexed and counted
-// (WorkerCounters.UnindexedBlocks; the gateway exports it as
-// kvrelay_gateway_index_unindexed_blocks_total), the index then
-// under-reporting its worker, never over-reporting.
+// prefix while any copy on any indexed tier is left). This reverse pass runs
+// under the worker's lock only, outside the forward map's, so workers do it
+// in parallel. A run counts the reverse entries that name it and its live
+// children, and is freed when neither is left: a child's parent outlives it.
+// The 32-bit position caps the live runs at 2^24-2; a block that would need
+// a run beyond it is not indexed and counted (WorkerCounters.UnindexedBlocks;
+// the gateway exports it as kvrelay_gateway_index_unindexed_blocks_total),
+// the index then under-reporting its worker, never over-reporting.
 //
 // The content hashes of a stored batch can be computed before the index is
 // touched (Prepare, ApplyPrepared), as SMG's monitor does, and a caller that

@@ -5,407 +5,218 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 )
 
-// The forward map says, for every prefix hash the fleet holds, which workers
-// hold it. It is stored as runs: a run is a stretch of consecutive positions
-// of one chain (block i+1 extends block i), kept in two parallel arrays, the
-// positions' prefix hashes and their holder words. A lookup walks a request
-// along a run by comparing its next prefix hash with the run's next one,
-// which is a sequential read, and needs a hash-table probe only where the
-// request leaves a run: at block 0 and where chains branch. Storing a
-// conversation's next turn appends to its run. With one table entry per
-// block (the flat layout this replaced), every block of a lookup, a store
-// and a removal cost a cache miss.
+// The forward map says which workers hold which block prefixes. A
+// position's identity is its path from the root: it is stored as runs, a
+// run being a stretch of consecutive positions of one chain (block i+1
+// extends block i) that hangs after a position of its parent run, or off
+// the root. A run keeps its positions' CONTENT hashes (ContentHash), so a
+// lookup by content hashes compares them in place, and a store chains no
+// hash: the prefix hash of a position is implied by its path (the run's
+// head prefix hash, kept for the prefix-hash lookups, then ChainHash along
+// the run's content).
 //
-// Holders stay per position, so a worker that lost a block in the middle of
-// a run (a hole) stops there exactly, and nothing is split when holder sets
-// differ along a run.
+// Two tables find runs: the child table, (parent run, parent offset,
+// first content hash) → run, the root's children included (parent 0); and
+// the heads table, head prefix hash → run, for the runs that have a parent
+// (a root child's head prefix hash is its content hash, which the child
+// table answers). A store looks for an existing position only where its
+// chain leaves a run (a branch inside it, or after a full run): appending at
+// a run's end needs no look, since a run hanging after a run's last
+// position is made only when that run is full, and a live run never
+// shrinks. So every path has at most one position.
 //
-// Every prefix hash has at most one position: block 0 of a chain, and a
-// block whose predecessor's run continues differently or is full, begin a
-// run of their own, found by the heads table (prefix hash → run); any other
-// block lives right after its predecessor. Writers keep this by looking in
-// both places, under both shards' locks, before they append or start a run.
+// Coverage is kept per (run, worker): the number of positions the worker
+// holds consecutively from the run's offset 0 (lead), which is what a
+// lookup reads, plus, for a worker that has a hole in the run, a bitmap of
+// the offsets it holds past its lead, so that refilling the hole restores
+// the lead exactly. A worker holds a position (the holder bit of the old
+// forward map) exactly when its coverage includes it.
 //
-// A run belongs to the shard of its first prefix hash. Writers serialise on
-// the shard's mutex and make its version odd around each change; readers
-// take no lock, read with atomic loads and retry a run when the version
-// moved (a seqlock). Arrays are replaced, never resized in place, so a
-// reader holding an old one reads memory that stays valid.
+// Concurrency: one writer at a time (forward.mu, held over an event's
+// forward pass; the reverse tables are changed outside it, under the
+// worker's lock). Readers take no lock. Each run has a seqlock version the
+// writer makes odd the first time it changes the run and even again when it
+// settles (at an event's end, or every settleEvery blocks); a run's arrays
+// are published through an atomic pointer and replaced, never resized in
+// place; run headers sit in fixed chunks that never move; the two tables
+// carry one version each. A reader trusts what it read of a run only if
+// the run's version was even and unchanged around the reads, and checks
+// that a run found through a table is still that child (parent, offset,
+// first hash), which covers a run freed and reused meanwhile; a lookup that
+// saw a change is redone.
 //
-// A position is named by a loc (shard, run, offset), which the workers'
-// reverse tables keep. A run counts the reverse entries that name it and is
-// freed when none is left, so a loc never dangles (pruning clears holders,
-// not reverse entries, so the count is not the holders').
+// A position is named in 32 bits (loc, the reverse tables' position
+// field): run id (24 bits) and offset (8 bits, maxRunLen 256); a chain
+// longer than a run continues in a child run hanging after offset 255. A
+// run counts the reverse entries naming its positions (refs) and its live
+// children (kids), and is freed when neither is left, so a loc never
+// dangles and a run's parent outlives it.
 
-// maxRunLen bounds a run; the next block starts a run of its own. Long runs
-// keep lookups sequential; the bound keeps one run's arrays (and a writer's
-// copy when they grow) small.
+// maxRunLen bounds a run; a longer chain continues in a child run.
 const maxRunLen = 256
 
-// loc names one position: run index << 20 | shard << 8 | offset (the
-// offset below maxRunLen, the shard below 2^12). Its low bits are laid out
-// as a reverse entry's packed form (packLoc), so packing and unpacking only
-// move the run number.
-type loc uint64
-
-const locRunShift = 20
-
-func makeLoc(sh int, run uint32, off int) loc {
-	return loc(uint64(run)<<locRunShift | uint64(sh)<<posOffBits | uint64(off))
-}
-func (l loc) shard() int  { return int(l>>posOffBits) & 0xfff }
-func (l loc) run() uint32 { return uint32(l >> locRunShift) }
-func (l loc) off() int    { return int(l & (1<<posOffBits - 1)) }
-
-// A reverse entry keeps its position in 32 bits, the reverse tables being
-// the index's largest part (a slot per block a worker holds): the offset in
-// the low 8 bits (maxRunLen is 256), the shard in the next shardBits, the
-// run number in the 24-shardBits above. So a shard has at most
-// 2^(24-shardBits)-1 live runs (maxRunsFor; the all-ones word is noPos),
-// 16.7 M runs in all whatever the shard count; a store that needs a run
-// beyond that is not indexed from there on and is counted (see
-// WorkerCounters.UnindexedBlocks).
 const (
 	posOffBits = 8
-	posBits    = 32
 	// noPos marks a reverse entry whose block is not filed (yet): between
-	// a store's two passes, and for a block a full shard could not take.
+	// a store's two passes, and for a block left out at the run cap.
 	noPos = ^uint32(0)
+	// maxRunID is the highest run id: its offset 255 would be noPos.
+	maxRunID  = 1<<(32-posOffBits) - 2
+	chunkBits = 8
+	// settleEvery bounds how long a lookup meeting a run that an event is
+	// changing waits for it: an event's forward pass settles its changes
+	// every settleEvery blocks, so a 2,000-block snapshot chunk does not keep
+	// a run's version odd, and its lookups retrying, for the whole chunk.
+	settleEvery = 64
 )
 
-// maxRunsFor is the most live runs a shard can have with sb shard bits.
-func maxRunsFor(sb uint8) int { return 1<<(posBits-posOffBits-int(sb)) - 1 }
+// loc names one position: run id << 8 | offset.
+type loc uint32
 
-// packLoc is l in a reverse entry's 32 bits (l's run below maxRunsFor(sb)):
-// l's offset and shard bits stay, its run number moves down next to them.
-// Both are on every block's path: the shift count is masked (sb is 12 at
-// most) so that the compiler drops its handling of over-wide shifts.
-func packLoc(l loc, sb uint8) uint32 {
-	s := posOffBits + uint(sb)&15
-	return uint32(l)&(1<<s-1) | uint32(l>>locRunShift)<<s
-}
+func makeLoc(run uint32, off int) loc { return loc(run<<posOffBits | uint32(off)) }
+func (l loc) run() uint32             { return uint32(l) >> posOffBits }
+func (l loc) off() int                { return int(l & (1<<posOffBits - 1)) }
 
-// unpackLoc is the loc packed in p by packLoc.
-func unpackLoc(p uint32, sb uint8) loc {
-	s := posOffBits + uint(sb)&15
-	return loc(p&(1<<s-1)) | loc(p>>s)<<locRunShift
-}
-
-// A holder word (32 bits) is:
-//
-//	0              no holder
-//	id<<1 | 1      exactly one holder, the worker in slot id (the common case:
-//	               a conversation's own blocks are held by one worker)
-//	(set+1)<<1     two or more holders: bitset number set in the shard's slab
-
+// run is a run's header (40 bytes): its arrays are in body, n and ncov
+// are their lengths in use.
 type run struct {
-	// ver is the run's own seqlock version: odd while a writer changes the
-	// run's positions, holders or arrays. A lookup reading a run checks it,
-	// so writes to other runs of the shard do not send it back.
-	ver  atomic.Uint64
-	n    uint32 // positions in use; written with store32, read atomically
-	refs int32  // reverse entries naming a position of this run; guarded by the shard's mu
+	ver  atomic.Uint32
+	n    uint32 // positions (store32; readers load atomically)
+	ncov uint32 // coverage entries (idem)
+	from loc    // the parent position this run hangs after; 0: the root (idem)
+	kids uint32 // live child runs (writer only)
+	refs uint32 // reverse entries naming a position of this run (writer only)
+	head uint64 // position 0's prefix hash (store64; readers load atomically)
 	body atomic.Pointer[runBody]
-	// parent is, for a run started as the continuation of a position of
-	// another run (a branch, or a full run), that run (packLoc of its
-	// position 0), else noPos; kids counts the live runs whose parent this
-	// run is. A run is freed only when no reverse entry names it and it has
-	// no live kids, so a run's parent outlives it. Guarded by the run's
-	// shard's mu; readers never look at them.
-	parent uint32
-	kids   int32
-	// The run's head (the heads table's key) is its position 0's prefix
-	// hash, body.hash(0): not kept twice.
 }
 
-// runOverhead is a live run's bytes besides its arrays: the run (24) and
-// its runBody (48). The body has two slices, not three (hashes, holders,
-// stamps: 72 bytes, 80 with the allocator's rounding), and the run no
-// longer keeps its head twice: at block size 128 a run holds about 20
-// positions, and the run's 112 bytes were 5.3 of the index's bytes a block.
-// (One slice for all, holders packed two to a word, saved 24 bytes more a
-// run but cost 9 % more instructions in the corpus replay: every holder
-// change became a read-modify-write of a shared word.)
-const runOverhead = 32 + 48
-
-// runBody is a run's arrays for size positions: their prefix hashes, and
-// their holder words (see above) followed, only in an index that prunes,
-// by their stamps past len(holds): position o's at holds[:cap(holds)][size+o]
-// (cap(holds) > len(holds) says a body has them). A stamp is the last store
-// or lookup, seconds since the index's epoch. Lookups refresh stamps
-// (setStamp) without the lock, so a refresh racing a run's growth or reuse
-// can be lost or land on another run: it only ages an entry for pruning,
-// never changes a match. Writers store stamps with storeStamp.
+// runBody is a run's arrays, at full capacity: a content hash per position
+// (size of them) followed, only in a pruning index, by a 32-bit stamp per
+// position, two to a word (size/2 words more; see stampAt); one coverage
+// entry per worker holding any position. It is replaced, never changed in
+// place but for the stores of positions and entries past the lengths
+// readers read, and stamps.
 type runBody struct {
-	hashes []uint64
-	holds  []uint32
+	h   []uint64
+	cov []cover
 }
 
-func newRunBody(size int, stamped bool) *runBody {
-	b := &runBody{hashes: make([]uint64, size)}
+// runBodyBytes is a body's own bytes (two slices).
+const runBodyBytes = 48
+
+// hsize is the positions an array h has room for.
+func hsize(h []uint64, stamped bool) int {
 	if stamped {
-		b.holds = make([]uint32, size, 2*size)
-	} else {
-		b.holds = make([]uint32, size)
+		return len(h) / 3 * 2
 	}
-	return b
+	return len(h)
 }
 
-// size is the number of positions b has room for.
-func (b *runBody) size() int { return len(b.hashes) }
-
-func (b *runBody) stamped() bool { return cap(b.holds) > len(b.holds) }
-
-// hash is position o's prefix hash (writers, or a reader of a body it
-// checks by version; see loadHash).
-func (b *runBody) hash(o int) uint64       { return b.hashes[o] }
-func (b *runBody) loadHash(o int) uint64   { return atomic.LoadUint64(&b.hashes[o]) }
-func (b *runBody) setHash(o int, p uint64) { store64(&b.hashes[o], p) }
-
-// hold is position o's holder word (writers: mu held); loadHold is the
-// lock-free readers'.
-func (b *runBody) hold(o int) uint32          { return b.holds[o] }
-func (b *runBody) loadHold(o int) uint32      { return atomic.LoadUint32(&b.holds[o]) }
-func (b *runBody) setHold(o int, h uint32)    { store32(&b.holds[o], h) }
-func (b *runBody) stampAt(o int) *uint32      { return &b.holds[:cap(b.holds)][len(b.holds)+o] }
-func (b *runBody) loadStamp(o int) uint32     { return atomic.LoadUint32(b.stampAt(o)) }
-func (b *runBody) setStamp(o int, v uint32)   { atomic.StoreUint32(b.stampAt(o), v) }
-func (b *runBody) storeStamp(o int, v uint32) { store32(b.stampAt(o), v) }
-
-// runDir maps a shard's run numbers to runs; it is replaced when it grows.
-type runDir struct {
-	r []atomic.Pointer[run]
+// stampAt is position o's stamp in a stamped array h of size positions.
+func stampAt(h []uint64, size, o int) *uint32 {
+	return &(*[2]uint32)(unsafe.Pointer(&h[size+o>>1]))[o&1]
 }
 
-// slab holds a shard's holder bitsets, words uint64s each.
-type slab struct {
-	w     []uint64
-	words int
+// freeCovCap bounds the coverage arrays kept for reuse.
+const freeCovCap = 256
+
+// The writer's views of a live run's arrays.
+func (r *run) hs() []uint64  { return r.body.Load().h[:r.n] }
+func (r *run) covs() []cover { return r.body.Load().cov[:r.ncov] }
+
+// stampOf is position o's stamp in r; nil when the index does not prune.
+func (f *forward) stampOf(r *run, o int) *uint32 {
+	if !f.stamped {
+		return nil
+	}
+	h := r.body.Load().h
+	return stampAt(h, hsize(h, true), o)
 }
 
-// fullAlloc returns a zeroed slice of at least n elements that uses all of
-// its allocation: the allocator rounds a request up to its size class (or
-// to whole pages), and the rounded-up tail would otherwise be paid for and
-// left empty. Tables are not powers of two, so any length serves.
-func fullAlloc[T any](n int) []T {
-	s := slices.Grow([]T(nil), n)
-	return s[:cap(s)]
+// cover is one worker's coverage of a run. Readers read w and lead
+// (atomically); held and holes are the writer's.
+type cover struct {
+	w     uint32
+	lead  uint32 // positions held consecutively from offset 0
+	held  uint32 // positions held in all
+	holes int32  // 1 + index in forward.holes of the bitmap of held offsets past lead; 0: none
 }
 
-// shard is one slice of the forward map: the runs whose first prefix hash
-// falls in it, their heads table and their holder bitsets.
-type shard struct {
-	mu   sync.Mutex
-	ver  atomic.Uint64
-	tab  atomic.Pointer[table]
-	dir  atomic.Pointer[runDir]
-	sets atomic.Pointer[slab]
-	// filter answers most "does this prefix hash head a run?" questions
-	// without probing tab (see headFilter); filterStale counts the heads
-	// deleted since it was built, whose bits it still has.
-	filter      atomic.Pointer[headFilter]
-	filterStale int
+type runChunk [1 << chunkBits]run
 
-	heads    int // guarded by mu
-	runsUsed int // run numbers handed out (high water); guarded by mu
-	runsFree []uint32
-	setsUsed int
-	setsFree []uint32
-	bytes    int // run arrays' capacity in bytes; guarded by mu
-	// maxRuns is the most run numbers the shard may hand out (maxRunsFor:
-	// a reverse entry names a run in the bits packLoc leaves it).
-	maxRuns int
-	// capWarned: the run cap's warning was logged for this shard.
+// runDir is the chunks of run headers, by id >> chunkBits. A chunk never
+// moves; the directory is copied when it grows, and the copy published.
+type runDir struct{ c []*runChunk }
+
+// forward is an index's forward map.
+type forward struct {
+	mu       sync.Mutex
+	dir      atomic.Pointer[runDir] // run id → header; id 0 is the root, never a run
+	nruns    uint32                 // ids handed out, the root's included
+	chunks   int
+	freeRuns []uint32
+	maxRuns  uint32   // the highest run id a store may take (maxRunID; tests lower it)
+	touched  []uint32 // runs whose version the writer made odd
+	kids     keyTable // (parent position, content hash) → child run
+	heads    keyTable // (0, head prefix hash) → run, runs with a parent only
+	holes    [][]uint64
+	freeHole []int32
+	// freeCov keeps freed runs' coverage arrays for new runs (at most
+	// freeCovCap): a run's first holder would otherwise allocate one.
+	freeCov [][]cover
+	pool    *arrayPool
+	stamped bool
+	// ci is the writer's hint of the coverage entry it used last.
+	ci int
+	// Counted by the writer (mu held, store64), read without locking.
+	mem   uint64 // memberships (worker, position)
+	bytes int    // content and stamp arrays in use, in bytes (mu held)
+	// capWarned: the run cap's warning was logged.
 	capWarned bool
-	// pool recycles run arrays given back (the index's, shared by its
-	// shards): runs come and go with conversations, and allocating their
-	// arrays anew made the garbage collector a fifth of a replay's time.
-	pool *arrayPool
-
-	// Counted by the writers (mu held, plain stores), read without locking.
-	entries uint64 // positions with at least one holder
-	mem     uint64 // memberships (worker, position)
-
-	_ [64]byte // keep neighbouring shards' versions off one cache line
+	// onSettle, when set (tests), is told how many runs each settle ends.
+	onSettle func(touched int)
 }
 
-const shardMinSlots = 64
-
-func (s *shard) init(maxRuns int, pool *arrayPool) {
-	s.maxRuns = maxRuns
-	s.pool = pool
-	s.filter.Store(newHeadFilter(shardMinSlots))
-	s.tab.Store(newTable(shardMinSlots))
-	s.dir.Store(&runDir{r: make([]atomic.Pointer[run], 16)})
-	s.sets.Store(&slab{words: 1})
+func (f *forward) init(pool *arrayPool, stamped bool) {
+	f.pool, f.stamped, f.maxRuns, f.nruns = pool, stamped, maxRunID, 1
+	f.dir.Store(&runDir{c: []*runChunk{new(runChunk)}})
+	f.chunks = 1
 }
 
-// begin and end bracket every change a reader could observe (mu held).
-func (s *shard) begin() { s.ver.Add(1) }
-func (s *shard) end()   { s.ver.Add(1) }
+// run is run id's header.
+func (f *forward) run(id uint32) *run {
+	return &f.dir.Load().c[id>>chunkBits][id&(1<<chunkBits-1)]
+}
 
-func (s *shard) runAt(idx uint32) *run { return s.dir.Load().r[idx].Load() }
-
-// insertHead adds k → idx (k absent), growing the table by a quarter to keep
-// its load at or below 0.8 (linear probing degrades fast above).
-func (s *shard) insertHead(k uint64, idx uint32, sb uint8) {
-	t := s.tab.Load()
-	if (s.heads+1)*5 > t.n*4 {
-		nt := newTable(t.n + t.n/4)
-		for i := range t.n {
-			if v := t.val(i); v != 0 {
-				j := nt.home(t.key(i), sb)
-				for nt.val(j) != 0 {
-					if j++; j == nt.n {
-						j = 0
-					}
-				}
-				nt.w[keyWord(j)] = t.key(i)
-				nt.w[valWord(j)] |= uint64(v) << valShift(j)
-			}
-		}
-		s.tab.Store(nt)
-		s.rebuildFilter(nt)
-		t = nt
+// touch makes run id's version odd until the next settle, unless it is.
+func (f *forward) touch(id uint32) *run {
+	r := f.run(id)
+	if r.ver.Load()&1 == 0 {
+		r.ver.Add(1)
+		f.touched = append(f.touched, id)
 	}
-	s.filter.Load().add(k)
-	n := t.n
-	i := t.home(k, sb)
-	for t.val(i) != 0 {
-		if i++; i == n {
-			i = 0
-		}
+	return r
+}
+
+// settle ends the changes made so far: every run touched gets an even
+// version again, and lookups waiting on them go ahead.
+func (f *forward) settle() {
+	if f.onSettle != nil {
+		f.onSettle(len(f.touched))
 	}
-	t.put(i, k, idx+1)
-	s.heads++
-}
-
-// headFilter is a one-hash Bloom filter over a shard's heads, eight bits a
-// heads-table slot: a head's bit is set when its run starts and cleared only
-// when the filter is rebuilt (when the table grows, or once as many heads
-// were deleted as are left, O(table) after as many deletions). A writer
-// appending a block to a run first asks whether the block heads a run of
-// its own (noHead): nearly always not, and a heads-table probe for a key it
-// does not hold walks about 13 slots at the table's load of 0.8 — 7 % of
-// the Mooncake corpus replay's instructions. A clear bit answers no
-// without the probe; a set bit (about one in ten for a non-head) probes.
-//
-// A lock-free reader may hold a filter that a rebuild has replaced: it
-// still has the bit of every head made before the reader took the lock of
-// the run it appends to, which are the heads noHead must see (see place).
-type headFilter struct{ w []uint64 }
-
-func newHeadFilter(slots int) *headFilter {
-	return &headFilter{w: make([]uint64, max(1, slots/8))}
-}
-
-// bit locates k's bit: the low 32 bits of k (the heads table's home uses
-// its top bits), mapped onto the filter by a multiply-high.
-func (f *headFilter) bit(k uint64) (word int, mask uint64) {
-	b := uint64(uint32(k)) * uint64(len(f.w)*64) >> 32
-	return int(b >> 6), 1 << (b & 63)
-}
-
-// mayHave reports false when k surely heads no run (lock-free).
-func (f *headFilter) mayHave(k uint64) bool {
-	i, m := f.bit(k)
-	return atomic.LoadUint64(&f.w[i])&m != 0
-}
-
-// add sets k's bit (mu held).
-func (f *headFilter) add(k uint64) {
-	i, m := f.bit(k)
-	store64(&f.w[i], f.w[i]|m)
-}
-
-// rebuildFilter publishes a filter of t's heads, without stale bits (mu held).
-func (s *shard) rebuildFilter(t *table) {
-	f := newHeadFilter(t.n)
-	for i := range t.n {
-		if t.val(i) != 0 {
-			f.add(t.key(i))
-		}
+	for _, id := range f.touched {
+		f.run(id).ver.Add(1)
 	}
-	s.filter.Store(f)
-	s.filterStale = 0
+	f.touched = f.touched[:0]
 }
 
-// staleBound is how many deleted heads a filter may still have bits for
-// before it is rebuilt: as many as the live heads, so that at most half its
-// bits are stale, but never fewer than a quarter of the table's slots. A
-// rebuild scans the whole table, which does not shrink when the heads drain,
-// so a bound of the live heads alone would rebuild a peak-sized filter every
-// few deletions in a drained shard; a quarter of the slots makes each
-// rebuild's cost amortized over that many deletions.
-func staleBound(heads, slots int) int {
-	return max(heads+8, slots/4)
-}
-
-// deleteHead removes k by backward shift (no tombstones).
-func (s *shard) deleteHead(k uint64, sb uint8) {
-	t := s.tab.Load()
-	i := t.find(k, sb)
-	if i < 0 {
-		return
-	}
-	n := t.n
-	j := i
-	for {
-		if j++; j == n {
-			j = 0
-		}
-		if t.val(j) == 0 {
-			break
-		}
-		kj := t.key(j)
-		h := t.home(kj, sb)
-		if fillsHole(i, j, h) {
-			t.put(i, kj, t.val(j))
-			i = j
-		}
-	}
-	t.setVal(i, 0)
-	s.heads--
-	if s.filterStale++; s.filterStale > staleBound(s.heads, t.n) {
-		s.rebuildFilter(t)
-	}
-}
-
-// newRunFor starts a run at prefix hash p and files it as a head, its
-// arrays sized for room positions, the blocks of a stored event that will
-// likely follow p into it (see appendPosFor). It returns false, changing
-// nothing, when the shard has maxRuns live runs already: a reverse entry
-// could not name another (see packLoc).
-func (s *shard) newRunFor(p uint64, stamped bool, sb uint8, room int) (uint32, bool) {
-	var idx uint32
-	if k := len(s.runsFree); k > 0 {
-		idx = s.runsFree[k-1]
-		s.runsFree = s.runsFree[:k-1]
-	} else {
-		if s.runsUsed >= s.maxRuns {
-			return 0, false
-		}
-		idx = uint32(s.runsUsed)
-		s.runsUsed++
-		if d := s.dir.Load(); int(idx) >= len(d.r) {
-			nd := &runDir{r: make([]atomic.Pointer[run], 2*len(d.r))}
-			for i := range d.r {
-				nd.r[i].Store(d.r[i].Load())
-			}
-			s.dir.Store(nd)
-		}
-	}
-	r := &run{parent: noPos}
-	b := s.getBody(max(minBody, min(room, maxRunLen)), stamped)
-	s.bytes += bodyBytes(b)
-	b.setHash(0, p)
-	r.body.Store(b)
-	store32(&r.n, 1)
-	s.dir.Load().r[idx].Store(r)
-	s.insertHead(p, idx, sb)
-	return idx, true
+// unlock settles and lets the next writer in.
+func (f *forward) unlock() {
+	f.settle()
+	f.mu.Unlock()
 }
 
 // Run arrays come in a few sizes, up to maxRunLen, each half again the one
@@ -418,7 +229,7 @@ const (
 	bodyClasses = len(bodySizes)
 )
 
-// bodyClass is the class of the arrays for n positions (n a size).
+// bodyClass is the class of the arrays for n positions.
 func bodyClass(n int) int {
 	for k, c := range bodySizes {
 		if n <= c {
@@ -431,249 +242,596 @@ func bodyClass(n int) int {
 // nextBodySize is the size after n.
 func nextBodySize(n int) int { return bodySizes[min(bodyClass(n)+1, bodyClasses-1)] }
 
-// getBody returns arrays for n positions (a size class), holders and stamps
-// zero, from the index's pool (see arrayPool.getBody).
-func (s *shard) getBody(n int, stamped bool) *runBody {
-	return s.pool.getBody(bodyClass(n), stamped)
+// arrLen is the length of a run's array for size positions.
+func arrLen(size int, stamped bool) int {
+	if stamped {
+		return size + size/2
+	}
+	return size
 }
 
-// putBody gives b back to the pool (mu held, and b's run's version odd, so
-// that lookups reading b will read again).
-func (s *shard) putBody(b *runBody) { s.pool.putBody(b) }
+// getArrays returns a run's array for n positions (stamps zero).
+func (f *forward) getArrays(n int) []uint64 {
+	h := f.pool.getArrays(bodyClass(n), f.stamped)
+	f.bytes += len(h) * 8
+	return h
+}
 
-func bodyBytes(b *runBody) int { return len(b.hashes)*8 + cap(b.holds)*4 }
+// putArrays gives a run's array back (its version odd).
+func (f *forward) putArrays(h []uint64) {
+	if len(h) == 0 {
+		return
+	}
+	f.bytes -= len(h) * 8
+	f.pool.putArrays(h, f.stamped)
+}
 
-// appendPos adds p at the end of r (r.n < maxRunLen), growing its arrays.
-func (s *shard) appendPos(r *run, p uint64) int { return s.appendPosFor(r, p, 1) }
+// newRun makes a run of one position, content c and head prefix hash head,
+// hanging after (parent, poff), with room for room positions; false when
+// no run id is left (the caller leaves the store out).
+func (f *forward) newRun(parent uint32, poff int, c, head uint64, room int) (uint32, bool) {
+	var id uint32
+	if n := len(f.freeRuns); n > 0 {
+		id = f.freeRuns[n-1]
+		f.freeRuns = f.freeRuns[:n-1]
+	} else {
+		if f.nruns > f.maxRuns {
+			return 0, false
+		}
+		id = f.nruns
+		f.nruns++
+		if id&(1<<chunkBits-1) == 0 {
+			d := f.dir.Load()
+			c := make([]*runChunk, len(d.c)+1, max(2*len(d.c), 4))
+			copy(c, d.c)
+			c[len(d.c)] = new(runChunk)
+			f.dir.Store(&runDir{c: c})
+			f.chunks++
+		}
+	}
+	r := f.touch(id)
+	h := f.getArrays(max(minBody, min(room, maxRunLen)))
+	store64(&h[0], c)
+	b := &runBody{h: h}
+	if k := len(f.freeCov); k > 0 {
+		b.cov = f.freeCov[k-1]
+		f.freeCov[k-1] = nil
+		f.freeCov = f.freeCov[:k-1]
+	}
+	r.body.Store(b)
+	store32(&r.n, 1)
+	store32(&r.ncov, 0)
+	store32((*uint32)(&r.from), uint32(makeLoc(parent, poff)))
+	store64(&r.head, head)
+	r.kids, r.refs = 0, 0
+	f.kids.put(uint32(makeLoc(parent, poff)), c, id)
+	if parent != 0 {
+		f.heads.put(0, head, id)
+		f.run(parent).kids++
+	}
+	return id, true
+}
 
-// appendPosFor is appendPos for the first of room blocks that will likely
-// follow it into r (the rest of a stored event): arrays that must grow grow
-// at once to the size class that holds them all, not one class at a time,
-// each growth copying the run.
-func (s *shard) appendPosFor(r *run, p uint64, room int) int {
-	o := int(r.n)
+// appendPos adds content c at the end of run id (r, n < maxRunLen), in
+// larger arrays, for room positions more, when r's are full.
+func (f *forward) appendPos(id uint32, r *run, c uint64, room int) {
+	f.touch(id)
+	n := int(r.n)
 	b := r.body.Load()
-	if o == b.size() {
-		nb := s.getBody(max(nextBodySize(o), min(o+room, maxRunLen)), b.stamped())
-		copy64(nb.hashes[:o], b.hashes[:o])
-		copy32(nb.holds[:o], b.holds[:o])
-		if b.stamped() { // lookups refresh stamps without the lock
-			for i := range o {
-				nb.storeStamp(i, b.loadStamp(i))
+	if size := hsize(b.h, f.stamped); n == size {
+		h := f.getArrays(max(nextBodySize(n), min(n+room, maxRunLen)))
+		copy64(h[:n], b.h[:n])
+		if f.stamped { // lookups refresh stamps without the lock
+			ns := hsize(h, true)
+			for i := range n {
+				store32(stampAt(h, ns, i), atomic.LoadUint32(stampAt(b.h, size, i)))
 			}
 		}
-		s.bytes += bodyBytes(nb) - bodyBytes(b)
-		r.body.Store(nb)
-		s.putBody(b)
-		b = nb
-	}
-	// Holder and stamp at o are zero already: arrays start zeroed, and
-	// positions past n were never used.
-	b.setHash(o, p)
-	store32(&r.n, uint32(o+1))
-	return o
-}
-
-// freeRun drops run idx, which no reverse entry names any more.
-func (s *shard) freeRun(idx uint32, sb uint8) {
-	r := s.runAt(idx)
-	b := r.body.Load()
-	head := b.hash(0)
-	for o := range int(r.n) {
-		if h := b.hold(o); h != 0 { // only pruned positions can be left, and prune clears them
-			s.clearPos(b, o)
-		}
-	}
-	s.bytes -= bodyBytes(b)
-	s.putBody(b)
-	// A lookup may still hold r, found through the heads table just before
-	// this; r's version will not move again, so r must read as empty, not as
-	// whatever the array's next owner writes into it.
-	store32(&r.n, 0)
-	s.deleteHead(head, sb)
-	s.dir.Load().r[idx].Store(nil)
-	s.runsFree = append(s.runsFree, idx)
-}
-
-// newSet hands out a zeroed bitset at least need words wide.
-func (s *shard) newSet(need int) (int, *slab) {
-	sl := s.sets.Load()
-	if need > sl.words {
-		sl = s.widen(need)
-	}
-	var b int
-	if k := len(s.setsFree); k > 0 {
-		b = int(s.setsFree[k-1])
-		s.setsFree = s.setsFree[:k-1]
+		store64(&h[n], c)
+		r.body.Store(&runBody{h: h, cov: b.cov})
+		f.putArrays(b.h)
 	} else {
-		b = s.setsUsed
-		s.setsUsed++
+		store64(&b.h[n], c)
+		if f.stamped {
+			store32(stampAt(b.h, size, n), 0)
+		}
 	}
-	if (b+1)*sl.words > len(sl.w) {
-		sets := max(2*len(sl.w)/sl.words, 4)
-		w := make([]uint64, sets*sl.words)
-		copy(w, sl.w)
-		sl = &slab{w: w, words: sl.words}
-		s.sets.Store(sl)
-	}
-	for w := range sl.words {
-		store64(&sl.w[b*sl.words+w], 0)
-	}
-	return b, sl
+	store32(&r.n, uint32(n+1))
 }
 
-// widen publishes a slab whose sets are at least need words wide.
-func (s *shard) widen(need int) *slab {
-	old := s.sets.Load()
-	words := max(need, 2*old.words)
-	sets := max(len(old.w)/old.words, 4)
-	w := make([]uint64, sets*words)
-	for x := range len(old.w) / old.words {
-		copy(w[x*words:], old.w[x*old.words:(x+1)*old.words])
+// freeRun frees run id (no reverse entry names it, no live child), then
+// each parent up the chain whose last child it was and which no reverse
+// entry names.
+func (f *forward) freeRun(id uint32) {
+	for {
+		r := f.touch(id)
+		for ci := int(r.ncov) - 1; ci >= 0; ci-- { // only pruning leaves any, and it clears them
+			f.dropCover(r, ci)
+		}
+		b := r.body.Load()
+		f.kids.del(uint32(r.from), b.h[0], id)
+		parent := r.from.run()
+		if parent != 0 {
+			f.heads.del(0, r.head, id)
+		}
+		f.putArrays(b.h)
+		if len(f.freeCov) < freeCovCap && len(b.cov) > 0 && len(b.cov) <= 8 {
+			f.freeCov = append(f.freeCov, b.cov)
+		}
+		store32(&r.n, 0)
+		store32(&r.ncov, 0)
+		r.body.Store(nil)
+		f.freeRuns = append(f.freeRuns, id)
+		if parent == 0 {
+			return
+		}
+		p := f.run(parent)
+		if p.kids--; p.kids != 0 || p.refs != 0 {
+			return
+		}
+		id = parent
 	}
-	sl := &slab{w: w, words: words}
-	s.sets.Store(sl)
-	return sl
 }
 
-func setBit(sl *slab, b int, id uint32) {
-	p := &sl.w[b*sl.words+int(id>>6)]
-	store64(p, *p|1<<(id&63))
+// prefixAt is the prefix hash of position l (writer).
+func (f *forward) prefixAt(l loc) uint64 {
+	h := f.run(l.run()).hs()
+	p := f.run(l.run()).head
+	for o := 1; o <= l.off(); o++ {
+		p = ChainHash(p, h[o])
+	}
+	return p
 }
 
-// addHolder makes worker id a holder of position o of b and stamps it; it
-// reports whether id already held it.
-func (s *shard) addHolder(b *runBody, o int, id uint32, stamp uint32) bool {
-	if b.stamped() {
-		b.storeStamp(o, stamp)
+// follow is the position of content c after prev (after the root when
+// !chained), if the forward map has it (writer).
+func (f *forward) follow(prev loc, chained bool, c uint64) (loc, bool) {
+	if !chained {
+		id := f.kids.find(0, c)
+		return makeLoc(id, 0), id != 0
 	}
-	h := b.hold(o)
-	switch {
-	case h == 0:
-		b.setHold(o, id<<1|1)
-		s.count(&s.entries, 1)
-	case h&1 == 1:
-		other := h >> 1
-		if other == id {
-			return true
-		}
-		set, sl := s.newSet(int(max(id, other)>>6) + 1)
-		setBit(sl, set, other)
-		setBit(sl, set, id)
-		b.setHold(o, uint32(set+1)<<1)
-	default:
-		set := int(h>>1) - 1
-		sl := s.sets.Load()
-		if int(id>>6) >= sl.words {
-			sl = s.widen(int(id>>6) + 1)
-		}
-		if sl.w[set*sl.words+int(id>>6)]&(1<<(id&63)) != 0 {
-			return true
-		}
-		setBit(sl, set, id)
+	r := f.run(prev.run())
+	if o := prev.off() + 1; o < int(r.n) && r.hs()[o] == c {
+		return makeLoc(prev.run(), o), true
 	}
-	s.count(&s.mem, 1)
-	return false
+	id := f.kids.find(uint32(prev), c)
+	return makeLoc(id, 0), id != 0
 }
 
-// removeHolder drops worker id from position o's holders; it reports
-// whether id held it.
-func (s *shard) removeHolder(b *runBody, o int, id uint32) bool {
-	h := b.hold(o)
-	switch {
-	case h == 0:
-		return false
-	case h&1 == 1:
-		if h>>1 != id {
-			return false
+// place finds or makes the position of content c after prev (after the
+// root when !chained). room counts the event's blocks from c on: a run that
+// c starts or grows gets arrays for all of them at once. It returns false
+// when c needs a new run and no run id is left.
+func (f *forward) place(prev loc, chained bool, c uint64, room int) (loc, bool) {
+	if !chained {
+		if id := f.kids.find(0, c); id != 0 {
+			return makeLoc(id, 0), true
 		}
-		b.setHold(o, 0)
-		s.count(&s.entries, -1)
-		s.count(&s.mem, -1)
-		return true
+		id, ok := f.newRun(0, 0, c, c, room)
+		return makeLoc(id, 0), ok
 	}
-	set := int(h>>1) - 1
-	sl := s.sets.Load()
-	w := int(id >> 6)
-	if w >= sl.words || sl.w[set*sl.words+w]&(1<<(id&63)) == 0 {
-		return false
+	pid, o := prev.run(), prev.off()+1
+	r := f.run(pid)
+	n := int(r.n)
+	if o < n && r.hs()[o] == c {
+		return makeLoc(pid, o), true
 	}
-	p := &sl.w[set*sl.words+w]
-	store64(p, *p&^(1<<(id&63)))
-	s.count(&s.mem, -1)
-	// Back to the inline form when one holder is left, so a shared prefix
-	// that shrinks to one worker costs no bitset.
-	var count int
-	var last uint32
-	for wi, x := range sl.w[set*sl.words : (set+1)*sl.words] {
-		if x != 0 {
-			count += bits.OnesCount64(x)
-			last = uint32(wi<<6 + 63 - bits.LeadingZeros64(x))
-		}
+	if o == n && n < maxRunLen {
+		// At the run's end no child can hang (one is made only inside a
+		// run or after a full one, and a live run never shrinks).
+		f.appendPos(pid, r, c, room)
+		return makeLoc(pid, o), true
 	}
-	switch count {
-	case 0:
-		s.setsFree = append(s.setsFree, uint32(set))
-		b.setHold(o, 0)
-		s.count(&s.entries, -1)
-	case 1:
-		s.setsFree = append(s.setsFree, uint32(set))
-		b.setHold(o, last<<1|1)
+	if id := f.kids.find(uint32(makeLoc(pid, o-1)), c); id != 0 {
+		return makeLoc(id, 0), true
 	}
-	return true
+	id, ok := f.newRun(pid, o-1, c, ChainHash(f.prefixAt(prev), c), room)
+	return makeLoc(id, 0), ok
 }
 
-// clearPos drops every holder of position o and returns how many there were.
-func (s *shard) clearPos(b *runBody, o int) int {
-	h := b.hold(o)
-	if h == 0 {
-		return 0
+// coverOf is the index of w's coverage entry in r, appended if absent
+// (r touched).
+func (f *forward) coverOf(r *run, w uint32) int {
+	b := r.body.Load()
+	cov := b.cov[:r.ncov]
+	if ci := f.ci; ci < len(cov) && cov[ci].w == w {
+		return ci
 	}
-	n := 1
-	if h&1 == 0 {
-		set := int(h>>1) - 1
-		sl := s.sets.Load()
-		n = 0
-		for _, x := range sl.w[set*sl.words : (set+1)*sl.words] {
-			n += bits.OnesCount64(x)
+	for i := range cov {
+		if cov[i].w == w {
+			f.ci = i
+			return i
 		}
-		s.setsFree = append(s.setsFree, uint32(set))
 	}
-	b.setHold(o, 0)
-	s.count(&s.entries, -1)
-	s.count(&s.mem, -int64(n))
+	n := len(cov)
+	if n == len(b.cov) {
+		a := make([]cover, max(2, 2*n))
+		copy(a, cov)
+		a[n] = cover{w: w}
+		r.body.Store(&runBody{h: b.h, cov: a})
+	} else {
+		e := &b.cov[n]
+		store32(&e.w, w)
+		store32(&e.lead, 0)
+		e.held, e.holes = 0, 0
+	}
+	store32(&r.ncov, uint32(n+1))
+	f.ci = n
 	return n
 }
 
-// count adds d to a counter of s (mu held).
-func (s *shard) count(c *uint64, d int64) { store64(c, *c+uint64(d)) }
-
-// load reads a counter of s without locking.
-func load(c *uint64) int64 { return int64(atomic.LoadUint64(c)) }
-
-// memBytes estimates the shard's own memory (mu held).
-func (s *shard) memBytes() int {
-	return len(s.tab.Load().w)*8 + len(s.dir.Load().r)*8 + (s.runsUsed-len(s.runsFree))*runOverhead +
-		s.bytes + len(s.sets.Load().w)*8 + len(s.filter.Load().w)*8 + cap(s.setsFree)*4 + cap(s.runsFree)*4
+// findCover is the index of w's coverage entry in r, or -1.
+func (f *forward) findCover(r *run, w uint32) int {
+	cov := r.covs()
+	if ci := f.ci; ci < len(cov) && cov[ci].w == w {
+		return ci
+	}
+	for i := range cov {
+		if cov[i].w == w {
+			return i
+		}
+	}
+	return -1
 }
 
-// tryHasHead reports, without locking, whether k heads a run of s; ok is
-// false when a writer was changing s. A writer must not wait for another
-// one's version to turn even while its own is odd: two writers doing that
-// to each other would wait forever. It takes the ordered locks instead.
-func (s *shard) tryHasHead(k uint64, sb uint8) (has, ok bool) {
-	if !s.filter.Load().mayHave(k) {
-		return false, true
+// covers reports whether e includes offset o.
+func (f *forward) covers(e *cover, o uint32) bool {
+	if o < e.lead {
+		return true
 	}
-	for range 4 {
-		v := s.ver.Load()
-		if v&1 == 1 {
+	if e.holes == 0 {
+		return false
+	}
+	b := f.holes[e.holes-1]
+	return int(o>>6) < len(b) && b[o>>6]&(1<<(o&63)) != 0
+}
+
+func (f *forward) holeBits(e *cover, words int) []uint64 {
+	if e.holes == 0 {
+		var b []uint64
+		if n := len(f.freeHole); n > 0 {
+			e.holes = f.freeHole[n-1]
+			f.freeHole = f.freeHole[:n-1]
+			b = f.holes[e.holes-1][:0]
+		} else {
+			f.holes = append(f.holes, nil)
+			e.holes = int32(len(f.holes))
+		}
+		f.holes[e.holes-1] = b
+	}
+	b := f.holes[e.holes-1]
+	if len(b) < words {
+		b = append(b, make([]uint64, words-len(b))...)
+		f.holes[e.holes-1] = b
+	}
+	return b
+}
+
+// addHolder makes worker w a holder of position o of run r (touched); it
+// reports whether w held it already.
+func (f *forward) addHolder(r *run, w uint32, o int) bool {
+	ci := f.coverOf(r, w)
+	e := &r.covs()[ci]
+	off := uint32(o)
+	switch {
+	case off < e.lead:
+		return true
+	case off == e.lead:
+		lead := off + 1
+		if e.holes != 0 {
+			b := f.holes[e.holes-1]
+			for int(lead>>6) < len(b) && b[lead>>6]&(1<<(lead&63)) != 0 {
+				b[lead>>6] &^= 1 << (lead & 63)
+				lead++
+			}
+		}
+		store32(&e.lead, lead)
+	default:
+		b := f.holeBits(e, int(off>>6)+1)
+		if b[off>>6]&(1<<(off&63)) != 0 {
+			return true
+		}
+		b[off>>6] |= 1 << (off & 63)
+	}
+	e.held++
+	store64(&f.mem, f.mem+1)
+	return false
+}
+
+// removeHolder drops worker w from the holders of position o of run r
+// (touched); it reports whether w held it.
+func (f *forward) removeHolder(r *run, w uint32, o int) bool {
+	ci := f.findCover(r, w)
+	if ci < 0 || !f.covers(&r.covs()[ci], uint32(o)) {
+		return false
+	}
+	f.uncover(r, ci, uint32(o))
+	return true
+}
+
+// uncover drops offset off, which r's coverage entry ci includes.
+func (f *forward) uncover(r *run, ci int, off uint32) {
+	e := &r.covs()[ci]
+	e.held--
+	store64(&f.mem, f.mem-1)
+	switch {
+	case off+1 == e.lead:
+		store32(&e.lead, off)
+	case off < e.lead:
+		// A hole inside the lead: the positions after it are held past the lead now.
+		b := f.holeBits(e, int((e.lead-1)>>6)+1)
+		for o := off + 1; o < e.lead; {
+			if o&63 == 0 && o+64 <= e.lead {
+				b[o>>6] = ^uint64(0)
+				o += 64
+				continue
+			}
+			b[o>>6] |= 1 << (o & 63)
+			o++
+		}
+		store32(&e.lead, off)
+	default:
+		b := f.holes[e.holes-1]
+		b[off>>6] &^= 1 << (off & 63)
+	}
+	if e.held == 0 {
+		f.removeCover(r, ci)
+	}
+}
+
+// dropCover removes r's coverage entry ci whatever it holds (r touched).
+func (f *forward) dropCover(r *run, ci int) {
+	store64(&f.mem, f.mem-uint64(r.covs()[ci].held))
+	f.removeCover(r, ci)
+}
+
+func (f *forward) removeCover(r *run, ci int) {
+	cov := r.covs()
+	e := &cov[ci]
+	if e.holes != 0 {
+		clear(f.holes[e.holes-1])
+		f.freeHole = append(f.freeHole, e.holes)
+	}
+	last := len(cov) - 1
+	l := cov[last]
+	store32(&e.w, l.w)
+	store32(&e.lead, l.lead)
+	e.held, e.holes = l.held, l.holes
+	store32(&r.ncov, uint32(last))
+}
+
+// heldMask sets in m (len ≥ (r.n+63)/64, cleared) the offsets of r some
+// worker holds, and returns how many there are (writer).
+func (f *forward) heldMask(r *run, m []uint64) int {
+	cov := r.covs()
+	for i := range cov {
+		e := &cov[i]
+		setRange(m, 0, int(e.lead))
+		if e.holes != 0 {
+			for k, x := range f.holes[e.holes-1] {
+				if k < len(m) {
+					m[k] |= x
+				}
+			}
+		}
+	}
+	n := 0
+	for _, x := range m {
+		n += bits.OnesCount64(x)
+	}
+	return n
+}
+
+func setRange(m []uint64, from, to int) {
+	for o := from; o < to; {
+		if o&63 == 0 && o+64 <= to {
+			m[o>>6] = ^uint64(0)
+			o += 64
 			continue
 		}
-		val, good := s.tab.Load().tryFind(k, sb)
-		if good && s.ver.Load() == v {
-			return val != 0, true
+		m[o>>6] |= 1 << (o & 63)
+		o++
+	}
+}
+
+// eachRun calls fn for every live run (writer).
+func (f *forward) eachRun(fn func(id uint32, r *run)) {
+	for id := uint32(1); id < f.nruns; id++ {
+		if r := f.run(id); r.n > 0 {
+			fn(id, r)
 		}
 	}
-	return false, false
+}
+
+// entries counts the positions some worker holds (writer).
+func (f *forward) entries() int {
+	var m [maxRunLen / 64]uint64
+	n := 0
+	f.eachRun(func(_ uint32, r *run) {
+		if r.ncov > 0 {
+			clear(m[:])
+			n += f.heldMask(r, m[:])
+		}
+	})
+	return n
+}
+
+// memBytes estimates the forward map's memory from its arrays' capacities
+// (writer): run headers in their chunks and the directory, content and
+// stamp arrays, coverage entries, hole bitmaps, the two tables, free lists.
+func (f *forward) memBytes() int {
+	n := cap(f.dir.Load().c)*8 + f.chunks*int(unsafe.Sizeof(runChunk{})) + f.bytes +
+		f.kids.bytes() + f.heads.bytes() + cap(f.freeRuns)*4 + cap(f.touched)*4 + cap(f.freeHole)*4 + cap(f.holes)*24
+	for _, b := range f.holes {
+		n += cap(b) * 8
+	}
+	n += cap(f.freeCov) * 24
+	for _, c := range f.freeCov {
+		n += len(c) * int(unsafe.Sizeof(cover{}))
+	}
+	f.eachRun(func(_ uint32, r *run) { n += runBodyBytes + len(r.body.Load().cov)*int(unsafe.Sizeof(cover{})) })
+	return n
+}
+
+// liveRuns counts the runs in use.
+func (f *forward) liveRuns() int { return int(f.nruns) - 1 - len(f.freeRuns) }
+
+// keyTable maps a key pair (a position, po, and a 64-bit hash, a) to a run
+// id: open addressing, linear probing, backward-shift deletion, one version
+// for readers (odd while the writer changes it), 16-byte slots. A pair may
+// map to several ids (the heads table on a 64-bit collision); find and get
+// return the first.
+type keyTable struct {
+	ver   atomic.Uint32
+	tab   atomic.Pointer[keyTab]
+	s     []keySlot
+	shift uint8
+	n     int
+}
+
+type keyTab struct {
+	s     []keySlot
+	shift uint8
+}
+
+type keySlot struct {
+	a  uint64
+	po uint32
+	v  uint32 // 0: empty
+}
+
+func keyHash(po uint32, a uint64) uint64 {
+	return (a ^ uint64(po)*0xff51afd7ed558ccd) * 0x9E3779B97F4A7C15
+}
+
+func (t *keyTable) bytes() int { return cap(t.s) * int(unsafe.Sizeof(keySlot{})) }
+
+// get is the readers' lookup: the id (0: none) and false when the table
+// changed during it; ver is the version it read under.
+func (t *keyTable) get(po uint32, a uint64) (id, ver uint32, ok bool) {
+	v := t.ver.Load()
+	if v&1 != 0 {
+		return 0, v, false
+	}
+	tb := t.tab.Load()
+	if tb == nil {
+		return 0, v, t.ver.Load() == v
+	}
+	s := tb.s
+	mask := len(s) - 1
+	for i, k := int(keyHash(po, a)>>tb.shift), 0; k < len(s); i, k = (i+1)&mask, k+1 {
+		sl := &s[i]
+		x := atomic.LoadUint32(&sl.v)
+		if x == 0 {
+			break
+		}
+		if atomic.LoadUint64(&sl.a) == a && atomic.LoadUint32(&sl.po) == po {
+			id = x
+			break
+		}
+	}
+	return id, v, t.ver.Load() == v
+}
+
+// find is the writer's lookup.
+func (t *keyTable) find(po uint32, a uint64) uint32 {
+	if t.n == 0 {
+		return 0
+	}
+	mask := len(t.s) - 1
+	for i := int(keyHash(po, a) >> t.shift); ; i = (i + 1) & mask {
+		s := &t.s[i]
+		if s.v == 0 {
+			return 0
+		}
+		if s.a == a && s.po == po {
+			return s.v
+		}
+	}
+}
+
+func (t *keyTable) setSlot(i int, v keySlot) {
+	s := &t.s[i]
+	store64(&s.a, v.a)
+	store32(&s.po, v.po)
+	store32(&s.v, v.v)
+}
+
+// put adds (po, a) → id.
+func (t *keyTable) put(po uint32, a uint64, id uint32) {
+	t.ver.Add(1)
+	if (t.n+1)*16 > len(t.s)*13 {
+		t.grow()
+	}
+	mask := len(t.s) - 1
+	i := int(keyHash(po, a) >> t.shift)
+	for t.s[i].v != 0 {
+		i = (i + 1) & mask
+	}
+	t.setSlot(i, keySlot{a: a, po: po, v: id})
+	t.n++
+	t.ver.Add(1)
+}
+
+func (t *keyTable) grow() { t.resize(max(16, 2*len(t.s))) }
+
+// resize rehashes into n slots (a power of two) and publishes them; the
+// version is odd.
+func (t *keyTable) resize(n int) {
+	old := t.s
+	t.s = make([]keySlot, n)
+	t.shift = uint8(64 - bitsLen(n-1))
+	mask := n - 1
+	for _, s := range old {
+		if s.v == 0 {
+			continue
+		}
+		i := int(keyHash(s.po, s.a) >> t.shift)
+		for t.s[i].v != 0 {
+			i = (i + 1) & mask
+		}
+		t.s[i] = s
+	}
+	t.tab.Store(&keyTab{s: t.s, shift: t.shift})
+}
+
+// del removes (po, a) → id.
+func (t *keyTable) del(po uint32, a uint64, id uint32) {
+	if t.n == 0 {
+		return
+	}
+	mask := len(t.s) - 1
+	i := int(keyHash(po, a) >> t.shift)
+	for t.s[i].a != a || t.s[i].po != po || t.s[i].v != id {
+		if t.s[i].v == 0 {
+			return
+		}
+		i = (i + 1) & mask
+	}
+	t.ver.Add(1)
+	for j := (i + 1) & mask; t.s[j].v != 0; j = (j + 1) & mask {
+		h := int(keyHash(t.s[j].po, t.s[j].a) >> t.shift)
+		if (j-h)&mask >= (j-i)&mask {
+			t.setSlot(i, t.s[j])
+			i = j
+		}
+	}
+	t.setSlot(i, keySlot{})
+	t.n--
+	if len(t.s) > 16 && t.n*8 < len(t.s) {
+		// Below an eighth full: half the size (a quarter full), so that a
+		// table sized for a peak gives its bytes back, each halving paid for
+		// by the deletions since the last resize.
+		t.resize(len(t.s) / 2)
+	}
+	t.ver.Add(1)
+}
+
+// fullAlloc returns a zeroed slice of at least n elements that uses all of
+// its allocation: the allocator rounds a request up to its size class (or
+// to whole pages), and the rounded-up tail would otherwise be paid for and
+// left empty. Tables are not powers of two, so any length serves.
+func fullAlloc[T any](n int) []T {
+	s := slices.Grow([]T(nil), n)
+	return s[:cap(s)]
 }

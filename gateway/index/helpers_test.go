@@ -1,8 +1,6 @@
 package index
 
 import (
-	"testing"
-
 	"github.com/kvrelay/kvrelay/proto/kvpb"
 )
 
@@ -66,15 +64,4 @@ func chainBlocks(base int64, tokens []uint32) []*kvpb.KvBlock {
 		out = append(out, blk(base+int64(i/4)+1, tokens[i:i+4]...))
 	}
 	return out
-}
-
-// newRunOrFail starts a one-position run at h in s, failing t when s is at
-// its run cap.
-func newRunOrFail(t testing.TB, s *shard, h uint64, sb uint8) uint32 {
-	t.Helper()
-	idx, ok := s.newRunFor(h, false, sb, 1)
-	if !ok {
-		t.Fatalf("shard at its run cap (%d runs)", s.maxRuns)
-	}
-	return idx
 }

@@ -39,7 +39,6 @@ const (
 	DefaultBlockSize  = 16
 	DefaultPruneEvery = 30 * time.Second
 	capacityGrace     = 2 // seconds an entry is safe from capacity eviction after a touch
-	defaultShardBits  = 6
 )
 
 // Options configures an Index. The zero value is usable: block size learned
@@ -60,7 +59,8 @@ type Options struct {
 	PruneEvery time.Duration
 	// Now is the clock (tests inject one); nil = time.Now.
 	Now func() time.Time
-	// ShardBits sets 2^ShardBits forward shards; 0 = 64 shards.
+	// ShardBits is kept for compatibility and ignored: the forward map is
+	// one structure with one writer at a time (see forward.go).
 	ShardBits int
 	// Logger receives prune summaries; nil = slog.Default().
 	Logger *slog.Logger
@@ -79,13 +79,13 @@ type Options struct {
 
 // Index is one model's prefix index: which workers hold which block prefixes.
 // All methods are safe for concurrent use. Writers for one worker serialise
-// on that worker, and on the shards they change; lookups take no lock.
+// on that worker; the forward map has one writer at a time (an event's
+// reverse-table work runs outside it); lookups take no lock.
 type Index struct {
 	opts      Options
 	now       func() time.Time
 	epoch     time.Time
-	shardBits uint8
-	shards    []shard
+	fw        forward
 	pool      arrayPool // run arrays and reverse tables given back
 	pruning   bool
 	blockSize atomic.Int64
@@ -139,7 +139,6 @@ type workerState struct {
 	// between events so that applying one allocates nothing; guarded by mu.
 	evSlots   []evSlot
 	evContent []uint64
-	lkRuns    [2][]*run // shardLocks.runs' arrays (see shardLocks.keep)
 	evLocs    []loc
 }
 
@@ -182,10 +181,10 @@ type WorkerCounters struct {
 	SkippedRemote    uint64 // remote-locality events
 	SkippedGroup     uint64 // events of non-main-attention cache groups
 	SkippedTier      uint64 // disk / external tier events
-	// UnindexedBlocks counts stored blocks left out of the index because the
-	// forward shard their run would start in had no run number left (its
-	// cap, maxRunsFor: 2^(24-ShardBits)-1 live runs, 16.7 M runs in all),
-	// and the blocks new to the rank after them in the same event. The
+	// UnindexedBlocks counts stored blocks left out of the index because
+	// they needed a new run and no run id was left (a reverse entry names a
+	// run in 24 bits: 2^24-2 live runs), and the blocks new to the rank after
+	// them in the same event. The
 	// worker is not taken to hold them (lookups under-report it, never
 	// over-report) and their later removals count as UnknownRemovals.
 	UnindexedBlocks uint64
@@ -205,24 +204,15 @@ func New(opts Options) *Index {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	sb := opts.ShardBits
-	if sb <= 0 {
-		sb = defaultShardBits
-	}
-	sb = min(sb, 12)
 	ix := &Index{
-		opts:      opts,
-		now:       opts.Now,
-		shardBits: uint8(sb),
-		shards:    make([]shard, 1<<sb),
-		pruning:   opts.TTL > 0 || opts.MaxEntries > 0,
-		log:       opts.Logger,
-		workers:   make(map[WorkerID]*workerState),
+		opts:    opts,
+		now:     opts.Now,
+		pruning: opts.TTL > 0 || opts.MaxEntries > 0,
+		log:     opts.Logger,
+		workers: make(map[WorkerID]*workerState),
 	}
 	ix.epoch = ix.now()
-	for i := range ix.shards {
-		ix.shards[i].init(maxRunsFor(uint8(sb)), &ix.pool)
-	}
+	ix.fw.init(&ix.pool, ix.pruning)
 	if opts.BlockSize > 0 {
 		ix.blockSize.Store(int64(opts.BlockSize))
 	}
@@ -253,12 +243,6 @@ func (ix *Index) stampAt(t time.Time) uint32 {
 	}
 	return uint32(min(d/time.Second, 1<<32-2))
 }
-
-func (ix *Index) shardIndex(p uint64) int {
-	return int(p >> (64 - uint(ix.shardBits)) & (1<<ix.shardBits - 1))
-}
-
-func (ix *Index) shardOf(p uint64) *shard { return &ix.shards[ix.shardIndex(p)] }
 
 // lockWorker returns w's state locked, creating it on first use.
 func (ix *Index) lockWorker(w WorkerID) *workerState {
@@ -345,13 +329,18 @@ func (ix *Index) clearRankLocked(ws *workerState, rank int32) {
 		return
 	}
 	delete(ws.ranks, rank)
-	lk := newShardLocks(ix, &ws.lkRuns)
-	defer lk.release()
+	f := &ix.fw
+	f.mu.Lock()
+	k := 0
 	for i := range rt.slots {
-		if rt.counts(i) != 0 {
-			ix.dropRef(&lk, ws, unpackLoc(rt.slots[i].pos, ix.shardBits))
+		if rt.counts(i) != 0 && rt.slots[i].pos != noPos {
+			if k++; k%settleEvery == 0 {
+				f.settle()
+			}
+			ix.dropRef(ws, loc(rt.slots[i].pos))
 		}
 	}
+	f.unlock()
 	rt.release()
 }
 
@@ -417,12 +406,7 @@ func (ix *Index) Workers() []WorkerID {
 // IsEmpty reports whether no worker holds any block (the policy then routes
 // without events, as SMG does while an index warms up).
 func (ix *Index) IsEmpty() bool {
-	for i := range ix.shards {
-		if load(&ix.shards[i].entries) > 0 {
-			return false
-		}
-	}
-	return true
+	return atomic.LoadUint64(&ix.fw.mem) == 0
 }
 
 // LiveBlock is one engine block a worker holds, as the index sees it.
@@ -511,22 +495,22 @@ type Stats struct {
 	Entries     int
 	Memberships int
 	Workers     map[WorkerID]WorkerStats
-	// MemoryBytes estimates the index's own tables (runs, heads, bitsets,
-	// reverse maps), not Go map overheads of per-worker bookkeeping.
+	// MemoryBytes estimates the index's own tables (runs, child and heads
+	// tables, coverage, reverse maps), not Go map overheads of per-worker
+	// bookkeeping.
 	MemoryBytes int64
 }
 
-// Stats returns a snapshot; it costs one pass over the workers' rank tables.
+// Stats returns a snapshot; it costs one pass over the runs and the
+// workers' rank tables.
 func (ix *Index) Stats() Stats {
 	st := Stats{BlockSize: ix.BlockSize(), Workers: make(map[WorkerID]WorkerStats)}
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		st.Entries += int(load(&sh.entries))
-		st.Memberships += int(load(&sh.mem))
-		st.MemoryBytes += int64(sh.memBytes())
-		sh.mu.Unlock()
-	}
+	f := &ix.fw
+	f.mu.Lock()
+	st.Entries = f.entries()
+	st.Memberships = int(f.mem)
+	st.MemoryBytes += int64(f.memBytes())
+	f.mu.Unlock()
 	st.MemoryBytes += int64(ix.pool.heldBytes())
 	ix.wmu.RLock()
 	wss := make([]*workerState, 0, len(ix.workers))

@@ -1,11 +1,10 @@
 package index
 
-// Lookups: a request's blocks walked through the shards, every holder's
-// leading run counted.
+// Lookups: a request's blocks walked along the forward map's runs, every
+// holder's leading blocks counted from its coverage of each run.
 
 import (
 	"math"
-	"math/bits"
 	"runtime"
 	"slices"
 	"sync"
@@ -104,10 +103,11 @@ type slotMatch struct {
 	blocks int32
 }
 
-// hashCursor gives a request's prefix hashes, from whichever input the
-// caller has (prefix hashes, content hashes, or tokens), computed lazily in
-// order and kept: a lookup that retries a run reads them again, and one
-// whose overlap ends early hashes no further.
+// hashCursor gives a request's hashes from whichever input the caller has:
+// prefix hashes (compared along a run by chaining the run's content), or
+// content hashes, given or computed from the tokens lazily in order and
+// kept (a lookup that is redone reads them again, and one whose overlap
+// ends early hashes no further).
 type hashCursor struct {
 	n       int // blocks
 	prefix  []uint64
@@ -118,130 +118,15 @@ type hashCursor struct {
 	hs      []uint64
 }
 
+// get is block i's content hash (not for a prefix cursor).
 func (c *hashCursor) get(i int) uint64 {
-	if c.prefix != nil {
-		return c.prefix[i]
+	if c.content != nil {
+		return c.content[i]
 	}
 	for j := len(c.hs); j <= i; j++ {
-		var h uint64
-		if c.content != nil {
-			h = c.content[j]
-		} else {
-			h = ContentHash(c.tokens[j*c.bs:(j+1)*c.bs], c.seed)
-		}
-		if j > 0 {
-			h = ChainHash(c.hs[j-1], h)
-		}
-		c.hs = append(c.hs, h)
+		c.hs = append(c.hs, ContentHash(c.tokens[j*c.bs:(j+1)*c.bs], c.seed))
 	}
 	return c.hs[i]
-}
-
-// candidates is a lookup's set of workers still matching, and those that
-// dropped out with their depth.
-//
-// A multi-worker set is kept sparse: only the words of the slot bitset that
-// still have a candidate, with their word index, in ascending order. A holder
-// bitset is as wide as the shard's widest worker slot, so ANDing it whole at
-// every block would cost O(fleet) per block; ANDing only the live words costs
-// O(overlapping candidates). The first step reads the whole bitset once.
-type candidates struct {
-	active   []liveWord // the non-zero words, when !isSingle
-	single   uint32
-	isSingle bool
-	started  bool
-	done     []slotMatch
-}
-
-// liveWord is one non-zero word of the candidates' slot bitset: slots
-// idx*64 .. idx*64+63.
-type liveWord struct {
-	idx  uint32
-	bits uint64
-}
-
-// step applies position pos's holder word: workers not holding it drop out
-// with depth pos. It returns false when no candidate is left, and ok false
-// when the word names a bitset the slab does not have (a torn read); then it
-// has changed nothing.
-func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
-	if h == 0 {
-		return false, true
-	}
-	var set []uint64
-	if h&1 == 0 {
-		b := int(h>>1) - 1
-		if (b+1)*sl.words > len(sl.w) {
-			return false, false
-		}
-		set = sl.w[b*sl.words : (b+1)*sl.words]
-	}
-	if !c.started {
-		c.started = true
-		if set == nil {
-			c.single, c.isSingle = h>>1, true
-			return true, true
-		}
-		for i := range set {
-			if x := atomic.LoadUint64(&set[i]); x != 0 {
-				c.active = append(c.active, liveWord{idx: uint32(i), bits: x})
-			}
-		}
-		return len(c.active) > 0, true
-	}
-	if c.isSingle {
-		if set == nil {
-			return h>>1 == c.single, true
-		}
-		w := int(c.single >> 6)
-		return w < len(set) && atomic.LoadUint64(&set[w])&(1<<(c.single&63)) != 0, true
-	}
-	if set == nil {
-		id := h >> 1
-		keep := false
-		for _, lw := range c.active {
-			if lw.idx == id>>6 {
-				keep = lw.bits&(1<<(id&63)) != 0
-				break
-			}
-		}
-		c.done = dropAll(c.active, c.done, pos, id, keep)
-		c.active = c.active[:0]
-		if !keep {
-			return false, true
-		}
-		c.single, c.isSingle = id, true
-		return true, true
-	}
-	// AND the live words only, compacting in place as words go to zero. A
-	// word whose candidates all hold the block (the common case) is left
-	// untouched unless an earlier word was dropped.
-	active := c.active
-	kept := 0
-	for k := range active {
-		lw := &active[k]
-		var x uint64
-		if int(lw.idx) < len(set) {
-			x = atomic.LoadUint64(&set[lw.idx])
-		}
-		gone := lw.bits &^ x
-		if gone == 0 {
-			if kept != k {
-				active[kept] = *lw
-			}
-			kept++
-			continue
-		}
-		for g := gone; g != 0; g &= g - 1 {
-			c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(bits.TrailingZeros64(g)), blocks: int32(pos)})
-		}
-		if lw.bits &^= gone; lw.bits != 0 {
-			active[kept] = *lw
-			kept++
-		}
-	}
-	c.active = active[:kept]
-	return kept > 0, true
 }
 
 // walkState is a lookup's working memory, pooled. Its buffers are kept
@@ -249,33 +134,40 @@ func (c *candidates) step(pos int, h uint32, sl *slab) (more, ok bool) {
 // does not pin its memory), so that a lookup allocates nothing once they
 // have grown to the fleet's overlaps.
 type walkState struct {
-	hc     hashCursor
-	c      candidates
-	saved  savedCandidates
-	hashes []uint64 // the request's prefix chain
-	active []liveWord
-	done   []slotMatch
-	keys   []uint64 // the sort keys of the answer
+	hc      hashCursor
+	hashes  []uint64 // the request's content hashes
+	scratch []walkScratch
+	gen     uint32
+	stamp   uint32
+	done    []slotMatch
+	keys    []uint64 // the sort keys of the answer
+}
+
+// walkScratch is one worker slot's state in a lookup: the stamp of the last
+// run it was alive through (held every position the request matched in
+// it), and the attempt (gen) its result (done[idx]) belongs to.
+type walkScratch struct {
+	alive, gen, idx uint32
 }
 
 // walkKeepCap bounds what a pooled walkState keeps of each buffer.
 const walkKeepCap = 1 << 14
 
 var walkPool = sync.Pool{New: func() any {
-	return &walkState{active: make([]liveWord, 0, 16), done: make([]slotMatch, 0, 32)}
+	return &walkState{done: make([]slotMatch, 0, 32)}
 }}
 
 func (w *walkState) put() {
 	w.hashes = keepBuf(w.hashes, w.hc.hs)
-	w.active = keepBuf(w.active, w.c.active)
-	w.done = keepBuf(w.done, w.c.done)
 	w.hc = hashCursor{}
-	w.c = candidates{}
-	if cap(w.saved.active) > 512 {
-		w.saved.active = nil
+	if cap(w.done) > walkKeepCap {
+		w.done = nil
 	}
 	if cap(w.keys) > walkKeepCap {
 		w.keys = nil
+	}
+	if len(w.scratch) > walkKeepCap {
+		w.scratch, w.gen, w.stamp = nil, 0, 0
 	}
 	walkPool.Put(w)
 }
@@ -289,31 +181,8 @@ func keepBuf[T any](had, used []T) []T {
 	return had[:0]
 }
 
-// savedCandidates is what a lookup rolls back to when a run it read changed.
-type savedCandidates struct {
-	active   []liveWord
-	single   uint32
-	isSingle bool
-	started  bool
-	nDone    int
-}
-
-func (c *candidates) save(s *savedCandidates) {
-	s.active = append(s.active[:0], c.active...)
-	s.single, s.isSingle, s.started, s.nDone = c.single, c.isSingle, c.started, len(c.done)
-}
-
-func (c *candidates) restore(s *savedCandidates) {
-	c.active = append(c.active[:0], s.active...)
-	c.single, c.isSingle, c.started, c.done = s.single, s.isSingle, s.started, c.done[:s.nDone]
-}
-
-// walk matches a request's prefix hashes (from cur, asked in order) against
-// the forward map. It reads run by run: the request's block 0, and every
-// block where it leaves a run, is found through the heads table; the blocks
-// that follow in the same run are compared in place. The heads table is read
-// under its shard's seqlock and a run under its own, and read again, from
-// the same state, if it changed.
+// walk matches a request (from cur) against the forward map, redoing the
+// attempt when it saw a change, then sorts the answer.
 func (ix *Index) walk(res *Matches, cur hashCursor) {
 	n := cur.n
 	res.RequestBlocks, res.Workers = n, res.Workers[:0]
@@ -328,41 +197,12 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 	defer ws.put()
 	ws.hc = cur
 	ws.hc.hs = ws.hashes[:0]
-	ws.c = candidates{active: ws.active[:0], done: ws.done[:0]}
-	hc, c, saved := &ws.hc, &ws.c, &ws.saved
-	sb := ix.shardBits
-	pos := 0
-	for pos < n {
-		h := hc.get(pos)
-		sh := &ix.shards[ix.shardIndex(h)]
-		c.save(saved)
-		start := pos
-		var more bool
-		for tries := 0; ; tries++ {
-			if tries > 64 {
-				runtime.Gosched() // a writer may have been preempted mid-change
-			}
-			p, stop, ok := ix.readRun(sh, hc, c, start, n, h, sb, stamp)
-			if ok {
-				pos, more = p, !stop
-				break
-			}
-			c.restore(saved)
-		}
-		if !more {
-			break
+	for tries := 0; !ix.tryWalk(ws, stamp); tries++ {
+		if tries > 4 {
+			runtime.Gosched() // a writer may have been preempted mid-change
 		}
 	}
-	if c.isSingle {
-		c.done = append(c.done, slotMatch{id: c.single, blocks: int32(pos)})
-	} else {
-		for _, lw := range c.active {
-			for x := lw.bits; x != 0; x &= x - 1 {
-				c.done = append(c.done, slotMatch{id: lw.idx<<6 + uint32(bits.TrailingZeros64(x)), blocks: int32(pos)})
-			}
-		}
-	}
-	done := c.done
+	done := ws.done
 	if len(done) == 0 {
 		return
 	}
@@ -385,88 +225,151 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 	ix.wmu.RUnlock()
 }
 
-// readRun finds request block pos (prefix hash h) through sh's heads table
-// and applies the holders of it and of the blocks after it that continue in
-// the same run. It returns the first position not applied, and stop when no
-// candidate is left (or nobody holds h); ok is false when what it read
-// cannot be trusted (the shard's heads or the run changed meanwhile), and the
-// caller rolls back and reads again.
-func (ix *Index) readRun(sh *shard, hc *hashCursor, c *candidates, pos, n int, h uint64, sb uint8, stamp uint32) (next int, stop, ok bool) {
-	v := sh.ver.Load()
-	if v&1 == 1 {
-		return pos, false, false
+// tryWalk is one attempt of a lookup, into ws.done; false when something
+// it read changed meanwhile (ws.done is then to be dropped).
+//
+// It enters the run the request's block 0 starts (the root's child), reads
+// how far the request follows the run (m positions), and takes from each
+// coverage entry of a worker still alive the positions it holds of those
+// (min(lead, m)); a worker holding all m stays alive into the next run, the
+// child hanging after the run's position m-1 that the request's next block
+// starts. Content hashes are compared directly and find the child in the
+// child table; prefix hashes are compared by chaining the run's content
+// hashes from the run's head prefix hash and find the child in the heads
+// table. Runs are read under their seqlock versions, and a run found through
+// a table is checked to be that child (parent, offset, head), which covers
+// a run freed and reused since the table was read.
+func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
+	f := &ix.fw
+	hc := &ws.hc
+	n := hc.n
+	byPrefix := hc.prefix != nil
+	stamped := f.stamped
+	ws.done = ws.done[:0]
+	if ws.gen++; ws.gen == 0 {
+		clear(ws.scratch)
+		ws.gen = 1
 	}
-	val, good := sh.tab.Load().tryFind(h, sb)
-	if !good {
-		return pos, false, false
+	if ws.stamp > 1<<31 {
+		clear(ws.scratch)
+		ws.stamp = 0
 	}
-	if val == 0 {
-		if sh.ver.Load() != v {
-			return pos, false, false
+	gen := ws.gen
+	var first uint64
+	if byPrefix {
+		first = hc.prefix[0] // block 0's prefix hash is its content hash
+	} else {
+		first = hc.get(0)
+	}
+	id, tv, ok := f.kids.get(0, first)
+	tab := &f.kids
+	if !ok {
+		return false
+	}
+	base, i := 0, 0
+	parent, poff := uint32(0), uint32(0)
+	prev := uint32(0) // the stamp of the run before; 0: the first run
+	for id != 0 {
+		d := f.dir.Load().c
+		if int(id>>chunkBits) >= len(d) {
+			return false
 		}
-		// Nobody holds block pos: every candidate ends there.
-		c.step(pos, 0, nil)
-		return pos, true, true
-	}
-	d := sh.dir.Load()
-	idx := int(val - 1)
-	if idx >= len(d.r) {
-		return pos, false, false
-	}
-	r := d.r[idx].Load()
-	if r == nil || sh.ver.Load() != v {
-		return pos, false, false
-	}
-	// r is h's run; from here on only r's own version matters.
-	rv := r.ver.Load()
-	if rv&1 == 1 {
-		return pos, false, false
-	}
-	b := r.body.Load()
-	rn := min(int(atomic.LoadUint32(&r.n)), b.size())
-	sl := sh.sets.Load()
-	touch := ix.pruning && b.stamped()
-	next, stop, ok = pos, false, true
-	for o := 0; ; {
-		if o >= rn || b.loadHash(o) != h {
-			ok = o > 0 // the head is always position 0
-			break
+		ch := d[id>>chunkBits]
+		r := &ch[id&(1<<chunkBits-1)]
+		rv := r.ver.Load()
+		b := r.body.Load()
+		if rv&1 != 0 || b == nil {
+			return false
 		}
-		if touch {
-			if b.loadStamp(o) != stamp {
-				b.setStamp(o, stamp)
+		size := hsize(b.h, stamped)
+		h := b.h[:min(int(atomic.LoadUint32(&r.n)), size)]
+		cov := b.cov[:min(int(atomic.LoadUint32(&r.ncov)), len(b.cov))]
+		want := first
+		if byPrefix {
+			want = hc.prefix[i]
+		}
+		// Still the child it was found as (not freed and reused since)?
+		if len(h) == 0 || atomic.LoadUint32((*uint32)(&r.from)) != uint32(makeLoc(parent, int(poff))) ||
+			(byPrefix && atomic.LoadUint64(&r.head) != want) || (!byPrefix && atomic.LoadUint64(&h[0]) != want) {
+			// Not a change if neither the run nor the table moved: a 64-bit
+			// collision of head prefix hashes, and no match.
+			return r.ver.Load() == rv && tab.ver.Load() == tv
+		}
+		lim := min(len(h), n-i)
+		m := 1
+		if byPrefix {
+			p := want
+			for m < lim {
+				if p = ChainHash(p, atomic.LoadUint64(&h[m])); p != hc.prefix[i+m] {
+					break
+				}
+				m++
+			}
+		} else {
+			for m < lim && atomic.LoadUint64(&h[m]) == hc.get(i+m) {
+				m++
 			}
 		}
-		more, good := c.step(next, b.loadHold(o), sl)
-		if !good {
-			ok = false
-			break
-		}
-		if !more {
-			stop = true
-			break
-		}
-		next++
-		o++
-		if next == n {
-			break
-		}
-		h = hc.get(next)
-	}
-	if !ok || r.ver.Load() != rv {
-		return pos, false, false
-	}
-	return next, stop, true
-}
-
-// dropAll records every active worker except keep-id as ending at pos.
-func dropAll(active []liveWord, done []slotMatch, pos int, id uint32, keep bool) []slotMatch {
-	for _, lw := range active {
-		for x := lw.bits; x != 0; x &= x - 1 {
-			if s := lw.idx<<6 + uint32(bits.TrailingZeros64(x)); !keep || s != id {
-				done = append(done, slotMatch{id: s, blocks: int32(pos)})
+		ws.stamp++
+		st := ws.stamp
+		maxd, alive := 0, false
+		for k := range cov {
+			e := &cov[k]
+			w := atomic.LoadUint32(&e.w)
+			if int(w) >= len(ws.scratch) {
+				ws.scratch = append(ws.scratch, make([]walkScratch, int(w)+1-len(ws.scratch))...)
+			}
+			sc := &ws.scratch[w]
+			if prev != 0 && sc.alive != prev {
+				continue
+			}
+			d := min(int(atomic.LoadUint32(&e.lead)), m)
+			if d == 0 {
+				continue
+			}
+			maxd = max(maxd, d)
+			if sc.gen != gen {
+				sc.gen, sc.idx = gen, uint32(len(ws.done))
+				ws.done = append(ws.done, slotMatch{id: w, blocks: int32(base + d)})
+			} else if int(sc.idx) < len(ws.done) {
+				ws.done[sc.idx].blocks = int32(base + d)
+			}
+			if d == m {
+				sc.alive, alive = st, true
 			}
 		}
+		if stamped {
+			// Refresh the stamps of the positions the lookup reached while a
+			// worker was still alive (lost or misplaced if the run changes
+			// meanwhile: that only ages an entry, never changes a match).
+			for o := range min(maxd+1, m) {
+				if p := stampAt(b.h, size, o); atomic.LoadUint32(p) != stamp {
+					atomic.StoreUint32(p, stamp)
+				}
+			}
+		}
+		if r.ver.Load() != rv {
+			return false
+		}
+		if !alive || i+m == n {
+			return true
+		}
+		parent, poff = id, uint32(m-1)
+		base += m
+		i += m
+		prev = st
+		if byPrefix {
+			tab = &f.heads
+			first = hc.prefix[i]
+			id, tv, ok = tab.get(0, first)
+		} else {
+			tab = &f.kids
+			first = hc.get(i)
+			id, tv, ok = tab.get(uint32(makeLoc(parent, int(poff))), first)
+		}
+		if !ok {
+			return false
+		}
 	}
-	return done
+	return true
 }

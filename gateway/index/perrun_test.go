@@ -196,16 +196,11 @@ func TestLongEventsSettleEverySoOften(t *testing.T) {
 
 func runVersions(ix *Index) []uint64 {
 	var out []uint64
-	for i := range ix.shards {
-		d := ix.shards[i].dir.Load()
-		if d == nil {
-			continue
-		}
-		for j := range d.r {
-			if r := d.r[j].Load(); r != nil {
-				out = append(out, r.ver.Load())
-			}
-		}
+	f := &ix.fw
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for id := uint32(1); id < f.nruns; id++ {
+		out = append(out, uint64(f.run(id).ver.Load()))
 	}
 	return out
 }

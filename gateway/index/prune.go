@@ -1,7 +1,9 @@
 package index
 
 import (
+	"math/bits"
 	"slices"
+	"sync/atomic"
 	"time"
 )
 
@@ -26,16 +28,18 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	nowStamp := ix.stampAt(now)
 	if ttl := ix.opts.TTL; ttl > 0 && now.Sub(ix.epoch) >= ttl {
 		cutoff := ix.stampAt(now.Add(-ttl))
-		r.TTL = ix.evictOlder(cutoff, -1)
+		ix.fw.mu.Lock()
+		r.TTL = ix.evictWhere(func(s uint32) bool { return s < cutoff }, -1)
+		ix.fw.unlock()
 	}
 	maxEntries := ix.opts.MaxEntries
 	if maxEntries <= 0 {
 		return r
 	}
-	entries := 0
-	for i := range ix.shards {
-		entries += int(load(&ix.shards[i].entries))
-	}
+	f := &ix.fw
+	f.mu.Lock()
+	defer f.unlock()
+	entries := f.entries()
 	if entries <= maxEntries {
 		return r
 	}
@@ -47,17 +51,13 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 	// Snapshot the candidates' stamps to find the age threshold; stamps only
 	// grow, so an entry touched after the snapshot is safely newer than it.
 	var stamps []uint32
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		sh.eachPos(func(_ *run, b *runBody, o int) {
-			// Lookups refresh stamps without the lock: read them atomically.
-			if st := b.loadStamp(o); b.hold(o) != 0 && st <= graceEnd {
-				stamps = append(stamps, st)
-			}
-		})
-		sh.mu.Unlock()
-	}
+	f.eachHeld(func(_ uint32, r *run, o int) bool {
+		// Lookups refresh stamps without the lock: read them atomically.
+		if st := atomic.LoadUint32(f.stampOf(r, o)); st <= graceEnd {
+			stamps = append(stamps, st)
+		}
+		return false
+	})
 	if len(stamps) == 0 {
 		return r
 	}
@@ -72,62 +72,59 @@ func (ix *Index) Prune(now time.Time) PruneResult {
 			older++
 		}
 	}
-	r.Capacity = ix.evictOlder(threshold, -1)
-	r.Capacity += ix.evictAt(threshold, k-older)
+	r.Capacity = ix.evictWhere(func(s uint32) bool { return s < threshold }, -1)
+	if k-older > 0 {
+		r.Capacity += ix.evictWhere(func(s uint32) bool { return s == threshold }, k-older)
+	}
 	return r
 }
 
-// evictOlder removes every entry with stamp < cutoff. limit < 0 = no limit.
-func (ix *Index) evictOlder(cutoff uint32, limit int) int {
-	return ix.evictWhere(func(s uint32) bool { return s < cutoff }, limit)
-}
-
-func (ix *Index) evictAt(stamp uint32, limit int) int {
-	if limit <= 0 {
-		return 0
-	}
-	return ix.evictWhere(func(s uint32) bool { return s == stamp }, limit)
-}
-
-// evictWhere clears the holders of positions whose stamp matches. Runs and
-// reverse entries stay: a later removal is a no-op, a later store re-files
-// the holder at the same position.
+// evictWhere clears every holder of the held positions whose stamp matches,
+// at most limit of them (limit < 0: no limit); the forward map's lock is
+// held. Runs and reverse entries stay: a later removal is a no-op, a later
+// store re-asserts the holder at the same position.
 func (ix *Index) evictWhere(match func(uint32) bool, limit int) int {
+	f := &ix.fw
 	evicted := 0
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		sh.eachPos(func(r *run, b *runBody, o int) {
-			if limit >= 0 && evicted >= limit {
-				return
-			}
-			if b.hold(o) != 0 && match(b.loadStamp(o)) {
-				r.ver.Add(1)
-				sh.clearPos(b, o)
-				r.ver.Add(1)
-				evicted++
-			}
-		})
-		sh.mu.Unlock()
+	f.eachHeld(func(id uint32, r *run, o int) bool {
 		if limit >= 0 && evicted >= limit {
-			break
+			return true
 		}
-	}
+		if match(atomic.LoadUint32(f.stampOf(r, o))) {
+			f.touch(id)
+			for ci := int(r.ncov) - 1; ci >= 0; ci-- {
+				if f.covers(&r.covs()[ci], uint32(o)) {
+					f.uncover(r, ci, uint32(o))
+				}
+			}
+			evicted++
+		}
+		return false
+	})
 	return evicted
 }
 
-// eachPos calls f for every position of every run (mu held; stamps exist,
-// as only a pruning index calls it).
-func (s *shard) eachPos(f func(r *run, b *runBody, o int)) {
-	d := s.dir.Load()
-	for idx := range min(s.runsUsed, len(d.r)) {
-		r := d.r[idx].Load()
-		if r == nil {
+// eachHeld calls fn for every position some worker holds, run by run (the
+// forward map's lock held; fn may clear holders of the position it is
+// given); fn returns true to stop.
+func (f *forward) eachHeld(fn func(id uint32, r *run, o int) bool) {
+	var m [maxRunLen / 64]uint64
+	for id := uint32(1); id < f.nruns; id++ {
+		r := f.run(id)
+		if r.n == 0 || r.ncov == 0 {
 			continue
 		}
-		b := r.body.Load()
-		for o := range int(r.n) { // mu held
-			f(r, b, o)
+		clear(m[:])
+		f.heldMask(r, m[:])
+		for w, x := range m {
+			for ; x != 0; x &= x - 1 {
+				if fn(id, r, w<<6+bits.TrailingZeros64(x)) {
+					return
+				}
+			}
+		}
+		if f.touched != nil && len(f.touched) >= settleEvery {
+			f.settle()
 		}
 	}
 }

@@ -4,24 +4,24 @@ import "sync"
 
 // arrayPool recycles the arrays the index discards: a run's arrays when the
 // run grows into a larger size class or is freed, a reverse table's when it
-// is resized. One pool serves the whole index (every shard and every
-// worker): an array given back by one shard or worker is what another one
-// asks for next, and split per shard the lists were too small to keep even
+// is resized. One pool serves the whole index (the forward map and every
+// worker): an array given back by one run or worker is what another one
+// asks for next (split per forward shard, as it once was, the lists were too small to keep even
 // one large run array (the bound of 2 KiB plus a sixteenth of a shard's
 // arrays was below one 256-position array, 3 KiB, at 128 workers × 512
-// blocks), so most arrays were allocated anew. Allocating them anew costs
+// blocks), and most arrays were allocated anew). Allocating them anew costs
 // the collector's work in a gateway and, in a replay whose heap goal the
 // collector never reaches, a page fault per fresh page.
 //
 // What the pool holds is bounded (fits) and counted in Stats().MemoryBytes.
-// Its lock is a leaf: taken under a shard's or a worker's lock, it takes
+// Its lock is a leaf: taken under the forward map's or a worker's lock, it takes
 // none.
 type arrayPool struct {
 	mu sync.Mutex
 	// bodies by stamped (0 or 1) and size class; rev holds reverse-table
 	// arrays, oldest first (a reverse table takes any length, so a request
 	// takes the first one in its range).
-	bodies [2][bodyClasses][]*runBody
+	bodies [2][bodyClasses][][]uint64
 	rev    []revArrays
 	// held is the bytes of the arrays kept here, by kind (kindBody,
 	// kindRev); live, those in use (handed out and not given back), which
@@ -62,54 +62,53 @@ func (p *arrayPool) fits(k, sz int) bool {
 	return p.held[k]+sz <= poolMinBytes+p.live[k]/poolLiveDiv
 }
 
-// getBody returns run arrays of size class k, holders and stamps zero. A
-// reused body may still be read by a lookup that started before it was given
-// back; the run that gave it back moved its version since, so that lookup
-// will read again, and the stores here are atomic for the race detector's
-// sake.
-func (p *arrayPool) getBody(k int, stamped bool) *runBody {
+// getArrays returns a run's array of size class k, stamps (stamped) zero.
+// A reused array may still be read by a lookup that started before it was
+// given back; the run that gave it back moved its version since, so that
+// lookup will read again, and the stores here are atomic for the race
+// detector's sake.
+func (p *arrayPool) getArrays(k int, stamped bool) []uint64 {
 	st := 0
 	if stamped {
 		st = 1
 	}
+	size := bodySizes[k]
+	n := arrLen(size, stamped)
 	p.mu.Lock()
 	p.bodyGets++
 	l := p.bodies[st][k]
-	if n := len(l); n > 0 {
-		b := l[n-1]
-		l[n-1] = nil
-		p.bodies[st][k] = l[:n-1]
-		sz := bodyBytes(b)
-		p.held[kindBody] -= sz
-		p.live[kindBody] += sz
+	if c := len(l); c > 0 {
+		h := l[c-1]
+		l[c-1] = nil
+		p.bodies[st][k] = l[:c-1]
+		p.held[kindBody] -= n * 8
+		p.live[kindBody] += n * 8
 		p.bodyHits++
 		p.mu.Unlock()
-		h := b.holds[:cap(b.holds)]
-		for i := range h { // holders and stamps
-			store32(&h[i], 0)
+		for i := size; i < n; i++ {
+			store64(&h[i], 0)
 		}
-		return b
+		return h
 	}
-	b := newRunBody(bodySizes[k], stamped)
-	p.live[kindBody] += bodyBytes(b)
+	p.live[kindBody] += n * 8
 	p.mu.Unlock()
-	return b
+	return make([]uint64, n)
 }
 
-// putBody gives b back (its run's version odd, so that lookups reading b
-// will read again); it is kept if the bound allows.
-func (p *arrayPool) putBody(b *runBody) {
+// putArrays gives a run's array back (its version odd, so that lookups
+// reading it will read again); it is kept if the bound allows.
+func (p *arrayPool) putArrays(h []uint64, stamped bool) {
 	st := 0
-	if b.stamped() {
+	if stamped {
 		st = 1
 	}
-	k := bodyClass(b.size())
-	sz := bodyBytes(b)
+	k := bodyClass(hsize(h, stamped))
+	sz := len(h) * 8
 	p.mu.Lock()
 	p.puts++
 	p.live[kindBody] -= sz
-	if !p.off && p.fits(kindBody, sz) {
-		p.bodies[st][k] = append(p.bodies[st][k], b)
+	if !p.off && p.fits(kindBody, sz) && len(h) == arrLen(bodySizes[k], stamped) {
+		p.bodies[st][k] = append(p.bodies[st][k], h)
 		p.held[kindBody] += sz
 		p.kept++
 	}

@@ -18,11 +18,11 @@ func checkPool(t *testing.T, ix *Index, when string) {
 	var held [2]int
 	for st := range p.bodies {
 		for k, l := range p.bodies[st] {
-			for _, b := range l {
-				if bodyClass(b.size()) != k || b.stamped() != (st == 1) {
-					t.Fatalf("%s: a body of size %d (stamped %v) in list %d/%d", when, b.size(), b.stamped(), st, k)
+			for _, h := range l {
+				if len(h) != arrLen(bodySizes[k], st == 1) {
+					t.Fatalf("%s: an array of %d words in list %d/%d", when, len(h), st, k)
 				}
-				held[kindBody] += bodyBytes(b)
+				held[kindBody] += len(h) * 8
 			}
 		}
 	}
@@ -46,12 +46,9 @@ func checkPool(t *testing.T, ix *Index, when string) {
 		t.Fatalf("%s: %d reverse arrays pooled, bound %d", when, len(p.rev), poolMaxRev)
 	}
 	var inUse [2]int
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		inUse[kindBody] += sh.bytes
-		sh.mu.Unlock()
-	}
+	ix.fw.mu.Lock()
+	inUse[kindBody] = ix.fw.bytes
+	ix.fw.mu.Unlock()
 	ix.wmu.RLock()
 	for _, ws := range ix.workers {
 		ws.mu.Lock()
@@ -69,7 +66,7 @@ func checkPool(t *testing.T, ix *Index, when string) {
 // TestArrayPoolRecyclesWithSameAnswers replays a Mooncake sample with small
 // caches (runs and reverse tables come and go) into two indexes, one whose
 // pool keeps nothing. Every lookup gets the same answer from both, so arrays
-// handed out again (dirty reverse slots, run arrays from another shard)
+// handed out again (dirty reverse slots, run arrays of another run)
 // change nothing. Once caches are full, the recycling index allocates at
 // most 2.5 bytes a block op while applying, and a third of what the other
 // does (2026-12-05: 0.96 B against 8.92 B; what is left is mostly a new

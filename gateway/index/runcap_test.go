@@ -2,8 +2,8 @@ package index
 
 import (
 	"fmt"
-	"math/rand/v2"
 	"reflect"
+	"sync/atomic"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -28,55 +28,45 @@ func TestRevSlotIs12Bytes(t *testing.T) {
 	}
 }
 
-// TestPackLocRoundTrip: every position a shard can hand out packs into 32
-// bits and back, never to noPos, for the smallest, default and largest
-// shard counts; the run cap is what the 24-shardBits run bits allow.
-func TestPackLocRoundTrip(t *testing.T) {
-	for _, sb := range []uint8{1, defaultShardBits, 12} {
-		maxRuns := maxRunsFor(sb)
-		if want := 1<<(24-int(sb)) - 1; maxRuns != want {
-			t.Fatalf("sb %d: maxRunsFor = %d, want %d", sb, maxRuns, want)
-		}
-		for _, run := range []uint32{0, 1, 12345 % uint32(maxRuns), uint32(maxRuns) - 1} {
-			for _, sh := range []int{0, 1<<sb - 1, (1 << sb) / 3} {
-				for _, off := range []int{0, 1, maxRunLen - 1} {
-					l := makeLoc(sh, run, off)
-					p := packLoc(l, sb)
-					if p == noPos {
-						t.Fatalf("sb %d: %v packs to noPos", sb, l)
-					}
-					if back := unpackLoc(p, sb); back != l {
-						t.Fatalf("sb %d: run %d shard %d off %d → %#x → run %d shard %d off %d",
-							sb, run, sh, off, p, back.run(), back.shard(), back.off())
-					}
-				}
+// TestLocRoundTrip: every position a run can have packs into the reverse
+// tables' 32 bits and back, never to noPos, up to the highest run id.
+func TestLocRoundTrip(t *testing.T) {
+	if maxRunID != 1<<24-2 || maxRunLen != 1<<posOffBits {
+		t.Fatalf("maxRunID %d, maxRunLen %d: want 2^24-2 and 2^8", maxRunID, maxRunLen)
+	}
+	for _, run := range []uint32{1, 2, 12345, 1 << 20, maxRunID - 1, maxRunID} {
+		for _, off := range []int{0, 1, 128, maxRunLen - 1} {
+			l := makeLoc(run, off)
+			if uint32(l) == noPos {
+				t.Fatalf("run %d offset %d packs to noPos", run, off)
+			}
+			if l.run() != run || l.off() != off {
+				t.Fatalf("run %d offset %d → %#x → run %d offset %d", run, off, uint32(l), l.run(), l.off())
 			}
 		}
 	}
 }
 
-// capShards sets every shard's run cap to the runs it has now: no new run
-// can start until one is freed.
-func capShards(ix *Index) {
-	for i := range ix.shards {
-		sh := &ix.shards[i]
-		sh.mu.Lock()
-		sh.maxRuns = sh.runsUsed
-		sh.mu.Unlock()
-	}
+// capRuns sets the run cap to the run ids handed out so far: no new run id
+// is handed out, and a new run takes a freed one or is refused.
+func capRuns(ix *Index) {
+	f := &ix.fw
+	f.mu.Lock()
+	f.maxRuns = f.nruns - 1
+	f.mu.Unlock()
 }
 
-// TestRunCapLeavesBlocksOutAndCountsThem: at a shard's run cap, a block that
-// needs a new run there, and the blocks new to the rank after it in the
+// TestRunCapLeavesBlocksOutAndCountsThem: at the run cap, a block that
+// needs a new run, and the blocks new to the rank after it in the
 // event, are not indexed (counted in UnindexedBlocks; the worker is not
 // taken to hold them), while known blocks keep their filing and copies, and
 // appends to existing runs and other workers' stores of filed blocks go on;
-// removals of left-out blocks count as unknown; a freed run number is used
+// removals of left-out blocks count as unknown; a freed run id is used
 // again.
 func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	ix := New(Options{BlockSize: 4, ShardBits: 1})
 	ix.Apply("w1", batch(0, stored(chainBlocks(100, seq(1, 12))))) // a0 a1 a2: engine 101..103
-	capShards(ix)
+	capRuns(ix)
 
 	// A branch after a0 needs a run of its own: c1 (201) and c2 (202) are
 	// left out; the known a2 (103) later in the same event stays filed and
@@ -129,7 +119,7 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 		t.Errorf("removals of left-out blocks: UnknownRemovals = %d, want 3", got)
 	}
 
-	// Drop every reference to the run: its number is free, and a new chain
+	// Drop every reference to the run: its id is free, and a new chain
 	// takes it although the cap has not moved.
 	ix.Apply("w1", batch(0, removed(unspec, 101, 102, 103, 103, 104, 105)))
 	ix.Apply("w2", batch(0, removed(unspec, 501, 502)))
@@ -142,183 +132,74 @@ func TestRunCapLeavesBlocksOutAndCountsThem(t *testing.T) {
 	}
 }
 
-// TestRunBodyLayoutKeepsNeighbours: a run's arrays keep every position's
-// prefix hash, holder word and stamp apart (stamps live past the holders'
-// length in the same slice), through growth from the smallest size class to
-// maxRunLen, stamped (an index that prunes) or not; a reused body comes
-// back with holders and stamps zero.
-func TestRunBodyLayoutKeepsNeighbours(t *testing.T) {
+// TestRunArraysKeepNeighbours: a run's content and stamp arrays keep every
+// position's content hash and stamp through growth from the smallest size
+// class to maxRunLen, stamped (an index that prunes) or not, readers'
+// arrays (the published body) included; arrays given back come back from
+// the pool with stamps zero.
+func TestRunArraysKeepNeighbours(t *testing.T) {
 	for _, stamped := range []bool{false, true} {
 		t.Run(fmt.Sprintf("stamped=%v", stamped), func(t *testing.T) {
-			const sb = 6
-			var s shard
-			s.init(maxRunsFor(sb), &arrayPool{})
-			idx, ok := s.newRunFor(1<<40, stamped, sb, 1)
+			var f forward
+			f.init(&arrayPool{}, stamped)
+			f.mu.Lock()
+			defer f.unlock()
+			id, ok := f.newRun(0, 0, 1<<40, 1<<40, 1)
 			if !ok {
 				t.Fatal("no run")
 			}
-			r := s.runAt(idx)
-			holdOf := func(o int) uint32 { return uint32(o)*2 + 1 } // inline holder o
+			r := f.run(id)
 			stampOf := func(o int) uint32 { return 1000 + uint32(o)*7 }
 			set := func(o int) {
-				b := r.body.Load()
-				b.setHold(o, holdOf(o))
 				if stamped {
-					b.setStamp(o, stampOf(o))
+					atomic.StoreUint32(f.stampOf(r, o), stampOf(o)) // as a lookup does
 				}
 			}
 			set(0)
 			for o := 1; o < maxRunLen; o++ {
-				s.appendPos(r, 1<<40+uint64(o))
+				f.appendPos(id, r, 1<<40+uint64(o), 1)
 				set(o)
 				b := r.body.Load()
-				if b.stamped() != stamped || b.size()%4 != 0 || b.size() < o+1 {
-					t.Fatalf("after %d positions: size %d, stamped %v", o+1, b.size(), b.stamped())
+				size := hsize(b.h, stamped)
+				if size != bodySizes[bodyClass(size)] || size < o+1 || len(b.h) != arrLen(size, stamped) {
+					t.Fatalf("after %d positions: %d words for %d positions", o+1, len(b.h), size)
+				}
+				if len(r.hs()) != o+1 || int(r.n) != o+1 {
+					t.Fatalf("after %d positions: writer's length %d, readers' %d", o+1, len(r.hs()), r.n)
 				}
 				for p := 0; p <= o; p++ {
-					if h := b.hash(p); h != 1<<40+uint64(p) {
-						t.Fatalf("after %d positions: hash(%d) = %#x", o+1, p, h)
+					if h := b.h[p]; h != 1<<40+uint64(p) || r.hs()[p] != h {
+						t.Fatalf("after %d positions: content %d = %#x", o+1, p, h)
 					}
-					if h := b.loadHold(p); h != holdOf(p) || b.hold(p) != h {
-						t.Fatalf("after %d positions: hold(%d) = %d, want %d", o+1, p, h, holdOf(p))
-					}
-					if stamped && b.loadStamp(p) != stampOf(p) {
-						t.Fatalf("after %d positions: stamp(%d) = %d, want %d", o+1, p, b.loadStamp(p), stampOf(p))
+					if stamped && *stampAt(b.h, size, p) != stampOf(p) {
+						t.Fatalf("after %d positions: stamp %d = %d, want %d", o+1, p, *stampAt(b.h, size, p), stampOf(p))
 					}
 				}
-				if wantBytes := b.size() * 12; !stamped && bodyBytes(b) != wantBytes || stamped && bodyBytes(b) != wantBytes+b.size()*4 {
-					t.Fatalf("bodyBytes %d for size %d", bodyBytes(b), b.size())
+				if want := len(b.h) * 8; f.bytes != want {
+					t.Fatalf("forward.bytes %d for %d words, want %d", f.bytes, len(b.h), want)
 				}
 			}
-			// A small run freed: its body goes to the spares, and the next
-			// run of its size class gets it back cleared.
-			idx2, _ := s.newRunFor(2<<40, stamped, sb, 1)
-			r = s.runAt(idx2)
+			// A small run freed: its array goes to the pool, and the next run
+			// of its size class gets it back, stamps cleared.
+			id2, _ := f.newRun(0, 0, 2<<40, 2<<40, 1)
+			r = f.run(id2)
 			for o := range minBody {
 				if o > 0 {
-					s.appendPos(r, 2<<40+uint64(o))
+					f.appendPos(id2, r, 2<<40+uint64(o), 1)
 				}
 				set(o)
 			}
-			b := r.body.Load()
-			for o := range minBody {
-				b.setHold(o, 0)
-			}
-			s.freeRun(idx2, sb)
-			got := s.getBody(minBody, stamped)
-			if got != b {
-				t.Fatal("the freed body was not reused; the test no longer covers reuse")
+			h := r.body.Load().h
+			f.freeRun(id2)
+			got := f.getArrays(minBody)
+			if &got[0] != &h[0] {
+				t.Fatal("the freed array was not reused; the test no longer covers reuse")
 			}
 			for o := range minBody {
-				if got.hold(o) != 0 || stamped && got.loadStamp(o) != 0 {
-					t.Fatalf("reused body: position %d holder %d stamp %d", o, got.hold(o), got.loadStamp(o))
+				if stamped && *stampAt(got, minBody, o) != 0 {
+					t.Fatalf("reused array: position %d stamp %d", o, *stampAt(got, minBody, o))
 				}
 			}
 		})
-	}
-}
-
-// TestHeadFilterKeepsEveryHead: through runs started and freed at random
-// (the heads table growing, heads deleted by backward shift), the shard's
-// head filter has the bit of every live head, so tryHasHead and headLoc
-// never miss one; it is rebuilt before its stale bits outnumber the heads,
-// and it lets at most a fifth of non-heads through to the table's probe.
-func TestHeadFilterKeepsEveryHead(t *testing.T) {
-	const sb = 6
-	ix := New(Options{ShardBits: sb})
-	s := &ix.shards[0]
-	rng := rand.New(rand.NewPCG(21, 21))
-	live := map[uint64]uint32{} // head → run
-	var heads []uint64
-	check := func(step int) {
-		t.Helper()
-		for h, idx := range live {
-			if has, ok := s.tryHasHead(h, sb); !ok || !has {
-				t.Fatalf("step %d: tryHasHead(%#x) = %v, %v; want a head", step, h, has, ok)
-			}
-			if l, ok := ix.headLoc(0, h); !ok || l.run() != idx {
-				t.Fatalf("step %d: headLoc(%#x) = run %d, %v; want run %d", step, h, l.run(), ok, idx)
-			}
-		}
-		if bound := staleBound(s.heads, s.tab.Load().n); s.filterStale > bound {
-			t.Fatalf("step %d: %d stale bits for %d heads (bound %d)", step, s.filterStale, s.heads, bound)
-		}
-	}
-	for step := range 30000 {
-		if len(heads) == 0 || rng.IntN(100) < 55 {
-			h := rng.Uint64() >> sb // shard 0: its top bits are zero
-			if _, dup := live[h]; dup {
-				continue
-			}
-			idx, ok := s.newRunFor(h, false, sb, 1)
-			if !ok {
-				t.Fatal("run cap")
-			}
-			live[h] = idx
-			heads = append(heads, h)
-		} else {
-			k := rng.IntN(len(heads))
-			h := heads[k]
-			heads[k] = heads[len(heads)-1]
-			heads = heads[:len(heads)-1]
-			s.freeRun(live[h], sb)
-			delete(live, h)
-		}
-		if step%3000 == 0 {
-			check(step)
-		}
-	}
-	check(30000)
-	through := 0
-	const probes = 20000
-	for range probes {
-		if s.filter.Load().mayHave(rng.Uint64() >> sb) {
-			through++
-		}
-	}
-	if through > probes/5 {
-		t.Errorf("the filter let %d of %d non-heads through (%d heads)", through, probes, len(live))
-	}
-}
-
-// A shard whose heads drained after a peak keeps its peak-sized table; the
-// filter must not be rebuilt (a scan of that whole table) every few
-// deletions there: each rebuild is paid for by a quarter of the table's
-// slots in deletions.
-func TestHeadFilterRebuildsStayAmortizedInADrainedShard(t *testing.T) {
-	const sb = 6
-	ix := New(Options{ShardBits: sb})
-	s := &ix.shards[0]
-	rng := rand.New(rand.NewPCG(5, 8))
-	var runs []uint32
-	var heads []uint64
-	for range 100_000 {
-		h := rng.Uint64() >> sb
-		idx, ok := s.newRunFor(h, false, sb, 1)
-		if !ok {
-			t.Fatal("run cap")
-		}
-		runs, heads = append(runs, idx), append(heads, h)
-	}
-	for _, idx := range runs {
-		s.freeRun(idx, sb)
-	}
-	slots := s.tab.Load().n
-	const cycles = 9000
-	rebuilds := 0
-	f := s.filter.Load()
-	for range cycles {
-		h := rng.Uint64() >> sb
-		idx, ok := s.newRunFor(h, false, sb, 1)
-		if !ok {
-			t.Fatal("run cap")
-		}
-		s.freeRun(idx, sb)
-		if g := s.filter.Load(); g != f {
-			rebuilds, f = rebuilds+1, g
-		}
-	}
-	if most := cycles/(slots/4) + 1; rebuilds > most {
-		t.Errorf("%d filter rebuilds of a %d-slot table in %d start-and-free cycles, want at most %d", rebuilds, slots, cycles, most)
 	}
 }

@@ -2,7 +2,7 @@ package index
 
 import (
 	"math/rand/v2"
-	"sync/atomic"
+	"slices"
 	"testing"
 )
 
@@ -61,148 +61,181 @@ func TestRevTableAgainstMap(t *testing.T) {
 	}
 }
 
-// TestShardAgainstMap does the same for one forward shard: runs started,
-// extended and freed, holders added and removed at random positions over a
-// few workers (inline and bitset forms, a widening slab), through heads-table
-// growth and backward-shift deletions, checked against maps.
-func TestShardAgainstMap(t *testing.T) {
-	const sb = 6
-	rng := rand.New(rand.NewPCG(12, 12))
-	var s shard
-	s.init(maxRunsFor(sb), &arrayPool{})
-	type pos struct {
-		run uint32
-		off int
+// TestKeyTableAgainstMap does the same for the child and heads tables'
+// keyTable: pairs put and deleted at random (a pair mapped to two ids, as
+// the heads table has on a 64-bit collision, included), through growth and
+// backward-shift deletion; the writer's find and the readers' get agree
+// with a map, and the version is even between changes.
+func TestKeyTableAgainstMap(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	var kt keyTable
+	type key struct {
+		po uint32
+		c  uint64
 	}
-	heads := map[uint32]uint64{} // live run → head
-	lens := map[uint32]int{}
-	want := map[pos]map[uint32]bool{}
-	var live []uint32
-	pick := func() (pos, bool) {
-		if len(live) == 0 {
-			return pos{}, false
+	ref := map[key][]uint32{}
+	keys := make([]key, 300)
+	for i := range keys {
+		keys[i] = key{uint32(rng.IntN(4)) << posOffBits, rng.Uint64()}
+		if i%50 == 0 {
+			keys[i].c = uint64(i) // small keys, neighbours in the hash
 		}
-		r := live[rng.IntN(len(live))]
-		return pos{r, rng.IntN(lens[r])}, true
 	}
-	body := func(p pos) *runBody { return s.runAt(p.run).body.Load() }
-	for step := range 40000 {
-		switch x := rng.IntN(100); {
-		case x < 8 || len(live) == 0:
-			h := rng.Uint64() >> sb // one shard: the top bits are the shard's
-			idx := newRunOrFail(t, &s, h, sb)
-			if _, dup := heads[idx]; dup {
-				t.Fatalf("step %d: run %d handed out twice", step, idx)
-			}
-			heads[idx], lens[idx] = h, 1
-			live = append(live, idx)
-		case x < 30:
-			r := live[rng.IntN(len(live))]
-			if lens[r] < maxRunLen {
-				if o := s.appendPos(s.runAt(r), rng.Uint64()); o != lens[r] {
-					t.Fatalf("step %d: appended at %d, want %d", step, o, lens[r])
-				}
-				lens[r]++
-			}
-		case x < 70:
-			p, _ := pick()
-			id := uint32(rng.IntN(130))
-			if held := s.addHolder(body(p), p.off, id, 0); held != want[p][id] {
-				t.Fatalf("step %d: addHolder(%v, %d) held=%v, want %v", step, p, id, held, want[p][id])
-			}
-			if want[p] == nil {
-				want[p] = map[uint32]bool{}
-			}
-			want[p][id] = true
-		case x < 97:
-			p, _ := pick()
-			id := uint32(rng.IntN(130))
-			had := want[p][id]
-			if got := s.removeHolder(body(p), p.off, id); got != had {
-				t.Fatalf("step %d: removeHolder(%v, %d) = %v, want %v", step, p, id, got, had)
-			}
-			delete(want[p], id)
-		default:
-			k := rng.IntN(len(live))
-			r := live[k]
-			s.freeRun(r, sb)
-			live = append(live[:k], live[k+1:]...)
-			for o := range lens[r] {
-				delete(want, pos{r, o})
-			}
-			delete(heads, r)
-			delete(lens, r)
+	next := uint32(1)
+	for op := range 20_000 {
+		k := keys[rng.IntN(len(keys))]
+		if ids := ref[k]; len(ids) > 0 && rng.IntN(2) == 0 {
+			id := ids[rng.IntN(len(ids))]
+			kt.del(k.po, k.c, id)
+			ref[k] = slices.DeleteFunc(ids, func(x uint32) bool { return x == id })
+		} else if len(ids) < 2 {
+			kt.put(k.po, k.c, next)
+			ref[k] = append(ids, next)
+			next++
 		}
-		if step%4000 != 0 {
+		if v := kt.ver.Load(); v%2 != 0 {
+			t.Fatalf("op %d: version %d odd between changes", op, v)
+		}
+		if op%97 != 0 {
 			continue
 		}
-		entries, mem := 0, 0
-		for p, ids := range want {
-			if len(ids) == 0 {
-				continue
+		n := 0
+		for _, k := range keys {
+			ids := ref[k]
+			n += len(ids)
+			got := kt.find(k.po, k.c)
+			rg, _, ok := kt.get(k.po, k.c)
+			if !ok || rg != got {
+				t.Fatalf("op %d: get %d (ok %v), find %d", op, rg, ok, got)
 			}
-			entries++
-			mem += len(ids)
-			h := body(p).hold(p.off)
-			got := map[uint32]bool{}
-			if h&1 == 1 {
-				got[h>>1] = true
-			} else if h != 0 {
-				sl := s.sets.Load()
-				set := int(h>>1) - 1
-				for wi, x := range sl.w[set*sl.words : (set+1)*sl.words] {
-					for b := range 64 {
-						if x&(1<<b) != 0 {
-							got[uint32(wi*64+b)] = true
-						}
-					}
-				}
-			}
-			if len(got) != len(ids) {
-				t.Fatalf("step %d: %v holders %v, want %v", step, p, got, ids)
-			}
-			for id := range ids {
-				if !got[id] {
-					t.Fatalf("step %d: %v holders %v, want %v", step, p, got, ids)
-				}
+			if len(ids) == 0 && got != 0 || len(ids) > 0 && !slices.Contains(ids, got) {
+				t.Fatalf("op %d: find(%#x, %#x) = %d, want one of %v", op, k.po, k.c, got, ids)
 			}
 		}
-		if int(load(&s.entries)) != entries || int(load(&s.mem)) != mem {
-			t.Fatalf("step %d: shard counts %d entries, %d memberships; want %d, %d", step, load(&s.entries), load(&s.mem), entries, mem)
-		}
-		tab := s.tab.Load()
-		for r, h := range heads {
-			if v, ok := tab.tryFind(h, sb); !ok || v != r+1 {
-				t.Fatalf("step %d: head %#x of run %d found as %d", step, h, r, int(v)-1)
-			}
-		}
-		if s.heads != len(heads) {
-			t.Fatalf("step %d: %d heads, want %d", step, s.heads, len(heads))
+		if n != kt.n {
+			t.Fatalf("op %d: table counts %d entries, want %d", op, kt.n, n)
 		}
 	}
 }
 
-// TestFreedRunReadsEmpty: a lookup that found a run through the heads table
-// just before the run was freed must not read the run's array once a new run
-// reuses it (the freed run's version never moves again, so the lookup's
-// check cannot catch it): a freed run reads as empty.
-func TestFreedRunReadsEmpty(t *testing.T) {
-	const sb = 6
-	var s shard
-	s.init(maxRunsFor(sb), &arrayPool{})
-	a := newRunOrFail(t, &s, 1, sb)
-	ra := s.runAt(a)
-	s.addHolder(ra.body.Load(), 0, 7, 0)
-	old := ra.body.Load()
-	s.removeHolder(old, 0, 7)
-	s.freeRun(a, sb)
-	b := newRunOrFail(t, &s, 2, sb)
-	if s.runAt(b).body.Load() != old {
-		t.Fatalf("the freed run's array was not reused; the test no longer covers reuse")
+// TestCoverageAgainstMap: workers' coverage of one run (lead, held count,
+// hole bitmaps) through random holds and releases at every offset equals
+// a set of held offsets per worker: covers, the lead (the offsets held
+// from 0), the held count, the memberships, and the union heldMask gives.
+func TestCoverageAgainstMap(t *testing.T) {
+	rng := rand.New(rand.NewPCG(8, 9))
+	var f forward
+	f.init(&arrayPool{}, false)
+	f.mu.Lock()
+	defer f.unlock()
+	id, _ := f.newRun(0, 0, 1, 1, maxRunLen)
+	r := f.run(id)
+	for o := 1; o < maxRunLen; o++ {
+		f.appendPos(id, r, uint64(o+1), 1)
 	}
-	s.addHolder(old, 0, 9, 0)
-	if n := atomic.LoadUint32(&ra.n); n != 0 {
-		t.Fatalf("a freed run still shows %d positions, read from its array's new owner", n)
+	const workers = 5
+	ref := [workers]map[int]bool{}
+	for w := range ref {
+		ref[w] = map[int]bool{}
+	}
+	for op := range 40_000 {
+		w := rng.IntN(workers)
+		var o int
+		switch rng.IntN(3) {
+		case 0:
+			o = rng.IntN(maxRunLen)
+		default: // near the lead, where the fast cases are
+			lead := 0
+			for ref[w][lead] {
+				lead++
+			}
+			o = min(maxRunLen-1, max(0, lead+rng.IntN(5)-3))
+		}
+		if rng.IntN(2) == 0 {
+			if held := f.addHolder(r, uint32(w), o); held != ref[w][o] {
+				t.Fatalf("op %d: addHolder(w%d, %d) says held %v, model %v", op, w, o, held, ref[w][o])
+			}
+			ref[w][o] = true
+		} else {
+			if had := f.removeHolder(r, uint32(w), o); had != ref[w][o] {
+				t.Fatalf("op %d: removeHolder(w%d, %d) says held %v, model %v", op, w, o, had, ref[w][o])
+			}
+			delete(ref[w], o)
+		}
+		if op%61 != 0 {
+			continue
+		}
+		mem := 0
+		union := map[int]bool{}
+		for w := range workers {
+			mem += len(ref[w])
+			ci := f.findCover(r, uint32(w))
+			if len(ref[w]) == 0 {
+				if ci >= 0 {
+					t.Fatalf("op %d: w%d holds nothing but has a coverage entry %+v", op, w, r.covs()[ci])
+				}
+				continue
+			}
+			if ci < 0 {
+				t.Fatalf("op %d: w%d holds %d offsets but has no coverage entry", op, w, len(ref[w]))
+			}
+			e := &r.covs()[ci]
+			lead := 0
+			for ref[w][lead] {
+				lead++
+			}
+			if int(e.lead) != lead || int(e.held) != len(ref[w]) {
+				t.Fatalf("op %d: w%d lead %d held %d, model %d %d", op, w, e.lead, e.held, lead, len(ref[w]))
+			}
+			for o := range maxRunLen {
+				if f.covers(e, uint32(o)) != ref[w][o] {
+					t.Fatalf("op %d: w%d covers(%d) = %v, model %v", op, w, o, !ref[w][o], ref[w][o])
+				}
+				if ref[w][o] {
+					union[o] = true
+				}
+			}
+		}
+		if int(f.mem) != mem {
+			t.Fatalf("op %d: memberships %d, model %d", op, f.mem, mem)
+		}
+		var m [maxRunLen / 64]uint64
+		if n := f.heldMask(r, m[:]); n != len(union) {
+			t.Fatalf("op %d: heldMask counts %d offsets, model %d", op, n, len(union))
+		}
+		if b := r.body.Load(); int(r.ncov) > len(b.cov) || int(r.n) > len(b.h) {
+			t.Fatalf("op %d: readers see %d coverage entries and %d positions, the arrays have %d and %d", op, r.ncov, r.n, len(b.cov), len(b.h))
+		}
+	}
+}
+
+// TestFreedRunMovesItsVersion: a lookup that found a run through a table
+// just before the run was freed and its id reused must see that: the run's
+// version moved (and is even again once settled), and its identity (parent,
+// offset, first content hash) is the new run's, which the lookup checks.
+func TestFreedRunMovesItsVersion(t *testing.T) {
+	ix := New(Options{BlockSize: 4})
+	ix.Apply("a", batch(0, stored(chainBlocks(100, docTokens(1, 3)))))
+	c0 := ContentHashes(docTokens(1, 1), 4, Namespace{}.Seed())[0]
+	id, _, ok := ix.fw.kids.get(0, c0)
+	if !ok || id == 0 {
+		t.Fatal("block 0 has no run")
+	}
+	r := ix.fw.run(id)
+	rv := r.ver.Load()
+	ix.Apply("a", batch(0, removed(unspec, 101, 102, 103)))
+	ix.Apply("b", batch(0, stored(chainBlocks(200, docTokens(2, 2)))))
+	if again := ix.fw.kids.find(0, ContentHashes(docTokens(2, 1), 4, Namespace{}.Seed())[0]); again != id {
+		t.Fatalf("the new chain took run %d, not the freed %d; the test no longer covers reuse", again, id)
+	}
+	if v := r.ver.Load(); v == rv || v%2 != 0 {
+		t.Fatalf("a freed and reused run's version went %d → %d; want it moved and even", rv, v)
+	}
+	if h0 := r.body.Load().h[0]; h0 == c0 {
+		t.Fatal("the reused run still reads as the freed one's block 0")
+	}
+	if m := ix.FindMatches(docTokens(1, 3), Namespace{}); len(m.Workers) != 0 {
+		t.Fatalf("matches %+v for the freed chain; want none", m.Workers)
 	}
 }
 
