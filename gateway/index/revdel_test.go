@@ -46,7 +46,7 @@ func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 	saturated := 0 // entries seen 15 or more slots from their homes
 	for round := range 40 {
 		size := 16 + rng.IntN(300)
-		rt := &revTable{slots: make([]rslot, size), meta: make([]uint16, size)}
+		rt := &revTable{slots: make([]rslot, size), meta: make([]uint16, size), growAt: size * revMaxLoad16 / 16}
 		// Keys whose homes fall in a few narrow bands, one of them at the
 		// table's end, so that clusters are long and wrap.
 		var keys []uint64
@@ -72,7 +72,7 @@ func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 			wantSlots, wantMeta := slices.Clone(rt.slots), slices.Clone(rt.meta)
 			refDel(wantSlots, wantMeta, i)
 			n := rt.n
-			rt.changes = -1 << 40 // no peak window ends: keep the table's size
+			rt.windowLeft = 1 << 40 // no peak window ends: keep the table's size
 			rt.peak, rt.prevPeak = size, size
 			rt.del(i)
 			if rt.n != n-1 {
@@ -147,5 +147,41 @@ func TestReleaseCountsAsBefore(t *testing.T) {
 				t.Fatalf("step %d: a count kept for %d with %d references (the holder bit implies one)", step, l, refs[l])
 			}
 		}
+	}
+}
+
+// TestRevTableGrowsAtMaxLoad checks the cached growth threshold (growAt)
+// against the load rule it stands for: an insert grows the table exactly
+// when the table would otherwise pass revMaxLoad16 sixteenths full, through
+// many growths (sizes not powers of two), with deletions between them.
+func TestRevTableGrowsAtMaxLoad(t *testing.T) {
+	rng := rand.New(rand.NewPCG(8, 13))
+	rt := newRevTable(nil)
+	grew := 0
+	for step := range 200000 {
+		if rng.IntN(8) == 0 && rt.n > 0 {
+			// Delete the first entry at or after a random slot.
+			for i := rng.IntN(len(rt.slots)); ; i = (i + 1) % len(rt.slots) {
+				if rt.meta[i]&metaCounts != 0 {
+					rt.del(i)
+					break
+				}
+			}
+			continue
+		}
+		size, n := len(rt.slots), rt.n
+		if _, found := rt.upsert(rng.Uint64(), 1, 1); found {
+			continue
+		}
+		want := (n+1)*16 > size*revMaxLoad16
+		if got := len(rt.slots) > size; got != want {
+			t.Fatalf("step %d: inserting the %dth entry into %d slots grew the table: %v, want %v", step, n+1, size, got, want)
+		}
+		if want {
+			grew++
+		}
+	}
+	if grew < 20 {
+		t.Fatalf("the table grew %d times; the test wants many growths", grew)
 	}
 }

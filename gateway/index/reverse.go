@@ -38,7 +38,12 @@ type revTable struct {
 	// The most entries the table had lately: peak in the current window of
 	// changes (inserts and deletions, revPeakWindow times the slot count),
 	// prevPeak in the one before. A shrink leaves room for them (see del).
-	changes, peak, prevPeak int
+	// windowLeft is the changes left in the window: revPeakWindow times the
+	// slot count less the changes made in it (a reallocation adds or takes
+	// the difference in slots, so a window's length follows the table's
+	// size as it changes). Counting down saves a multiply and a compare
+	// against the length at every change.
+	windowLeft, peak, prevPeak int
 	// shrinkFloor, when not 0: a shrink asked for this many slots and got
 	// back a table not an eighth smaller, because the allocator rounds a
 	// request up to its size class (whole 8 KiB pages past 32 KiB). A shrink
@@ -52,6 +57,9 @@ type revTable struct {
 	// until the peak window ends or the table is reallocated: the peak only
 	// rises meanwhile), so a deletion usually pays one comparison for it.
 	shrinkBelow int
+	// growAt: an insert into a table of this many entries grows it first
+	// (the load would pass revMaxLoad16).
+	growAt int
 	// pool, when not nil, gives and takes back the table's arrays.
 	pool *arrayPool
 }
@@ -125,16 +133,19 @@ func newRevTable(pool *arrayPool) *revTable {
 // alloc gives the table empty arrays of at least slots and, when they come
 // from the pool, at most most slots.
 func (t *revTable) alloc(slots, most int) {
+	old := len(t.slots)
 	if t.pool != nil {
 		t.slots, t.meta = t.pool.getRev(slots, max(slots, most))
 	} else {
 		t.slots = fullAlloc[rslot](slots)
 		t.meta = make([]uint16, len(t.slots))
 	}
+	t.windowLeft += revPeakWindow * (len(t.slots) - old)
 	t.n = 0
 	t.resizes++
 	t.shrinkFloor = 0
 	t.shrinkBelow = t.loadShrinkBelow()
+	t.growAt = len(t.slots) * revMaxLoad16 / 16 // (n+1)*16 > slots*revMaxLoad16
 }
 
 // loadShrinkBelow is the entry count below which the table's load is under
@@ -171,15 +182,20 @@ func tagOf(m uint64) uint16 { return uint16(m>>32) << 12 }
 
 // find returns the slot holding k, or -1.
 func (t *revTable) find(k uint64) int {
+	// The loops work on local copies of the slices: a store through one
+	// could alias the table's fields for all the compiler knows, which
+	// reloaded them at every step.
+	slots := t.slots
+	meta := t.meta[:len(slots)]
 	m := mix(k)
 	tag := tagOf(m)
-	n := len(t.slots)
+	n := len(slots)
 	for i := t.homeOf(m); ; {
-		md := t.meta[i]
+		md := meta[i]
 		if md&metaCounts == 0 {
 			return -1
 		}
-		if md&metaTag == tag && t.slots[i].key() == k {
+		if md&metaTag == tag && slots[i].key() == k {
 			return i
 		}
 		if i++; i == n {
@@ -191,20 +207,22 @@ func (t *revTable) find(k uint64) int {
 // upsert returns k's slot and whether it was there; if not, k now occupies
 // the returned slot with position p and counts cnt. One probe sequence serves both.
 func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
-	if (t.n+1)*16 > len(t.slots)*revMaxLoad16 {
+	if t.n >= t.growAt {
 		t.grow()
 	}
+	slots := t.slots
+	meta := t.meta[:len(slots)]
 	m := mix(k)
 	tag := tagOf(m)
-	n := len(t.slots)
+	n := len(slots)
 	h := t.homeOf(m)
 	i := h
 	for {
-		md := t.meta[i]
+		md := meta[i]
 		if md&metaCounts == 0 {
 			break
 		}
-		if md&metaTag == tag && t.slots[i].key() == k {
+		if md&metaTag == tag && slots[i].key() == k {
 			return i, true
 		}
 		if i++; i == n {
@@ -215,8 +233,8 @@ func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
 	if d < 0 {
 		d += n
 	}
-	t.slots[i] = makeSlot(k, p)
-	t.meta[i] = tag | distBits(d) | uint16(cnt)
+	slots[i] = makeSlot(k, p)
+	meta[i] = tag | distBits(d) | uint16(cnt)
 	t.n++
 	t.peak = max(t.peak, t.n)
 	t.changed()
@@ -226,8 +244,8 @@ func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
 // changed counts one insert or deletion, and starts a new peak window every
 // revPeakWindow tables of them.
 func (t *revTable) changed() {
-	if t.changes++; t.changes >= revPeakWindow*len(t.slots) {
-		t.prevPeak, t.peak, t.changes = t.peak, t.n, 0
+	if t.windowLeft--; t.windowLeft <= 0 {
+		t.prevPeak, t.peak, t.windowLeft = t.peak, t.n, revPeakWindow*len(t.slots)
 		t.shrinkBelow = t.loadShrinkBelow()
 	}
 }
@@ -290,16 +308,33 @@ func fillsHole(i, j, h int) bool {
 	return (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j))
 }
 
+// farDist is the distance of the entry at slot j from its home, told from
+// its key: the metadata says only that it is 15 or more. It is kept out of
+// line so that its multiply-high (fixed registers) does not cost del's loop
+// a reload at every step.
+//
+//go:noinline
+func farDist(slots []rslot, j int) int {
+	hi, _ := bits.Mul64(mix(slots[j].key()), uint64(len(slots)))
+	d := j - int(hi)
+	if d < 0 {
+		d += len(slots)
+	}
+	return d
+}
+
 // del removes slot i with backward-shift deletion, so lookups need no
 // tombstones and the table never degrades under churn.
 func (t *revTable) del(i int) {
-	n := len(t.slots)
+	slots := t.slots
+	meta := t.meta[:len(slots)]
+	n := len(slots)
 	j := i
 	for {
 		if j++; j == n {
 			j = 0
 		}
-		md := t.meta[j]
+		md := meta[j]
 		if md&metaCounts == 0 {
 			break
 		}
@@ -315,23 +350,24 @@ func (t *revTable) del(i int) {
 		// and was mispredicted about once a deletion (callgrind's branch
 		// simulation: 1.9 mispredictions a deletion, a third of the whole
 		// replay's).
-		dh := int(md&metaDist) >> distShift
-		if dh == distMax {
-			if dh = j - t.homeOf(mix(t.slots[j].key())); dh < 0 {
-				dh += n
-			}
-		}
 		di := j - i
 		if di < 0 {
 			di += n
 		}
-		nd := dh - di // the entry's distance once moved; < 0: it stays
-		t.slots[i], t.meta[i] = t.slots[j], md&^metaDist|distBits(max(nd, 0))
-		if nd >= 0 {
+		dh := int(md&metaDist) >> distShift
+		// moved is the entry's metadata once moved: its distance less di
+		// (garbage when it stays).
+		moved := md - uint16(di)<<distShift
+		if dh == distMax {
+			dh = farDist(slots, j)
+			moved = md&^metaDist | distBits(max(dh-di, 0))
+		}
+		slots[i], meta[i] = slots[j], moved
+		if dh >= di {
 			i = j
 		}
 	}
-	t.meta[i] = 0
+	meta[i] = 0
 	t.n--
 	t.changed()
 	if t.n < t.shrinkBelow {
