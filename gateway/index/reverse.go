@@ -330,10 +330,12 @@ func (t *revTable) del(i int) {
 	meta := t.meta[:len(slots)]
 	n := len(slots)
 	j := i
+	di := 0 // j's distance past the hole at i, cyclically
 	for {
 		if j++; j == n {
 			j = 0
 		}
+		di++
 		md := meta[j]
 		if md&metaCounts == 0 {
 			break
@@ -350,10 +352,6 @@ func (t *revTable) del(i int) {
 		// and was mispredicted about once a deletion (callgrind's branch
 		// simulation: 1.9 mispredictions a deletion, a third of the whole
 		// replay's).
-		di := j - i
-		if di < 0 {
-			di += n
-		}
 		dh := int(md&metaDist) >> distShift
 		// moved is the entry's metadata once moved: its distance less di
 		// (garbage when it stays).
@@ -364,7 +362,7 @@ func (t *revTable) del(i int) {
 		}
 		slots[i], meta[i] = slots[j], moved
 		if dh >= di {
-			i = j
+			i, di = j, 0
 		}
 	}
 	meta[i] = 0
