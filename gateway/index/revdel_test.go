@@ -8,7 +8,8 @@ import (
 
 // refDel is the backward-shift deletion as it was before del copied every
 // entry into the hole and moved the hole without a branch (2026-12-05): the
-// entry at j moves only when fillsHole says so.
+// entry at j moves only when fillsHole says so (its distance field set anew
+// from its home).
 func refDel(slots []rslot, meta []uint16, i int) {
 	n := len(slots)
 	home := func(k uint64) int { return (&revTable{slots: slots}).homeOf(mix(k)) }
@@ -20,8 +21,12 @@ func refDel(slots []rslot, meta []uint16, i int) {
 		if meta[j]&0xff == 0 {
 			break
 		}
-		if fillsHole(i, j, home(slots[j].key())) {
-			slots[i], meta[i] = slots[j], meta[j]
+		if h := home(slots[j].key()); fillsHole(i, j, h) {
+			d := i - h
+			if d < 0 {
+				d += n
+			}
+			slots[i], meta[i] = slots[j], meta[j]&^metaDist|distBits(d)
 			i = j
 		}
 	}
@@ -32,13 +37,16 @@ func refDel(slots []rslot, meta []uint16, i int) {
 // replaced, on tables crowded at a load of 0.81 with keys chosen to share
 // home slots and to wrap around the table's end: after every deletion the
 // live slots (which entry sits where, its position and counts) are exactly
-// those refDel leaves, every entry is found, and every slot between an
-// entry's home and the entry is occupied.
+// those refDel leaves, every entry is found, every slot between an entry's
+// home and the entry is occupied, and every entry's distance field is its
+// distance from its home (15 for 15 or more: the crowded bands make such
+// distances).
 func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 	rng := rand.New(rand.NewPCG(31, 5))
+	saturated := 0 // entries seen 15 or more slots from their homes
 	for round := range 40 {
 		size := 16 + rng.IntN(300)
-		rt := &revTable{slots: make([]rslot, size), meta: make([]uint16, size)}
+		rt := &revTable{slots: make([]rslot, size), meta: make([]uint16, size), growAt: size * revMaxLoad16 / 16}
 		// Keys whose homes fall in a few narrow bands, one of them at the
 		// table's end, so that clusters are long and wrap.
 		var keys []uint64
@@ -64,7 +72,7 @@ func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 			wantSlots, wantMeta := slices.Clone(rt.slots), slices.Clone(rt.meta)
 			refDel(wantSlots, wantMeta, i)
 			n := rt.n
-			rt.changes = -1 << 40 // no peak window ends: keep the table's size
+			rt.windowLeft = 1 << 40 // no peak window ends: keep the table's size
 			rt.peak, rt.prevPeak = size, size
 			rt.del(i)
 			if rt.n != n-1 {
@@ -83,10 +91,18 @@ func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 				if rt.meta[s]&0xff == 0 {
 					continue
 				}
+				dist := 0
 				for h := rt.homeOf(mix(rt.slots[s].key())); h != s; h = (h + 1) % size {
 					if rt.meta[h]&0xff == 0 {
 						t.Fatalf("round %d: slot %d empty between the home and slot %d of %#x", round, h, s, rt.slots[s].key())
 					}
+					dist++
+				}
+				if got := int(rt.meta[s]&metaDist) >> distShift; got != min(dist, distMax) {
+					t.Fatalf("round %d, deletion %d: slot %d's distance field is %d, its distance %d", round, d, s, got, dist)
+				}
+				if dist >= distMax {
+					saturated++
 				}
 			}
 			for _, k2 := range keys[d+1:] {
@@ -98,6 +114,9 @@ func TestRevTableDeleteMatchesFillsHole(t *testing.T) {
 				t.Fatalf("round %d: %#x still found after its deletion", round, k)
 			}
 		}
+	}
+	if saturated == 0 {
+		t.Fatal("no entry was 15 or more slots from its home; the test wants some")
 	}
 }
 
@@ -128,5 +147,41 @@ func TestReleaseCountsAsBefore(t *testing.T) {
 				t.Fatalf("step %d: a count kept for %d with %d references (the holder bit implies one)", step, l, refs[l])
 			}
 		}
+	}
+}
+
+// TestRevTableGrowsAtMaxLoad checks the cached growth threshold (growAt)
+// against the load rule it stands for: an insert grows the table exactly
+// when the table would otherwise pass revMaxLoad16 sixteenths full, through
+// many growths (sizes not powers of two), with deletions between them.
+func TestRevTableGrowsAtMaxLoad(t *testing.T) {
+	rng := rand.New(rand.NewPCG(8, 13))
+	rt := newRevTable(nil)
+	grew := 0
+	for step := range 200000 {
+		if rng.IntN(8) == 0 && rt.n > 0 {
+			// Delete the first entry at or after a random slot.
+			for i := rng.IntN(len(rt.slots)); ; i = (i + 1) % len(rt.slots) {
+				if rt.meta[i]&metaCounts != 0 {
+					rt.del(i)
+					break
+				}
+			}
+			continue
+		}
+		size, n := len(rt.slots), rt.n
+		if _, found := rt.upsert(rng.Uint64(), 1, 1); found {
+			continue
+		}
+		want := (n+1)*16 > size*revMaxLoad16
+		if got := len(rt.slots) > size; got != want {
+			t.Fatalf("step %d: inserting the %dth entry into %d slots grew the table: %v, want %v", step, n+1, size, got, want)
+		}
+		if want {
+			grew++
+		}
+	}
+	if grew < 20 {
+		t.Fatalf("the table grew %d times; the test wants many growths", grew)
 	}
 }

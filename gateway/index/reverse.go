@@ -14,9 +14,13 @@ const copiesCap = 8
 // open-addressing table of 12-byte slots (key and 32-bit position side by
 // side: one cache line when a probe hits, but for the one slot in sixteen
 // that straddles two) plus 2 bytes of metadata per slot, 14 bytes in all.
-// The metadata holds the copy counts and an 8-bit tag of the key, so
-// a probe walks the dense metadata (32 slots a cache line) and reads a slot
-// only when the tag matches: that keeps probes short at a high load.
+// The metadata holds the copy counts, the entry's distance from its home
+// slot (4 bits, 15 meaning 15 or more) and a 4-bit tag of the key, so a
+// probe walks the dense metadata (32 slots a cache line) and reads a slot
+// only when the tag matches (one in sixteen of the others): that keeps
+// probes short at a high load. The distance spares a deletion's backward
+// shift the key and its home: without it each shifted entry was re-hashed
+// (two multiplies) from a key read out of the slot array.
 // Occupancy is a non-zero count: an entry whose copies all went is deleted.
 //
 // The slot count is not a power of two: a hash maps to its home slot by a
@@ -26,7 +30,7 @@ const copiesCap = 8
 // rehashing while caches fill.)
 type revTable struct {
 	slots []rslot
-	meta  []uint16 // tag<<8 | counts; counts: device copies in the low nibble, host in the high
+	meta  []uint16 // tag<<12 | distance<<8 | counts; counts: device copies in the low nibble, host in the high
 	n     int
 	// resizes counts reallocations, which move every entry: a writer that
 	// keeps slot numbers across upserts checks it to know they still hold.
@@ -34,7 +38,12 @@ type revTable struct {
 	// The most entries the table had lately: peak in the current window of
 	// changes (inserts and deletions, revPeakWindow times the slot count),
 	// prevPeak in the one before. A shrink leaves room for them (see del).
-	changes, peak, prevPeak int
+	// windowLeft is the changes left in the window: revPeakWindow times the
+	// slot count less the changes made in it (a reallocation adds or takes
+	// the difference in slots, so a window's length follows the table's
+	// size as it changes). Counting down saves a multiply and a compare
+	// against the length at every change.
+	windowLeft, peak, prevPeak int
 	// shrinkFloor, when not 0: a shrink asked for this many slots and got
 	// back a table not an eighth smaller, because the allocator rounds a
 	// request up to its size class (whole 8 KiB pages past 32 KiB). A shrink
@@ -42,6 +51,15 @@ type revTable struct {
 	// reallocated; without it, a table settled in such a band was rehashed
 	// into one of the same size at every removal.
 	shrinkFloor int
+	// shrinkBelow: a deletion leaving fewer entries than this looks at
+	// shrinking (see del). It is the load threshold's entry count for the
+	// table's size, or 1 while the recent peak forbids a shrink (that holds
+	// until the peak window ends or the table is reallocated: the peak only
+	// rises meanwhile), so a deletion usually pays one comparison for it.
+	shrinkBelow int
+	// growAt: an insert into a table of this many entries grows it first
+	// (the load would pass revMaxLoad16).
+	growAt int
 	// pool, when not nil, gives and takes back the table's arrays.
 	pool *arrayPool
 }
@@ -115,19 +133,44 @@ func newRevTable(pool *arrayPool) *revTable {
 // alloc gives the table empty arrays of at least slots and, when they come
 // from the pool, at most most slots.
 func (t *revTable) alloc(slots, most int) {
+	old := len(t.slots)
 	if t.pool != nil {
 		t.slots, t.meta = t.pool.getRev(slots, max(slots, most))
 	} else {
 		t.slots = fullAlloc[rslot](slots)
 		t.meta = make([]uint16, len(t.slots))
 	}
+	t.windowLeft += revPeakWindow * (len(t.slots) - old)
 	t.n = 0
 	t.resizes++
 	t.shrinkFloor = 0
+	t.shrinkBelow = t.loadShrinkBelow()
+	t.growAt = len(t.slots) * revMaxLoad16 / 16 // (n+1)*16 > slots*revMaxLoad16
 }
 
+// loadShrinkBelow is the entry count below which the table's load is under
+// revMinLoad100 (n*100 < slots*revMinLoad100).
+func (t *revTable) loadShrinkBelow() int {
+	if len(t.slots) <= revMinSlots {
+		return 0
+	}
+	return (len(t.slots)*revMinLoad100 + 99) / 100
+}
+
+// The metadata's fields.
+const (
+	metaCounts = 0x00ff
+	metaDist   = 0x0f00
+	metaTag    = 0xf000
+	distShift  = 8
+	distMax    = 15 // a distance of 15 or more
+)
+
+// distBits is the metadata's distance field for distance d (d >= 0).
+func distBits(d int) uint16 { return uint16(min(d, distMax)) << distShift }
+
 // mix spreads engine hashes (engines' hashes are not all uniform: small
-// integers are legal); its top bits choose the home slot, bits 32–39 the tag.
+// integers are legal); its top bits choose the home slot, bits 32–35 the tag.
 func mix(k uint64) uint64 { return k * 0x9E3779B97F4A7C15 }
 
 func (t *revTable) homeOf(m uint64) int {
@@ -135,19 +178,24 @@ func (t *revTable) homeOf(m uint64) int {
 	return int(hi)
 }
 
-func tagOf(m uint64) uint16 { return uint16(m>>32) << 8 }
+func tagOf(m uint64) uint16 { return uint16(m>>32) << 12 }
 
 // find returns the slot holding k, or -1.
 func (t *revTable) find(k uint64) int {
+	// The loops work on local copies of the slices: a store through one
+	// could alias the table's fields for all the compiler knows, which
+	// reloaded them at every step.
+	slots := t.slots
+	meta := t.meta[:len(slots)]
 	m := mix(k)
 	tag := tagOf(m)
-	n := len(t.slots)
+	n := len(slots)
 	for i := t.homeOf(m); ; {
-		md := t.meta[i]
-		if md&0xff == 0 {
+		md := meta[i]
+		if md&metaCounts == 0 {
 			return -1
 		}
-		if md&0xff00 == tag && t.slots[i].key() == k {
+		if md&metaTag == tag && slots[i].key() == k {
 			return i
 		}
 		if i++; i == n {
@@ -159,27 +207,34 @@ func (t *revTable) find(k uint64) int {
 // upsert returns k's slot and whether it was there; if not, k now occupies
 // the returned slot with position p and counts cnt. One probe sequence serves both.
 func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
-	if (t.n+1)*16 > len(t.slots)*revMaxLoad16 {
+	if t.n >= t.growAt {
 		t.grow()
 	}
+	slots := t.slots
+	meta := t.meta[:len(slots)]
 	m := mix(k)
 	tag := tagOf(m)
-	n := len(t.slots)
-	i := t.homeOf(m)
+	n := len(slots)
+	h := t.homeOf(m)
+	i := h
 	for {
-		md := t.meta[i]
-		if md&0xff == 0 {
+		md := meta[i]
+		if md&metaCounts == 0 {
 			break
 		}
-		if md&0xff00 == tag && t.slots[i].key() == k {
+		if md&metaTag == tag && slots[i].key() == k {
 			return i, true
 		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.slots[i] = makeSlot(k, p)
-	t.meta[i] = tag | uint16(cnt)
+	d := i - h
+	if d < 0 {
+		d += n
+	}
+	slots[i] = makeSlot(k, p)
+	meta[i] = tag | distBits(d) | uint16(cnt)
 	t.n++
 	t.peak = max(t.peak, t.n)
 	t.changed()
@@ -189,8 +244,9 @@ func (t *revTable) upsert(k uint64, p uint32, cnt uint8) (int, bool) {
 // changed counts one insert or deletion, and starts a new peak window every
 // revPeakWindow tables of them.
 func (t *revTable) changed() {
-	if t.changes++; t.changes >= revPeakWindow*len(t.slots) {
-		t.prevPeak, t.peak, t.changes = t.peak, t.n, 0
+	if t.windowLeft--; t.windowLeft <= 0 {
+		t.prevPeak, t.peak, t.windowLeft = t.peak, t.n, revPeakWindow*len(t.slots)
+		t.shrinkBelow = t.loadShrinkBelow()
 	}
 }
 
@@ -198,7 +254,7 @@ func (t *revTable) changed() {
 func (t *revTable) counts(i int) uint8 { return uint8(t.meta[i]) }
 
 // setCounts sets slot i's non-zero copy counts.
-func (t *revTable) setCounts(i int, c uint8) { t.meta[i] = t.meta[i]&0xff00 | uint16(c) }
+func (t *revTable) setCounts(i int, c uint8) { t.meta[i] = t.meta[i]&^metaCounts | uint16(c) }
 
 func (t *revTable) grow() {
 	size := len(t.slots) + len(t.slots)/4
@@ -212,16 +268,21 @@ func (t *revTable) resize(size, most int) {
 	t.alloc(size, most)
 	n := len(t.slots)
 	for j, md := range meta {
-		if md&0xff == 0 {
+		if md&metaCounts == 0 {
 			continue
 		}
-		i := t.homeOf(mix(slots[j].key()))
-		for t.meta[i]&0xff != 0 {
+		h := t.homeOf(mix(slots[j].key()))
+		i := h
+		for t.meta[i]&metaCounts != 0 {
 			if i++; i == n {
 				i = 0
 			}
 		}
-		t.slots[i], t.meta[i] = slots[j], md
+		d := i - h
+		if d < 0 {
+			d += n
+		}
+		t.slots[i], t.meta[i] = slots[j], md&^metaDist|distBits(d)
 		t.n++
 	}
 	t.giveBack(slots, meta)
@@ -247,45 +308,74 @@ func fillsHole(i, j, h int) bool {
 	return (j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j))
 }
 
+// farDist is the distance of the entry at slot j from its home, told from
+// its key: the metadata says only that it is 15 or more. It is kept out of
+// line so that its multiply-high (fixed registers) does not cost del's loop
+// a reload at every step.
+//
+//go:noinline
+func farDist(slots []rslot, j int) int {
+	hi, _ := bits.Mul64(mix(slots[j].key()), uint64(len(slots)))
+	d := j - int(hi)
+	if d < 0 {
+		d += len(slots)
+	}
+	return d
+}
+
 // del removes slot i with backward-shift deletion, so lookups need no
 // tombstones and the table never degrades under churn.
 func (t *revTable) del(i int) {
-	n := len(t.slots)
+	slots := t.slots
+	meta := t.meta[:len(slots)]
+	n := len(slots)
 	j := i
+	di := 0 // j's distance past the hole at i, cyclically
 	for {
 		if j++; j == n {
 			j = 0
 		}
-		md := t.meta[j]
-		if md&0xff == 0 {
+		di++
+		md := meta[j]
+		if md&metaCounts == 0 {
 			break
 		}
-		// The entry at j moves back into the hole at i unless its home h
+		// The entry at j moves back into the hole at i unless its home
 		// lies cyclically in (i, j], that is unless it is nearer its home
-		// than the hole is (fillsHole, told by distances back from j). It
-		// is copied into the hole either way, and the hole moves to j only
+		// than the hole is (fillsHole, told by distances back from j: its
+		// own distance is in the metadata, unless it is 15 or more, rare,
+		// when the key's home gives it). It is copied into the hole either
+		// way, its distance less the shift, and the hole moves to j only
 		// if it moved: the hole's contents are dead until it is filled or
 		// cleared below, so the copy is harmless, and the loop has no
 		// branch on whether the entry moves. That branch follows the data
 		// and was mispredicted about once a deletion (callgrind's branch
 		// simulation: 1.9 mispredictions a deletion, a third of the whole
 		// replay's).
-		h := t.homeOf(mix(t.slots[j].key()))
-		dh, di := j-h, j-i
-		if dh < 0 {
-			dh += n
+		dh := int(md&metaDist) >> distShift
+		// moved is the entry's metadata once moved: its distance less di
+		// (garbage when it stays).
+		moved := md - uint16(di)<<distShift
+		if dh == distMax {
+			dh = farDist(slots, j)
+			moved = md&^metaDist | distBits(max(dh-di, 0))
 		}
-		if di < 0 {
-			di += n
-		}
-		t.slots[i], t.meta[i] = t.slots[j], md
+		slots[i], meta[i] = slots[j], moved
 		if dh >= di {
-			i = j
+			i, di = j, 0
 		}
 	}
-	t.meta[i] = 0
+	meta[i] = 0
 	t.n--
 	t.changed()
+	if t.n < t.shrinkBelow {
+		t.shrink()
+	}
+}
+
+// shrink reallocates a table whose load fell below revMinLoad100 (or that
+// has drained) when its recent peak and the allocator's size classes allow.
+func (t *revTable) shrink() {
 	switch {
 	case t.n == 0 && len(t.slots) > 1<<16:
 		slots, meta := t.slots, t.meta
@@ -298,8 +388,12 @@ func (t *revTable) del(i int) {
 		// (they were a tenth of a deletion's instructions in the Mooncake
 		// corpus replay, whose tables sit there). The test is the size
 		// condition below for the peak's term alone: the size is at least
-		// that term, so when it exceeds old-old/8 no shrink is made.
+		// that term, so when it exceeds old-old/8 no shrink is made, and
+		// none will be until the peak window ends (the peak only rises
+		// until then), so deletions stop looking (shrinkBelow 1: only a
+		// drained table is looked at again).
 		if max(t.peak, t.prevPeak)*100 >= (old-old/8+1)*revPeakLoad100 {
+			t.shrinkBelow = 1
 			break
 		}
 		size := max(revMinSlots, t.n*100/revShrunkLoad100, max(t.peak, t.prevPeak)*100/revPeakLoad100)
