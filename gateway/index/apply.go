@@ -176,6 +176,16 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
 		}
 	}
+	ix.fileBlocks(ws, rt, s.Blocks, content, seed, tier, stamp, prevLoc, chained)
+}
+
+// fileBlocks does applyStored's work on the event's blocks, from their
+// content hashes (content; nil: hash them under seed), chained after
+// prevLoc when chained. It is applyStored's tail, apart so that its two
+// deferred calls are open-coded (a function with more returns than
+// deferred calls allow runs its defers through the runtime: 294
+// instructions a store in the corpus replay).
+func (ix *Index) fileBlocks(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, seed uint64, tier Tier, stamp uint32, prevLoc loc, chained bool) {
 	// The event is applied in two passes. The first does each block's own
 	// work: its content hash and its reverse entry (a random probe into the
 	// worker's table, the costly part), under the worker's lock only, so
@@ -187,18 +197,18 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	// filing it.
 	defer ws.dropLargeScratch()
 	if content == nil {
-		content = slices.Grow(ws.evContent[:0], len(s.Blocks))[:len(s.Blocks)]
+		content = slices.Grow(ws.evContent[:0], len(blocks))[:len(blocks)]
 		ws.evContent = content
-		for j, blk := range s.Blocks {
+		for j, blk := range blocks {
 			if blk != nil {
 				content[j] = ContentHash(blk.TokenIds, seed)
 			}
 		}
 	}
-	slots := slices.Grow(ws.evSlots[:0], len(s.Blocks))[:len(s.Blocks)]
+	slots := slices.Grow(ws.evSlots[:0], len(blocks))[:len(blocks)]
 	ws.evSlots = slots
 	resizes := rt.resizes
-	for j, blk := range s.Blocks {
+	for j, blk := range blocks {
 		if blk == nil {
 			slots[j] = evSlot{slot: -1}
 			continue
@@ -220,7 +230,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	f := &ix.fw
 	f.mu.Lock()
 	defer f.unlock()
-	for j := 0; j < len(s.Blocks); j++ {
+	for j := 0; j < len(blocks); j++ {
 		if j%settleEvery == settleEvery-1 {
 			f.settle()
 		}
@@ -230,7 +240,7 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 		c := content[j]
 		i := int(slots[j].slot)
 		if moved {
-			i = rt.find(uint64(s.Blocks[j].BlockHash))
+			i = rt.find(uint64(blocks[j].BlockHash))
 		}
 		var l loc
 		if slots[j].found && rt.slots[i].pos != noPos {
@@ -243,14 +253,14 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ix.addRef(ws, l, stamp, false)
 		} else {
 			var ok bool
-			if l, ok = f.place(prevLoc, chained, c, len(s.Blocks)-j); !ok {
+			if l, ok = f.place(prevLoc, chained, c, len(blocks)-j); !ok {
 				ix.warnRunCap()
-				ws.leaveOut(rt, s.Blocks[j:])
+				ws.leaveOut(rt, blocks[j:])
 				return
 			}
 			rt.slots[i].pos = uint32(l)
 			ix.addRef(ws, l, stamp, true)
-			if k := ix.extendRun(ws, rt, s.Blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
+			if k := ix.extendRun(ws, rt, blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
 				l = makeLoc(l.run(), l.off()+k-1-j) // the last block filed
 				j = k - 1
 			}
@@ -291,7 +301,26 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 	stamped, pruning := f.stamped, ix.pruning
 	b := r.body.Load()
 	size := hsize(b.h, stamped)
+	plain := !stamped && !pruning && !moved
+loop:
 	for ; m < end; m, o = m+1, o+1 {
+		if plain && o < size {
+			// The common case in one tight loop: up to the array's end,
+			// each block's content stored and its reverse entry filed.
+			lim := min(end, m+size-o)
+			h, pl := b.h[:size], makeLoc(id, o)
+			for ; m < lim; m, o, pl = m+1, o+1, pl+1 {
+				es := slots[m]
+				if es.slot < 0 || es.found {
+					break loop
+				}
+				store64(&h[o], content[m])
+				rt.slots[es.slot].pos = uint32(pl)
+			}
+			if m == end {
+				break
+			}
+		}
 		es := slots[m]
 		if es.slot < 0 || es.found {
 			break
@@ -558,18 +587,20 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		// lead of the same run, up to the next settle point: the lead moves
 		// back, and the run (which ws still holds, so a reverse entry still
 		// names it) stays.
+		// The stretch is bounded once: the next settle point, the entry
+		// keeping one position (held > 1) and the lead's start; then each
+		// position is one compare with the one expected.
 		e := &r.covs()[ci]
-		lead, held, k := e.lead, e.held, j
-		for k < len(locs) && k&(settleEvery-1) != settleEvery-1 && held > 1 && lead > 0 &&
-			locs[k] == makeLoc(l.run(), int(lead)-1) {
-			lead--
-			held--
-			k++
+		lead, held := e.lead, e.held
+		end := min(len(locs), j|(settleEvery-1), j+int(held)-1, j+int(lead))
+		k := j
+		for want := makeLoc(l.run(), int(lead)-1); k < end && locs[k] == want; k++ {
+			want--
 		}
 		if k > j {
 			f.touch(l.run())
-			store32(&e.lead, lead)
-			e.held = held
+			store32(&e.lead, lead-uint32(k-j))
+			e.held = held - uint32(k-j)
 			r.refs -= uint32(k - j)
 			store64(&f.mem, f.mem-uint64(k-j))
 			j = k
