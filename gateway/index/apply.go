@@ -208,12 +208,13 @@ func (ix *Index) fileBlocks(ws *workerState, rt *revTable, blocks []*kvpb.KvBloc
 	slots := slices.Grow(ws.evSlots[:0], len(blocks))[:len(blocks)]
 	ws.evSlots = slots
 	resizes := rt.resizes
+	stored := uint64(len(blocks))
 	for j, blk := range blocks {
 		if blk == nil {
-			slots[j] = evSlot{slot: -1}
+			slots[j] = nilSlot
+			stored--
 			continue
 		}
-		ws.c.StoredBlocks++
 		i, found := rt.upsert(uint64(blk.BlockHash), noPos, withTierCount(0, tier, 1))
 		if found {
 			c := rt.counts(i)
@@ -223,8 +224,12 @@ func (ix *Index) fileBlocks(ws *workerState, rt *revTable, blocks []*kvpb.KvBloc
 				rt.setCounts(i, withTierCount(c, tier, n+1))
 			}
 		}
-		slots[j] = evSlot{slot: int32(i), found: found}
+		if found {
+			i = ^i
+		}
+		slots[j] = evSlot(i)
 	}
+	ws.c.StoredBlocks += stored
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
 	f := &ix.fw
@@ -234,16 +239,19 @@ func (ix *Index) fileBlocks(ws *workerState, rt *revTable, blocks []*kvpb.KvBloc
 		if j%settleEvery == settleEvery-1 {
 			f.settle()
 		}
-		if slots[j].slot < 0 {
+		if slots[j] == nilSlot {
 			continue
 		}
 		c := content[j]
-		i := int(slots[j].slot)
+		i, found := int(slots[j]), slots[j] < 0
+		if found {
+			i = ^i
+		}
 		if moved {
 			i = rt.find(uint64(blocks[j].BlockHash))
 		}
 		var l loc
-		if slots[j].found && rt.slots[i].pos != noPos {
+		if found && rt.slots[i].pos != noPos {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
 			l = loc(rt.slots[i].pos)
@@ -308,21 +316,27 @@ loop:
 			// The common case in one tight loop: up to the array's end,
 			// each block's content stored and its reverse entry filed.
 			lim := min(end, m+size-o)
-			h, pl := b.h[:size], makeLoc(id, o)
-			for ; m < lim; m, o, pl = m+1, o+1, pl+1 {
-				es := slots[m]
-				if es.slot < 0 || es.found {
-					break loop
+			ss := slots[m:lim]
+			cs, hs := content[m:lim][:len(ss)], b.h[o:size][:len(ss)]
+			pl, k := makeLoc(id, o), 0
+			for ; k < len(ss); k++ {
+				i := ss[k]
+				if i < 0 { // nil, or held by the rank already
+					break
 				}
-				store64(&h[o], content[m])
-				rt.slots[es.slot].pos = uint32(pl)
+				store64(&hs[k], cs[k])
+				rt.slots[i].pos = uint32(pl + loc(k))
+			}
+			m, o = m+k, o+k
+			if k < len(ss) {
+				break loop
 			}
 			if m == end {
 				break
 			}
 		}
 		es := slots[m]
-		if es.slot < 0 || es.found {
+		if es < 0 {
 			break
 		}
 		// o is the run's length: the block goes at its end. The run's
@@ -336,7 +350,7 @@ loop:
 			b = r.body.Load()
 			size = hsize(b.h, stamped)
 		}
-		i := int(es.slot)
+		i := int(es)
 		if moved {
 			i = rt.find(uint64(blocks[m].BlockHash))
 		}
