@@ -176,6 +176,16 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ws.c.ParentlessBlocks += uint64(len(s.Blocks))
 		}
 	}
+	ix.fileBlocks(ws, rt, s.Blocks, content, seed, tier, stamp, prevLoc, chained)
+}
+
+// fileBlocks does applyStored's work on the event's blocks, from their
+// content hashes (content; nil: hash them under seed), chained after
+// prevLoc when chained. It is applyStored's tail, apart so that its two
+// deferred calls are open-coded (a function with more returns than
+// deferred calls allow runs its defers through the runtime: 294
+// instructions a store in the corpus replay).
+func (ix *Index) fileBlocks(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock, content []uint64, seed uint64, tier Tier, stamp uint32, prevLoc loc, chained bool) {
 	// The event is applied in two passes. The first does each block's own
 	// work: its content hash and its reverse entry (a random probe into the
 	// worker's table, the costly part), under the worker's lock only, so
@@ -187,23 +197,24 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 	// filing it.
 	defer ws.dropLargeScratch()
 	if content == nil {
-		content = slices.Grow(ws.evContent[:0], len(s.Blocks))[:len(s.Blocks)]
+		content = slices.Grow(ws.evContent[:0], len(blocks))[:len(blocks)]
 		ws.evContent = content
-		for j, blk := range s.Blocks {
+		for j, blk := range blocks {
 			if blk != nil {
 				content[j] = ContentHash(blk.TokenIds, seed)
 			}
 		}
 	}
-	slots := slices.Grow(ws.evSlots[:0], len(s.Blocks))[:len(s.Blocks)]
+	slots := slices.Grow(ws.evSlots[:0], len(blocks))[:len(blocks)]
 	ws.evSlots = slots
 	resizes := rt.resizes
-	for j, blk := range s.Blocks {
+	stored := uint64(len(blocks))
+	for j, blk := range blocks {
 		if blk == nil {
-			slots[j] = evSlot{slot: -1}
+			slots[j] = nilSlot
+			stored--
 			continue
 		}
-		ws.c.StoredBlocks++
 		i, found := rt.upsert(uint64(blk.BlockHash), noPos, withTierCount(0, tier, 1))
 		if found {
 			c := rt.counts(i)
@@ -213,27 +224,34 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 				rt.setCounts(i, withTierCount(c, tier, n+1))
 			}
 		}
-		slots[j] = evSlot{slot: int32(i), found: found}
+		if found {
+			i = ^i
+		}
+		slots[j] = evSlot(i)
 	}
+	ws.c.StoredBlocks += stored
 	// A table that grew during the first pass moved its entries: find them again.
 	moved := rt.resizes != resizes
 	f := &ix.fw
 	f.mu.Lock()
 	defer f.unlock()
-	for j := 0; j < len(s.Blocks); j++ {
+	for j := 0; j < len(blocks); j++ {
 		if j%settleEvery == settleEvery-1 {
 			f.settle()
 		}
-		if slots[j].slot < 0 {
+		if slots[j] == nilSlot {
 			continue
 		}
 		c := content[j]
-		i := int(slots[j].slot)
+		i, found := int(slots[j]), slots[j] < 0
+		if found {
+			i = ^i
+		}
 		if moved {
-			i = rt.find(uint64(s.Blocks[j].BlockHash))
+			i = rt.find(uint64(blocks[j].BlockHash))
 		}
 		var l loc
-		if slots[j].found && rt.slots[i].pos != noPos {
+		if found && rt.slots[i].pos != noPos {
 			// Keep the block's first filing, so later children chain from where
 			// the earlier ones did; re-assert the holder in case a prune evicted it.
 			l = loc(rt.slots[i].pos)
@@ -243,14 +261,14 @@ func (ix *Index) applyStored(ws *workerState, rank int32, s *kvpb.KvBlocksStored
 			ix.addRef(ws, l, stamp, false)
 		} else {
 			var ok bool
-			if l, ok = f.place(prevLoc, chained, c, len(s.Blocks)-j); !ok {
+			if l, ok = f.place(prevLoc, chained, c, len(blocks)-j); !ok {
 				ix.warnRunCap()
-				ws.leaveOut(rt, s.Blocks[j:])
+				ws.leaveOut(rt, blocks[j:])
 				return
 			}
 			rt.slots[i].pos = uint32(l)
 			ix.addRef(ws, l, stamp, true)
-			if k := ix.extendRun(ws, rt, s.Blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
+			if k := ix.extendRun(ws, rt, blocks, content, slots, j+1, l, stamp, moved); k > j+1 {
 				l = makeLoc(l.run(), l.off()+k-1-j) // the last block filed
 				j = k - 1
 			}
@@ -291,9 +309,34 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 	stamped, pruning := f.stamped, ix.pruning
 	b := r.body.Load()
 	size := hsize(b.h, stamped)
+	plain := !stamped && !pruning && !moved
+loop:
 	for ; m < end; m, o = m+1, o+1 {
+		if plain && o < size {
+			// The common case in one tight loop: up to the array's end,
+			// each block's content stored and its reverse entry filed.
+			lim := min(end, m+size-o)
+			ss := slots[m:lim]
+			cs, hs := content[m:lim][:len(ss)], b.h[o:size][:len(ss)]
+			pl, k := makeLoc(id, o), 0
+			for ; k < len(ss); k++ {
+				i := ss[k]
+				if i < 0 { // nil, or held by the rank already
+					break
+				}
+				store64(&hs[k], cs[k])
+				rt.slots[i].pos = uint32(pl + loc(k))
+			}
+			m, o = m+k, o+k
+			if k < len(ss) {
+				break loop
+			}
+			if m == end {
+				break
+			}
+		}
 		es := slots[m]
-		if es.slot < 0 || es.found {
+		if es < 0 {
 			break
 		}
 		// o is the run's length: the block goes at its end. The run's
@@ -307,7 +350,7 @@ func (ix *Index) extendRun(ws *workerState, rt *revTable, blocks []*kvpb.KvBlock
 			b = r.body.Load()
 			size = hsize(b.h, stamped)
 		}
-		i := int(es.slot)
+		i := int(es)
 		if moved {
 			i = rt.find(uint64(blocks[m].BlockHash))
 		}
@@ -502,7 +545,10 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 	// references after all the reverse changes gives the same result: the
 	// forward map's reference counts do not depend on the reverse table.
 	defer ws.dropLargeScratch()
-	locs := ws.evLocs[:0]
+	// At most one position a hash: the scratch is grown once and written
+	// by index (an append's capacity check per block was 11 instructions).
+	locs := slices.Grow(ws.evLocs[:0], len(r.BlockHashes))[:len(r.BlockHashes)]
+	nl := 0
 	for _, h := range r.BlockHashes {
 		i := rt.find(uint64(h))
 		if i < 0 {
@@ -521,11 +567,13 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 			continue
 		}
 		if p := rt.slots[i].pos; p != noPos {
-			locs = append(locs, loc(p))
+			locs[nl] = loc(p)
+			nl++
 		}
 		rt.del(i)
 	}
 	ws.evLocs = locs
+	locs = locs[:nl]
 	if len(locs) == 0 {
 		return
 	}
@@ -558,18 +606,20 @@ func (ix *Index) applyRemoved(ws *workerState, rank int32, r *kvpb.KvBlocksRemov
 		// lead of the same run, up to the next settle point: the lead moves
 		// back, and the run (which ws still holds, so a reverse entry still
 		// names it) stays.
+		// The stretch is bounded once: the next settle point, the entry
+		// keeping one position (held > 1) and the lead's start; then each
+		// position is one compare with the one expected.
 		e := &r.covs()[ci]
-		lead, held, k := e.lead, e.held, j
-		for k < len(locs) && k&(settleEvery-1) != settleEvery-1 && held > 1 && lead > 0 &&
-			locs[k] == makeLoc(l.run(), int(lead)-1) {
-			lead--
-			held--
-			k++
+		lead, held := e.lead, e.held
+		end := min(len(locs), j|(settleEvery-1), j+int(held)-1, j+int(lead))
+		k := j
+		for want := makeLoc(l.run(), int(lead)-1); k < end && locs[k] == want; k++ {
+			want--
 		}
 		if k > j {
 			f.touch(l.run())
-			store32(&e.lead, lead)
-			e.held = held
+			store32(&e.lead, lead-uint32(k-j))
+			e.held = held - uint32(k-j)
 			r.refs -= uint32(k - j)
 			store64(&f.mem, f.mem-uint64(k-j))
 			j = k

@@ -143,12 +143,14 @@ type workerState struct {
 }
 
 // evSlot is what a store's first pass (the reverse table) learned about one
-// of its blocks for the second (the forward map): the block's reverse slot,
-// and whether the rank held the engine hash already. slot < 0: a nil block.
-type evSlot struct {
-	slot  int32
-	found bool
-}
+// of its blocks for the second (the forward map), in one word: i ≥ 0, the
+// block is new to the rank, at reverse slot i; ^i (< 0), the rank held the
+// engine hash already, at slot i; nilSlot, a nil block. The second pass's
+// common case, a new block, is then one sign test.
+type evSlot int32
+
+// nilSlot marks a nil block (never ^i: a reverse table has fewer slots).
+const nilSlot evSlot = -1 << 31
 
 // scratchCap bounds the per-worker scratch kept after an event: a huge
 // event's buffers are let go rather than kept for good.
