@@ -137,17 +137,18 @@ type walkState struct {
 	hc      hashCursor
 	hashes  []uint64 // the request's content hashes
 	scratch []walkScratch
-	gen     uint32
 	stamp   uint32
 	done    []slotMatch
 	keys    []uint64 // the sort keys of the answer
 }
 
-// walkScratch is one worker slot's state in a lookup: the stamp of the last
-// run it was alive through (held every position the request matched in
-// it), and the attempt (gen) its result (done[idx]) belongs to.
+// walkScratch is one worker slot's state in a lookup that goes past its
+// first run: the stamp of the last run it was alive through (held every
+// position the request matched in it) and, while it is, its result's index
+// in done. Stamps only grow (until cleared), so an entry left by an
+// earlier attempt or lookup never matches.
 type walkScratch struct {
-	alive, gen, idx uint32
+	alive, idx uint32
 }
 
 // walkKeepCap bounds what a pooled walkState keeps of each buffer.
@@ -167,7 +168,7 @@ func (w *walkState) put() {
 		w.keys = nil
 	}
 	if len(w.scratch) > walkKeepCap {
-		w.scratch, w.gen, w.stamp = nil, 0, 0
+		w.scratch, w.stamp = nil, 0
 	}
 	walkPool.Put(w)
 }
@@ -206,12 +207,20 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 	if len(done) == 0 {
 		return
 	}
-	// Sort by depth, then name, on packed integer keys: (max − blocks, rank).
+	// Sort by depth, then name, on packed integer keys: (max − blocks,
+	// rank). The names come from the order published when workers last
+	// came or went, loaded after the walk (as the read lock was taken
+	// here before): a slot freed since has no rank and is left out.
+	o := ix.order.Load()
+	if o == nil {
+		return
+	}
 	keys := ws.keys[:0]
-	ix.wmu.RLock()
 	for _, d := range done {
-		if d.blocks > 0 && int(d.id) < len(ix.slots) && ix.slots[d.id] != nil {
-			keys = append(keys, uint64(math.MaxInt32-d.blocks)<<32|uint64(ix.rankOf[d.id]))
+		if d.blocks > 0 && int(d.id) < len(o.rank) {
+			if r := o.rank[d.id]; r != 0 {
+				keys = append(keys, uint64(math.MaxInt32-d.blocks)<<32|uint64(r-1))
+			}
 		}
 	}
 	slices.Sort(keys)
@@ -220,9 +229,8 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 	// wrappers), so that the loop below appends without reallocating.
 	res.Workers = slices.Grow(res.Workers, len(keys))
 	for _, k := range keys {
-		res.Workers = append(res.Workers, Match{Worker: ix.slots[ix.byRank[uint32(k)]].name, Blocks: int(math.MaxInt32 - int32(k>>32))})
+		res.Workers = append(res.Workers, Match{Worker: o.names[uint32(k)], Blocks: int(math.MaxInt32 - int32(k>>32))})
 	}
-	ix.wmu.RUnlock()
 }
 
 // tryWalk is one attempt of a lookup, into ws.done; false when something
@@ -246,15 +254,10 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 	byPrefix := hc.prefix != nil
 	stamped := f.stamped
 	ws.done = ws.done[:0]
-	if ws.gen++; ws.gen == 0 {
-		clear(ws.scratch)
-		ws.gen = 1
-	}
 	if ws.stamp > 1<<31 {
 		clear(ws.scratch)
 		ws.stamp = 0
 	}
-	gen := ws.gen
 	var first uint64
 	if byPrefix {
 		first = hc.prefix[0] // block 0's prefix hash is its content hash
@@ -296,47 +299,59 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			return r.ver.Load() == rv && tab.ver.Load() == tv
 		}
 		lim := min(len(h), n-i)
-		m := 1
-		if byPrefix {
-			p := want
-			for m < lim {
-				if p = ChainHash(p, atomic.LoadUint64(&h[m])); p != hc.prefix[i+m] {
-					break
-				}
-				m++
-			}
-		} else {
+		var m int
+		switch {
+		case byPrefix:
+			m = chainLen(h[:lim], hc.prefix[i:i+lim])
+		case hc.content != nil:
+			m = 1 + matchLen(h[1:lim], hc.content[i+1:i+lim])
+		default:
+			m = 1
 			for m < lim && atomic.LoadUint64(&h[m]) == hc.get(i+m) {
 				m++
 			}
 		}
-		ws.stamp++
-		st := ws.stamp
-		maxd, alive := 0, false
-		for k := range cov {
-			e := &cov[k]
-			w := atomic.LoadUint32(&e.w)
-			if int(w) >= len(ws.scratch) {
-				ws.scratch = append(ws.scratch, make([]walkScratch, int(w)+1-len(ws.scratch))...)
+		var maxd int
+		alive := false
+		if prev == 0 {
+			// The first run: every worker in it is new to the answer and
+			// none is checked against a run before, so the answer is
+			// written without the per-worker scratch (stamped below only
+			// when the lookup goes on into a child).
+			if cap(ws.done) < len(cov) {
+				ws.done = make([]slotMatch, 0, len(cov)+len(cov)/2)
 			}
-			sc := &ws.scratch[w]
-			if prev != 0 && sc.alive != prev {
-				continue
+			k, md := firstRun(ws.done[:len(cov)], cov, int32(m))
+			ws.done = ws.done[:k]
+			maxd, alive = int(md), int(md) == m
+		} else {
+			ws.stamp++
+			st := ws.stamp
+			for k := range cov {
+				e := &cov[k]
+				w := atomic.LoadUint32(&e.w)
+				if int(w) >= len(ws.scratch) {
+					continue // never stamped: not alive
+				}
+				sc := &ws.scratch[w]
+				if sc.alive != prev {
+					continue
+				}
+				// Alive through the runs before, so answered already: its
+				// result only grows.
+				d := min(int(atomic.LoadUint32(&e.lead)), m)
+				if d == 0 {
+					continue
+				}
+				maxd = max(maxd, d)
+				if int(sc.idx) < len(ws.done) {
+					ws.done[sc.idx].blocks = int32(base + d)
+				}
+				if d == m {
+					sc.alive, alive = st, true
+				}
 			}
-			d := min(int(atomic.LoadUint32(&e.lead)), m)
-			if d == 0 {
-				continue
-			}
-			maxd = max(maxd, d)
-			if sc.gen != gen {
-				sc.gen, sc.idx = gen, uint32(len(ws.done))
-				ws.done = append(ws.done, slotMatch{id: w, blocks: int32(base + d)})
-			} else if int(sc.idx) < len(ws.done) {
-				ws.done[sc.idx].blocks = int32(base + d)
-			}
-			if d == m {
-				sc.alive, alive = st, true
-			}
+			prev = st
 		}
 		if stamped {
 			// Refresh the stamps of the positions the lookup reached while a
@@ -354,10 +369,26 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		if !alive || i+m == n {
 			return true
 		}
+		if base == 0 {
+			// Going on into a child from the first run: the workers alive
+			// to its end get their result slots; only they can score in the
+			// runs after.
+			ws.stamp++
+			st := ws.stamp
+			for k, x := range ws.done {
+				if int(x.blocks) != m {
+					continue
+				}
+				if int(x.id) >= len(ws.scratch) {
+					ws.scratch = append(ws.scratch, make([]walkScratch, int(x.id)+1-len(ws.scratch))...)
+				}
+				ws.scratch[x.id] = walkScratch{alive: st, idx: uint32(k)}
+			}
+			prev = st
+		}
 		parent, poff = id, uint32(m-1)
 		base += m
 		i += m
-		prev = st
 		if byPrefix {
 			tab = &f.heads
 			first = hc.prefix[i]
@@ -372,4 +403,54 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		}
 	}
 	return true
+}
+
+// firstRun writes into out (as long as cov) each coverage entry's worker
+// and lead up to m, in order, keeping those above 0, and returns how many
+// it kept and the largest lead. Out of line, its loop keeps its counters
+// in registers and has no branch but its own.
+//
+//go:noinline
+func firstRun(out []slotMatch, cov []cover, m int32) (int, int32) {
+	out = out[:len(cov)]
+	n, maxd := 0, int32(0)
+	for k := range cov {
+		e := &cov[k]
+		d := min(int32(atomic.LoadUint32(&e.lead)), m)
+		out[n] = slotMatch{id: atomic.LoadUint32(&e.w), blocks: d}
+		maxd = max(maxd, d)
+		if d != 0 {
+			n++
+		}
+	}
+	return n, maxd
+}
+
+// matchLen is how many of h's content hashes (read atomically) equal
+// want's, from the first.
+func matchLen(h, want []uint64) int {
+	want = want[:len(h)]
+	for k := range h {
+		if atomic.LoadUint64(&h[k]) != want[k] {
+			return k
+		}
+	}
+	return len(h)
+}
+
+// chainLen is how many of prefix's hashes the run's content hashes h
+// (read atomically; prefix[0] is already compared, as the run's head)
+// chain to, from the first.
+func chainLen(h, prefix []uint64) int {
+	prefix = prefix[:len(h)]
+	if len(h) == 0 {
+		return 0
+	}
+	p := prefix[0]
+	for k := 1; k < len(h); k++ {
+		if p = ChainHash(p, atomic.LoadUint64(&h[k])); p != prefix[k] {
+			return k
+		}
+	}
+	return len(h)
 }
