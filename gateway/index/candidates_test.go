@@ -84,14 +84,12 @@ func TestWalkRedoneAttemptsStartClean(t *testing.T) {
 	ix.Apply("b", batch(0, stored(chainBlocks(200, toks[:24]))))
 	ix.Apply("c", batch(0, stored(chainBlocks(300, toks[:8])), stored(chainBlocks(400, docTokens(4, 2)), withParent(302))))
 	content := ContentHashes(toks, 4, Namespace{}.Seed())
-	want := map[uint32]int32{}
-	for w, n := range map[string]int32{"a": 10, "b": 6, "c": 2} {
-		want[ix.workers[w].id] = n
-	}
-	got := func(ws *walkState) map[uint32]int32 {
-		out := map[uint32]int32{}
-		for _, d := range ws.done {
-			out[d.id] = d.blocks
+	want := map[WorkerID]int32{"a": 10, "b": 6, "c": 2}
+	o := ix.order.Load()
+	got := func(ws *walkState) map[WorkerID]int32 {
+		out := map[WorkerID]int32{}
+		for _, k := range ws.done {
+			out[o.names[uint32(k)]] = keyBlocks(k)
 		}
 		return out
 	}
@@ -109,11 +107,11 @@ func TestWalkRedoneAttemptsStartClean(t *testing.T) {
 		}
 		for range 2 {
 			ws.hc = hashCursor{content: content, n: len(content)}
-			if !ix.tryWalk(ws, 0) {
+			if !ix.tryWalk(ws, 0, o) {
 				t.Fatalf("%s: the attempt saw a change with no writer", tc.name)
 			}
 			if diff := cmp.Diff(want, got(ws)); diff != "" {
-				t.Fatalf("%s: matches by slot (-want +got):\n%s", tc.name, diff)
+				t.Fatalf("%s: matches by worker (-want +got):\n%s", tc.name, diff)
 			}
 		}
 	}

@@ -98,10 +98,15 @@ func (ix *Index) FindMatchesContentInto(dst *Matches, content []uint64) {
 	ix.walk(dst, hashCursor{content: content, n: len(content)})
 }
 
-type slotMatch struct {
-	id     uint32
-	blocks int32
+// A lookup's answer is kept as sort keys: (max − blocks) << 32 | the
+// worker's position by name (its rank − 1 in the name order the lookup
+// read under), so that sorting them orders the answer by depth, then name.
+func matchKey(blocks int32, rank uint32) uint64 {
+	return uint64(math.MaxInt32-blocks)<<32 | uint64(rank-1)
 }
+
+// keyBlocks is a key's blocks.
+func keyBlocks(k uint64) int32 { return math.MaxInt32 - int32(k>>32) }
 
 // hashCursor gives a request's hashes from whichever input the caller has:
 // prefix hashes (compared along a run by chaining the run's content), or
@@ -138,8 +143,7 @@ type walkState struct {
 	hashes  []uint64 // the request's content hashes
 	scratch []walkScratch
 	stamp   uint32
-	done    []slotMatch
-	keys    []uint64 // the sort keys of the answer
+	done    []uint64 // the answer's sort keys (matchKey)
 }
 
 // walkScratch is one worker slot's state in a lookup that goes past its
@@ -155,7 +159,7 @@ type walkScratch struct {
 const walkKeepCap = 1 << 14
 
 var walkPool = sync.Pool{New: func() any {
-	return &walkState{done: make([]slotMatch, 0, 32)}
+	return &walkState{done: make([]uint64, 0, 32)}
 }}
 
 func (w *walkState) put() {
@@ -163,9 +167,6 @@ func (w *walkState) put() {
 	w.hc = hashCursor{}
 	if cap(w.done) > walkKeepCap {
 		w.done = nil
-	}
-	if cap(w.keys) > walkKeepCap {
-		w.keys = nil
 	}
 	if len(w.scratch) > walkKeepCap {
 		w.scratch, w.stamp = nil, 0
@@ -195,42 +196,33 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 		stamp = ix.stampAt(ix.now())
 	}
 	ws := walkPool.Get().(*walkState)
-	defer ws.put()
 	ws.hc = cur
 	ws.hc.hs = ws.hashes[:0]
-	for tries := 0; !ix.tryWalk(ws, stamp); tries++ {
+	// The answer is keyed by the workers' name order read before the
+	// walk; when workers came or went during it, it is redone under the
+	// new order (a slot may have changed hands).
+	for tries := 0; ; tries++ {
+		o := ix.order.Load()
+		if o == nil {
+			break // no worker yet
+		}
+		if ix.tryWalk(ws, stamp, o) && ix.order.Load() == o {
+			done := ws.done
+			slices.Sort(done)
+			// Grow once, to the exact size when res had no array (the
+			// allocating wrappers).
+			out := slices.Grow(res.Workers, len(done))[:len(done)]
+			for k, key := range done {
+				out[k] = Match{Worker: o.names[uint32(key)], Blocks: int(keyBlocks(key))}
+			}
+			res.Workers = out
+			break
+		}
 		if tries > 4 {
 			runtime.Gosched() // a writer may have been preempted mid-change
 		}
 	}
-	done := ws.done
-	if len(done) == 0 {
-		return
-	}
-	// Sort by depth, then name, on packed integer keys: (max − blocks,
-	// rank). The names come from the order published when workers last
-	// came or went, loaded after the walk (as the read lock was taken
-	// here before): a slot freed since has no rank and is left out.
-	o := ix.order.Load()
-	if o == nil {
-		return
-	}
-	keys := ws.keys[:0]
-	for _, d := range done {
-		if d.blocks > 0 && int(d.id) < len(o.rank) {
-			if r := o.rank[d.id]; r != 0 {
-				keys = append(keys, uint64(math.MaxInt32-d.blocks)<<32|uint64(r-1))
-			}
-		}
-	}
-	slices.Sort(keys)
-	ws.keys = keys
-	// Grow once, to the exact size when res had no array (the allocating
-	// wrappers), so that the loop below appends without reallocating.
-	res.Workers = slices.Grow(res.Workers, len(keys))
-	for _, k := range keys {
-		res.Workers = append(res.Workers, Match{Worker: o.names[uint32(k)], Blocks: int(math.MaxInt32 - int32(k>>32))})
-	}
+	ws.put()
 }
 
 // tryWalk is one attempt of a lookup, into ws.done; false when something
@@ -247,13 +239,18 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 // table. Runs are read under their seqlock versions, and a run found through
 // a table is checked to be that child (parent, offset, head), which covers
 // a run freed and reused since the table was read.
-func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
+func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 	f := &ix.fw
 	hc := &ws.hc
 	n := hc.n
 	byPrefix := hc.prefix != nil
 	stamped := f.stamped
 	ws.done = ws.done[:0]
+	rank := o.rank
+	if len(ws.scratch) < len(o.names) {
+		ws.scratch = append(ws.scratch, make([]walkScratch, len(o.names)-len(ws.scratch))...)
+	}
+	scratch := ws.scratch[:len(o.names)]
 	if ws.stamp > 1<<31 {
 		clear(ws.scratch)
 		ws.stamp = 0
@@ -319,9 +316,9 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			// written without the per-worker scratch (stamped below only
 			// when the lookup goes on into a child).
 			if cap(ws.done) < len(cov) {
-				ws.done = make([]slotMatch, 0, len(cov)+len(cov)/2)
+				ws.done = make([]uint64, 0, len(cov)+len(cov)/2)
 			}
-			k, md := firstRun(ws.done[:len(cov)], cov, int32(m))
+			k, md := firstRun(ws.done[:len(cov)], cov, int32(m), rank)
 			ws.done = ws.done[:k]
 			maxd, alive = int(md), int(md) == m
 		} else {
@@ -330,10 +327,14 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			for k := range cov {
 				e := &cov[k]
 				w := atomic.LoadUint32(&e.w)
-				if int(w) >= len(ws.scratch) {
-					continue // never stamped: not alive
+				if int(w) >= len(rank) || rank[w] == 0 {
+					continue // not in the name order: not answered
 				}
-				sc := &ws.scratch[w]
+				rk := rank[w]
+				if int(rk) > len(scratch) {
+					return false // not this order's
+				}
+				sc := &scratch[rk-1]
 				if sc.alive != prev {
 					continue
 				}
@@ -345,7 +346,7 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 				}
 				maxd = max(maxd, d)
 				if int(sc.idx) < len(ws.done) {
-					ws.done[sc.idx].blocks = int32(base + d)
+					ws.done[sc.idx] = matchKey(int32(base+d), rk)
 				}
 				if d == m {
 					sc.alive, alive = st, true
@@ -375,14 +376,13 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			// runs after.
 			ws.stamp++
 			st := ws.stamp
-			for k, x := range ws.done {
-				if int(x.blocks) != m {
+			for k, key := range ws.done {
+				if keyBlocks(key) != int32(m) {
 					continue
 				}
-				if int(x.id) >= len(ws.scratch) {
-					ws.scratch = append(ws.scratch, make([]walkScratch, int(x.id)+1-len(ws.scratch))...)
+				if int(uint32(key)) < len(scratch) {
+					scratch[uint32(key)] = walkScratch{alive: st, idx: uint32(k)}
 				}
-				ws.scratch[x.id] = walkScratch{alive: st, idx: uint32(k)}
 			}
 			prev = st
 		}
@@ -405,21 +405,26 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 	return true
 }
 
-// firstRun writes into out (as long as cov) each coverage entry's worker
-// and lead up to m, in order, keeping those above 0, and returns how many
-// it kept and the largest lead. Out of line, its loop keeps its counters
-// in registers and has no branch but its own.
+// firstRun writes into out (as long as cov) the key (matchKey) of each
+// coverage entry's worker and lead up to m, in order, keeping those with a
+// lead and a rank, and returns how many it kept and the largest lead. Out
+// of line, its loop keeps its counters in registers.
 //
 //go:noinline
-func firstRun(out []slotMatch, cov []cover, m int32) (int, int32) {
+func firstRun(out []uint64, cov []cover, m int32, rank []uint32) (int, int32) {
 	out = out[:len(cov)]
 	n, maxd := 0, int32(0)
 	for k := range cov {
 		e := &cov[k]
 		d := min(int32(atomic.LoadUint32(&e.lead)), m)
-		out[n] = slotMatch{id: atomic.LoadUint32(&e.w), blocks: d}
+		w := atomic.LoadUint32(&e.w)
+		var rk uint32
+		if w < uint32(len(rank)) {
+			rk = rank[w]
+		}
+		out[n] = matchKey(d, rk)
 		maxd = max(maxd, d)
-		if d != 0 {
+		if d != 0 && rk != 0 {
 			n++
 		}
 	}
