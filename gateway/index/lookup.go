@@ -208,7 +208,9 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 		}
 		if ix.tryWalk(ws, stamp, o) && ix.order.Load() == o {
 			done := ws.done
-			slices.Sort(done)
+			if !slices.IsSorted(done) {
+				slices.Sort(done)
+			}
 			// Grow once, to the exact size when res had no array (the
 			// allocating wrappers).
 			out := slices.Grow(res.Workers, len(done))[:len(done)]
