@@ -3,6 +3,7 @@ package index
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -95,5 +96,36 @@ func TestLookupUnderAStaleOrderIsRedone(t *testing.T) {
 	}
 	if m := ix.FindMatches(toks, Namespace{}); len(m.Workers) != 1 || m.Workers[0] != (Match{Worker: "b", Blocks: 6}) {
 		t.Fatalf("%+v; want b 6", m.Workers)
+	}
+}
+
+// TestLookupAnswerSortedWhateverTheCoverageOrder: the answer is ordered by
+// depth, then name, when the workers came (and so sit in a run's coverage)
+// in another order; and it is unchanged when they came in that order
+// already (the sort is skipped for keys in order).
+func TestLookupAnswerSortedWhateverTheCoverageOrder(t *testing.T) {
+	toks := docTokens(9, 8)
+	depth := map[WorkerID]int{"a": 5, "b": 5, "c": 2, "d": 5, "e": 8, "f": 1}
+	want := []Match{{"e", 8}, {"a", 5}, {"b", 5}, {"d", 5}, {"c", 2}, {"f", 1}}
+	for _, order := range [][]WorkerID{
+		{"c", "d", "f", "b", "e", "a"},
+		{"f", "c", "d", "b", "a", "e"},
+		{"e", "a", "b", "d", "c", "f"},
+	} {
+		ix := New(Options{BlockSize: 4})
+		for i, w := range order {
+			ix.Apply(w, batch(0, stored(chainBlocks(int64(100*(i+1)), toks[:4*depth[w]]))))
+		}
+		var m Matches
+		for _, in := range [][]uint32{toks, toks[:4*6]} {
+			ix.FindMatchesInto(&m, in, Namespace{})
+			w := want
+			if len(in) < len(toks) {
+				w = []Match{{"e", 6}, {"a", 5}, {"b", 5}, {"d", 5}, {"c", 2}, {"f", 1}}
+			}
+			if !slices.Equal(m.Workers, w) || m.RequestBlocks != len(in)/4 {
+				t.Fatalf("workers came in order %v: %+v (%d blocks); want %+v", order, m.Workers, m.RequestBlocks, w)
+			}
+		}
 	}
 }
