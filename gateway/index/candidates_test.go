@@ -75,9 +75,8 @@ func TestSparseCandidatesAgainstModelAtLargeFleet(t *testing.T) {
 }
 
 // A lookup is redone from scratch when it saw a change: its per-slot
-// scratch is tagged by attempt (gen) and by run (stamp), so a redone
-// attempt, and one after either counter wraps, gives the answer a fresh
-// state gives.
+// scratch is tagged by run (stamp), so a redone attempt, and one after the
+// stamp is cleared near its wrap, gives the answer a fresh state gives.
 func TestWalkRedoneAttemptsStartClean(t *testing.T) {
 	ix := New(Options{BlockSize: 4})
 	toks := docTokens(3, 10)
@@ -85,37 +84,34 @@ func TestWalkRedoneAttemptsStartClean(t *testing.T) {
 	ix.Apply("b", batch(0, stored(chainBlocks(200, toks[:24]))))
 	ix.Apply("c", batch(0, stored(chainBlocks(300, toks[:8])), stored(chainBlocks(400, docTokens(4, 2)), withParent(302))))
 	content := ContentHashes(toks, 4, Namespace{}.Seed())
-	want := map[uint32]int32{}
-	for w, n := range map[string]int32{"a": 10, "b": 6, "c": 2} {
-		want[ix.workers[w].id] = n
-	}
-	got := func(ws *walkState) map[uint32]int32 {
-		out := map[uint32]int32{}
-		for _, d := range ws.done {
-			out[d.id] = d.blocks
+	want := map[WorkerID]int32{"a": 10, "b": 6, "c": 2}
+	o := ix.order.Load()
+	got := func(ws *walkState) map[WorkerID]int32 {
+		out := map[WorkerID]int32{}
+		for _, k := range ws.done {
+			out[o.names[uint32(k)]] = keyBlocks(k)
 		}
 		return out
 	}
 	ws := &walkState{}
 	for _, tc := range []struct {
-		name       string
-		gen, stamp uint32
+		name  string
+		stamp uint32
 	}{
-		{"fresh", 0, 0},
-		{"again", 1, 5},
-		{"gen wraps", ^uint32(0), 7},
-		{"stamp wraps", 3, 1<<31 + 1},
+		{"fresh", 0},
+		{"again", 5},
+		{"stamp wraps", 1<<31 + 1},
 	} {
 		if tc.name != "again" {
-			ws.gen, ws.stamp = tc.gen, tc.stamp
+			ws.stamp = tc.stamp
 		}
 		for range 2 {
 			ws.hc = hashCursor{content: content, n: len(content)}
-			if !ix.tryWalk(ws, 0) {
+			if !ix.tryWalk(ws, 0, o) {
 				t.Fatalf("%s: the attempt saw a change with no writer", tc.name)
 			}
 			if diff := cmp.Diff(want, got(ws)); diff != "" {
-				t.Fatalf("%s: matches by slot (-want +got):\n%s", tc.name, diff)
+				t.Fatalf("%s: matches by worker (-want +got):\n%s", tc.name, diff)
 			}
 		}
 	}

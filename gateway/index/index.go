@@ -95,25 +95,35 @@ type Index struct {
 	workers map[WorkerID]*workerState
 	slots   []*workerState // by slot id; nil = free
 	free    []uint32
-	// rankOf and byRank order the slots by worker name, so a lookup sorts its
-	// result with integer keys; rebuilt when a worker comes or goes.
-	rankOf []uint32
-	byRank []uint32
+	// order is the slots' order by worker name, so a lookup sorts its
+	// result with integer keys and names it without taking wmu: made anew
+	// and published (wmu held) whenever a worker comes or goes.
+	order atomic.Pointer[nameOrder]
 }
 
-// reorder rebuilds the name order; callers hold wmu for writing.
+// nameOrder is a snapshot of the workers by name: rank, by slot id, is
+// 1 + the worker's position in name order (0: a free slot); names, by
+// that position, the workers' names. Never changed once published.
+type nameOrder struct {
+	rank  []uint32
+	names []WorkerID
+}
+
+// reorder publishes a new name order; callers hold wmu for writing.
 func (ix *Index) reorder() {
-	ix.byRank = ix.byRank[:0]
+	ids := make([]uint32, 0, len(ix.workers))
 	for id, ws := range ix.slots {
 		if ws != nil {
-			ix.byRank = append(ix.byRank, uint32(id))
+			ids = append(ids, uint32(id))
 		}
 	}
-	slices.SortFunc(ix.byRank, func(a, b uint32) int { return strings.Compare(ix.slots[a].name, ix.slots[b].name) })
-	ix.rankOf = slices.Grow(ix.rankOf[:0], len(ix.slots))[:len(ix.slots)]
-	for r, id := range ix.byRank {
-		ix.rankOf[id] = uint32(r)
+	slices.SortFunc(ids, func(a, b uint32) int { return strings.Compare(ix.slots[a].name, ix.slots[b].name) })
+	o := &nameOrder{rank: make([]uint32, len(ix.slots)), names: make([]WorkerID, len(ids))}
+	for r, id := range ids {
+		o.rank[id] = uint32(r) + 1
+		o.names[r] = ix.slots[id].name
 	}
+	ix.order.Store(o)
 }
 
 // workerState is everything the index knows about one worker beyond the

@@ -98,10 +98,15 @@ func (ix *Index) FindMatchesContentInto(dst *Matches, content []uint64) {
 	ix.walk(dst, hashCursor{content: content, n: len(content)})
 }
 
-type slotMatch struct {
-	id     uint32
-	blocks int32
+// A lookup's answer is kept as sort keys: (max − blocks) << 32 | the
+// worker's position by name (its rank − 1 in the name order the lookup
+// read under), so that sorting them orders the answer by depth, then name.
+func matchKey(blocks int32, rank uint32) uint64 {
+	return uint64(math.MaxInt32-blocks)<<32 | uint64(rank-1)
 }
+
+// keyBlocks is a key's blocks.
+func keyBlocks(k uint64) int32 { return math.MaxInt32 - int32(k>>32) }
 
 // hashCursor gives a request's hashes from whichever input the caller has:
 // prefix hashes (compared along a run by chaining the run's content), or
@@ -137,24 +142,24 @@ type walkState struct {
 	hc      hashCursor
 	hashes  []uint64 // the request's content hashes
 	scratch []walkScratch
-	gen     uint32
 	stamp   uint32
-	done    []slotMatch
-	keys    []uint64 // the sort keys of the answer
+	done    []uint64 // the answer's sort keys (matchKey)
 }
 
-// walkScratch is one worker slot's state in a lookup: the stamp of the last
-// run it was alive through (held every position the request matched in
-// it), and the attempt (gen) its result (done[idx]) belongs to.
+// walkScratch is one worker slot's state in a lookup that goes past its
+// first run: the stamp of the last run it was alive through (held every
+// position the request matched in it) and, while it is, its result's index
+// in done. Stamps only grow (until cleared), so an entry left by an
+// earlier attempt or lookup never matches.
 type walkScratch struct {
-	alive, gen, idx uint32
+	alive, idx uint32
 }
 
 // walkKeepCap bounds what a pooled walkState keeps of each buffer.
 const walkKeepCap = 1 << 14
 
 var walkPool = sync.Pool{New: func() any {
-	return &walkState{done: make([]slotMatch, 0, 32)}
+	return &walkState{done: make([]uint64, 0, 32)}
 }}
 
 func (w *walkState) put() {
@@ -163,11 +168,8 @@ func (w *walkState) put() {
 	if cap(w.done) > walkKeepCap {
 		w.done = nil
 	}
-	if cap(w.keys) > walkKeepCap {
-		w.keys = nil
-	}
 	if len(w.scratch) > walkKeepCap {
-		w.scratch, w.gen, w.stamp = nil, 0, 0
+		w.scratch, w.stamp = nil, 0
 	}
 	walkPool.Put(w)
 }
@@ -194,35 +196,35 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 		stamp = ix.stampAt(ix.now())
 	}
 	ws := walkPool.Get().(*walkState)
-	defer ws.put()
 	ws.hc = cur
 	ws.hc.hs = ws.hashes[:0]
-	for tries := 0; !ix.tryWalk(ws, stamp); tries++ {
+	// The answer is keyed by the workers' name order read before the
+	// walk; when workers came or went during it, it is redone under the
+	// new order (a slot may have changed hands).
+	for tries := 0; ; tries++ {
+		o := ix.order.Load()
+		if o == nil {
+			break // no worker yet
+		}
+		if ix.tryWalk(ws, stamp, o) && ix.order.Load() == o {
+			done := ws.done
+			if !slices.IsSorted(done) {
+				slices.Sort(done)
+			}
+			// Grow once, to the exact size when res had no array (the
+			// allocating wrappers).
+			out := slices.Grow(res.Workers, len(done))[:len(done)]
+			for k, key := range done {
+				out[k] = Match{Worker: o.names[uint32(key)], Blocks: int(keyBlocks(key))}
+			}
+			res.Workers = out
+			break
+		}
 		if tries > 4 {
 			runtime.Gosched() // a writer may have been preempted mid-change
 		}
 	}
-	done := ws.done
-	if len(done) == 0 {
-		return
-	}
-	// Sort by depth, then name, on packed integer keys: (max − blocks, rank).
-	keys := ws.keys[:0]
-	ix.wmu.RLock()
-	for _, d := range done {
-		if d.blocks > 0 && int(d.id) < len(ix.slots) && ix.slots[d.id] != nil {
-			keys = append(keys, uint64(math.MaxInt32-d.blocks)<<32|uint64(ix.rankOf[d.id]))
-		}
-	}
-	slices.Sort(keys)
-	ws.keys = keys
-	// Grow once, to the exact size when res had no array (the allocating
-	// wrappers), so that the loop below appends without reallocating.
-	res.Workers = slices.Grow(res.Workers, len(keys))
-	for _, k := range keys {
-		res.Workers = append(res.Workers, Match{Worker: ix.slots[ix.byRank[uint32(k)]].name, Blocks: int(math.MaxInt32 - int32(k>>32))})
-	}
-	ix.wmu.RUnlock()
+	ws.put()
 }
 
 // tryWalk is one attempt of a lookup, into ws.done; false when something
@@ -239,22 +241,22 @@ func (ix *Index) walk(res *Matches, cur hashCursor) {
 // table. Runs are read under their seqlock versions, and a run found through
 // a table is checked to be that child (parent, offset, head), which covers
 // a run freed and reused since the table was read.
-func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
+func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 	f := &ix.fw
 	hc := &ws.hc
 	n := hc.n
 	byPrefix := hc.prefix != nil
 	stamped := f.stamped
 	ws.done = ws.done[:0]
-	if ws.gen++; ws.gen == 0 {
-		clear(ws.scratch)
-		ws.gen = 1
+	rank := o.rank
+	if len(ws.scratch) < len(o.names) {
+		ws.scratch = append(ws.scratch, make([]walkScratch, len(o.names)-len(ws.scratch))...)
 	}
+	scratch := ws.scratch[:len(o.names)]
 	if ws.stamp > 1<<31 {
 		clear(ws.scratch)
 		ws.stamp = 0
 	}
-	gen := ws.gen
 	var first uint64
 	if byPrefix {
 		first = hc.prefix[0] // block 0's prefix hash is its content hash
@@ -296,47 +298,63 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 			return r.ver.Load() == rv && tab.ver.Load() == tv
 		}
 		lim := min(len(h), n-i)
-		m := 1
-		if byPrefix {
-			p := want
-			for m < lim {
-				if p = ChainHash(p, atomic.LoadUint64(&h[m])); p != hc.prefix[i+m] {
-					break
-				}
-				m++
-			}
-		} else {
+		var m int
+		switch {
+		case byPrefix:
+			m = chainLen(h[:lim], hc.prefix[i:i+lim])
+		case hc.content != nil:
+			m = 1 + matchLen(h[1:lim], hc.content[i+1:i+lim])
+		default:
+			m = 1
 			for m < lim && atomic.LoadUint64(&h[m]) == hc.get(i+m) {
 				m++
 			}
 		}
-		ws.stamp++
-		st := ws.stamp
-		maxd, alive := 0, false
-		for k := range cov {
-			e := &cov[k]
-			w := atomic.LoadUint32(&e.w)
-			if int(w) >= len(ws.scratch) {
-				ws.scratch = append(ws.scratch, make([]walkScratch, int(w)+1-len(ws.scratch))...)
+		var maxd int
+		alive := false
+		if prev == 0 {
+			// The first run: every worker in it is new to the answer and
+			// none is checked against a run before, so the answer is
+			// written without the per-worker scratch (stamped below only
+			// when the lookup goes on into a child).
+			if cap(ws.done) < len(cov) {
+				ws.done = make([]uint64, 0, len(cov)+len(cov)/2)
 			}
-			sc := &ws.scratch[w]
-			if prev != 0 && sc.alive != prev {
-				continue
+			k, md := firstRun(ws.done[:len(cov)], cov, int32(m), rank)
+			ws.done = ws.done[:k]
+			maxd, alive = int(md), int(md) == m
+		} else {
+			ws.stamp++
+			st := ws.stamp
+			for k := range cov {
+				e := &cov[k]
+				w := atomic.LoadUint32(&e.w)
+				if int(w) >= len(rank) || rank[w] == 0 {
+					continue // not in the name order: not answered
+				}
+				rk := rank[w]
+				if int(rk) > len(scratch) {
+					return false // not this order's
+				}
+				sc := &scratch[rk-1]
+				if sc.alive != prev {
+					continue
+				}
+				// Alive through the runs before, so answered already: its
+				// result only grows.
+				d := min(int(atomic.LoadUint32(&e.lead)), m)
+				if d == 0 {
+					continue
+				}
+				maxd = max(maxd, d)
+				if int(sc.idx) < len(ws.done) {
+					ws.done[sc.idx] = matchKey(int32(base+d), rk)
+				}
+				if d == m {
+					sc.alive, alive = st, true
+				}
 			}
-			d := min(int(atomic.LoadUint32(&e.lead)), m)
-			if d == 0 {
-				continue
-			}
-			maxd = max(maxd, d)
-			if sc.gen != gen {
-				sc.gen, sc.idx = gen, uint32(len(ws.done))
-				ws.done = append(ws.done, slotMatch{id: w, blocks: int32(base + d)})
-			} else if int(sc.idx) < len(ws.done) {
-				ws.done[sc.idx].blocks = int32(base + d)
-			}
-			if d == m {
-				sc.alive, alive = st, true
-			}
+			prev = st
 		}
 		if stamped {
 			// Refresh the stamps of the positions the lookup reached while a
@@ -354,10 +372,25 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		if !alive || i+m == n {
 			return true
 		}
+		if base == 0 {
+			// Going on into a child from the first run: the workers alive
+			// to its end get their result slots; only they can score in the
+			// runs after.
+			ws.stamp++
+			st := ws.stamp
+			for k, key := range ws.done {
+				if keyBlocks(key) != int32(m) {
+					continue
+				}
+				if int(uint32(key)) < len(scratch) {
+					scratch[uint32(key)] = walkScratch{alive: st, idx: uint32(k)}
+				}
+			}
+			prev = st
+		}
 		parent, poff = id, uint32(m-1)
 		base += m
 		i += m
-		prev = st
 		if byPrefix {
 			tab = &f.heads
 			first = hc.prefix[i]
@@ -372,4 +405,59 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32) bool {
 		}
 	}
 	return true
+}
+
+// firstRun writes into out (as long as cov) the key (matchKey) of each
+// coverage entry's worker and lead up to m, in order, keeping those with a
+// lead and a rank, and returns how many it kept and the largest lead. Out
+// of line, its loop keeps its counters in registers.
+//
+//go:noinline
+func firstRun(out []uint64, cov []cover, m int32, rank []uint32) (int, int32) {
+	out = out[:len(cov)]
+	n, maxd := 0, int32(0)
+	for k := range cov {
+		e := &cov[k]
+		d := min(int32(atomic.LoadUint32(&e.lead)), m)
+		w := atomic.LoadUint32(&e.w)
+		var rk uint32
+		if w < uint32(len(rank)) {
+			rk = rank[w]
+		}
+		out[n] = matchKey(d, rk)
+		maxd = max(maxd, d)
+		if d != 0 && rk != 0 {
+			n++
+		}
+	}
+	return n, maxd
+}
+
+// matchLen is how many of h's content hashes (read atomically) equal
+// want's, from the first.
+func matchLen(h, want []uint64) int {
+	want = want[:len(h)]
+	for k := range h {
+		if atomic.LoadUint64(&h[k]) != want[k] {
+			return k
+		}
+	}
+	return len(h)
+}
+
+// chainLen is how many of prefix's hashes the run's content hashes h
+// (read atomically; prefix[0] is already compared, as the run's head)
+// chain to, from the first.
+func chainLen(h, prefix []uint64) int {
+	prefix = prefix[:len(h)]
+	if len(h) == 0 {
+		return 0
+	}
+	p := prefix[0]
+	for k := 1; k < len(h); k++ {
+		if p = ChainHash(p, atomic.LoadUint64(&h[k])); p != prefix[k] {
+			return k
+		}
+	}
+	return len(h)
 }

@@ -273,7 +273,7 @@ func TestLookupRetriesWhileARunChanges(t *testing.T) {
 		if byPrefix {
 			ws.hc = hashCursor{prefix: prefixOf(content), n: len(content)}
 		}
-		return ix.tryWalk(ws, 0)
+		return ix.tryWalk(ws, 0, ix.order.Load())
 	}
 	f := &ix.fw
 	for _, byPrefix := range []bool{false, true} {
