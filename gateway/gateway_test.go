@@ -222,7 +222,7 @@ func TestRoutesToTheWorkerHoldingThePrefix(t *testing.T) {
 # TYPE kvrelay_gateway_index_unknown_removals_total counter
 kvrelay_gateway_index_unknown_removals_total{model="llama",worker="A"} 2
 kvrelay_gateway_index_unknown_removals_total{model="llama",worker="B"} 0
-# HELP kvrelay_gateway_index_unindexed_blocks_total Stored blocks the model's index left out for the worker because the forward shard their run would start in was at its run cap; lookups under-report the worker for them until runs are freed.
+# HELP kvrelay_gateway_index_unindexed_blocks_total Stored blocks the model's index left out for the worker because the index had no run id left for the run they would start (2^24 - 2 live runs a model); lookups under-report the worker for them until runs are freed.
 # TYPE kvrelay_gateway_index_unindexed_blocks_total counter
 kvrelay_gateway_index_unindexed_blocks_total{model="llama",worker="A"} 0
 kvrelay_gateway_index_unindexed_blocks_total{model="llama",worker="B"} 0

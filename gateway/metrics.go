@@ -81,7 +81,7 @@ var (
 	indexMembershipsDesc = prometheus.NewDesc("kvrelay_gateway_index_memberships",
 		"Prefix entries counted once per holding worker.", []string{"model"}, nil)
 	indexUnindexedDesc = prometheus.NewDesc("kvrelay_gateway_index_unindexed_blocks_total",
-		"Stored blocks the model's index left out for the worker because the forward shard their run would start in was at its run cap; lookups under-report the worker for them until runs are freed.", []string{"model", "worker"}, nil)
+		"Stored blocks the model's index left out for the worker because the index had no run id left for the run they would start (2^24 - 2 live runs a model); lookups under-report the worker for them until runs are freed.", []string{"model", "worker"}, nil)
 	indexUnknownRemovalsDesc = prometheus.NewDesc("kvrelay_gateway_index_unknown_removals_total",
 		"Removals of a block (or tier copy) the model's index did not hold for the worker: blocks left out at the run cap, or stores the index never saw.", []string{"model", "worker"}, nil)
 	indexMemoryDesc = prometheus.NewDesc("kvrelay_gateway_index_memory_bytes",
