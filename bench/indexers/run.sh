@@ -3,10 +3,7 @@
 # SMG's and Dynamo's Rust indexers (and, given its binary, llm-d's Go index)
 # on one Mooncake trace, on this machine. Not run by CI. See README.md here.
 #
-#   bench/indexers/run.sh TRACE.jsonl [--dup N] [--runs N] [--out DIR] [--llmd-bin PATH] [--path]
-#
-# --path adds kvrelay-path, the pathIndex prototype of gateway/index
-# (KVRELAY_CORPUS_IMPL=path; see docs/bench/log/2026-12-06-index-path.md).
+#   bench/indexers/run.sh TRACE.jsonl [--dup N] [--runs N] [--out DIR] [--llmd-bin PATH]
 #
 # TRACE is a Mooncake FAST'25 trace (e.g. traces/conversation_trace.jsonl of
 # kvcache-ai/Mooncake). The corpus is derived from it once (DIR/corpus.kvr);
@@ -15,17 +12,16 @@
 # per replay) and DIR/results.md (the table).
 set -euo pipefail
 
-usage() { echo "usage: $0 TRACE.jsonl [--dup N] [--runs N] [--out DIR] [--llmd-bin PATH] [--path]" >&2; exit 2; }
+usage() { echo "usage: $0 TRACE.jsonl [--dup N] [--runs N] [--out DIR] [--llmd-bin PATH]" >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 trace=$(realpath "$1"); shift
-dup=4 runs=3 out=bench-out/indexers llmd_bin="" path=""
+dup=4 runs=3 out=bench-out/indexers llmd_bin=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dup) dup=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --llmd-bin) llmd_bin=$(realpath "$2"); shift 2 ;;
-    --path) path=1; shift ;;
     *) usage ;;
   esac
 done
@@ -50,11 +46,9 @@ fi
 
 indexers=(kvrelay smg-chain smg-chain-score dynamo-radix)
 [[ -n $llmd_bin ]] && indexers+=(llmd)
-[[ -n $path ]] && indexers+=(kvrelay-path)
 run_one() {
   case $1 in
     kvrelay) (cd "$root/gateway/index" && KVRELAY_CORPUS=$corpus "$out/ix.test" -test.run '^TestIndexerCorpusReplay$' -test.v | grep '^RESULT ' | sed 's/^RESULT //') ;;
-    kvrelay-path) (cd "$root/gateway/index" && KVRELAY_CORPUS=$corpus KVRELAY_CORPUS_IMPL=path "$out/ix.test" -test.run '^TestIndexerCorpusReplay$' -test.v | grep '^RESULT ' | sed 's/^RESULT //') ;;
     llmd) "$llmd_bin" "$corpus" ;;
     *) "$rust_bin" "$1" "$corpus" ;;
   esac

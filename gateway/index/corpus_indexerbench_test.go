@@ -9,8 +9,6 @@ package index
 //	KVRELAY_CORPUS_TRACE=conversation_trace.jsonl KVRELAY_CORPUS_OUT=c.kvr ./ix.test -test.run IndexerCorpusWrite
 //	KVRELAY_CORPUS=c.kvr ./ix.test -test.run IndexerCorpusReplay -test.v   # prints one "RESULT {json}" line
 //
-// KVRELAY_CORPUS_IMPL=path replays into the pathIndex prototype
-// (pathindex.go) instead of Index.
 // KVRELAY_CORPUS_LOOKUP=alloc makes the replay's lookups FindMatchesContent
 // (a new result each) instead of FindMatchesContentInto into one result.
 // KVRELAY_CORPUS_STALLS=path logs every lookup slower than
@@ -139,16 +137,6 @@ func TestIndexerCorpusReplay(t *testing.T) {
 	default:
 		t.Fatalf("KVRELAY_CORPUS_LOOKUP=%q: want into or alloc", mode)
 	}
-	switch impl := os.Getenv("KVRELAY_CORPUS_IMPL"); impl {
-	case "", "index":
-	case "path":
-		// The prototype of pathindex.go, on the same corpus and clock.
-		px, r := replayCorpusPath(c, onStart)
-		printPathResult(t, c, px, r)
-		return
-	default:
-		t.Fatalf("KVRELAY_CORPUS_IMPL=%q: want index or path", impl)
-	}
 	probe, finish, err := stallProbeFromEnv()
 	if err != nil {
 		t.Fatal(err)
@@ -222,56 +210,4 @@ func TestIndexerCorpusReplayStream(t *testing.T) {
 		t.Fatalf("%s: %v", f.Name(), err)
 	}
 	printCorpusResult(t, lookupName(false)+" (streamed)", c.blockOps, ix, r)
-}
-
-// printPathResult is printCorpusResult for the pathIndex prototype: its
-// bytes are estimated from its arrays (pathIndex.bytes), pooled ones
-// included in index_bytes as Index's MemoryBytes includes its pool.
-func printPathResult(t *testing.T, c opsCorpus, px *pathIndex, r corpusReplay) {
-	t.Helper()
-	slices.Sort(r.lat)
-	rank := func(p float64) time.Duration {
-		i := int(p/100*float64(len(r.lat)) + 0.999999)
-		return r.lat[min(max(i, 1), len(r.lat))-1]
-	}
-	positions, memberships := px.counts()
-	line, err := json.Marshal(map[string]any{
-		"indexer": "kvrelay-path", "name": "kvrelay gateway/index pathIndex prototype (lookup into a reused slice)", "version": "this tree",
-		"block_ops": c.blockOps, "lookups": len(r.lat), "cpu_s": r.cpu.Seconds(), "wall_s": r.wall.Seconds(),
-		"p50_ns": rank(50).Nanoseconds(), "p99_ns": rank(99).Nanoseconds(), "checksum": r.checksum, "apply_errors": 0,
-		"alloc_bytes": r.allocBytes, "minor_faults": r.faults, "gc_cycles": r.gcs,
-		"index_bytes": px.bytes()["total"], "bytes": px.bytes(), "positions": positions, "memberships": memberships,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fmt.Printf("RESULT %s\n", line)
-}
-
-// TestIndexerPathBytes replays the plan of what goals.sh --only indexbytes
-// measures (BenchmarkReplaySynthetic/bs128: KVRELAY_REPLAY_SESSIONS
-// sessions, default 8,000) as a corpus, in order on one goroutine, into
-// Index and into the pathIndex prototype, and prints each one's bytes per
-// (worker, block) held at the end.
-func TestIndexerPathBytes(t *testing.T) {
-	const bs = 128
-	reqs, err := tracegen.Synthetic(tracegen.SyntheticConfig{
-		Seed: 42, Sessions: envInt("KVRELAY_REPLAY_SESSIONS", 8000), Turns: 5, PrefixPool: 32,
-		PrefixBlocks: 2048 / bs, TurnBlocks: 512 / bs, BlockSize: bs,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := corpusFromPlan(planReplay(reqs, 128, bs, 65536/bs), bs)
-	ix, want := replayCorpus(c, replayOptions{})
-	px, got := replayCorpusPath(c, nil)
-	if got.checksum != want.checksum {
-		t.Fatalf("checksum: prototype %d, Index %d", got.checksum, want.checksum)
-	}
-	st := ix.Stats()
-	_, mem := px.counts()
-	b := px.bytes()
-	fmt.Printf("BYTES index %d B / %d memberships = %.2f B a block; prototype %d B / %d = %.2f B a block %v; checksum %d\n",
-		st.MemoryBytes, st.Memberships, float64(st.MemoryBytes)/float64(st.Memberships),
-		b["total"], mem, float64(b["total"])/float64(mem), b, got.checksum)
 }

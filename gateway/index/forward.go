@@ -780,7 +780,7 @@ func (t *keyTable) grow() { t.resize(max(16, 2*len(t.s))) }
 func (t *keyTable) resize(n int) {
 	old := t.s
 	t.s = make([]keySlot, n)
-	t.shift = uint8(64 - bitsLen(n-1))
+	t.shift = uint8(64 - bits.Len(uint(n-1)))
 	mask := n - 1
 	for _, s := range old {
 		if s.v == 0 {

@@ -72,7 +72,8 @@ func prefixOf(content []uint64) []uint64 {
 // states, and the runs each event changed, are recomputed afterwards by a
 // sequential replay). A torn read, a half-written run, or a freed and
 // reused one gives an answer neither state gave. (The property the
-// pathIndex prototype's concurrent-reader test checks.)
+// pathIndex prototype's concurrent-reader test checked; the prototype was
+// retired once Index took its shape, see docs/bench/log/2026-12-06-index-path.md.)
 func TestConcurrentReadersSeeAStateAroundTheirEvent(t *testing.T) {
 	const workers = 5
 	names := make([]WorkerID, workers)
