@@ -513,16 +513,18 @@ type Stats struct {
 	MemoryBytes int64
 }
 
-// Stats returns a snapshot; it costs one pass over the runs and the
-// workers' rank tables.
+// Stats returns a snapshot; it costs one pass over the runs (taking the
+// forward writer's lock a batch of runs at a time) and the workers' rank
+// tables.
 func (ix *Index) Stats() Stats {
 	st := Stats{BlockSize: ix.BlockSize(), Workers: make(map[WorkerID]WorkerStats)}
 	f := &ix.fw
+	entries, bytes := f.statsPass()
+	st.Entries = entries
 	f.mu.Lock()
-	st.Entries = f.entries()
 	st.Memberships = int(f.mem)
-	st.MemoryBytes += int64(f.memBytes())
 	f.mu.Unlock()
+	st.MemoryBytes += int64(bytes)
 	st.MemoryBytes += int64(ix.pool.heldBytes())
 	ix.wmu.RLock()
 	wss := make([]*workerState, 0, len(ix.workers))

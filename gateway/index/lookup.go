@@ -271,6 +271,14 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 	base, i := 0, 0
 	parent, poff := uint32(0), uint32(0)
 	prev := uint32(0) // the stamp of the run before; 0: the first run
+	// The run the walk came from and its version when it was read: a child
+	// found by (parent position, first hash) is the request's only if that
+	// parent was not freed and its id reused meanwhile (a removal and a
+	// store, one batch, can free a path and file another chain under the
+	// same id, offset and first content hash); the child's own identity
+	// check cannot tell.
+	var pr *run
+	var prv uint32
 	for id != 0 {
 		d := f.dir.Load().c
 		if int(id>>chunkBits) >= len(d) {
@@ -295,7 +303,10 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 			(byPrefix && atomic.LoadUint64(&r.head) != want) || (!byPrefix && atomic.LoadUint64(&h[0]) != want) {
 			// Not a change if neither the run nor the table moved: a 64-bit
 			// collision of head prefix hashes, and no match.
-			return r.ver.Load() == rv && tab.ver.Load() == tv
+			return r.ver.Load() == rv && tab.ver.Load() == tv && (pr == nil || pr.ver.Load() == prv)
+		}
+		if pr != nil && pr.ver.Load() != prv {
+			return false
 		}
 		lim := min(len(h), n-i)
 		var m int
@@ -356,10 +367,13 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 			}
 			prev = st
 		}
-		if stamped {
+		if stamped && r.ver.Load() == rv {
 			// Refresh the stamps of the positions the lookup reached while a
-			// worker was still alive (lost or misplaced if the run changes
-			// meanwhile: that only ages an entry, never changes a match).
+			// worker was still alive. The run can still change between the
+			// check above and these stores: a stamp is then lost, or, if the
+			// run was freed and its array handed to a growing run, written
+			// onto that run's position, which is kept one TTL longer than
+			// it should be. Either way no match changes.
 			for o := range min(maxd+1, m) {
 				if p := stampAt(b.h, size, o); atomic.LoadUint32(p) != stamp {
 					atomic.StoreUint32(p, stamp)
@@ -388,7 +402,11 @@ func (ix *Index) tryWalk(ws *walkState, stamp uint32, o *nameOrder) bool {
 			}
 			prev = st
 		}
+		if lookupBetweenRuns != nil {
+			lookupBetweenRuns()
+		}
 		parent, poff = id, uint32(m-1)
+		pr, prv = r, rv
 		base += m
 		i += m
 		if byPrefix {
@@ -461,3 +479,8 @@ func chainLen(h, prefix []uint64) int {
 	}
 	return len(h)
 }
+
+// lookupBetweenRuns, when not nil, runs in a lookup after it has read a
+// run and before it looks for the child it goes on into: a test's seam for
+// changing the index at that point (nil outside tests).
+var lookupBetweenRuns func()

@@ -305,3 +305,86 @@ func TestLookupRetriesWhileARunChanges(t *testing.T) {
 		t.Fatalf("matches %+v; want b 5, a 2", m.Workers)
 	}
 }
+
+// TestLookupDoesNotFollowAChildOfAReusedParent: between a lookup's reading
+// of a run and its probe for the child it goes on into, one worker's
+// removals free that run and another's stores reuse its id for another
+// chain, whose child has the request's next content hash at the same
+// offset. The lookup must not take that child for the request's: W never
+// held y1 after x0 (before, W matched 1 block; after, 0), so an answer of 2
+// is no state's. Found in review; the parent's version is now re-checked.
+func TestLookupDoesNotFollowAChildOfAReusedParent(t *testing.T) {
+	x0, x1, y1 := []uint32{1, 2, 3, 4}, []uint32{5, 6, 7, 8}, []uint32{9, 10, 11, 12}
+	z0, z1 := []uint32{13, 14, 15, 16}, []uint32{17, 18, 19, 20}
+	for _, lookup := range []string{"tokens", "content"} {
+		t.Run(lookup, func(t *testing.T) {
+			ix := New(Options{BlockSize: 4})
+			ix.Apply("V", batch(0, stored([]*kvpb.KvBlock{blk(1, x0...), blk(2, x1...)})))
+			ix.Apply("V", batch(0, stored([]*kvpb.KvBlock{blk(3, y1...)}, withParent(1))))
+			ix.Apply("W", batch(0, stored([]*kvpb.KvBlock{blk(11, x0...)})))
+			req := append(append([]uint32{}, x0...), y1...)
+			find := func() Matches {
+				if lookup == "content" {
+					return ix.FindMatchesContent(ContentHashes(req, 4, BaseSeed))
+				}
+				return ix.FindMatches(req, Namespace{})
+			}
+			if got := find(); got.Blocks("W") != 1 || got.Blocks("V") != 2 {
+				t.Fatalf("before: %+v, want V 2, W 1", got)
+			}
+			fired := 0
+			lookupBetweenRuns = func() {
+				if fired++; fired > 1 {
+					return
+				}
+				runs := ix.fw.nruns
+				ix.Apply("V", batch(0, removed(unspec, 3, 1, 2)))
+				ix.Apply("W", batch(0, removed(unspec, 11)))
+				ix.Apply("W", batch(0, stored([]*kvpb.KvBlock{blk(21, z0...), blk(22, z1...)})))
+				ix.Apply("W", batch(0, stored([]*kvpb.KvBlock{blk(23, y1...)}, withParent(21))))
+				if ix.fw.nruns != runs {
+					t.Errorf("the stores took new run ids (%d, were %d): the test no longer reuses the parent's", ix.fw.nruns, runs)
+				}
+			}
+			defer func() { lookupBetweenRuns = nil }()
+			got := find()
+			lookupBetweenRuns = nil
+			if fired == 0 {
+				t.Fatal("the lookup never went on into a child")
+			}
+			if w := got.Blocks("W"); w != 0 && w != 1 {
+				t.Fatalf("during: W matched %d blocks (%+v); before 1, after 0", w, got)
+			}
+			if after := find(); after.Blocks("W") != 0 || after.Blocks("V") != 0 {
+				t.Fatalf("after: %+v, want nothing", after)
+			}
+		})
+	}
+}
+
+// TestStatsCountsAcrossBatches: Stats reads the runs statsBatch ids at a
+// time, letting writers in between; with no writer its figures must be the
+// ones a single pass under the lock gives.
+func TestStatsCountsAcrossBatches(t *testing.T) {
+	ix := New(Options{BlockSize: 4})
+	const chains = 2*statsBatch + 123
+	for c := range chains {
+		v := uint32(4 * c)
+		ix.Apply("w", batch(0, stored([]*kvpb.KvBlock{blk(int64(2*c+1), v, v+1, v+2, v+3), blk(int64(2*c+2), v+4, v+5, v+6, v+7)})))
+	}
+	ix.Apply("w", batch(0, removed(unspec, 2, 4, 6))) // three chains' second blocks: three positions no longer held
+	f := &ix.fw
+	f.mu.Lock()
+	wantEntries, wantBytes := f.entries(), f.memBytes()
+	f.mu.Unlock()
+	if f.liveRuns() < 2*statsBatch {
+		t.Fatalf("only %d runs: the test needs more than two batches", f.liveRuns())
+	}
+	gotEntries, gotBytes := f.statsPass()
+	if gotEntries != wantEntries || gotBytes != wantBytes {
+		t.Fatalf("statsPass = %d entries, %d B; one pass under the lock: %d, %d", gotEntries, gotBytes, wantEntries, wantBytes)
+	}
+	if st := ix.Stats(); st.Entries != 2*chains-3 {
+		t.Fatalf("Stats().Entries = %d, want %d", st.Entries, 2*chains-3)
+	}
+}
