@@ -113,32 +113,58 @@ func TestAdaptiveLateGoroutinesRaise(t *testing.T) {
 		wg.Wait()
 	}()
 	waitProcs(t, 1, "at start")
-	// A backlog at one P: 32 goroutines in a ring pass 16 tokens on, each
-	// working about 100 µs per token, so a readied goroutine waits behind
-	// the others' work for a millisecond or more. The channels hold every
-	// token, so a send never blocks.
+	// A backlog at one P: each round readies 32 goroutines at once (a
+	// broadcast), each working about 100 µs, so at one P most of them wait
+	// behind the others' work for a millisecond or more. (A ring passing
+	// tokens on did not: a goroutine readied by a send runs next, ahead of
+	// the queue, so few waited, and on a loaded host too few to decide.)
 	const n = 32
-	ring := make([]chan struct{}, n)
-	for i := range ring {
-		ring[i] = make(chan struct{}, n)
-	}
-	for i := range n {
+	var mu sync.Mutex
+	cond := sync.NewCond(&mu)
+	round, finished, stopped := 0, 0, false
+	roundDone := make(chan struct{}, 1)
+	for range n {
 		work.Go(func() {
+			seen := 0
 			for {
-				select {
-				case <-done:
-					return
-				case <-ring[i]:
+				mu.Lock()
+				for round == seen && !stopped {
+					cond.Wait()
 				}
+				if stopped {
+					mu.Unlock()
+					return
+				}
+				seen = round
+				mu.Unlock()
 				for start := time.Now(); time.Since(start) < 100*time.Microsecond; {
 				}
-				ring[(i+1)%n] <- struct{}{}
+				mu.Lock()
+				if finished++; finished == n {
+					roundDone <- struct{}{}
+				}
+				mu.Unlock()
 			}
 		})
 	}
-	for i := 0; i < n; i += 2 {
-		ring[i] <- struct{}{}
-	}
+	work.Go(func() {
+		for {
+			mu.Lock()
+			round++
+			finished = 0
+			cond.Broadcast()
+			mu.Unlock()
+			select {
+			case <-done:
+				mu.Lock()
+				stopped = true
+				cond.Broadcast()
+				mu.Unlock()
+				return
+			case <-roundDone:
+			}
+		}
+	})
 	waitProcs(t, 2, "with goroutines waiting to run")
 }
 
